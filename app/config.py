@@ -1,0 +1,132 @@
+"""Typed configuration: pydantic models loaded from YAML.
+
+Configs are frozen and side-effect free; nothing here touches the file system
+except `load_config`, which only reads.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from app.hardware import GPU_CATALOG, MODEL_CATALOG, InstanceSpec, get_gpu, get_model
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class EngineRole(StrEnum):
+    UNIFIED = "unified"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class EngineBackend(StrEnum):
+    VLLM = "vllm"
+    SIM = "sim"
+
+
+class SchedulerConfig(Frozen):
+    """Continuous-batching knobs shared by the sim backend and the simulator."""
+
+    max_num_seqs: int = Field(256, gt=0, description="max requests running at once")
+    max_num_batched_tokens: int = Field(
+        8192, gt=0, description="token budget per iteration (chunked prefill)"
+    )
+    block_size: int = Field(16, gt=0, description="KV block size in tokens")
+    num_kv_blocks: int | None = Field(
+        None, gt=0, description="KV capacity; default derives from GPU memory"
+    )
+    enable_prefix_caching: bool = True
+
+
+class EngineConfig(Frozen):
+    """One engine: a model on `tp` GPUs of one kind, with a role and a backend."""
+
+    gpu_type: str = Field(description="catalog name, e.g. H800, A40, cpu")
+    model: str = Field("llama-3.1-8b", description="catalog model name for the hardware model")
+    tp: int = Field(1, gt=0)
+    role: EngineRole = EngineRole.UNIFIED
+    backend: EngineBackend = EngineBackend.SIM
+    scheduler: SchedulerConfig = SchedulerConfig()
+    time_scale: float = Field(
+        1.0, gt=0, description="sim backend: wall seconds per simulated second"
+    )
+    model_path: str | None = Field(None, description="vllm backend: local model directory")
+    vllm_kwargs: dict = Field(default_factory=dict, description="extra vLLM engine args")
+
+    @model_validator(mode="after")
+    def _known_names(self) -> EngineConfig:
+        if self.gpu_type not in GPU_CATALOG:
+            raise ValueError(f"unknown gpu_type {self.gpu_type!r}; known: {sorted(GPU_CATALOG)}")
+        if self.model.lower() not in MODEL_CATALOG:
+            raise ValueError(f"unknown model {self.model!r}; known: {sorted(MODEL_CATALOG)}")
+        if self.backend == EngineBackend.VLLM and not self.model_path:
+            raise ValueError("backend 'vllm' needs model_path")
+        return self
+
+    @property
+    def instance(self) -> InstanceSpec:
+        return InstanceSpec(get_gpu(self.gpu_type), get_model(self.model), self.tp)
+
+    @property
+    def resource_name(self) -> str:
+        """Custom Ray resource that pins this engine to a node of its GPU kind."""
+        return gpu_resource_name(self.gpu_type)
+
+
+class InstanceGroup(Frozen):
+    """`count` identical engines."""
+
+    count: int = Field(1, gt=0)
+    engine: EngineConfig
+
+
+class ClusterConfig(Frozen):
+    """The fleet: groups of engines, possibly heterogeneous."""
+
+    name: str = "cluster"
+    mode: Literal["unified", "disaggregated"] = "unified"
+    groups: list[InstanceGroup]
+    kv_link_gbps: float = Field(
+        25.0, gt=0, description="disaggregated mode: P->D KV transfer bandwidth, GB/s"
+    )
+
+    def engines(self) -> list[EngineConfig]:
+        return [g.engine for g in self.groups for _ in range(g.count)]
+
+
+def gpu_resource_name(gpu_type: str) -> str:
+    return f"gpu_type:{gpu_type}"
+
+
+def load_yaml_model(path: str | Path, model: type[M], key: str | None = None) -> M:
+    """Read YAML into a pydantic model; errors name the file and the bad field."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"config file not found: {path}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: invalid YAML: {exc}") from None
+    if key is not None:
+        if not isinstance(raw, dict) or key not in raw:
+            raise ValueError(f"{path}: missing top-level key {key!r}")
+        raw = raw[key]
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "<root>"
+        raise ValueError(f"{path}: {where}: {first['msg']}") from None
+
+
+def load_cluster_config(path: str | Path) -> ClusterConfig:
+    return load_yaml_model(path, ClusterConfig, key="cluster")

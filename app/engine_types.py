@@ -1,0 +1,138 @@
+"""Plain data passed between router, engines and simulator.
+
+Both engine backends (vLLM and simulated) and the discrete-event simulator speak
+these types, so the routing code never knows which substrate it drives.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+PREFIX_BLOCK_SIZE = 16  # tokens per prefix-hash block (vLLM's KV block size)
+
+
+class RequestStatus(IntEnum):
+    """Ordered lifecycle: `is_finished` is `status >= FINISHED_STOPPED`."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS: dict[RequestStatus, str] = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """The sampling parameters both backends honour."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One generation call. `resume_token_ids` are tokens generated elsewhere before a
+    migration: the engine re-prefills prompt + resume ids and continues from there."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    sampling: SamplingSpec = SamplingSpec()
+    resume_token_ids: Sequence[int] = ()
+    kv_transferred: bool = False  # decode role: prompt KV already delivered by a prefill engine
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            raise ValueError("request_id must be non-empty")
+        if len(self.prompt_token_ids) == 0:
+            raise ValueError(f"request {self.request_id}: empty prompt")
+        if len(self.resume_token_ids) >= self.sampling.max_tokens:
+            raise ValueError(
+                f"request {self.request_id}: {len(self.resume_token_ids)} resume tokens "
+                f"leave nothing to generate (max_tokens={self.sampling.max_tokens})"
+            )
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens_to_generate(self) -> int:
+        return self.sampling.max_tokens - len(self.resume_token_ids)
+
+    def block_hashes(self) -> tuple[int, ...]:
+        return prefix_block_hashes(self.prompt_token_ids)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token, timestamped by the engine (wall or virtual seconds)."""
+
+    request_id: str
+    token_id: int
+    index: int  # position in the output (counting resume tokens)
+    time_s: float
+    finish_reason: str | None = None  # set on the last token
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """Cheap black-box figures an engine reports; the router's only view of it."""
+
+    engine_id: str
+    gpu_type: str
+    role: str
+    num_waiting: int
+    num_running: int
+    recent_iteration_s: tuple[float, ...]  # latest iteration latencies, oldest first
+    recent_queue_wait_s: tuple[float, ...]  # arrival -> first scheduled, recent requests
+    num_kv_blocks_used: int
+    num_kv_blocks_free: int
+    num_cached_prefix_blocks: int
+    prefix_digest: frozenset[int] = field(default_factory=frozenset)  # cached block hashes
+    time_s: float = 0.0
+
+    @property
+    def kv_usage(self) -> float:
+        total = self.num_kv_blocks_used + self.num_kv_blocks_free
+        return self.num_kv_blocks_used / total if total else 0.0
+
+
+def prefix_block_hashes(
+    token_ids: Sequence[int], block_size: int = PREFIX_BLOCK_SIZE
+) -> tuple[int, ...]:
+    """Chained hashes of full blocks: equal hash <=> equal prefix up to that block."""
+    hashes: list[int] = []
+    parent = b""
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        block = ",".join(map(str, token_ids[start : start + block_size])).encode()
+        digest = hashlib.blake2b(parent + block, digest_size=8).digest()
+        hashes.append(int.from_bytes(digest, "little"))
+        parent = digest
+    return tuple(hashes)

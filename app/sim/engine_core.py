@@ -1,0 +1,346 @@
+"""Continuous-batching engine model: the one scheduler both sim substrates run.
+
+The engine actor's sim backend drives it in (scaled) real time and the
+discrete-event simulator drives it in virtual time. Each iteration is two calls:
+`begin_step(now)` picks the batch and says how long it takes (from the hardware
+model); `complete_step(step, end)` applies it and returns the tokens produced.
+Everything is length-based (no token lists), so a 512-instance simulation of
+long-context traces stays cheap; token ids are a deterministic function of the
+request's seed and position, so a token-ID resume on another engine continues
+exactly where the first one stopped.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from app.config import SchedulerConfig
+from app.engine_types import FINISH_REASONS, EngineStatus, RequestStatus, TokenEvent
+from app.hardware import BatchShape, InstanceSpec, chunk_attention_pairs
+
+_MASK64 = (1 << 64) - 1
+
+
+def sim_token_id(seed: int, index: int, vocab_size: int) -> int:
+    """Deterministic 'generated' token: splitmix64 of (seed, position)."""
+    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) % vocab_size
+
+
+@dataclass(eq=False)
+class SimSequence:
+    """One request inside the engine model (mutable scheduling state)."""
+
+    request_id: str
+    num_prompt_tokens: int
+    max_output_tokens: int  # total output length, resumed tokens included
+    arrival_s: float
+    num_resumed_tokens: int = 0  # generated elsewhere; re-prefilled here
+    block_hashes: tuple[int, ...] = ()  # prefix hashes of the prompt
+    hash_block_size: int = 16  # tokens per entry of block_hashes
+    token_seed: int = 0
+    skip_prefill: bool = False  # decode role: KV arrived from a prefill engine
+
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_output_tokens: int = field(init=False)
+    num_cached_tokens: int = 0  # prefix-cache hit at admission
+    first_scheduled_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens < 1:
+            raise ValueError(f"request {self.request_id}: empty prompt")
+        if not 0 <= self.num_resumed_tokens < self.max_output_tokens:
+            raise ValueError(
+                f"request {self.request_id}: resumed {self.num_resumed_tokens} of "
+                f"max {self.max_output_tokens} output tokens"
+            )
+        self.num_output_tokens = self.num_resumed_tokens
+
+    @property
+    def prefill_target(self) -> int:
+        """Tokens whose KV must exist before the next token can be sampled."""
+        return self.num_prompt_tokens + self.num_resumed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.prefill_target
+
+    @property
+    def context_len(self) -> int:
+        return self.num_computed_tokens
+
+
+@dataclass(frozen=True)
+class ScheduledStep:
+    """One iteration's plan: what runs and how long it takes."""
+
+    start_s: float
+    duration_s: float
+    req_to_num_tokens: dict[str, int]  # request_id -> tokens computed this iteration
+    batch: BatchShape
+
+    @property
+    def end_s(self) -> float:
+        return self.start_s + self.duration_s
+
+
+class PrefixCache:
+    """LRU set of prefix block hashes (vLLM keeps freed blocks as reusable cache)."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self.capacity_blocks = capacity_blocks
+        self._lru: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._lru
+
+    def match(self, block_hashes: Sequence[int]) -> int:
+        """Number of leading blocks cached; touches them."""
+        hits = 0
+        for h in block_hashes:
+            if h not in self._lru:
+                break
+            self._lru.move_to_end(h)
+            hits += 1
+        return hits
+
+    def peek(self, block_hashes: Sequence[int]) -> int:
+        """Number of leading blocks cached, without touching the LRU order."""
+        hits = 0
+        for h in block_hashes:
+            if h not in self._lru:
+                break
+            hits += 1
+        return hits
+
+    def insert(self, block_hashes: Iterable[int]) -> None:
+        for h in block_hashes:
+            self._lru[h] = None
+            self._lru.move_to_end(h)
+        while len(self._lru) > self.capacity_blocks:
+            self._lru.popitem(last=False)
+
+    def digest(self) -> frozenset[int]:
+        return frozenset(self._lru)
+
+
+class SimEngineCore:
+    """vLLM-v1-like scheduler over the roofline latency model.
+
+    Running requests are served first (decode: one token; partial prefill: the
+    rest of the chunk budget), then waiting requests are admitted FCFS while there
+    is sequence room, token budget and KV blocks. When KV runs out, the latest
+    admitted request is preempted and later recomputed (vLLM's recompute policy).
+    """
+
+    def __init__(
+        self, instance: InstanceSpec, config: SchedulerConfig, *, status_window: int = 32
+    ) -> None:
+        self.instance = instance
+        self.config = config
+        default_blocks = instance.kv_capacity_tokens // config.block_size
+        self.num_kv_blocks = config.num_kv_blocks or default_blocks
+        self.prefix_cache = PrefixCache(self.num_kv_blocks if config.enable_prefix_caching else 0)
+        self.waiting: deque[SimSequence] = deque()
+        self.running: list[SimSequence] = []
+        self.requests: dict[str, SimSequence] = {}
+        self.req_to_blocks: dict[str, int] = {}  # request_id -> KV blocks held
+        self.num_free_blocks = self.num_kv_blocks
+        self.recent_iteration_s: deque[float] = deque(maxlen=status_window)
+        self.recent_queue_wait_s: deque[float] = deque(maxlen=status_window)
+        self.num_iterations = 0
+        self.num_preemptions = 0
+
+    # ---- request lifecycle -------------------------------------------------
+    def add_request(self, seq: SimSequence) -> None:
+        if seq.request_id in self.requests:
+            raise ValueError(f"duplicate request id {seq.request_id}")
+        needed = self._blocks_for(seq.prefill_target + 1)
+        if needed > self.num_kv_blocks:
+            raise ValueError(
+                f"request {seq.request_id}: {seq.prefill_target} tokens exceed KV capacity "
+                f"({self.num_kv_blocks * self.config.block_size} tokens)"
+            )
+        self.requests[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def abort_request(self, request_id: str) -> SimSequence | None:
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return None
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        self._free(seq)
+        seq.status = RequestStatus.FINISHED_ABORTED
+        return seq
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one iteration -----------------------------------------------------
+    def begin_step(self, now_s: float) -> ScheduledStep | None:
+        """Choose this iteration's batch; None when there is nothing to run."""
+        budget = self.config.max_num_batched_tokens
+        req_to_num_tokens: dict[str, int] = {}
+        budget = self._schedule_running(budget, req_to_num_tokens)
+        self._admit_waiting(budget, req_to_num_tokens, now_s)
+        if not req_to_num_tokens:
+            return None
+        batch = self._batch_shape(req_to_num_tokens)
+        duration_s = self.instance.iteration_time_s(batch)
+        return ScheduledStep(now_s, duration_s, req_to_num_tokens, batch)
+
+    def complete_step(self, step: ScheduledStep, now_s: float) -> list[TokenEvent]:
+        """Apply a finished iteration; returns the tokens it produced."""
+        self.num_iterations += 1
+        self.recent_iteration_s.append(step.duration_s)
+        events: list[TokenEvent] = []
+        vocab = self.instance.model.vocab_size
+        for request_id, num_tokens in step.req_to_num_tokens.items():
+            seq = self.requests.get(request_id)
+            if seq is None or seq.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted mid-iteration
+            seq.num_computed_tokens += num_tokens
+            if seq.is_prefilling:
+                continue
+            index = seq.num_output_tokens
+            seq.num_output_tokens += 1
+            finish = None
+            if seq.num_output_tokens >= seq.max_output_tokens:
+                seq.status = RequestStatus.FINISHED_LENGTH
+                finish = FINISH_REASONS[seq.status]
+                self._finish(seq)
+            token = sim_token_id(seq.token_seed, index, vocab)
+            events.append(TokenEvent(request_id, token, index, now_s, finish))
+        return events
+
+    # ---- scheduling helpers ------------------------------------------------
+    def _schedule_running(self, budget: int, req_to_num_tokens: dict[str, int]) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            want = seq.prefill_target - seq.num_computed_tokens if seq.is_prefilling else 1
+            num_tokens = min(want, budget)
+            if not self._grow(seq, num_tokens + (0 if seq.is_prefilling else 1)):
+                victim = self.running[-1]
+                self._preempt(victim)
+                req_to_num_tokens.pop(victim.request_id, None)
+                if victim is seq:
+                    break
+                continue
+            req_to_num_tokens[seq.request_id] = num_tokens
+            budget -= num_tokens
+            i += 1
+        return budget
+
+    def _admit_waiting(
+        self, budget: int, req_to_num_tokens: dict[str, int], now_s: float
+    ) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.first_scheduled_s is None:
+                self._apply_prefix_hit(seq)
+            num_tokens = min(seq.prefill_target - seq.num_computed_tokens, budget)
+            if num_tokens > 0 and not self._grow(seq, num_tokens):
+                break
+            self.waiting.popleft()
+            seq.status = RequestStatus.RUNNING
+            self.running.append(seq)
+            if seq.first_scheduled_s is None:
+                seq.first_scheduled_s = now_s
+                self.recent_queue_wait_s.append(now_s - seq.arrival_s)
+            if num_tokens == 0:  # KV already present (transfer or full prefix hit)
+                num_tokens = 1 if self._grow(seq, 1) else 0
+            if num_tokens:
+                req_to_num_tokens[seq.request_id] = num_tokens
+                budget -= num_tokens
+
+    def _apply_prefix_hit(self, seq: SimSequence) -> None:
+        if seq.skip_prefill:
+            seq.num_computed_tokens = seq.prefill_target - 1  # last token samples the next
+            return
+        hit_blocks = self.prefix_cache.match(seq.block_hashes)
+        cached = min(hit_blocks * seq.hash_block_size, seq.prefill_target - 1)
+        seq.num_cached_tokens = cached
+        seq.num_computed_tokens = cached
+
+    def _batch_shape(self, req_to_num_tokens: dict[str, int]) -> BatchShape:
+        num_prefill = num_prefill_seqs = pairs = kv_read = num_decode = decode_ctx = 0
+        for request_id, num_tokens in req_to_num_tokens.items():
+            seq = self.requests[request_id]
+            if seq.is_prefilling:
+                ctx = seq.num_computed_tokens
+                num_prefill += num_tokens
+                num_prefill_seqs += 1
+                pairs += chunk_attention_pairs(num_tokens, ctx)
+                kv_read += ctx + num_tokens
+            else:
+                num_decode += 1
+                decode_ctx += seq.context_len + 1
+        return BatchShape(num_prefill, num_prefill_seqs, pairs, kv_read, num_decode, decode_ctx)
+
+    # ---- KV block accounting -----------------------------------------------
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.config.block_size)
+
+    def _grow(self, seq: SimSequence, num_new_tokens: int) -> bool:
+        """Reserve blocks so `seq` can hold `num_new_tokens` more; False if no room."""
+        held = self.req_to_blocks.get(seq.request_id, 0)
+        needed = self._blocks_for(seq.num_computed_tokens + num_new_tokens) - held
+        if needed <= 0:
+            return True
+        if needed > self.num_free_blocks:
+            return False
+        self.num_free_blocks -= needed
+        self.req_to_blocks[seq.request_id] = held + needed
+        return True
+
+    def _free(self, seq: SimSequence) -> None:
+        self.num_free_blocks += self.req_to_blocks.pop(seq.request_id, 0)
+        assert self.num_free_blocks <= self.num_kv_blocks
+
+    def _preempt(self, seq: SimSequence) -> None:
+        """Recompute-style preemption: drop its KV, requeue at the front."""
+        self.running.remove(seq)
+        self._free(seq)
+        seq.status = RequestStatus.PREEMPTED
+        seq.num_computed_tokens = 0
+        seq.skip_prefill = False
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _finish(self, seq: SimSequence) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        del self.requests[seq.request_id]
+        self.prefix_cache.insert(seq.block_hashes)
+
+    # ---- black-box status --------------------------------------------------
+    def status(
+        self, engine_id: str, role: str, now_s: float, *, with_digest: bool = True
+    ) -> EngineStatus:
+        return EngineStatus(
+            engine_id=engine_id,
+            gpu_type=self.instance.name,
+            role=role,
+            num_waiting=len(self.waiting),
+            num_running=len(self.running),
+            recent_iteration_s=tuple(self.recent_iteration_s),
+            recent_queue_wait_s=tuple(self.recent_queue_wait_s),
+            num_kv_blocks_used=self.num_kv_blocks - self.num_free_blocks,
+            num_kv_blocks_free=self.num_free_blocks,
+            num_cached_prefix_blocks=len(self.prefix_cache),
+            prefix_digest=self.prefix_cache.digest() if with_digest else frozenset(),
+            time_s=now_s,
+        )

@@ -1,0 +1,113 @@
+"""Sim engine actors pinned to four GPU kinds on a local Ray cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from app.config import ClusterConfig, EngineConfig, InstanceGroup, SchedulerConfig
+from app.engine_types import EngineRequest, SamplingSpec
+from deployments.cluster import collect_tokens, launch_cluster, shutdown_engines
+
+pytestmark = pytest.mark.integration
+
+GPU_SETUP = (("H800", 1), ("A800", 1), ("A40", 1), ("V100", 2))
+TIME_SCALE = 2.0  # stretch iterations so event-loop jitter stays small relative to them
+
+
+@pytest.fixture(scope="module")
+def sim_engines(ray_session):
+    cluster = ClusterConfig(
+        name="it",
+        groups=[
+            InstanceGroup(engine=EngineConfig(
+                gpu_type=g, tp=tp, time_scale=TIME_SCALE, scheduler=SchedulerConfig()))
+            for g, tp in GPU_SETUP
+        ],
+    )
+    handles = launch_cluster(cluster)
+    yield handles
+    shutdown_engines(handles)
+
+
+def test_engines_hold_their_gpu_kind_resource(ray_session, sim_engines):
+    from tests.conftest import LOCAL_GPU_RESOURCES
+
+    available = ray_session.available_resources()
+    for gpu, _ in GPU_SETUP:
+        key = f"gpu_type:{gpu}"
+        assert available.get(key, 0.0) == LOCAL_GPU_RESOURCES[key] - 1
+
+
+async def _timed(handle, request):
+    sent = time.time()
+    events = await collect_tokens(handle, request)
+    return events, events[-1].time_s - sent
+
+
+def test_same_request_speed_follows_hardware_model(sim_engines):
+    prompt, max_tokens = list(range(1, 1025)), 48
+
+    async def run_all():
+        jobs = []
+        for h in sim_engines:
+            req = EngineRequest(f"speed-{h.engine_id}", prompt, SamplingSpec(max_tokens=max_tokens))
+            jobs.append(_timed(h, req))
+        return await asyncio.gather(*jobs)
+
+    results = asyncio.run(run_all())
+    pairs = zip(sim_engines, results, strict=True)
+    measured = {h.config.gpu_type: r[1] / TIME_SCALE for h, r in pairs}
+    predicted = {
+        h.config.gpu_type: h.config.instance.solo_latency_s(len(prompt), max_tokens)
+        for h in sim_engines
+    }
+    assert all(len(r[0]) == max_tokens for r in results)
+    assert min(measured, key=measured.get) == "H800"
+    assert max(measured, key=measured.get) in ("A40", "V100")
+    for gpu in measured:
+        ratio_measured = measured[gpu] / measured["H800"]
+        ratio_model = predicted[gpu] / predicted["H800"]
+        assert ratio_measured == pytest.approx(ratio_model, rel=0.15), gpu
+
+
+def test_resume_on_another_engine_continues_the_same_tokens(sim_engines):
+    h800, a40 = sim_engines[0], sim_engines[2]
+    prompt = list(range(50, 300))
+
+    async def run():
+        request = EngineRequest("full", prompt, SamplingSpec(max_tokens=20))
+        full = await collect_tokens(h800, request)
+        ids = [e.token_id for e in full]
+        rest = await collect_tokens(
+            a40,
+            EngineRequest("rest", prompt, SamplingSpec(max_tokens=20), resume_token_ids=ids[:8]),
+        )
+        return ids, rest
+
+    ids, rest = asyncio.run(run())
+    assert [e.token_id for e in rest] == ids[8:]
+    assert [e.index for e in rest] == list(range(8, 20))
+
+
+def test_abort_stops_the_stream(sim_engines):
+    import ray
+
+    handle = sim_engines[2]
+    prompt = list(range(1, 100))
+
+    async def run():
+        task = asyncio.ensure_future(
+            collect_tokens(handle, EngineRequest("to-abort", prompt, SamplingSpec(max_tokens=5000)))
+        )
+        await asyncio.sleep(0.5)
+        aborted = await handle.actor.abort.remote("to-abort")
+        events = await asyncio.wait_for(task, timeout=30)
+        return aborted, events
+
+    aborted, events = asyncio.run(run())
+    assert aborted and 0 < len(events) < 5000
+    status = ray.get(handle.actor.status.remote())
+    assert status.num_running == 0 and status.num_waiting == 0

@@ -1,0 +1,146 @@
+"""The shared continuous-batching engine model, driven like the simulator drives it."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.config import SchedulerConfig
+from app.engine_types import RequestStatus, TokenEvent
+from app.hardware import make_instance
+from app.sim.engine_core import SimEngineCore, SimSequence, sim_token_id
+
+pytestmark = pytest.mark.unit
+
+
+def make_core(gpu: str = "A800", **knobs) -> SimEngineCore:
+    return SimEngineCore(make_instance(gpu, "llama-3.1-8b"), SchedulerConfig(**knobs))
+
+
+def make_seq(rid: str, prompt: int = 100, out: int = 10, **kw) -> SimSequence:
+    return SimSequence(rid, prompt, out, arrival_s=kw.pop("arrival_s", 0.0), **kw)
+
+
+def run_to_completion(core: SimEngineCore, now: float = 0.0) -> tuple[list[TokenEvent], float]:
+    events: list[TokenEvent] = []
+    while core.has_work:
+        step = core.begin_step(now)
+        assert step is not None, "work exists but nothing was scheduled"
+        now = step.end_s
+        events.extend(core.complete_step(step, now))
+    return events, now
+
+
+def test_every_request_gets_exactly_its_tokens():
+    core = make_core()
+    for i in range(6):
+        core.add_request(make_seq(f"r{i}", prompt=200 + 50 * i, out=5 + i))
+    events, _ = run_to_completion(core)
+    for i in range(6):
+        mine = [e for e in events if e.request_id == f"r{i}"]
+        assert [e.index for e in mine] == list(range(5 + i))
+        assert mine[-1].finish_reason == "length" and not any(e.finished for e in mine[:-1])
+    assert core.num_free_blocks == core.num_kv_blocks  # all KV returned
+
+
+def test_batching_beats_serial_execution():
+    serial_total = 0.0
+    for i in range(8):
+        core = make_core()
+        core.add_request(make_seq(f"r{i}", out=50))
+        serial_total += run_to_completion(core)[1]
+    core = make_core()
+    for i in range(8):
+        core.add_request(make_seq(f"r{i}", out=50))
+    assert run_to_completion(core)[1] < serial_total / 4
+
+
+def test_chunked_prefill_respects_token_budget():
+    core = make_core(max_num_batched_tokens=512)
+    core.add_request(make_seq("long", prompt=2000, out=2))
+    step = core.begin_step(0.0)
+    assert step.req_to_num_tokens == {"long": 512}
+    _, end = run_to_completion(core, step.end_s)
+    assert core.num_iterations >= 4
+
+
+def test_max_num_seqs_limits_running():
+    core = make_core(max_num_seqs=2)
+    for i in range(5):
+        core.add_request(make_seq(f"r{i}"))
+    step = core.begin_step(0.0)
+    assert len(step.req_to_num_tokens) == 2
+    assert len(core.waiting) == 3
+
+
+def test_prefix_cache_hit_skips_computation():
+    core = make_core()
+    hashes = tuple(range(10))
+    core.add_request(make_seq("a", prompt=160, out=2, block_hashes=hashes))
+    run_to_completion(core)
+    core.add_request(make_seq("b", prompt=170, out=2, block_hashes=hashes))
+    step = core.begin_step(100.0)
+    assert step.req_to_num_tokens == {"b": 10}  # 160 cached tokens, 10 left to prefill
+    assert core.prefix_cache.peek(hashes) == 10
+
+
+def test_resume_reproduces_uninterrupted_tokens():
+    core = make_core()
+    core.add_request(make_seq("full", out=20, token_seed=42))
+    full = [e.token_id for e in run_to_completion(core)[0]]
+    resumed_core = make_core("H800")
+    resumed_core.add_request(make_seq("rest", out=20, token_seed=42, num_resumed_tokens=7))
+    rest = run_to_completion(resumed_core)[0]
+    assert [e.index for e in rest] == list(range(7, 20))
+    assert [e.token_id for e in rest] == full[7:]
+    first = resumed_core.num_iterations  # re-prefill of prompt + 7 resumed tokens happened
+    assert first == 13
+
+
+def test_kv_exhaustion_preempts_and_still_finishes():
+    core = make_core(num_kv_blocks=40, block_size=16)  # 640 tokens of KV
+    for i in range(4):
+        core.add_request(make_seq(f"r{i}", prompt=120, out=60))
+    events, _ = run_to_completion(core)
+    assert core.num_preemptions > 0
+    assert sorted({e.request_id for e in events if e.finished}) == ["r0", "r1", "r2", "r3"]
+    assert core.num_free_blocks == 40
+
+
+def test_oversized_request_is_refused_with_reason():
+    core = make_core(num_kv_blocks=4, block_size=16)
+    with pytest.raises(ValueError, match="exceed KV capacity"):
+        core.add_request(make_seq("big", prompt=500))
+
+
+def test_abort_frees_resources():
+    core = make_core()
+    core.add_request(make_seq("a", out=100))
+    step = core.begin_step(0.0)
+    core.complete_step(step, step.end_s)
+    aborted = core.abort_request("a")
+    assert aborted.status == RequestStatus.FINISHED_ABORTED
+    assert not core.has_work and core.num_free_blocks == core.num_kv_blocks
+    assert core.abort_request("a") is None
+
+
+def test_decode_role_skips_prefill():
+    core = make_core()
+    core.add_request(make_seq("d", prompt=4000, out=3, skip_prefill=True))
+    step = core.begin_step(0.0)
+    assert step.req_to_num_tokens == {"d": 1}
+
+
+def test_queue_wait_is_reported():
+    core = make_core(max_num_seqs=1)
+    core.add_request(make_seq("a", out=5))
+    core.add_request(make_seq("b", out=5))
+    run_to_completion(core)
+    status = core.status("e0", "unified", 1.0)
+    assert status.recent_queue_wait_s[0] == 0.0 and status.recent_queue_wait_s[1] > 0.0
+    assert status.num_running == 0 and len(status.recent_iteration_s) == core.num_iterations
+
+
+def test_sim_token_ids_are_deterministic_and_in_vocab():
+    ids = [sim_token_id(7, i, 1000) for i in range(100)]
+    assert ids == [sim_token_id(7, i, 1000) for i in range(100)]
+    assert all(0 <= t < 1000 for t in ids) and len(set(ids)) > 80
