@@ -117,6 +117,10 @@ class EngineStatus:
     num_cached_prefix_blocks: int
     prefix_digest: frozenset[int] = field(default_factory=frozenset)  # cached block hashes
     time_s: float = 0.0
+    # monotonic counters: a poller takes only the newest (counter delta) window entries
+    num_iterations: int = 0
+    num_queue_wait_samples: int = 0
+    num_finished: int = 0
 
     @property
     def kv_usage(self) -> float:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 BYTES_PER_GB = 1e9
@@ -321,6 +322,15 @@ class InstanceSpec:
             num_decode_seqs=batch_size, decode_context_tokens=context_len * batch_size
         )
         return self.iteration_time_s(batch)
+
+    @cached_property
+    def unloaded_decode_s_per_token(self) -> float:
+        """Capability figure: TPOT alone at a 1k context (cached; specs are immutable)."""
+        return self.decode_time_per_token_s(1024)
+
+    @cached_property
+    def unloaded_prefill_s_per_token(self) -> float:
+        return self.prefill_time_per_token_s()
 
     def prefill_time_per_token_s(self, num_tokens: int = 2048) -> float:
         chunk = PrefillChunk(num_tokens, 0)

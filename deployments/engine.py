@@ -159,15 +159,22 @@ class SimBackend(EngineBackendBase):
 
 
 class _VllmStatsRecorder:
-    """vLLM stat logger that keeps the latest scheduler figures for status()."""
+    """vLLM stat logger sink that keeps the latest black-box figures for status().
+
+    Decode speed comes from vLLM's own inter-token latencies (what a running request
+    waits per token, prefill interference included); queue waits are added by the
+    backend at each request's first token.
+    """
 
     def __init__(self) -> None:
         self.num_running = 0
         self.num_waiting = 0
         self.kv_cache_usage = 0.0
-        self.last_iteration_wall_s: float | None = None
         self.recent_iteration_s: deque[float] = deque(maxlen=STATUS_WINDOW)
         self.recent_queue_wait_s: deque[float] = deque(maxlen=STATUS_WINDOW)
+        self.num_iterations = 0
+        self.num_queue_wait_samples = 0
+        self.num_finished = 0
 
     def factory(self) -> Callable[..., Any]:
         """A StatLoggerFactory whose loggers write into this recorder."""
@@ -194,12 +201,15 @@ class _VllmStatsRecorder:
             self.kv_cache_usage = scheduler_stats.kv_cache_usage
         if iteration_stats is None:
             return
-        stamp = iteration_stats.iteration_timestamp
-        if self.last_iteration_wall_s is not None and self.num_running > 0:
-            self.recent_iteration_s.append(stamp - self.last_iteration_wall_s)
-        self.last_iteration_wall_s = stamp
-        for finished in iteration_stats.finished_requests:
-            self.recent_queue_wait_s.append(finished.queued_time)
+        itls = iteration_stats.inter_token_latencies_iter
+        if itls:
+            self.recent_iteration_s.append(sum(itls) / len(itls))
+            self.num_iterations += 1
+        self.num_finished += len(iteration_stats.finished_requests)
+
+    def add_queue_wait(self, wait_s: float) -> None:
+        self.recent_queue_wait_s.append(wait_s)
+        self.num_queue_wait_samples += 1
 
 
 class VllmBackend(EngineBackendBase):
@@ -260,10 +270,13 @@ class VllmBackend(EngineBackendBase):
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids) + resume)
         index = len(resume)
         self._active_req_ids.add(request.request_id)
+        submitted_s = time.time()
         try:
             async for output in self.engine.generate(prompt, params, request.request_id):
                 completion = output.outputs[0]
                 wall = time.time()
+                if index == len(resume) and completion.token_ids:
+                    self._record_queue_wait(wall - submitted_s, len(prompt["prompt_token_ids"]))
                 batch = []
                 for pos, token in enumerate(completion.token_ids):
                     last = output.finished and pos == len(completion.token_ids) - 1
@@ -275,6 +288,11 @@ class VllmBackend(EngineBackendBase):
         finally:
             self._active_req_ids.discard(request.request_id)
             self._prefix.insert(prefix_block_hashes(request.prompt_token_ids))
+
+    def _record_queue_wait(self, ttft_s: float, num_prompt_tokens: int) -> None:
+        """Queue wait ~ time to first token minus the profiled prefill time of the prompt."""
+        prefill_s = num_prompt_tokens * self.config.instance.unloaded_prefill_s_per_token
+        self._stats.add_queue_wait(max(ttft_s - prefill_s, 0.0))
 
     async def abort(self, request_id: str) -> bool:
         if self.engine is None or request_id not in self._active_req_ids:
@@ -297,6 +315,9 @@ class VllmBackend(EngineBackendBase):
             num_cached_prefix_blocks=len(self._prefix),
             prefix_digest=self._prefix.digest(),
             time_s=time.time(),
+            num_iterations=self._stats.num_iterations,
+            num_queue_wait_samples=self._stats.num_queue_wait_samples,
+            num_finished=self._stats.num_finished,
         )
 
     async def shutdown(self) -> None:

@@ -157,6 +157,8 @@ class SimEngineCore:
         self.recent_iteration_s: deque[float] = deque(maxlen=status_window)
         self.recent_queue_wait_s: deque[float] = deque(maxlen=status_window)
         self.num_iterations = 0
+        self.num_queue_wait_samples = 0
+        self.num_finished = 0
         self.num_preemptions = 0
 
     # ---- request lifecycle -------------------------------------------------
@@ -260,6 +262,7 @@ class SimEngineCore:
             if seq.first_scheduled_s is None:
                 seq.first_scheduled_s = now_s
                 self.recent_queue_wait_s.append(now_s - seq.arrival_s)
+                self.num_queue_wait_samples += 1
             if num_tokens == 0:  # KV already present (transfer or full prefix hit)
                 num_tokens = 1 if self._grow(seq, 1) else 0
             if num_tokens:
@@ -321,6 +324,7 @@ class SimEngineCore:
         self.num_preemptions += 1
 
     def _finish(self, seq: SimSequence) -> None:
+        self.num_finished += 1
         self.running.remove(seq)
         self._free(seq)
         del self.requests[seq.request_id]
@@ -343,4 +347,7 @@ class SimEngineCore:
             num_cached_prefix_blocks=len(self.prefix_cache),
             prefix_digest=self.prefix_cache.digest() if with_digest else frozenset(),
             time_s=now_s,
+            num_iterations=self.num_iterations,
+            num_queue_wait_samples=self.num_queue_wait_samples,
+            num_finished=self.num_finished,
         )
