@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import typer
 
+from app.planning.cli import app as plan_app
+from benchmarks.replay import replay
+
 cli = typer.Typer(
     name="goodserve",
     help="SLO-aware LLM serving on heterogeneous GPUs.",
@@ -19,6 +22,10 @@ cli = typer.Typer(
 @cli.callback()
 def _root() -> None:
     """SLO-aware LLM serving on heterogeneous GPUs."""
+
+
+cli.command("replay")(replay)
+cli.add_typer(plan_app, name="plan")
 
 
 @cli.command()

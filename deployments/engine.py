@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from app.config import EngineBackend, EngineConfig
-from app.engine_types import EngineRequest, EngineStatus, TokenEvent, prefix_block_hashes
+from app.engine_types import (
+    PREFIX_BLOCK_SIZE,
+    EngineRequest,
+    EngineStatus,
+    TokenEvent,
+    prefix_block_hashes,
+)
 from app.sim.engine_core import PrefixCache, SimEngineCore, SimSequence
 
 if TYPE_CHECKING:
@@ -219,7 +225,7 @@ class VllmBackend(EngineBackendBase):
         super().__init__(engine_id, config)
         self.engine: AsyncLLM | None = None
         self._stats = _VllmStatsRecorder()
-        self._prefix = PrefixCache(capacity_blocks=0)
+        self._prefix = PrefixCache(capacity_tokens=0)
         self._num_kv_blocks = 0
         self._active_req_ids: set[str] = set()
 
@@ -250,7 +256,9 @@ class VllmBackend(EngineBackendBase):
             self.engine_args(), stat_loggers=[self._stats.factory()]
         )
         self._num_kv_blocks = self.engine.vllm_config.cache_config.num_gpu_blocks or 0
-        self._prefix = PrefixCache(capacity_blocks=self._num_kv_blocks)
+        self._prefix = PrefixCache(
+            capacity_tokens=self._num_kv_blocks * self.config.scheduler.block_size
+        )
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[list[TokenEvent]]:
         from vllm import SamplingParams
@@ -287,7 +295,7 @@ class VllmBackend(EngineBackendBase):
                     yield batch
         finally:
             self._active_req_ids.discard(request.request_id)
-            self._prefix.insert(prefix_block_hashes(request.prompt_token_ids))
+            self._prefix.insert(prefix_block_hashes(request.prompt_token_ids), PREFIX_BLOCK_SIZE)
 
     def _record_queue_wait(self, ttft_s: float, num_prompt_tokens: int) -> None:
         """Queue wait ~ time to first token minus the profiled prefill time of the prompt."""

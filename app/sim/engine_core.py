@@ -48,6 +48,9 @@ class SimSequence:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_output_tokens: int = field(init=False)
+    # tokens whose KV must exist before the next token is sampled: prompt + resumed at
+    # first, prompt + everything generated after a recompute preemption
+    prefill_target: int = field(init=False)
     num_cached_tokens: int = 0  # prefix-cache hit at admission
     first_scheduled_s: float | None = None
 
@@ -60,11 +63,7 @@ class SimSequence:
                 f"max {self.max_output_tokens} output tokens"
             )
         self.num_output_tokens = self.num_resumed_tokens
-
-    @property
-    def prefill_target(self) -> int:
-        """Tokens whose KV must exist before the next token can be sampled."""
-        return self.num_prompt_tokens + self.num_resumed_tokens
+        self.prefill_target = self.num_prompt_tokens + self.num_resumed_tokens
 
     @property
     def is_prefilling(self) -> bool:
@@ -90,11 +89,13 @@ class ScheduledStep:
 
 
 class PrefixCache:
-    """LRU set of prefix block hashes (vLLM keeps freed blocks as reusable cache)."""
+    """LRU of prefix block hashes, sized in tokens (vLLM keeps freed KV blocks as
+    reusable cache, so the cache can hold as many tokens as the KV memory)."""
 
-    def __init__(self, capacity_blocks: int) -> None:
-        self.capacity_blocks = capacity_blocks
-        self._lru: OrderedDict[int, None] = OrderedDict()
+    def __init__(self, capacity_tokens: int) -> None:
+        self.capacity_tokens = capacity_tokens
+        self.num_cached_tokens = 0
+        self._lru: OrderedDict[int, int] = OrderedDict()  # block hash -> tokens in block
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -121,12 +122,15 @@ class PrefixCache:
             hits += 1
         return hits
 
-    def insert(self, block_hashes: Iterable[int]) -> None:
+    def insert(self, block_hashes: Iterable[int], block_size: int) -> None:
         for h in block_hashes:
-            self._lru[h] = None
-            self._lru.move_to_end(h)
-        while len(self._lru) > self.capacity_blocks:
-            self._lru.popitem(last=False)
+            if h in self._lru:
+                self._lru.move_to_end(h)
+                continue
+            self._lru[h] = block_size
+            self.num_cached_tokens += block_size
+        while self.num_cached_tokens > self.capacity_tokens and self._lru:
+            self.num_cached_tokens -= self._lru.popitem(last=False)[1]
 
     def digest(self) -> frozenset[int]:
         return frozenset(self._lru)
@@ -148,7 +152,8 @@ class SimEngineCore:
         self.config = config
         default_blocks = instance.kv_capacity_tokens // config.block_size
         self.num_kv_blocks = config.num_kv_blocks or default_blocks
-        self.prefix_cache = PrefixCache(self.num_kv_blocks if config.enable_prefix_caching else 0)
+        cache_tokens = self.num_kv_blocks * config.block_size if config.enable_prefix_caching else 0
+        self.prefix_cache = PrefixCache(cache_tokens)
         self.waiting: deque[SimSequence] = deque()
         self.running: list[SimSequence] = []
         self.requests: dict[str, SimSequence] = {}
@@ -213,9 +218,12 @@ class SimEngineCore:
             seq = self.requests.get(request_id)
             if seq is None or seq.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted mid-iteration
+            was_prefilling = seq.is_prefilling
             seq.num_computed_tokens += num_tokens
             if seq.is_prefilling:
                 continue
+            if was_prefilling:  # prompt KV now exists: later requests can reuse it
+                self.prefix_cache.insert(seq.block_hashes, seq.hash_block_size)
             index = seq.num_output_tokens
             seq.num_output_tokens += 1
             finish = None
@@ -319,6 +327,7 @@ class SimEngineCore:
         self._free(seq)
         seq.status = RequestStatus.PREEMPTED
         seq.num_computed_tokens = 0
+        seq.prefill_target = seq.num_prompt_tokens + seq.num_output_tokens
         seq.skip_prefill = False
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -328,7 +337,7 @@ class SimEngineCore:
         self.running.remove(seq)
         self._free(seq)
         del self.requests[seq.request_id]
-        self.prefix_cache.insert(seq.block_hashes)
+        self.prefix_cache.insert(seq.block_hashes, seq.hash_block_size)
 
     # ---- black-box status --------------------------------------------------
     def status(

@@ -144,3 +144,38 @@ def test_sim_token_ids_are_deterministic_and_in_vocab():
     ids = [sim_token_id(7, i, 1000) for i in range(100)]
     assert ids == [sim_token_id(7, i, 1000) for i in range(100)]
     assert all(0 <= t < 1000 for t in ids) and len(set(ids)) > 80
+
+
+def test_preempted_request_recomputes_its_generated_tokens_too():
+    core = make_core(num_kv_blocks=30, block_size=16)  # 480 tokens of KV
+    core.add_request(make_seq("a", prompt=100, out=200, token_seed=1))
+    core.add_request(make_seq("b", prompt=100, out=200, token_seed=2))
+    now, events, recomputes = 0.0, [], []
+    while core.has_work:
+        preempted = {rid: seq.num_output_tokens for rid, seq in core.requests.items()
+                     if seq.status == RequestStatus.PREEMPTED}
+        step = core.begin_step(now)
+        recomputes += [(step.req_to_num_tokens[rid], n) for rid, n in preempted.items()
+                       if rid in step.req_to_num_tokens]
+        now = step.end_s
+        events.extend(core.complete_step(step, now))
+    assert recomputes and all(tokens == 100 + n for tokens, n in recomputes)
+    for rid, seed in (("a", 1), ("b", 2)):
+        mine = [e for e in events if e.request_id == rid]
+        assert [e.index for e in mine] == list(range(200))
+        assert [e.token_id for e in mine] == [sim_token_id(seed, i, 128256) for i in range(200)]
+
+
+def test_prefix_is_reusable_as_soon_as_prefill_completes():
+    core = make_core()
+    hashes = tuple(range(10))
+    core.add_request(make_seq("a", prompt=160, out=50, block_hashes=hashes))
+    step = core.begin_step(0.0)
+    core.complete_step(step, step.end_s)  # prefill done, "a" still decoding
+    assert core.prefix_cache.peek(hashes) == 10
+
+
+def test_prefix_cache_capacity_counts_tokens_not_entries():
+    core = make_core(num_kv_blocks=64, block_size=16)  # 1024 tokens
+    core.prefix_cache.insert(range(4), 512)  # 2048 tokens of 512-token blocks
+    assert core.prefix_cache.num_cached_tokens <= 1024 and len(core.prefix_cache) == 2

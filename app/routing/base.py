@@ -1,0 +1,101 @@
+"""Routing policy and watchdog interfaces, shared by the live router and the simulator.
+
+A policy is one method, `choose(request, view, now)`; the substrate owns queues,
+clocks and transport. Policies never read a clock and own their random state.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from app.routing.view import (
+    ClusterView,
+    FinishReport,
+    InstanceId,
+    RouteRequest,
+    StepReport,
+)
+
+
+@dataclass(frozen=True)
+class Reject:
+    """A routing decision not to serve the request (admission control)."""
+
+    reason: str
+
+
+RouteDecision = InstanceId | Reject
+
+
+class StepListener:
+    """Black-box feedback a substrate delivers; no-ops unless overridden."""
+
+    def on_step(self, instance_id: InstanceId, report: StepReport, now: float) -> None:
+        """Called after every iteration of every instance (status estimators learn here)."""
+
+    def on_finish(self, report: FinishReport, now: float) -> None:
+        """Called when a request produced its last token."""
+
+
+class RoutingPolicy(StepListener, ABC):
+    """Picks an instance for each request.
+
+    Class attributes tell the substrate what the policy needs, so it can skip work:
+    `needs_true_output_length` fills `RouteRequest.true_output_tokens` (oracle only);
+    `deadline_aware = False` promises the decisions ignore deadlines, which lets the
+    replay harness score one run at several SLO scales.
+    """
+
+    needs_true_output_length: ClassVar[bool] = False
+    deadline_aware: ClassVar[bool] = True
+
+    @abstractmethod
+    def choose(self, request: RouteRequest, view: ClusterView, now: float) -> RouteDecision:
+        """Return the id of one instance in `view.instances`, or `Reject(reason)`.
+
+        `view` lists only the candidates (right role, under any admission cap) and
+        is immutable; `now` is the substrate's clock (virtual or wall seconds).
+        """
+
+
+@dataclass(frozen=True)
+class ActiveRequest:
+    """A request in flight on an instance, as the watchdog sees it."""
+
+    request: RouteRequest
+    instance_id: InstanceId
+    num_generated_tokens: int
+    is_running: bool  # False while waiting (or preempted) in the engine queue
+
+
+class Watchdog(StepListener, ABC):
+    """Periodic SLO check that may move requests to other instances.
+
+    The substrate calls `check` every `tau_iterations` iterations of an instance,
+    between iterations. A migration aborts the request on its instance and re-adds
+    it on the target by token IDs (prompt + generated so far); the target
+    re-prefills them, no KV is copied.
+    """
+
+    needs_true_output_length: ClassVar[bool] = False
+
+    def __init__(self, tau_iterations: int = 50) -> None:
+        if tau_iterations < 1:
+            raise ValueError(f"tau_iterations must be >= 1, got {tau_iterations}")
+        self.tau_iterations = tau_iterations
+
+    @abstractmethod
+    def check(
+        self,
+        instance_id: InstanceId,
+        active: Sequence[ActiveRequest],
+        view: ClusterView,
+        now: float,
+    ) -> Mapping[str, InstanceId]:
+        """Return request_id -> target instance id for the requests to migrate now.
+
+        `view` lists the instances of the same pool (including the source).
+        """

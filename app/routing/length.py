@@ -1,0 +1,105 @@
+"""Output-length estimates for routing: L_out_hat at arrival and at re-prediction.
+
+Routing code asks one question: "how many tokens will this request produce in
+total, given it has produced `num_generated` so far?". Three answers:
+- `PredictorLength` wraps any `predictor.Predictor` (MoE, MLP, history, ...);
+- `RunningHistoryLength` is the label-free history baseline a router can always
+  run: the conditional median of recently finished lengths (Past-Future style);
+- `TrueLength` is the oracle's (true output length, simulator only).
+"""
+
+from __future__ import annotations
+
+import bisect
+from abc import ABC, abstractmethod
+from collections import deque
+from typing import TYPE_CHECKING, ClassVar
+
+from app.routing.base import StepListener
+from app.routing.view import FinishReport, RouteRequest
+
+if TYPE_CHECKING:
+    from predictor.base import Predictor
+
+DEFAULT_OUTPUT_TOKENS = 256  # before any request has finished
+
+
+class OutputLengthEstimator(StepListener, ABC):
+    """Predicts a request's total output length (tokens, >= num_generated + 1)."""
+
+    needs_true_output_length: ClassVar[bool] = False  # only the oracle's does
+
+    @abstractmethod
+    def predict_total(self, request: RouteRequest, num_generated: int = 0) -> float:
+        """Expected total output tokens of `request` after `num_generated` tokens."""
+
+    def expected_output(self, request: RouteRequest) -> float:
+        """L_out_hat for routing: the substrate's prediction if it attached one."""
+        if request.predicted_output_tokens is not None and request.num_generated_tokens == 0:
+            return float(request.predicted_output_tokens)
+        return self.predict_total(request, request.num_generated_tokens)
+
+    def remaining(self, request: RouteRequest, num_generated: int) -> float:
+        return max(self.predict_total(request, num_generated) - num_generated, 1.0)
+
+
+class TrueLength(OutputLengthEstimator):
+    """Oracle: the request's real output length (needs the substrate to reveal it)."""
+
+    needs_true_output_length: ClassVar[bool] = True
+
+    def predict_total(self, request: RouteRequest, num_generated: int = 0) -> float:
+        if request.true_output_tokens is None:
+            raise ValueError(f"request {request.request_id}: true output length not revealed")
+        return float(max(request.true_output_tokens, num_generated + 1))
+
+    def expected_output(self, request: RouteRequest) -> float:
+        return self.predict_total(request, request.num_generated_tokens)
+
+
+class RunningHistoryLength(OutputLengthEstimator):
+    """Median of recently finished lengths above `num_generated` (no labels needed)."""
+
+    def __init__(self, window_size: int = 2000, default_tokens: int = DEFAULT_OUTPUT_TOKENS):
+        if window_size < 1:
+            raise ValueError(f"window_size must be >= 1, got {window_size}")
+        self.default_tokens = default_tokens
+        self._window: deque[int] = deque(maxlen=window_size)
+        self._sorted: list[int] = []
+
+    def observe_length(self, num_tokens: int) -> None:
+        if len(self._window) == self._window.maxlen:
+            old = self._window[0]
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+        self._window.append(num_tokens)
+        bisect.insort(self._sorted, num_tokens)
+
+    def on_finish(self, report: FinishReport, now: float) -> None:
+        self.observe_length(report.num_output_tokens)
+
+    def predict_total(self, request: RouteRequest, num_generated: int = 0) -> float:
+        start = bisect.bisect_right(self._sorted, num_generated)
+        longer = len(self._sorted) - start
+        if not self._sorted:
+            return float(max(self.default_tokens, num_generated + 1))
+        if longer == 0:  # outlived everything seen: assume it is about to end
+            return float(num_generated + 1)
+        return float(self._sorted[start + longer // 2])
+
+
+class PredictorLength(OutputLengthEstimator):
+    """Any trained `Predictor` (MoE, MLP, history, ...) behind the routing interface."""
+
+    def __init__(self, predictor: Predictor) -> None:
+        self.predictor = predictor
+
+    def predict_total(self, request: RouteRequest, num_generated: int = 0) -> float:
+        from predictor.base import PredictionInput
+
+        item = PredictionInput(
+            prompt=request.prompt or "", num_generated_tokens=num_generated, task=request.task
+        )
+        return float(self.predictor.predict([item])[0])
+
+    def on_finish(self, report: FinishReport, now: float) -> None:
+        self.predictor.observe(report.num_output_tokens, report.request.task)

@@ -1,0 +1,213 @@
+"""Black-box instance status: EMA estimates of q_g, p_g and d_g per instance.
+
+GoodServe's latency estimate T(r,g) = q_g + (L_in - H_rg) p_g + L_out d_g needs, for
+every instance, the average queueing delay before prefill (q_g), the per-token
+prefill time (p_g) and the per-token decode time (d_g). Instances are black boxes:
+the estimator learns only from what they report (iteration latencies with their
+prefill/decode token counts, queue waits). Until an instance has reported, its
+figures come from the hardware catalog (unloaded speeds), so a new instance is
+usable at once. Clock-agnostic: `now` is an argument.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from app.engine_types import EngineStatus
+from app.hardware import InstanceSpec
+from app.routing.base import StepListener
+from app.routing.view import InstanceId, InstanceView, StepReport
+
+
+@dataclass(frozen=True)
+class InstanceEstimate:
+    """The three figures of the latency estimate for one instance."""
+
+    queue_delay_s: float  # q_g
+    prefill_s_per_token: float  # p_g
+    decode_s_per_token: float  # d_g (time per output token of a running request)
+    num_samples: int = 0  # iterations observed; 0 = catalog prior only
+
+
+@dataclass
+class _Ema:
+    """Exponential moving average that starts from its first sample."""
+
+    alpha: float
+    value: float | None = None
+
+    def update(self, sample: float) -> None:
+        if self.value is None:
+            self.value = sample
+        else:
+            self.value += self.alpha * (sample - self.value)
+
+
+DEPARTURE_WINDOW = 32  # recent finishes used for the departure rate
+
+
+@dataclass
+class _Departures:
+    """Recent finish times of one instance -> its departure rate (requests/s)."""
+
+    times: deque[float] = field(default_factory=lambda: deque(maxlen=DEPARTURE_WINDOW))
+    seen: int = 0  # finished-counter value already taken
+
+    def rate_per_s(self, now: float) -> float | None:
+        """Finishes per second over the window up to `now` (None until two finishes);
+        measured to `now`, so an instance that stopped finishing loses rate."""
+        if len(self.times) < 2:
+            return None
+        span = now - self.times[0]
+        return (len(self.times) - 1) / span if span > 0 else None
+
+
+@dataclass
+class _InstanceState:
+    """Per-instance smoothing state (the estimator's only mutable data)."""
+
+    queue_delay: _Ema
+    decode_iteration: _Ema
+    prefill_step_s: _Ema  # ratio of EMAs: prefill time / prefill tokens
+    prefill_step_tokens: _Ema
+    num_samples: int = 0
+    seen_iterations: int = 0  # counters from polled EngineStatus
+    seen_queue_waits: int = 0
+    departures: _Departures = field(default_factory=_Departures)
+
+
+def catalog_prior(spec: InstanceSpec) -> InstanceEstimate:
+    """Unloaded speeds from the hardware model: what a fresh instance is assumed to do."""
+    return InstanceEstimate(
+        queue_delay_s=0.0,
+        prefill_s_per_token=spec.unloaded_prefill_s_per_token,
+        decode_s_per_token=spec.unloaded_decode_s_per_token,
+    )
+
+
+class StatusEstimator(StepListener):
+    """EMA estimator of (q_g, p_g, d_g), fed by step reports or polled statuses.
+
+    `alpha` is the EMA smoothing weight of a new sample (0 < alpha <= 1).
+    """
+
+    def __init__(self, alpha: float = 0.2) -> None:
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        self.alpha = alpha
+        self._states: dict[InstanceId, _InstanceState] = {}
+
+    def _state(self, instance_id: InstanceId) -> _InstanceState:
+        state = self._states.get(instance_id)
+        if state is None:
+            a = self.alpha
+            state = _InstanceState(_Ema(a), _Ema(a), _Ema(a), _Ema(a))
+            self._states[instance_id] = state
+        return state
+
+    # ---- samples -------------------------------------------------------------
+    def observe_iteration(
+        self,
+        instance_id: InstanceId,
+        duration_s: float,
+        num_prefill_tokens: int,
+        num_decode_seqs: int,
+        now: float,
+    ) -> None:
+        """One engine iteration: decoding requests each waited `duration_s` for a token;
+        prefill tokens cost `duration_s` between them (mixed batches included, since
+        that is what a new prompt really pays on a busy instance)."""
+        if duration_s < 0:
+            raise ValueError(f"negative iteration duration {duration_s}")
+        state = self._state(instance_id)
+        if num_decode_seqs > 0:
+            state.decode_iteration.update(duration_s)
+        if num_prefill_tokens > 0:
+            state.prefill_step_s.update(duration_s)
+            state.prefill_step_tokens.update(float(num_prefill_tokens))
+        state.num_samples += 1
+
+    def observe_queue_wait(self, instance_id: InstanceId, wait_s: float, now: float) -> None:
+        self._state(instance_id).queue_delay.update(max(wait_s, 0.0))
+
+    # ---- substrate callbacks -------------------------------------------------
+    def on_step(self, instance_id: InstanceId, report: StepReport, now: float) -> None:
+        self.observe_iteration(
+            instance_id, report.duration_s, report.num_prefill_tokens, report.num_decode_seqs, now
+        )
+        self._take_new_queue_waits(instance_id, report.status, now)
+        self._take_new_finishes(instance_id, report.status, now)
+
+    def on_status(self, status: EngineStatus, now: float) -> None:
+        """A polled report (live router): take only window entries newer than last poll.
+
+        Polled iteration latencies carry no prefill/decode split, so they update d_g.
+        """
+        state = self._state(status.engine_id)
+        num_new = min(status.num_iterations - state.seen_iterations, len(status.recent_iteration_s))
+        for duration in status.recent_iteration_s[len(status.recent_iteration_s) - num_new :]:
+            self.observe_iteration(status.engine_id, duration, 0, 1, now)
+        state.seen_iterations = status.num_iterations
+        self._take_new_queue_waits(status.engine_id, status, now)
+        self._take_new_finishes(status.engine_id, status, now)
+
+    def _take_new_finishes(self, instance_id: InstanceId, status: EngineStatus, now: float):
+        departures = self._state(instance_id).departures
+        for _ in range(min(status.num_finished - departures.seen, DEPARTURE_WINDOW)):
+            departures.times.append(now)
+        departures.seen = max(status.num_finished, departures.seen)
+
+    def _take_new_queue_waits(self, instance_id: InstanceId, status: EngineStatus, now: float):
+        state = self._state(instance_id)
+        waits = status.recent_queue_wait_s
+        num_new = min(status.num_queue_wait_samples - state.seen_queue_waits, len(waits))
+        for wait in waits[len(waits) - num_new :]:
+            self.observe_queue_wait(instance_id, wait, now)
+        state.seen_queue_waits = max(status.num_queue_wait_samples, state.seen_queue_waits)
+
+    def forget(self, instance_id: InstanceId) -> None:
+        """Drop an instance that left the pool (churn); a new one with the id starts fresh."""
+        self._states.pop(instance_id, None)
+
+    # ---- estimates -----------------------------------------------------------
+    def estimate(self, view: InstanceView, now: float | None = None) -> InstanceEstimate:
+        """Current (q_g, p_g, d_g); catalog prior for figures not yet observed.
+
+        An idle instance runs at its unloaded speed whatever it reported while busy,
+        and nobody queues where nothing waits: both cases use the live counts in
+        `view`, so stale EMAs from a past burst (or missing reports) do not linger.
+        `now` (default: the view's time) dates the departure rate.
+        """
+        prior = catalog_prior(view.spec)
+        state = self._states.get(view.instance_id)
+        if state is None:
+            return prior
+        if view.num_outstanding == 0:
+            return InstanceEstimate(
+                0.0, prior.prefill_s_per_token, prior.decode_s_per_token, state.num_samples
+            )
+        decode = state.decode_iteration.value
+        prefill_s, prefill_tokens = state.prefill_step_s.value, state.prefill_step_tokens.value
+        return InstanceEstimate(
+            queue_delay_s=self._queue_delay_s(state, view, now),
+            prefill_s_per_token=(
+                prior.prefill_s_per_token if prefill_s is None else prefill_s / prefill_tokens
+            ),
+            decode_s_per_token=prior.decode_s_per_token if decode is None else decode,
+            num_samples=state.num_samples,
+        )
+
+    @staticmethod
+    def _queue_delay_s(state: _InstanceState, view: InstanceView, now: float | None) -> float:
+        """q_g: the EMA of observed waits, raised to Little's law on the current queue.
+
+        Observed waits are only known once requests leave the queue, so the EMA lags a
+        growing queue; `num_waiting / departure rate` sees it at once.
+        """
+        if view.num_waiting == 0:
+            return 0.0
+        ema = state.queue_delay.value or 0.0
+        rate = state.departures.rate_per_s(view.updated_s if now is None else now)
+        little = view.num_waiting / rate if rate else 0.0
+        return max(ema, little)

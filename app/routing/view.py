@@ -1,0 +1,173 @@
+"""What a routing policy may see: the request, a snapshot of the instances, reports.
+
+These types are shared by the live router and the offline simulator, so a policy
+written against them runs unchanged on both substrates. They hold no engine
+internals: only black-box figures an engine reports, plus the static hardware spec.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+from app.config import EngineRole
+from app.engine_types import EngineStatus
+from app.hardware import InstanceSpec
+
+InstanceId = str
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """A request as a policy sees it.
+
+    `true_output_tokens` is filled only for policies that declare
+    `needs_true_output_length` (the oracle); everyone else must rely on
+    `predicted_output_tokens`.
+    """
+
+    request_id: str
+    arrival_s: float
+    deadline_s: float  # absolute; math.inf when the request has no SLO
+    num_prompt_tokens: int
+    block_hashes: tuple[int, ...] = ()  # chained prefix hashes of the prompt
+    hash_block_size: int = 16  # tokens per entry of block_hashes
+    prompt: str | None = None  # text, for output-length predictors
+    task: str | None = None
+    predicted_output_tokens: int | None = None
+    true_output_tokens: int | None = None  # oracle only
+    num_generated_tokens: int = 0  # > 0 when a migrated request is re-routed
+
+    @property
+    def slo_s(self) -> float:
+        return self.deadline_s - self.arrival_s
+
+    @property
+    def has_deadline(self) -> bool:
+        return math.isfinite(self.deadline_s)
+
+    @property
+    def num_context_tokens(self) -> int:
+        """Tokens the target must hold before it can generate the next one."""
+        return self.num_prompt_tokens + self.num_generated_tokens
+
+
+@dataclass(frozen=True)
+class InstanceView:
+    """One instance at one moment: static spec plus its latest black-box report."""
+
+    instance_id: InstanceId
+    spec: InstanceSpec
+    role: EngineRole
+    num_waiting: int
+    num_running: int
+    num_kv_blocks_free: int
+    num_kv_blocks: int
+    kv_block_size: int
+    num_iterations: int
+    recent_iteration_s: tuple[float, ...]  # latest iteration latencies, oldest first
+    recent_queue_wait_s: tuple[float, ...]  # arrival -> first scheduled, recent requests
+    updated_s: float  # when these figures were taken
+
+    @classmethod
+    def from_status(
+        cls, status: EngineStatus, spec: InstanceSpec, kv_block_size: int
+    ) -> InstanceView:
+        """Build from the report a live engine sends (the router's path)."""
+        return cls(
+            instance_id=status.engine_id,
+            spec=spec,
+            role=EngineRole(status.role),
+            num_waiting=status.num_waiting,
+            num_running=status.num_running,
+            num_kv_blocks_free=status.num_kv_blocks_free,
+            num_kv_blocks=status.num_kv_blocks_used + status.num_kv_blocks_free,
+            kv_block_size=kv_block_size,
+            num_iterations=status.num_iterations,
+            recent_iteration_s=status.recent_iteration_s,
+            recent_queue_wait_s=status.recent_queue_wait_s,
+            updated_s=status.time_s,
+        )
+
+    @property
+    def gpu_type(self) -> str:
+        return self.spec.gpu.name
+
+    @property
+    def num_outstanding(self) -> int:
+        return self.num_waiting + self.num_running
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_kv_blocks * self.kv_block_size
+
+    @property
+    def kv_free_tokens(self) -> int:
+        return self.num_kv_blocks_free * self.kv_block_size
+
+    def can_hold(self, num_tokens: int) -> bool:
+        """Whether the request could ever run here (static KV capacity, not current load)."""
+        return num_tokens + 1 <= self.kv_capacity_tokens
+
+
+PrefixLookup = Callable[[InstanceId, Sequence[int]], int]  # (instance, hashes) -> cached blocks
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """Immutable snapshot of the candidate instances for one routing decision.
+
+    `prefix_lookup` answers from the instance's prefix cache (simulator) or its
+    reported digest (live router); it is valid for the duration of the decision.
+    """
+
+    time_s: float
+    instances: tuple[InstanceView, ...]
+    prefix_lookup: PrefixLookup
+    kv_capacity_floor_tokens: int = 0  # <= every instance's capacity; lets `holding` skip the scan
+
+    @cached_property
+    def by_id(self) -> dict[InstanceId, InstanceView]:
+        return {v.instance_id: v for v in self.instances}
+
+    def get(self, instance_id: InstanceId) -> InstanceView:
+        return self.by_id[instance_id]
+
+    def prefix_hit_tokens(self, instance_id: InstanceId, request: RouteRequest) -> int:
+        """Prompt tokens already cached on the instance (H_rg in the latency estimate)."""
+        if not request.block_hashes:
+            return 0
+        blocks = self.prefix_lookup(instance_id, request.block_hashes)
+        return min(blocks * request.hash_block_size, request.num_prompt_tokens)
+
+    def holding(self, request: RouteRequest) -> Sequence[InstanceView]:
+        """Instances whose KV capacity can ever hold the request, in view order."""
+        need = request.num_context_tokens
+        if need + 1 <= self.kv_capacity_floor_tokens:
+            return self.instances
+        return [v for v in self.instances if v.can_hold(need)]
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One finished engine iteration, as a black-box status estimator receives it."""
+
+    instance_id: InstanceId
+    start_s: float
+    duration_s: float
+    num_prefill_tokens: int
+    num_decode_seqs: int
+    status: EngineStatus  # queue/batch/KV figures right after the iteration
+
+
+@dataclass(frozen=True)
+class FinishReport:
+    """A request that produced its last token (history predictors learn from these)."""
+
+    request: RouteRequest
+    instance_id: InstanceId
+    num_output_tokens: int
+    first_token_s: float | None
+    finish_s: float

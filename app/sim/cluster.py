@@ -1,0 +1,361 @@
+"""Cluster state machine driven by the simulator's events.
+
+Every public method is an event handler body: it takes the event time, mutates
+the cluster and returns the follow-up events. Routing, migration and feedback go
+through the same policy / watchdog objects the live router uses.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from app.config import EngineRole
+from app.engine_types import RequestStatus, TokenEvent
+from app.routing.base import ActiveRequest, Reject, RoutingPolicy, StepListener, Watchdog
+from app.routing.view import ClusterView, FinishReport, RouteRequest, StepReport
+from app.sim.engine_core import ScheduledStep, SimSequence
+from app.sim.events import (
+    ArrivalEvent,
+    Event,
+    KvTransferDoneEvent,
+    StepEndEvent,
+    StepStartEvent,
+)
+from app.sim.instance import InstanceSetup, KvLink, Pool, SimInstance
+from app.sim.records import RequestOutcome, RequestRecord
+from app.workload import WorkloadRequest
+
+
+@dataclass(slots=True, eq=False)
+class Flight:
+    """Simulator-side state of one request between arrival and its end."""
+
+    work: WorkloadRequest
+    route: RouteRequest
+    record: RequestRecord
+    token_seed: int
+    instance: SimInstance | None = None  # engine holding it now (None: queued / in transfer)
+    decode_target: SimInstance | None = None  # disaggregated: chosen at arrival
+
+
+def overrides(obj: object, method: str) -> bool:
+    """Whether `obj` implements a StepListener callback (skip building unused reports)."""
+    return getattr(type(obj), method) is not getattr(StepListener, method)
+
+
+def build_pools(setups: Sequence[InstanceSetup]) -> dict[EngineRole, Pool]:
+    """Group instances by role; ids are '<instance name>-<n>' (e.g. 'H800-0', '2xV100-1')."""
+    if not setups:
+        raise ValueError("the cluster has no instances")
+    roles = {s.role for s in setups}
+    if EngineRole.UNIFIED in roles and len(roles) > 1:
+        raise ValueError("mix of unified and prefill/decode instances")
+    if EngineRole.UNIFIED not in roles and roles != {EngineRole.PREFILL, EngineRole.DECODE}:
+        raise ValueError("disaggregated mode needs both prefill and decode instances")
+    counters: dict[str, int] = {}
+    members: dict[EngineRole, list[SimInstance]] = {role: [] for role in roles}
+    for setup in setups:
+        n = counters.get(setup.spec.name, 0)
+        counters[setup.spec.name] = n + 1
+        group = members[setup.role]
+        group.append(SimInstance(f"{setup.spec.name}-{n}", setup, len(group)))
+    return {role: Pool(role, group) for role, group in members.items()}
+
+
+class SimCluster:
+    """All instances, the router queue, the KV link and the per-request records."""
+
+    def __init__(
+        self,
+        setups: Sequence[InstanceSetup],
+        requests: Sequence[WorkloadRequest],
+        policy: RoutingPolicy,
+        *,
+        prefill_policy: RoutingPolicy | None,
+        watchdog: Watchdog | None,
+        kv_link_gbps: float,
+        max_ongoing_requests: int | None,
+        seed: int,
+    ) -> None:
+        self.pools = build_pools(setups)
+        self.disaggregated = EngineRole.PREFILL in self.pools
+        self.entry_role = EngineRole.PREFILL if self.disaggregated else EngineRole.UNIFIED
+        self.serve_role = EngineRole.DECODE if self.disaggregated else EngineRole.UNIFIED
+        if self.disaggregated and prefill_policy is None:
+            raise ValueError("disaggregated mode needs a prefill policy")
+        self.requests = requests
+        self.policy = policy
+        self.entry_policy = prefill_policy if self.disaggregated else policy
+        self.watchdog = watchdog
+        self.link = KvLink(kv_link_gbps)
+        self.max_ongoing_requests = max_ongoing_requests
+        self.seed = seed
+        present = (x for x in (policy, prefill_policy, watchdog) if x is not None)
+        listeners = list({id(x): x for x in present}.values())  # one object may play two parts
+        self.step_listeners = [x for x in listeners if overrides(x, "on_step")]
+        self.finish_listeners = [x for x in listeners if overrides(x, "on_finish")]
+        self.oracle = any(getattr(x, "needs_true_output_length", False) for x in listeners)
+        self.router_queue: deque[Flight] = deque()
+        self.flights: dict[str, Flight] = {}  # request_id -> in-flight state
+        self.records: list[RequestRecord] = []
+        self.num_done = 0  # finished or rejected
+        self.num_token_events = 0
+
+    # ---- arrivals and routing ----------------------------------------------
+    def arrive(self, index: int, now: float) -> list[Event]:
+        events: list[Event] = []
+        if index + 1 < len(self.requests):
+            events.append(ArrivalEvent(self.requests[index + 1].arrival_s, index + 1))
+        flight = self._new_flight(index)
+        if self.router_queue:
+            self.router_queue.append(flight)  # FIFO behind earlier queued requests
+            return events
+        routed = self._try_route(flight, now)
+        if routed is None:
+            self.router_queue.append(flight)
+        else:
+            events.extend(routed)
+        return events
+
+    def _new_flight(self, index: int) -> Flight:
+        work = self.requests[index]
+        route = RouteRequest(
+            request_id=work.request_id,
+            arrival_s=work.arrival_s,
+            deadline_s=work.deadline_s,
+            num_prompt_tokens=work.num_prompt_tokens,
+            block_hashes=work.block_hashes,
+            hash_block_size=work.hash_block_size,
+            prompt=work.prompt,
+            task=work.task,
+            predicted_output_tokens=work.predicted_output_tokens,
+            true_output_tokens=work.num_output_tokens if self.oracle else None,
+        )
+        record = RequestRecord(
+            request_id=work.request_id,
+            arrival_s=work.arrival_s,
+            deadline_s=work.deadline_s,
+            slo_s=work.slo_s,
+            num_prompt_tokens=work.num_prompt_tokens,
+            num_output_tokens=work.num_output_tokens,
+            predicted_output_tokens=work.predicted_output_tokens,
+        )
+        self.records.append(record)
+        flight = Flight(work, route, record, token_seed=self.seed * 1_000_003 + index)
+        self.flights[work.request_id] = flight
+        return flight
+
+    def _try_route(self, flight: Flight, now: float) -> list[Event] | None:
+        """Route one request; None when every entry instance is at the admission cap."""
+        pool = self.pools[self.entry_role]
+        view = pool.snapshot(now, self.max_ongoing_requests)
+        if not view.instances:
+            return None
+        target = self._decide(self.entry_policy, pool, flight, view, now)
+        if target is None:
+            return []
+        if self.disaggregated:
+            decode_pool = self.pools[EngineRole.DECODE]
+            decode = self._decide(self.policy, decode_pool, flight, decode_pool.snapshot(now), now)
+            if decode is None:
+                return []
+            flight.decode_target = decode
+            flight.record.prefill_instance_id = target.instance_id
+        return self._admit(flight, target, now)
+
+    def _decide(
+        self, policy: RoutingPolicy, pool: Pool, flight: Flight, view: ClusterView, now: float
+    ) -> SimInstance | None:
+        """Ask the policy; turns a Reject or a target that cannot hold it into a rejection."""
+        decision = policy.choose(flight.route, view, now)
+        if isinstance(decision, Reject):
+            self._reject(flight, decision.reason)
+            return None
+        target = pool.lookup(decision, type(policy).__name__)
+        need = flight.route.num_context_tokens
+        if not target.fits(need):
+            self._reject(flight, f"{target.instance_id} cannot hold {need} tokens")
+            return None
+        return target
+
+    def _reject(self, flight: Flight, reason: str) -> None:
+        flight.record.outcome = RequestOutcome.REJECTED
+        flight.record.reject_reason = reason
+        del self.flights[flight.route.request_id]
+        self.num_done += 1
+
+    def _admit(
+        self, flight: Flight, inst: SimInstance, now: float, *, num_resumed: int = 0,
+        skip_prefill: bool = False,
+    ) -> list[Event]:
+        """Hand the request to an engine (prefill instances only compute the first token)."""
+        work = flight.work
+        max_output = 1 if inst.role == EngineRole.PREFILL else work.num_output_tokens
+        inst.core.add_request(
+            SimSequence(
+                request_id=work.request_id,
+                num_prompt_tokens=work.num_prompt_tokens,
+                max_output_tokens=max_output,
+                arrival_s=now,
+                num_resumed_tokens=num_resumed,
+                block_hashes=work.block_hashes,
+                hash_block_size=work.hash_block_size,
+                token_seed=flight.token_seed,
+                skip_prefill=skip_prefill,
+            )
+        )
+        flight.instance = inst
+        if inst.role != EngineRole.PREFILL:
+            flight.record.instance_ids.append(inst.instance_id)
+        self.pools[inst.role].mark_dirty(inst)
+        return self._kick(inst, now)
+
+    def _kick(self, inst: SimInstance, now: float) -> list[Event]:
+        if inst.busy:
+            return []
+        inst.start_pending = True
+        return [StepStartEvent(now, inst)]
+
+    # ---- iterations ------------------------------------------------------------
+    def start_step(self, inst: SimInstance, now: float) -> list[Event]:
+        inst.start_pending = False
+        step = inst.core.begin_step(now)
+        self.pools[inst.role].mark_dirty(inst)
+        if step is None:
+            if inst.core.has_work:
+                raise RuntimeError(f"{inst.instance_id} has work but scheduled nothing")
+            return []
+        inst.step = step
+        return [StepEndEvent(step.end_s, inst, step)]
+
+    def end_step(self, inst: SimInstance, step: ScheduledStep, now: float) -> list[Event]:
+        tokens = inst.core.complete_step(step, now)
+        inst.step = None
+        self.pools[inst.role].mark_dirty(inst)
+        events: list[Event] = []
+        self.num_token_events += len(tokens)
+        for token in tokens:  # hot loop: only first and last tokens matter here
+            if token.index == 0 or token.finish_reason is not None:
+                self._on_token(inst, token, now, events)
+        if self.step_listeners:
+            self._report_step(inst, step, now)
+        if self.watchdog is not None and inst.role == self.serve_role:
+            if inst.core.num_iterations % self.watchdog.tau_iterations == 0:
+                events.extend(self._watch(inst, now))
+        if self.router_queue and inst.role == self.entry_role:
+            events.extend(self._drain_router_queue(now))
+        if inst.core.has_work:
+            events.extend(self._kick(inst, now))
+        return events
+
+    def _on_token(self, inst: SimInstance, token: TokenEvent, now: float, events: list) -> None:
+        """A request's first token (index 0, never re-emitted after a resume) or its last."""
+        flight = self.flights[token.request_id]
+        record = flight.record
+        if token.index == 0:
+            record.first_token_s = now
+        if not token.finished:
+            return
+        record.num_generated_tokens = token.index + 1
+        if inst.role == EngineRole.PREFILL and token.index + 1 < record.num_output_tokens:
+            num_bytes = flight.work.num_prompt_tokens * inst.spec.model.kv_bytes_per_token
+            flight.instance = None  # in transit to its decode instance
+            events.append(KvTransferDoneEvent(self.link.enqueue(now, num_bytes), flight))
+        else:
+            self._finish(flight, inst, now)
+
+    def _finish(self, flight: Flight, inst: SimInstance, now: float) -> None:
+        flight.record.finish_s = now
+        flight.instance = None
+        del self.flights[flight.route.request_id]
+        self.num_done += 1
+        if self.finish_listeners:
+            report = FinishReport(
+                flight.route, inst.instance_id, flight.record.num_generated_tokens,
+                flight.record.first_token_s, now,
+            )
+            for listener in self.finish_listeners:
+                listener.on_finish(report, now)
+
+    def _report_step(self, inst: SimInstance, step: ScheduledStep, now: float) -> None:
+        report = StepReport(
+            instance_id=inst.instance_id,
+            start_s=step.start_s,
+            duration_s=step.duration_s,
+            num_prefill_tokens=step.batch.num_prefill_tokens,
+            num_decode_seqs=step.batch.num_decode_seqs,
+            status=inst.status(now),
+        )
+        for listener in self.step_listeners:
+            listener.on_step(inst.instance_id, report, now)
+
+    def transfer_done(self, flight: Flight, now: float) -> list[Event]:
+        """KV arrived: the decode instance continues from the first token without prefill."""
+        assert flight.decode_target is not None
+        return self._admit(flight, flight.decode_target, now, num_resumed=1, skip_prefill=True)
+
+    def _drain_router_queue(self, now: float) -> list[Event]:
+        events: list[Event] = []
+        while self.router_queue:
+            routed = self._try_route(self.router_queue[0], now)
+            if routed is None:
+                break
+            self.router_queue.popleft()
+            events.extend(routed)
+        return events
+
+    # ---- migration ---------------------------------------------------------------
+    def _watch(self, inst: SimInstance, now: float) -> list[Event]:
+        assert self.watchdog is not None
+        core = inst.core
+        if not core.requests:
+            return []
+        active = [
+            ActiveRequest(
+                self.flights[rid].route, inst.instance_id, seq.num_output_tokens,
+                seq.status == RequestStatus.RUNNING,
+            )
+            for rid, seq in core.requests.items()
+        ]
+        view = self.pools[inst.role].snapshot(now)
+        moves = self.watchdog.check(inst.instance_id, active, view, now)
+        events: list[Event] = []
+        for request_id, target_id in moves.items():
+            events.extend(self._migrate(inst, request_id, target_id, now))
+        return events
+
+    def _migrate(
+        self, src: SimInstance, request_id: str, target_id: str, now: float
+    ) -> list[Event]:
+        """Abort on the source, re-add on the target with the generated tokens as prompt."""
+        pool = self.pools[src.role]
+        target = pool.lookup(target_id, type(self.watchdog).__name__)
+        seq = src.core.requests.get(request_id)
+        if seq is None or target is src:
+            raise ValueError(f"cannot migrate {request_id} from {src.instance_id} to {target_id}")
+        flight = self.flights[request_id]
+        num_generated = seq.num_output_tokens
+        if not target.fits(flight.work.num_prompt_tokens + num_generated):
+            raise ValueError(f"{target_id} cannot hold migrated request {request_id}")
+        src.core.abort_request(request_id)
+        pool.mark_dirty(src)
+        flight.record.num_migrations += 1
+        return self._admit(flight, target, now, num_resumed=num_generated)
+
+    # ---- end of run --------------------------------------------------------------
+    def finalize(self) -> list[RequestRecord]:
+        """Settle outcomes; requests still in flight count as violated."""
+        for flight in self.flights.values():
+            if flight.instance is not None:
+                seq = flight.instance.core.requests[flight.route.request_id]
+                flight.record.num_generated_tokens = seq.num_output_tokens
+        for record in self.records:
+            record.outcome = record.decide()
+        return self.records
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(inst.core.num_preemptions for pool in self.pools.values()
+                   for inst in pool.instances)

@@ -1,0 +1,373 @@
+"""Workloads: trace loaders, arrival processes and request content.
+
+A workload is two independent choices zipped together: *when* requests arrive
+(a time-scaled, windowed trace, or Poisson) and *what* they are (the trace's own
+lengths and prefix blocks, or real prompts with real output lengths). Loaders
+fail with a ValueError naming the file, line and field, never a bare KeyError.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from app.engine_types import prefix_block_hashes
+
+MOONCAKE_BLOCK_TOKENS = 512  # tokens per Mooncake hash_id
+TEXT_BYTES_PER_BLOCK = 64  # ~16 Llama-3 tokens of English text
+
+
+@dataclass(frozen=True)
+class WorkloadRequest:
+    """One request to replay; `slo_s` stays inf until an SLO is assigned."""
+
+    request_id: str
+    arrival_s: float
+    num_prompt_tokens: int
+    num_output_tokens: int  # ground truth (what the engine will generate)
+    block_hashes: tuple[int, ...] = ()
+    hash_block_size: int = 16
+    prompt: str | None = None
+    task: str | None = None
+    slo_s: float = math.inf
+    predicted_output_tokens: int | None = None
+
+    @property
+    def deadline_s(self) -> float:
+        return self.arrival_s + self.slo_s
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Requests sorted by arrival, plus the length of the arrival window.
+
+    `duration_s` is the denominator of goodput: the requested window when one was
+    given (Poisson, windowed trace), otherwise last minus first arrival.
+    """
+
+    requests: tuple[WorkloadRequest, ...]
+    duration_s: float
+    name: str = "workload"
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def with_requests(self, requests: Sequence[WorkloadRequest]) -> Workload:
+        return replace(self, requests=tuple(requests))
+
+
+@dataclass(frozen=True)
+class Content:
+    """What a request is, independent of when it arrives."""
+
+    num_prompt_tokens: int
+    num_output_tokens: int
+    block_hashes: tuple[int, ...] = ()
+    hash_block_size: int = 16
+    prompt: str | None = None
+    task: str | None = None
+
+
+@dataclass(frozen=True)
+class TraceRow:
+    """One arrival of a production trace with its own lengths."""
+
+    arrival_s: float
+    content: Content
+
+
+@dataclass(frozen=True)
+class PromptRow:
+    """One row of prompt_lengths.jsonl: a real prompt and a real answer length."""
+
+    prompt_id: str
+    source: str
+    task: str
+    model: str
+    prompt_tokens: int
+    output_tokens: int
+    prompt: str
+
+    def content(self) -> Content:
+        hashes = text_block_hashes(self.prompt, self.prompt_tokens)
+        return Content(
+            self.prompt_tokens, self.output_tokens, hashes, 16, self.prompt, self.task
+        )
+
+
+def text_block_hashes(text: str, num_tokens: int, block_size: int = 16) -> tuple[int, ...]:
+    """Approximate prefix hashes of a prompt we have as text, not token ids.
+
+    Fixed 64-byte chunks stand in for 16-token blocks, so prompts sharing a prefix
+    share leading hashes, as they would in vLLM.
+    """
+    data = text.encode()
+    hashes = prefix_block_hashes(data, TEXT_BYTES_PER_BLOCK)
+    return hashes[: num_tokens // block_size]
+
+
+# ---- file parsing ---------------------------------------------------------------
+
+
+def _field(row: dict[str, Any], name: str, where: str, kind: type, minimum: float) -> Any:
+    if name not in row:
+        raise ValueError(f"{where}: missing field {name!r}")
+    value = row[name]
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = kind(value)
+        if kind is int and number != float(value):
+            raise ValueError
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{where}: field {name!r}: expected {kind.__name__}, got {value!r}"
+        ) from None
+    if not number >= minimum:  # also rejects NaN
+        raise ValueError(f"{where}: field {name!r}: must be >= {minimum}, got {value!r}")
+    return number
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        raise ValueError(f"file not found: {path}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text: {exc.reason}") from None
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: invalid JSON: {exc.msg}") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: expected a JSON object")
+        yield where, row
+
+
+def _hash_ids(row: dict[str, Any], where: str) -> tuple[int, ...]:
+    ids = row.get("hash_ids", [])
+    if not isinstance(ids, list) or not all(isinstance(h, int) for h in ids):
+        raise ValueError(f"{where}: field 'hash_ids': expected a list of integers")
+    return tuple(ids)
+
+
+def load_mooncake(path: str | Path) -> list[TraceRow]:
+    """Mooncake JSONL: timestamp (ms), input_length, output_length, hash_ids (512-token)."""
+    path = Path(path)
+    rows = []
+    for where, row in _jsonl_rows(path):
+        content = Content(
+            num_prompt_tokens=_field(row, "input_length", where, int, 1),
+            num_output_tokens=_field(row, "output_length", where, int, 1),
+            block_hashes=_hash_ids(row, where),
+            hash_block_size=MOONCAKE_BLOCK_TOKENS,
+        )
+        rows.append(TraceRow(_field(row, "timestamp", where, float, 0) / 1000.0, content))
+    return _nonempty(rows, path)
+
+
+def _parse_timestamp(value: str, where: str) -> float:
+    """Azure traces use datetimes; plain numbers are taken as seconds."""
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    try:
+        return datetime.fromisoformat(value.strip()).timestamp()
+    except ValueError:
+        raise ValueError(f"{where}: field 'TIMESTAMP': not a datetime: {value!r}") from None
+
+
+def load_azure(path: str | Path) -> list[TraceRow]:
+    """Azure LLM inference CSV: TIMESTAMP, ContextTokens, GeneratedTokens (no prefix info)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ValueError(f"file not found: {path}") from None
+    reader = csv.DictReader(text.splitlines())
+    missing = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} - set(reader.fieldnames or ())
+    if missing:
+        raise ValueError(f"{path}:1: missing column(s) {sorted(missing)}")
+    rows = []
+    for lineno, row in enumerate(reader, start=2):
+        where = f"{path}:{lineno}"
+        content = Content(
+            num_prompt_tokens=_field(row, "ContextTokens", where, int, 1),
+            num_output_tokens=_field(row, "GeneratedTokens", where, int, 1),
+        )
+        rows.append(TraceRow(_parse_timestamp(row["TIMESTAMP"] or "", where), content))
+    rows.sort(key=lambda r: r.arrival_s)
+    start = rows[0].arrival_s if rows else 0.0
+    rows = [replace(r, arrival_s=r.arrival_s - start) for r in rows]
+    return _nonempty(rows, path)
+
+
+def load_trace(path: str | Path) -> list[TraceRow]:
+    """Dispatch on the extension: .jsonl -> Mooncake, .csv -> Azure."""
+    suffix = Path(path).suffix.lower()
+    if suffix in (".jsonl", ".json"):
+        return load_mooncake(path)
+    if suffix == ".csv":
+        return load_azure(path)
+    raise ValueError(f"{path}: unknown trace format (expected .jsonl Mooncake or .csv Azure)")
+
+
+def load_prompts(path: str | Path) -> list[PromptRow]:
+    """prompt_lengths.jsonl rows (real prompt text + real output token counts)."""
+    path = Path(path)
+    rows = []
+    for where, row in _jsonl_rows(path):
+        text = row.get("prompt")
+        if not isinstance(text, str):
+            raise ValueError(f"{where}: field 'prompt': expected a string")
+        rows.append(
+            PromptRow(
+                prompt_id=str(row.get("prompt_id", where)),
+                source=str(row.get("source", "")),
+                task=str(row.get("task", "")),
+                model=str(row.get("model", "")),
+                prompt_tokens=_field(row, "prompt_tokens", where, int, 1),
+                output_tokens=_field(row, "output_tokens", where, int, 1),
+                prompt=text,
+            )
+        )
+    return _nonempty(rows, path)
+
+
+def _nonempty(rows: list, path: Path) -> list:
+    if not rows:
+        raise ValueError(f"{path}: no requests in file")
+    return rows
+
+
+# ---- arrivals -------------------------------------------------------------------
+
+
+def native_rate(rows: Sequence[TraceRow]) -> float:
+    """Mean arrival rate of a trace (arrivals per second over its span)."""
+    span = rows[-1].arrival_s - rows[0].arrival_s
+    if len(rows) < 2 or span <= 0:
+        raise ValueError("rate needs at least two arrivals at different times")
+    return (len(rows) - 1) / span
+
+
+def scale_and_window(
+    rows: Sequence[TraceRow],
+    *,
+    rate: float | None = None,
+    duration_s: float | None = None,
+    max_requests: int | None = None,
+) -> tuple[list[TraceRow], float]:
+    """Stretch the trace to `rate` req/s, then keep its first `duration_s` seconds.
+
+    Returns the rows (re-based to start at 0) and the window length for goodput.
+    """
+    if rate is not None and rate <= 0:
+        raise ValueError(f"rate must be > 0, got {rate}")
+    if duration_s is not None and duration_s <= 0:
+        raise ValueError(f"duration must be > 0, got {duration_s}")
+    factor = 1.0 if rate is None else native_rate(rows) / rate
+    start = rows[0].arrival_s
+    scaled = [replace(r, arrival_s=(r.arrival_s - start) * factor) for r in rows]
+    if duration_s is not None:
+        scaled = [r for r in scaled if r.arrival_s < duration_s]
+    if max_requests is not None:
+        scaled = scaled[:max_requests]
+    if not scaled:
+        raise ValueError("the window selects no requests")
+    window = duration_s if duration_s is not None and max_requests is None else None
+    return scaled, window if window is not None else scaled[-1].arrival_s
+
+
+def poisson_arrivals(rate: float, duration_s: float, seed: int) -> list[float]:
+    """Arrival times of a Poisson process on [0, duration_s)."""
+    if rate <= 0 or duration_s <= 0:
+        raise ValueError(f"Poisson arrivals need rate and duration > 0, got {rate}, {duration_s}")
+    rng = random.Random(seed)
+    times, t = [], rng.expovariate(rate)
+    while t < duration_s:
+        times.append(t)
+        t += rng.expovariate(rate)
+    return times
+
+
+# ---- assembling -----------------------------------------------------------------
+
+
+def sample_contents(pool: Sequence[Content], n: int, seed: int) -> list[Content]:
+    """n contents drawn from a seeded permutation of the pool, cycled when n > pool."""
+    if not pool:
+        raise ValueError("no content to sample from")
+    rng = random.Random(seed)
+    out: list[Content] = []
+    while len(out) < n:
+        order = list(pool)
+        rng.shuffle(order)
+        out.extend(order[: n - len(out)])
+    return out
+
+
+def make_workload(
+    arrival_s: Sequence[float], contents: Sequence[Content], duration_s: float, name: str
+) -> Workload:
+    """Zip arrivals with contents into a sorted workload with ids r0, r1, ..."""
+    if len(arrival_s) != len(contents):
+        raise ValueError(f"{len(arrival_s)} arrivals but {len(contents)} contents")
+    pairs = sorted(zip(arrival_s, contents, strict=True), key=lambda p: p[0])
+    requests = tuple(
+        WorkloadRequest(
+            request_id=f"r{i}",
+            arrival_s=t,
+            num_prompt_tokens=c.num_prompt_tokens,
+            num_output_tokens=c.num_output_tokens,
+            block_hashes=c.block_hashes,
+            hash_block_size=c.hash_block_size,
+            prompt=c.prompt,
+            task=c.task,
+        )
+        for i, (t, c) in enumerate(pairs)
+    )
+    return Workload(requests, duration_s, name)
+
+
+def trace_workload(
+    rows: Sequence[TraceRow],
+    *,
+    rate: float | None = None,
+    duration_s: float | None = None,
+    max_requests: int | None = None,
+    prompts: Sequence[PromptRow] | None = None,
+    seed: int = 0,
+    name: str = "trace",
+) -> Workload:
+    """Trace arrivals; content from the trace itself or from real prompts (seeded pairing)."""
+    kept, window = scale_and_window(
+        rows, rate=rate, duration_s=duration_s, max_requests=max_requests
+    )
+    if prompts is None:
+        contents = [r.content for r in kept]
+    else:
+        contents = sample_contents([p.content() for p in prompts], len(kept), seed)
+    return make_workload([r.arrival_s for r in kept], contents, window, name)
+
+
+def poisson_workload(
+    rate: float, duration_s: float, pool: Sequence[Content], *, seed: int = 0, name: str = "poisson"
+) -> Workload:
+    """Poisson arrivals at `rate` for `duration_s`, content sampled from `pool`."""
+    times = poisson_arrivals(rate, duration_s, seed)
+    if not times:
+        raise ValueError(f"no arrivals: rate {rate}/s over {duration_s} s")
+    return make_workload(times, sample_contents(pool, len(times), seed + 1), duration_s, name)

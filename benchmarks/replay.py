@@ -1,0 +1,346 @@
+"""Replay harness: one workload, several policies x SLO scales, one output directory.
+
+`goodserve replay --backend sim ...` runs every (policy, SLO scale) pair through
+the discrete-event simulator and writes summary.csv, requests.parquet, two PNG
+plots and report.md. Policies that declare `deadline_aware = False` (the
+load-balancing baselines) make the same decisions at every SLO scale, so they
+are simulated once and their records re-scored against each scale.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from app.config import ClusterConfig, EngineRole, load_cluster_config
+from app.routing.registry import POLICY_REGISTRY, PolicyKind
+from app.sim.metrics import summarize
+from app.sim.records import RequestRecord
+from app.sim.simulator import SimResult, Simulator
+from app.workload import (
+    Workload,
+    load_prompts,
+    load_trace,
+    poisson_workload,
+    trace_workload,
+)
+from benchmarks.slo import (
+    DEFAULT_REFERENCE_GPU,
+    assign_slos,
+    parse_scales,
+    reference_instance,
+    solo_latencies_s,
+)
+
+PREFILL_POLICY = PolicyKind.LEAST_REQUEST  # disaggregated clusters: the policies pick decode
+
+
+class Backend(StrEnum):
+    SIM = "sim"
+    LIVE = "live"
+
+
+class Arrivals(StrEnum):
+    TRACE = "trace"  # the trace's timestamps, time-scaled to --rate
+    POISSON = "poisson"  # Poisson at --rate for --duration
+
+
+@dataclass(frozen=True)
+class ReplaySpec:
+    """Everything one replay needs, already validated."""
+
+    cluster: ClusterConfig
+    policies: tuple[PolicyKind, ...]
+    slo_scales: tuple[float, ...]
+    seed: int = 0
+    reference_gpu: str = DEFAULT_REFERENCE_GPU
+    max_drain_s: float | None = None
+    rescore: bool = True  # simulate deadline-unaware policies once, score every scale
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """One (policy, SLO scale) cell: its summary row and its records."""
+
+    policy: str
+    slo_scale: float
+    summary: dict[str, Any]
+    records: tuple[RequestRecord, ...]
+
+
+def parse_policies(text: str) -> tuple[PolicyKind, ...]:
+    if text.strip().lower() == "all":
+        return tuple(POLICY_REGISTRY.kinds())
+    kinds = tuple(PolicyKind.from_str(name) for name in text.split(",") if name.strip())
+    if not kinds:
+        raise ValueError("no policies given")
+    return kinds
+
+
+def cluster_model(cluster: ClusterConfig) -> str:
+    models = {e.model.lower() for e in cluster.engines()}
+    if len(models) != 1:
+        raise ValueError(f"replay needs one model across the cluster, got {sorted(models)}")
+    return models.pop()
+
+
+def build_workload(
+    *,
+    arrivals: Arrivals,
+    trace: Path | None,
+    prompts: Path | None,
+    rate: float | None,
+    duration_s: float | None,
+    max_requests: int | None,
+    seed: int,
+) -> Workload:
+    """Arrivals from the trace or Poisson; content from --prompts or the trace's lengths."""
+    rows = load_trace(trace) if trace is not None else None
+    prompt_rows = load_prompts(prompts) if prompts is not None else None
+    if arrivals == Arrivals.TRACE:
+        if rows is None:
+            raise ValueError("--arrivals trace needs --trace")
+        return trace_workload(
+            rows, rate=rate, duration_s=duration_s, max_requests=max_requests,
+            prompts=prompt_rows, seed=seed, name=trace.name,
+        )
+    if rate is None or duration_s is None:
+        raise ValueError("--arrivals poisson needs --rate and --duration")
+    if prompt_rows is not None:
+        pool = [p.content() for p in prompt_rows]
+    elif rows is not None:
+        pool = [r.content for r in rows]
+    else:
+        raise ValueError("--arrivals poisson needs --prompts or --trace for request content")
+    workload = poisson_workload(rate, duration_s, pool, seed=seed)
+    if max_requests is not None:
+        workload = workload.with_requests(workload.requests[:max_requests])
+    return workload
+
+
+def _simulate(
+    spec: ReplaySpec, kind: PolicyKind, workload: Workload, progress: Callable[[int], None] | None
+) -> SimResult:
+    policy = POLICY_REGISTRY.get(kind, seed=spec.seed)
+    prefill_policy = None
+    if any(e.role == EngineRole.PREFILL for e in spec.cluster.engines()):
+        prefill_policy = POLICY_REGISTRY.get(PREFILL_POLICY, seed=spec.seed)
+    sim = Simulator.from_config(
+        spec.cluster, policy, prefill_policy=prefill_policy, max_drain_s=spec.max_drain_s,
+        seed=spec.seed,
+    )
+    return sim.run(workload, progress=progress)
+
+
+def _outcome(
+    kind: PolicyKind, scale: float, result: SimResult, records: Sequence[RequestRecord],
+    wall_s: float,
+) -> RunOutcome:
+    summary = summarize(records, result.duration_s)
+    row = {"policy": kind.value, "slo_scale": scale, **summary.as_row(),
+           "makespan_s": result.makespan_s, "wall_s": wall_s}
+    return RunOutcome(kind.value, scale, row, tuple(records))
+
+
+def _reuses_runs(spec: ReplaySpec, kind: PolicyKind) -> bool:
+    return spec.rescore and not POLICY_REGISTRY.get(kind).deadline_aware
+
+
+def _policy_cells(
+    spec: ReplaySpec, kind: PolicyKind, workload: Workload, solo_s: Sequence[float],
+    progress: Callable[[int], None] | None,
+) -> list[RunOutcome]:
+    """One policy at every scale; wall_s is 0 for cells re-scored from an earlier run."""
+    cells: list[RunOutcome] = []
+    shared: SimResult | None = None
+    for scale in spec.slo_scales:
+        if shared is not None:
+            factor = scale / spec.slo_scales[0]
+            records = [r.rescored(factor) for r in shared.records]
+            cells.append(_outcome(kind, scale, shared, records, 0.0))
+            continue
+        result = _simulate(spec, kind, assign_slos(workload, solo_s, scale), progress)
+        cells.append(_outcome(kind, scale, result, result.records, result.wall_s))
+        if _reuses_runs(spec, kind):
+            shared = result
+    return cells
+
+
+def run_replay(
+    spec: ReplaySpec, workload: Workload, progress: Callable[[int], None] | None = None
+) -> list[RunOutcome]:
+    """All (policy, scale) cells, in policy-major order."""
+    reference = reference_instance(cluster_model(spec.cluster), spec.reference_gpu)
+    solo_s = solo_latencies_s(workload.requests, reference)
+    return [
+        cell for kind in spec.policies
+        for cell in _policy_cells(spec, kind, workload, solo_s, progress)
+    ]
+
+
+def num_simulations(spec: ReplaySpec) -> int:
+    return sum(1 if _reuses_runs(spec, k) else len(spec.slo_scales) for k in spec.policies)
+
+
+# ---- outputs ------------------------------------------------------------------------
+
+
+def write_summary_csv(path: Path, outcomes: Sequence[RunOutcome]) -> None:
+    rows = [o.summary for o in outcomes]
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def write_records_parquet(path: Path, outcomes: Sequence[RunOutcome]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [
+        {"policy": o.policy, "slo_scale": o.slo_scale, **r.as_row()}
+        for o in outcomes
+        for r in o.records
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+def write_plots(out: Path, outcomes: Sequence[RunOutcome]) -> list[Path]:
+    """goodput.png and slo_violation.png: one line per policy vs SLO scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for metric, label, name in (
+        ("goodput_rps", "goodput (req/s within SLO)", "goodput.png"),
+        ("slo_violation_ratio", "SLO violation ratio", "slo_violation.png"),
+    ):
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for policy in dict.fromkeys(o.policy for o in outcomes):
+            cells = [o for o in outcomes if o.policy == policy]
+            ax.plot([o.slo_scale for o in cells], [o.summary[metric] for o in cells],
+                    marker="o", label=policy)
+        ax.set_xlabel("SLO scale")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=120)
+        plt.close(fig)
+        paths.append(out / name)
+    return paths
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else f"{value:.4g}"
+    return str(value)
+
+
+def write_report(path: Path, setup: dict[str, Any], outcomes: Sequence[RunOutcome]) -> None:
+    columns = ["policy", "slo_scale", "requests", "met", "rejected", "goodput_rps",
+               "slo_violation_ratio", "p50_e2e_s", "p99_e2e_s", "migrations"]
+    lines = ["# Replay report", "", "## Setup", ""]
+    lines += [f"- {key}: {_fmt(value)}" for key, value in setup.items()]
+    lines += [
+        "",
+        "Goodput = requests finished by their deadline / arrival-window seconds "
+        "(`duration_s`); SLO violation ratio = 1 - met / requests (rejected and "
+        "unfinished requests count as violations). SLO = scale x solo time on the "
+        "reference GPU.",
+        "",
+        "## Results",
+        "",
+        "| " + " | ".join(columns) + " |",
+        "|" + "---|" * len(columns),
+    ]
+    lines += ["| " + " | ".join(_fmt(o.summary[c]) for c in columns) + " |" for o in outcomes]
+    lines += ["", "Plots: goodput.png, slo_violation.png. Records: requests.parquet.", ""]
+    path.write_text("\n".join(lines))
+
+
+def write_outputs(out: Path, setup: dict[str, Any], outcomes: Sequence[RunOutcome]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    write_summary_csv(out / "summary.csv", outcomes)
+    write_records_parquet(out / "requests.parquet", outcomes)
+    write_plots(out, outcomes)
+    write_report(out / "report.md", setup, outcomes)
+
+
+# ---- command line ---------------------------------------------------------------------
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code=2)
+
+
+def replay(
+    cluster: Annotated[Path, typer.Option(help="cluster YAML (top-level key `cluster`)")],
+    out: Annotated[Path, typer.Option(help="output directory")],
+    trace: Annotated[Path | None, typer.Option(help="Mooncake .jsonl or Azure .csv")] = None,
+    prompts: Annotated[Path | None, typer.Option(help="prompt_lengths.jsonl content")] = None,
+    policies: Annotated[str, typer.Option(help="comma-separated names, or 'all'")] = "all",
+    slo_scales: Annotated[str, typer.Option(help="comma-separated")] = "1,1.5,2,2.5,3",
+    backend: Annotated[Backend, typer.Option(help="sim | live")] = Backend.SIM,
+    arrivals: Annotated[Arrivals, typer.Option(help="trace | poisson")] = Arrivals.TRACE,
+    rate: Annotated[float | None, typer.Option(help="target arrival rate, req/s")] = None,
+    duration: Annotated[float | None, typer.Option(help="arrival window, seconds")] = None,
+    max_requests: Annotated[int | None, typer.Option(help="keep the first N requests")] = None,
+    seed: Annotated[int, typer.Option()] = 0,
+    slo_reference_gpu: Annotated[str, typer.Option()] = DEFAULT_REFERENCE_GPU,
+    max_drain: Annotated[
+        float | None, typer.Option(help="stop this many s after the last arrival")
+    ] = None,
+    progress: Annotated[bool, typer.Option(help="show a progress bar")] = True,
+    rescore: Annotated[
+        bool, typer.Option(help="simulate deadline-unaware policies once for all scales")
+    ] = True,
+) -> None:
+    """Replay a trace against routing policies and SLO scales; write results to --out."""
+    if backend == Backend.LIVE:
+        raise _fail("--backend live is not available yet (use --backend sim)")
+    try:
+        spec = ReplaySpec(
+            cluster=load_cluster_config(cluster),
+            policies=parse_policies(policies),
+            slo_scales=parse_scales(slo_scales),
+            seed=seed,
+            reference_gpu=slo_reference_gpu,
+            max_drain_s=max_drain,
+            rescore=rescore,
+        )
+        workload = build_workload(
+            arrivals=arrivals, trace=trace, prompts=prompts, rate=rate,
+            duration_s=duration, max_requests=max_requests, seed=seed,
+        )
+        outcomes = _run_with_progress(spec, workload, progress)
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    setup = {
+        "backend": backend.value, "cluster": f"{cluster} ({spec.cluster.name})",
+        "instances": ", ".join(e.instance.name for e in spec.cluster.engines()),
+        "model": cluster_model(spec.cluster), "trace": trace, "prompts": prompts,
+        "arrivals": arrivals.value, "rate_rps": rate, "requests": len(workload),
+        "duration_s": workload.duration_s, "seed": seed, "slo_reference": slo_reference_gpu,
+    }
+    write_outputs(out, setup, outcomes)
+    typer.echo(f"wrote {out}/summary.csv, requests.parquet, goodput.png, "
+               f"slo_violation.png, report.md")
+
+
+def _run_with_progress(spec: ReplaySpec, workload: Workload, show: bool) -> list[RunOutcome]:
+    from tqdm import tqdm
+
+    total = num_simulations(spec) * len(workload)
+    with tqdm(total=total, unit="req", disable=not show, desc="replay") as bar:
+        return run_replay(spec, workload, bar.update)

@@ -1,0 +1,61 @@
+"""E2E-SLO assignment (DESIGN section 8).
+
+SLO of a request = its solo execution time on a reference instance (A800 by
+default) x a relaxation scale; deadline = arrival + SLO. Solo times come from the
+same hardware model the simulated engines use, so scale 1 is exactly "as fast as
+an idle A800".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from app.hardware import InstanceSpec, make_instance
+from app.workload import Workload, WorkloadRequest
+
+DEFAULT_SLO_SCALES: tuple[float, ...] = (1.0, 1.5, 2.0, 2.5, 3.0)
+DEFAULT_REFERENCE_GPU = "A800"
+
+
+def reference_instance(model: str, gpu: str = DEFAULT_REFERENCE_GPU, tp: int = 1) -> InstanceSpec:
+    return make_instance(gpu, model, tp)
+
+
+def solo_latencies_s(
+    requests: Sequence[WorkloadRequest], reference: InstanceSpec, chunk_size: int = 8192
+) -> list[float]:
+    """Solo execution time of each request on `reference` (memoised per length pair)."""
+    cache: dict[tuple[int, int], float] = {}
+    out = []
+    for r in requests:
+        key = (r.num_prompt_tokens, r.num_output_tokens)
+        if key not in cache:
+            cache[key] = reference.solo_latency_s(*key, chunk_size=chunk_size)
+        out.append(cache[key])
+    return out
+
+
+def assign_slos(workload: Workload, solo_s: Sequence[float], scale: float) -> Workload:
+    """Set each request's SLO to scale x its solo time."""
+    if scale <= 0:
+        raise ValueError(f"SLO scale must be > 0, got {scale}")
+    if len(solo_s) != len(workload):
+        raise ValueError(f"{len(solo_s)} solo times for {len(workload)} requests")
+    return workload.with_requests(
+        [replace(r, slo_s=scale * s) for r, s in zip(workload.requests, solo_s, strict=True)]
+    )
+
+
+def parse_scales(text: str) -> tuple[float, ...]:
+    """'1,1.5,2' -> (1.0, 1.5, 2.0); ValueError with the bad item otherwise."""
+    scales = []
+    for item in text.split(","):
+        try:
+            value = float(item)
+        except ValueError:
+            raise ValueError(f"bad SLO scale {item.strip()!r} in {text!r}") from None
+        if not value > 0:
+            raise ValueError(f"SLO scales must be > 0, got {item.strip()!r}")
+        scales.append(value)
+    return tuple(scales)

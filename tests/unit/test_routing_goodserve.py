@@ -1,0 +1,227 @@
+"""GoodServe decision logic: EMA status, latency estimate, just-enough, watchdog."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from app.engine_types import EngineStatus
+from app.routing.base import ActiveRequest, Reject
+from app.routing.goodserve import (
+    JustEnoughPolicy,
+    JustEnoughVariant,
+    SloWatchdog,
+    capability_s_per_token,
+    estimate_latency_s,
+    make_goodserve,
+)
+from app.routing.length import RunningHistoryLength, TrueLength
+from app.routing.status import InstanceEstimate, StatusEstimator, catalog_prior
+from app.routing.view import FinishReport
+from tests.unit.routing_utils import SPECS, make_cluster, make_request, make_view
+
+pytestmark = pytest.mark.unit
+
+def set_speed(status: StatusEstimator, gpu: str, decode_s: float, prefill_s: float = 1e-4):
+    """Feed one pure-decode and one pure-prefill iteration with alpha=1."""
+    status.observe_iteration(gpu, decode_s, 0, 4, 0.0)
+    status.observe_iteration(gpu, prefill_s * 1000, 1000, 0, 0.0)
+
+
+# ---- status estimator ----------------------------------------------------------
+def test_ema_update_weights_new_samples_by_alpha():
+    status = StatusEstimator(alpha=0.25)
+    view = make_view("A40")
+    status.observe_iteration("A40", 0.040, 0, 8, 0.0)
+    assert status.estimate(view).decode_s_per_token == pytest.approx(0.040)
+    status.observe_iteration("A40", 0.080, 0, 8, 0.0)
+    assert status.estimate(view).decode_s_per_token == pytest.approx(0.050)
+
+
+def test_prefill_per_token_is_ratio_of_emas():
+    status = StatusEstimator(alpha=1.0)
+    status.observe_iteration("A40", 0.5, 2000, 0, 0.0)
+    assert status.estimate(make_view("A40")).prefill_s_per_token == pytest.approx(0.5 / 2000)
+
+
+def test_unseen_and_idle_instances_use_catalog_speed():
+    status = StatusEstimator(alpha=1.0)
+    prior = catalog_prior(SPECS["A800"])
+    assert status.estimate(make_view("A800")) == prior
+    status.observe_iteration("A800", 1.0, 0, 64, 0.0)  # a heavy burst in the past
+    status.observe_queue_wait("A800", 5.0, 0.0)
+    idle = status.estimate(make_view("A800", running=0))
+    assert idle.decode_s_per_token == prior.decode_s_per_token and idle.queue_delay_s == 0.0
+    busy = status.estimate(make_view("A800", running=3, waiting=2))
+    assert busy.decode_s_per_token == 1.0 and busy.queue_delay_s == 5.0
+
+
+def test_polled_status_only_counts_new_window_entries():
+    status = StatusEstimator(alpha=1.0)
+
+    def poll(iterations: tuple[float, ...], count: int) -> None:
+        status.on_status(EngineStatus("A40", "A40", "unified", 0, 1, iterations, (), 0, 10, 0,
+                                      num_iterations=count), 0.0)
+
+    poll((0.03, 0.04), 2)
+    assert status.estimate(make_view("A40")).num_samples == 2
+    poll((0.03, 0.04), 2)  # same report again: nothing new
+    assert status.estimate(make_view("A40")).num_samples == 2
+    poll((0.04, 0.09), 3)
+    est = status.estimate(make_view("A40"))
+    assert est.num_samples == 3 and est.decode_s_per_token == 0.09
+
+
+def test_forget_drops_an_instance():
+    status = StatusEstimator(alpha=1.0)
+    status.observe_iteration("A40", 9.0, 0, 1, 0.0)
+    status.forget("A40")
+    assert status.estimate(make_view("A40")) == catalog_prior(SPECS["A40"])
+
+
+def test_bad_alpha_is_rejected():
+    with pytest.raises(ValueError, match="alpha"):
+        StatusEstimator(alpha=0.0)
+
+
+# ---- latency estimate ---------------------------------------------------------
+def test_latency_estimate_is_paper_equation_2():
+    est = InstanceEstimate(queue_delay_s=0.5, prefill_s_per_token=1e-4, decode_s_per_token=0.02)
+    request = make_request(10.0, prompt=3000)
+    # q + (L_in - H) p + L_out d = 0.5 + 2000 * 1e-4 + 200 * 0.02
+    assert estimate_latency_s(request, est, 1000, 200) == pytest.approx(0.5 + 0.2 + 4.0)
+
+
+def test_capability_ranks_by_unloaded_speed():
+    caps = {g: capability_s_per_token(s) for g, s in SPECS.items()}
+    assert caps["H800"] < caps["A800"] < caps["A40"]
+
+
+# ---- just-enough --------------------------------------------------------------
+def policy_with_speeds(variant=JustEnoughVariant.WEAKEST, admission=False, **decode_s):
+    status = StatusEstimator(alpha=1.0)
+    for gpu, d in decode_s.items():
+        set_speed(status, gpu, d)
+    return JustEnoughPolicy(status, TrueLength(), variant, admission)
+
+
+def test_just_enough_picks_weakest_instance_that_meets_the_deadline():
+    policy = policy_with_speeds(H800=0.01, A800=0.015, A40=0.04)
+    cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
+    # 200 tokens: A40 needs ~8.1 s, A800 ~3.1 s, H800 ~2.1 s
+    assert policy.choose(make_request(20.0), cluster, 0.0) == "A40"
+    assert policy.choose(make_request(5.0), cluster, 0.0) == "A800"
+    assert policy.choose(make_request(2.5), cluster, 0.0) == "H800"
+
+
+def test_just_enough_ranks_by_capability_not_current_load():
+    # the A800 is loaded so much that it is momentarily slower than the A40
+    policy = policy_with_speeds(H800=0.01, A800=0.03, A40=0.025)
+    cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
+    assert policy.choose(make_request(20.0), cluster, 0.0) == "A40"
+    # both weak ones feasible -> A40 (weakest by catalog) even though A800 is slower now
+    assert policy.choose(make_request(7.0), cluster, 0.0) == "A40"
+
+
+def test_least_slack_variant_finishes_closest_to_deadline():
+    policy = policy_with_speeds(JustEnoughVariant.LEAST_SLACK, H800=0.01, A800=0.015, A40=0.04)
+    cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
+    assert policy.choose(make_request(8.5), cluster, 0.0) == "A40"
+    assert policy.choose(make_request(8.0), cluster, 0.0) == "A800"
+
+
+def test_no_feasible_instance_falls_back_to_min_latency():
+    policy = policy_with_speeds(H800=0.01, A800=0.015, A40=0.04)
+    cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
+    assert policy.choose(make_request(0.5), cluster, 0.0) == "H800"
+
+
+def test_admission_control_rejects_early_with_reason():
+    policy = policy_with_speeds(admission=True, H800=0.01, A800=0.015, A40=0.04)
+    cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
+    decision = policy.choose(make_request(0.5), cluster, 0.0)
+    assert isinstance(decision, Reject) and "deadline" in decision.reason
+    assert policy.choose(make_request(math.inf), cluster, 0.0) == "A40"
+
+
+def test_prefix_hit_makes_a_weaker_instance_feasible():
+    policy = policy_with_speeds(H800=0.01, A40=0.02)
+    policy.status.observe_iteration("A40", 0.01 * 1000, 1000, 0, 0.0)  # 10 ms per prompt token
+    request = make_request(7.0, prompt=600)
+    no_hit = make_cluster(make_view("H800"), make_view("A40"))
+    assert policy.choose(request, no_hit, 0.0) == "H800"
+    with_hit = make_cluster(make_view("H800"), make_view("A40"), hits={"A40": 36})  # 576 tokens
+    request = make_request(7.0, prompt=600, block_hashes=tuple(range(36)))
+    assert policy.choose(request, with_hit, 0.0) == "A40"
+
+
+def test_no_memory_room_makes_instance_infeasible():
+    policy = policy_with_speeds(H800=0.01, A40=0.04)
+    cluster = make_cluster(make_view("H800"), make_view("A40", free_blocks=10))
+    assert policy.choose(make_request(20.0), cluster, 0.0) == "H800"
+
+
+def test_policy_forwards_finishes_to_the_length_estimator():
+    length = RunningHistoryLength()
+    policy = JustEnoughPolicy(StatusEstimator(), length)
+    for n in (100, 200, 300):
+        policy.on_finish(FinishReport(make_request(1.0), "A40", n, 0.1, 1.0), 1.0)
+    assert length.predict_total(make_request(1.0), 0) == 200
+    assert length.predict_total(make_request(1.0), 250) == 300
+
+
+# ---- watchdog -----------------------------------------------------------------
+def make_watchdog(**decode_s) -> SloWatchdog:
+    status = StatusEstimator(alpha=1.0)
+    for gpu, d in decode_s.items():
+        set_speed(status, gpu, d)
+    return SloWatchdog(status, TrueLength(), tau_iterations=50)
+
+
+def active(slo_s: float, generated: int, out: int = 400, gpu: str = "A40") -> ActiveRequest:
+    return ActiveRequest(make_request(slo_s, prompt=500, out=out), gpu, generated, True)
+
+
+def test_watchdog_migrates_exactly_when_finish_would_miss_the_deadline():
+    dog = make_watchdog(H800=0.01, A800=0.015, A40=0.04)
+    cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
+    now = 4.0  # 100 generated, 300 left: A40 needs 12 s more, A800 ~4.6 s, H800 ~3.1 s
+    on_time = dog.check("A40", [active(17.0, 100)], cluster, now)
+    assert on_time == {}
+    late = dog.check("A40", [active(10.0, 100)], cluster, now)
+    assert late == {"r": "A800"}  # just-enough among stronger instances
+
+
+def test_watchdog_keeps_request_when_no_stronger_instance_can_make_it():
+    dog = make_watchdog(H800=0.01, A800=0.015, A40=0.04)
+    cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
+    assert dog.check("A40", [active(5.0, 100)], cluster, 4.0) == {}
+
+
+def test_watchdog_never_moves_from_the_strongest_or_twice():
+    dog = make_watchdog(H800=0.01, A800=0.015, A40=0.04)
+    cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
+    assert dog.check("H800", [active(4.5, 100, gpu="H800")], cluster, 4.0) == {}
+    assert dog.check("A40", [active(10.0, 100)], cluster, 4.0) == {"r": "A800"}
+    assert dog.check("A40", [active(10.0, 100)], cluster, 4.0) == {}  # limit 1 per request
+
+
+def test_make_goodserve_shares_estimators_and_ablates_migration():
+    policy, dog = make_goodserve(RunningHistoryLength(), tau_iterations=25)
+    assert dog.status is policy.status and dog.length is policy.length
+    assert dog.tau_iterations == 25
+    _, none = make_goodserve(RunningHistoryLength(), migration=False)
+    assert none is None
+
+
+def test_queue_delay_follows_a_growing_queue_by_littles_law():
+    status = StatusEstimator(alpha=0.2)
+    status.observe_queue_wait("A40", 0.1, 0.0)
+    for t in range(1, 5):  # one request finishes per second
+        status.on_status(EngineStatus("A40", "A40", "unified", 0, 4, (), (), 0, 10, 0,
+                                      num_finished=t), float(t))
+    # 8 requests waiting, ~1 departure/s: ~8 s of queue, far above the lagging EMA
+    est = status.estimate(make_view("A40", running=4, waiting=8), now=4.0)
+    assert est.queue_delay_s == pytest.approx(8.0, rel=0.01)
+    assert status.estimate(make_view("A40", running=4, waiting=0), now=4.0).queue_delay_s == 0.0

@@ -1,0 +1,336 @@
+"""Discrete-event simulator: ordering, conservation, routing hooks, migration, P/D."""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+
+import pytest
+
+from app.config import EngineRole, SchedulerConfig
+from app.hardware import make_instance
+from app.routing.base import ActiveRequest, Reject, RoutingPolicy, Watchdog
+from app.routing.baselines import LeastRequestPolicy, RandomPolicy
+from app.routing.view import ClusterView, FinishReport, RouteRequest, StepReport
+from app.sim.events import ArrivalEvent, EventKind, StepEndEvent, StepStartEvent, heap_key
+from app.sim.instance import InstanceSetup, KvLink, Pool, SimInstance
+from app.sim.metrics import summarize
+from app.sim.records import RequestOutcome
+from app.sim.simulator import Simulator
+from app.workload import WorkloadRequest
+
+pytestmark = pytest.mark.unit
+
+MODEL = "llama-3.1-8b"
+
+
+def make_setups(*gpus: str, role: EngineRole = EngineRole.UNIFIED, **knobs) -> list[InstanceSetup]:
+    scheduler = SchedulerConfig(**knobs)
+    return [InstanceSetup(make_instance(g, MODEL, 2 if g == "V100" else 1), scheduler, role)
+            for g in gpus]
+
+
+def make_requests(
+    n: int, prompt: int = 256, output: int = 32, gap_s: float = 0.01, slo_s: float = math.inf
+) -> list[WorkloadRequest]:
+    return [WorkloadRequest(f"r{i}", i * gap_s, prompt + i % 7, output + i % 5, slo_s=slo_s)
+            for i in range(n)]
+
+
+def run(setups, requests, policy: RoutingPolicy | None = None, **kwargs):
+    return Simulator(setups, policy or LeastRequestPolicy(seed=0), **kwargs).run(requests)
+
+
+def assert_conserved(result) -> None:
+    """Every request ends met, violated or rejected; generated tokens add up."""
+    outcomes = {r.outcome for r in result.records}
+    assert outcomes <= {RequestOutcome.MET, RequestOutcome.VIOLATED, RequestOutcome.REJECTED}
+    assert sum(r.num_generated_tokens for r in result.records) == result.num_token_events
+    for r in result.records:
+        if r.finish_s is not None:
+            assert r.num_generated_tokens == r.num_output_tokens
+            assert r.arrival_s <= r.first_token_s <= r.finish_s
+
+
+# ---- events ---------------------------------------------------------------------------
+
+
+def test_heap_key_orders_by_time_then_kind_then_seq() -> None:
+    inst = SimInstance("x", make_setups("A40")[0], 0)
+    events = [StepStartEvent(1.0, inst), ArrivalEvent(1.0, 0), ArrivalEvent(1.0, 1),
+              ArrivalEvent(0.5, 2)]
+    heap = [(*heap_key(e, seq), e) for seq, e in enumerate(events)]
+    heapq.heapify(heap)
+    popped = [heapq.heappop(heap)[-1] for _ in events]
+    assert [type(e).__name__ for e in popped] == [
+        "ArrivalEvent", "ArrivalEvent", "ArrivalEvent", "StepStartEvent"]
+    assert [e.index for e in popped[:3]] == [2, 0, 1]
+    assert StepEndEvent.KIND < ArrivalEvent.KIND < StepStartEvent.KIND
+    assert EventKind.KV_TRANSFER_DONE < EventKind.ARRIVAL
+
+
+def test_kv_link_is_fifo_with_bandwidth_service() -> None:
+    link = KvLink(bandwidth_gbps=1.0)
+    assert link.enqueue(0.0, 1e9) == pytest.approx(1.0)
+    assert link.enqueue(0.5, 2e9) == pytest.approx(3.0)  # waits for the first
+    assert link.enqueue(10.0, 1e9) == pytest.approx(11.0)  # idle link starts at once
+    assert link.num_transfers == 3
+    with pytest.raises(ValueError):
+        KvLink(0.0)
+
+
+# ---- views ------------------------------------------------------------------------------
+
+
+def test_pool_snapshot_rebuilds_only_changed_views() -> None:
+    setups = make_setups("H800", "A40")
+    insts = [SimInstance(f"i{k}", s, k) for k, s in enumerate(setups)]
+    pool = Pool(EngineRole.UNIFIED, insts)
+    first = pool.snapshot(0.0)
+    assert [v.instance_id for v in first.instances] == ["i0", "i1"]
+    from app.sim.engine_core import SimSequence
+
+    insts[1].core.add_request(SimSequence("a", 100, 4, 0.0))
+    pool.mark_dirty(insts[1])
+    second = pool.snapshot(1.0)
+    assert second.instances[0] is first.instances[0]
+    assert second.get("i1").num_waiting == 1 and first.get("i1").num_waiting == 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        second.instances[0].num_waiting = 3  # type: ignore[misc]
+    capped = pool.snapshot(1.0, max_outstanding=1)
+    assert [v.instance_id for v in capped.instances] == ["i0"]
+
+
+def test_view_prefix_hit_reads_the_instance_cache() -> None:
+    hashes = (11, 12, 13)
+    requests = [WorkloadRequest("a", 0.0, 1536, 2, hashes, 512),
+                WorkloadRequest("b", 100.0, 1536, 2, hashes[:2] + (99,), 512)]
+    seen: list[int] = []
+
+    class Spy(LeastRequestPolicy):
+        def choose(self, request, view, now):
+            seen.append(view.prefix_hit_tokens(view.instances[0].instance_id, request))
+            return view.instances[0].instance_id
+
+    run(make_setups("A800"), requests, Spy())
+    assert seen == [0, 1024]
+
+
+# ---- conservation and outcomes ------------------------------------------------------------
+
+
+def test_overload_loses_nothing_and_tokens_add_up() -> None:
+    requests = make_requests(300, prompt=4000, output=64, gap_s=0.001, slo_s=2.0)
+    result = run(make_setups("A40", "V100"), requests, RandomPolicy(seed=3))
+    assert_conserved(result)
+    summary = summarize(result.records, result.duration_s)
+    assert summary.met + summary.violated + summary.rejected == 300
+    assert summary.violated > 0 and summary.rejected == 0
+
+
+def test_alone_on_reference_gpu_meets_scale_one_slo() -> None:
+    spec = make_instance("A800", MODEL)
+    request = WorkloadRequest("a", 0.0, 12000, 343, slo_s=spec.solo_latency_s(12000, 343))
+    (record,) = run(make_setups("A800"), [request]).records
+    assert record.outcome == RequestOutcome.MET
+    assert record.e2e_s == pytest.approx(request.slo_s, rel=1e-5)
+
+
+def test_rejections_are_recorded_with_reasons() -> None:
+    class RejectOdd(LeastRequestPolicy):
+        def choose(self, request, view, now):
+            if int(request.request_id[1:]) % 2:
+                return Reject("odd")
+            return super().choose(request, view, now)
+
+    result = run(make_setups("A40"), make_requests(10), RejectOdd(seed=0))
+    rejected = [r for r in result.records if r.outcome == RequestOutcome.REJECTED]
+    assert [r.request_id for r in rejected] == ["r1", "r3", "r5", "r7", "r9"]
+    assert all(r.reject_reason == "odd" and r.finish_s is None for r in rejected)
+    assert_conserved(result)
+
+
+def test_request_too_large_for_every_instance_is_rejected() -> None:
+    tiny = make_setups("A40", num_kv_blocks=64)  # 1024 tokens
+    result = run(tiny, [WorkloadRequest("big", 0.0, 5000, 8), *make_requests(1)[:1]])
+    assert result.records[0].outcome == RequestOutcome.REJECTED
+    assert "no instance can hold" in result.records[0].reject_reason
+    assert result.records[1].finish_s is not None
+
+
+def test_unknown_instance_from_policy_is_an_error() -> None:
+    class Bad(LeastRequestPolicy):
+        def choose(self, request, view, now):
+            return "nope"
+
+    with pytest.raises(ValueError, match="nope"):
+        run(make_setups("A40"), make_requests(1), Bad())
+
+
+def test_unsorted_or_duplicate_requests_are_refused() -> None:
+    requests = make_requests(3)
+    with pytest.raises(ValueError, match="sorted"):
+        run(make_setups("A40"), [requests[1], requests[0]])
+    with pytest.raises(ValueError, match="unique"):
+        run(make_setups("A40"), [requests[0], requests[0]])
+
+
+def test_runs_are_deterministic_for_a_seed() -> None:
+    requests = make_requests(80, gap_s=0.002)
+
+    def finishes(seed: int) -> list[float | None]:
+        result = run(make_setups("H800", "A40", "V100"), requests, RandomPolicy(seed=seed))
+        return [(r.finish_s, tuple(r.instance_ids)) for r in result.records]
+
+    assert finishes(1) == finishes(1)
+    assert finishes(1) != finishes(2)
+
+
+def test_drain_limit_counts_unfinished_as_violated() -> None:
+    requests = make_requests(20, prompt=2000, output=500, gap_s=0.0)
+    result = run(make_setups("A40", max_num_seqs=2), requests, max_drain_s=1.0)
+    unfinished = [r for r in result.records if r.finish_s is None]
+    assert unfinished and all(r.outcome == RequestOutcome.VIOLATED for r in unfinished)
+    assert result.makespan_s <= 1.0
+    assert_conserved(result)
+
+
+# ---- router queue ------------------------------------------------------------------------
+
+
+def test_admission_cap_queues_requests_at_the_router() -> None:
+    requests = make_requests(3, gap_s=0.0)
+    result = run(make_setups("A800"), requests, max_ongoing_requests=1)
+    records = result.records
+    assert records[0].finish_s <= records[1].first_token_s
+    assert records[1].finish_s <= records[2].first_token_s
+    assert_conserved(result)
+
+
+# ---- callbacks and what a policy sees ----------------------------------------------------------
+
+
+class Recorder(LeastRequestPolicy):
+    needs_true_output_length = True
+
+    def __init__(self) -> None:
+        super().__init__(seed=0)
+        self.requests: list[RouteRequest] = []
+        self.steps: list[StepReport] = []
+        self.finishes: list[FinishReport] = []
+
+    def choose(self, request, view, now):
+        assert now == request.arrival_s and view.time_s == now
+        self.requests.append(request)
+        return super().choose(request, view, now)
+
+    def on_step(self, instance_id, report, now):
+        assert report.start_s + report.duration_s == pytest.approx(now)
+        self.steps.append(report)
+
+    def on_finish(self, report, now):
+        self.finishes.append(report)
+
+
+def test_policy_sees_request_fields_and_gets_callbacks() -> None:
+    requests = [dataclasses.replace(r, predicted_output_tokens=40, prompt="hi", slo_s=5.0)
+                for r in make_requests(12)]
+    policy = Recorder()
+    result = run(make_setups("H800", "A40"), requests, policy)
+    seen = policy.requests[3]
+    assert seen.true_output_tokens == requests[3].num_output_tokens
+    assert seen.predicted_output_tokens == 40 and seen.prompt == "hi"
+    assert seen.deadline_s == pytest.approx(requests[3].arrival_s + 5.0)
+    assert len(policy.finishes) == 12
+    assert {f.request.request_id for f in policy.finishes} == {r.request_id for r in requests}
+    assert len(policy.steps) > 0
+    assert policy.steps[-1].status.num_iterations > 0
+    assert_conserved(result)
+
+
+def test_true_output_length_is_hidden_from_ordinary_policies() -> None:
+    seen: list[RouteRequest] = []
+
+    class Spy(LeastRequestPolicy):
+        def choose(self, request, view, now):
+            seen.append(request)
+            return super().choose(request, view, now)
+
+    run(make_setups("A40"), make_requests(3), Spy())
+    assert all(r.true_output_tokens is None for r in seen)
+
+
+# ---- migration -----------------------------------------------------------------------------
+
+
+class MoveAllOnce(Watchdog):
+    """Moves every active request of `source` to `target` at its first check."""
+
+    def __init__(self, source: str, target: str, tau: int) -> None:
+        super().__init__(tau)
+        self.source, self.target = source, target
+        self.calls: list[tuple[str, list[ActiveRequest]]] = []
+
+    def check(self, instance_id, active, view: ClusterView, now):
+        self.calls.append((instance_id, list(active)))
+        if instance_id != self.source or len(self.calls) > 1:
+            return {}
+        return {a.request.request_id: self.target for a in active}
+
+
+class Pin(RoutingPolicy):
+    def __init__(self, instance_id: str) -> None:
+        self.instance_id = instance_id
+
+    def choose(self, request, view, now):
+        return self.instance_id
+
+
+def test_watchdog_migrates_by_token_ids() -> None:
+    requests = make_requests(4, prompt=500, output=200, gap_s=0.0)
+    watchdog = MoveAllOnce("A40-0", "H800-0", tau=20)
+    result = run(make_setups("A40", "H800"), requests, Pin("A40-0"), watchdog=watchdog)
+    source, active = watchdog.calls[0]
+    assert source == "A40-0" and len(active) == 4
+    assert all(a.num_generated_tokens > 0 for a in active if a.is_running)
+    for r in result.records:
+        assert r.instance_ids == ["A40-0", "H800-0"] and r.num_migrations == 1
+    assert summarize(result.records, 1.0).migrations == 4
+    assert_conserved(result)
+    unmigrated = run(make_setups("A40", "H800"), requests, Pin("A40-0"))
+    assert max(r.finish_s for r in result.records) < max(r.finish_s for r in unmigrated.records)
+
+
+def test_bad_migration_target_is_an_error() -> None:
+    watchdog = MoveAllOnce("A40-0", "A40-0", tau=5)
+    with pytest.raises(ValueError, match="cannot migrate"):
+        run(make_setups("A40", "H800"), make_requests(2, output=50), Pin("A40-0"),
+            watchdog=watchdog)
+
+
+# ---- disaggregated mode ----------------------------------------------------------------------
+
+
+def test_prefill_decode_pools_transfer_kv_over_the_link() -> None:
+    setups = make_setups("H800", role=EngineRole.PREFILL) + make_setups(
+        "A40", "A800", role=EngineRole.DECODE)
+    requests = make_requests(6, prompt=8000, output=20, gap_s=0.0) + [
+        WorkloadRequest("one", 0.5, 300, 1)]
+    result = run(setups, requests, LeastRequestPolicy(seed=1),
+                 prefill_policy=LeastRequestPolicy(seed=2), kv_link_gbps=1.0)
+    assert_conserved(result)
+    assert result.num_kv_transfers == 6  # the one-token request never leaves prefill
+    by_id = {r.request_id: r for r in result.records}
+    assert by_id["one"].instance_ids == [] and by_id["one"].finish_s is not None
+    kv_s = 8000 * make_instance("A800", MODEL).model.kv_bytes_per_token / 1e9
+    for r in result.records[:6]:
+        assert r.prefill_instance_id == "H800-0"
+        assert r.instance_ids[0] in {"A40-0", "A800-0"}
+        assert r.finish_s >= r.first_token_s + kv_s
+
+
+def test_mixed_roles_are_refused() -> None:
+    setups = make_setups("H800") + make_setups("A40", role=EngineRole.DECODE)
+    with pytest.raises(ValueError, match="mix"):
+        run(setups, make_requests(1))

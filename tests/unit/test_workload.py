@@ -1,0 +1,192 @@
+"""Trace/prompt loaders, arrival processes, workload assembly and SLO assignment."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from app.hardware import make_instance
+from app.workload import (
+    Content,
+    TraceRow,
+    load_azure,
+    load_mooncake,
+    load_prompts,
+    load_trace,
+    make_workload,
+    native_rate,
+    poisson_arrivals,
+    poisson_workload,
+    sample_contents,
+    scale_and_window,
+    text_block_hashes,
+    trace_workload,
+)
+from benchmarks.slo import assign_slos, parse_scales, reference_instance, solo_latencies_s
+
+pytestmark = pytest.mark.unit
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def mooncake_row(ts: int = 0, inp: int = 600, out: int = 20, ids=(0, 1)) -> dict:
+    return {"timestamp": ts, "input_length": inp, "output_length": out, "hash_ids": list(ids)}
+
+
+# ---- real shared data ---------------------------------------------------------------------
+
+
+def test_mooncake_conversation_trace(shared_data_dir: Path) -> None:
+    rows = load_mooncake(shared_data_dir / "traces" / "mooncake_conversation_trace.jsonl")
+    assert len(rows) == 12031
+    first = rows[0]
+    assert (first.arrival_s, first.content.num_prompt_tokens) == (0.0, 6758)
+    assert first.content.num_output_tokens == 500 and first.content.hash_block_size == 512
+    assert first.content.block_hashes[:3] == (0, 1, 2)
+    assert native_rate(rows) == pytest.approx(3.40, abs=0.01)
+    scaled, window = scale_and_window(rows, rate=1.0, duration_s=600.0)
+    assert window == 600.0 and max(r.arrival_s for r in scaled) < 600.0
+    assert 450 < len(scaled) < 750  # ~1 req/s on average; the trace is bursty
+
+
+def test_prompt_rows_pair_with_trace_arrivals(shared_data_dir: Path) -> None:
+    prompts = load_prompts(shared_data_dir / "prompts" / "prompt_lengths.jsonl")
+    assert len(prompts) == 7746
+    rows = [TraceRow(float(i), Content(5000, 100)) for i in range(50)]
+    a = trace_workload(rows, prompts=prompts, seed=4)
+    assert a == trace_workload(rows, prompts=prompts, seed=4)
+    assert a != trace_workload(rows, prompts=prompts, seed=5)
+    rows_seen = {(p.prompt, p.prompt_tokens, p.output_tokens, p.task) for p in prompts}
+    for r in a.requests:  # the same prompt answered by several models: match whole rows
+        assert (r.prompt, r.num_prompt_tokens, r.num_output_tokens, r.task) in rows_seen
+        assert r.hash_block_size == 16 and r.arrival_s == float(r.request_id[1:])
+
+
+# ---- malformed input ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("{not json", "invalid JSON"),
+        ('{"timestamp": 0, "output_length": 3}', "missing field 'input_length'"),
+        ('{"timestamp": 0, "input_length": "x", "output_length": 3}', "field 'input_length'"),
+        ('{"timestamp": 0, "input_length": 0, "output_length": 3}', "must be >= 1"),
+        ('{"timestamp": 0, "input_length": 5, "output_length": 2.5}', "expected int"),
+        ('{"timestamp": 0, "input_length": 5, "output_length": 3, "hash_ids": [1, "a"]}',
+         "hash_ids"),
+        ("[1, 2]", "expected a JSON object"),
+    ],
+)
+def test_malformed_mooncake_names_file_line_and_field(tmp_path, line, message) -> None:
+    path = write_jsonl(tmp_path / "t.jsonl", [mooncake_row(), "", line])
+    with pytest.raises(ValueError, match=message) as info:
+        load_mooncake(path)
+    assert f"{path}:3" in str(info.value)
+
+
+def test_missing_empty_and_unknown_files(tmp_path) -> None:
+    with pytest.raises(ValueError, match="file not found"):
+        load_mooncake(tmp_path / "absent.jsonl")
+    with pytest.raises(ValueError, match="no requests"):
+        load_mooncake(write_jsonl(tmp_path / "e.jsonl", [""]))
+    with pytest.raises(ValueError, match="unknown trace format"):
+        load_trace(tmp_path / "trace.parquet")
+
+
+def test_azure_csv(tmp_path) -> None:
+    path = tmp_path / "azure.csv"
+    path.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:47.1805900,100,10\n"
+        "2023-11-16 18:15:46.6805900,374,44\n"
+    )
+    rows = load_trace(path)
+    assert [r.arrival_s for r in rows] == pytest.approx([0.0, 0.5])
+    assert rows[0].content.num_prompt_tokens == 374 and rows[1].content.num_output_tokens == 10
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,1,1\n")
+    with pytest.raises(ValueError, match=r"azure.csv:2: field 'TIMESTAMP'"):
+        load_azure(path)
+    path.write_text("TIMESTAMP,ContextTokens\n0,1\n")
+    with pytest.raises(ValueError, match="missing column"):
+        load_azure(path)
+
+
+def test_prompt_rows_need_text(tmp_path) -> None:
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt_tokens": 3, "output_tokens": 4}])
+    with pytest.raises(ValueError, match="p.jsonl:1: field 'prompt'"):
+        load_prompts(path)
+
+
+# ---- arrivals and assembly ----------------------------------------------------------------------
+
+
+def test_time_scaling_and_windowing() -> None:
+    rows = [TraceRow(10.0 + 2 * i, Content(10, 5)) for i in range(11)]  # 0.5 req/s
+    scaled, window = scale_and_window(rows, rate=2.0)
+    assert [r.arrival_s for r in scaled][:3] == pytest.approx([0.0, 0.5, 1.0])
+    assert native_rate(scaled) == pytest.approx(2.0) and window == pytest.approx(5.0)
+    kept, window = scale_and_window(rows, rate=2.0, duration_s=2.0)
+    assert len(kept) == 4 and window == 2.0
+    kept, window = scale_and_window(rows, max_requests=3)
+    assert len(kept) == 3 and window == pytest.approx(4.0)
+    with pytest.raises(ValueError, match="rate must be > 0"):
+        scale_and_window(rows, rate=0.0)
+    with pytest.raises(ValueError, match="no requests"):
+        scale_and_window(rows, rate=2.0, duration_s=1e-9, max_requests=0)
+
+
+def test_poisson_arrivals_rate_and_determinism() -> None:
+    times = poisson_arrivals(50.0, 200.0, seed=1)
+    assert len(times) == pytest.approx(10_000, rel=0.05)
+    assert times == poisson_arrivals(50.0, 200.0, seed=1) and times == sorted(times)
+    workload = poisson_workload(5.0, 10.0, [Content(7, 3)], seed=2)
+    assert workload.duration_s == 10.0 and all(r.num_prompt_tokens == 7 for r in workload.requests)
+
+
+def test_sample_contents_cycles_a_seeded_permutation() -> None:
+    pool = [Content(n, 1) for n in range(1, 6)]
+    picked = sample_contents(pool, 12, seed=0)
+    assert sorted(c.num_prompt_tokens for c in picked[:5]) == [1, 2, 3, 4, 5]
+    assert picked == sample_contents(pool, 12, seed=0) != sample_contents(pool, 12, seed=1)
+
+
+def test_make_workload_sorts_and_numbers() -> None:
+    workload = make_workload([2.0, 1.0], [Content(5, 1), Content(6, 1)], 3.0, "w")
+    assert [(r.request_id, r.arrival_s, r.num_prompt_tokens) for r in workload.requests] == [
+        ("r0", 1.0, 6), ("r1", 2.0, 5)]
+
+
+def test_text_block_hashes_share_prefixes() -> None:
+    base = "x" * 200
+    a, b = text_block_hashes(base + "aaaa" * 40, 64), text_block_hashes(base + "bbbb" * 40, 64)
+    assert len(a) == 4 and a[:3] == b[:3] and a[3] != b[3]
+    assert len(text_block_hashes(base, 16)) == 1  # never more blocks than tokens allow
+
+
+# ---- SLO assignment -----------------------------------------------------------------------------
+
+
+def test_slo_is_scale_times_solo_time_on_reference() -> None:
+    workload = make_workload([0.0, 1.0], [Content(1000, 50), Content(1000, 50)], 1.0, "w")
+    reference = reference_instance("llama-3.1-8b")
+    assert reference == make_instance("A800", "llama-3.1-8b")
+    solo = solo_latencies_s(workload.requests, reference)
+    assert solo[0] == solo[1] == reference.solo_latency_s(1000, 50)
+    scaled = assign_slos(workload, solo, 2.5)
+    assert scaled.requests[1].deadline_s == pytest.approx(1.0 + 2.5 * solo[1])
+    with pytest.raises(ValueError, match="> 0"):
+        assign_slos(workload, solo, 0.0)
+
+
+def test_parse_scales() -> None:
+    assert parse_scales("1,1.5, 2") == (1.0, 1.5, 2.0)
+    with pytest.raises(ValueError, match="bad SLO scale 'a'"):
+        parse_scales("1,a")
+    with pytest.raises(ValueError, match="must be > 0"):
+        parse_scales("1,-2")
