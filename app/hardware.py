@@ -332,6 +332,16 @@ class InstanceSpec:
     def unloaded_prefill_s_per_token(self) -> float:
         return self.prefill_time_per_token_s()
 
+    @cached_property
+    def decode_batch_line(self) -> tuple[float, float]:
+        """(intercept_s, slope_s_per_seq): decode step time vs batch size at a 1k context,
+        as a straight line through batch 1 and 256; routers use its ratios to
+        extrapolate a measured speed to a different batch size cheaply."""
+        t1 = self.decode_time_per_token_s(1024, 1)
+        t256 = self.decode_time_per_token_s(1024, 256)
+        slope = (t256 - t1) / 255
+        return t1 - slope, slope
+
     def prefill_time_per_token_s(self, num_tokens: int = 2048) -> float:
         chunk = PrefillChunk(num_tokens, 0)
         return self.iteration_time_s(BatchShape.build([chunk])) / num_tokens

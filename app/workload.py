@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from app.engine_types import prefix_block_hashes
+from app.routing.view import RouteRequest
 
 MOONCAKE_BLOCK_TOKENS = 512  # tokens per Mooncake hash_id
 TEXT_BYTES_PER_BLOCK = 64  # ~16 Llama-3 tokens of English text
@@ -42,6 +43,21 @@ class WorkloadRequest:
     @property
     def deadline_s(self) -> float:
         return self.arrival_s + self.slo_s
+
+    def route_request(self, reveal_true_length: bool = False) -> RouteRequest:
+        """What a routing policy sees of this request (the oracle also sees its length)."""
+        return RouteRequest(
+            request_id=self.request_id,
+            arrival_s=self.arrival_s,
+            deadline_s=self.deadline_s,
+            num_prompt_tokens=self.num_prompt_tokens,
+            block_hashes=self.block_hashes,
+            hash_block_size=self.hash_block_size,
+            prompt=self.prompt,
+            task=self.task,
+            predicted_output_tokens=self.predicted_output_tokens,
+            true_output_tokens=self.num_output_tokens if reveal_true_length else None,
+        )
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import csv
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
@@ -20,7 +20,8 @@ from typing import Annotated, Any
 import typer
 
 from app.config import ClusterConfig, EngineRole, load_cluster_config
-from app.routing.registry import POLICY_REGISTRY, PolicyKind
+from app.routing.length import OutputLengthEstimator, PredictorLength
+from app.routing.registry import POLICY_REGISTRY, PolicyKind, RoutingOptions, build_routing
 from app.sim.metrics import summarize
 from app.sim.records import RequestRecord
 from app.sim.simulator import SimResult, Simulator
@@ -63,6 +64,7 @@ class ReplaySpec:
     reference_gpu: str = DEFAULT_REFERENCE_GPU
     max_drain_s: float | None = None
     rescore: bool = True  # simulate deadline-unaware policies once, score every scale
+    routing: RoutingOptions = RoutingOptions()  # tau, EMA alpha, GoodServe's predictor
 
 
 @dataclass(frozen=True)
@@ -128,13 +130,13 @@ def build_workload(
 def _simulate(
     spec: ReplaySpec, kind: PolicyKind, workload: Workload, progress: Callable[[int], None] | None
 ) -> SimResult:
-    policy = POLICY_REGISTRY.get(kind, seed=spec.seed)
+    stack = build_routing(kind, spec.routing)
     prefill_policy = None
     if any(e.role == EngineRole.PREFILL for e in spec.cluster.engines()):
         prefill_policy = POLICY_REGISTRY.get(PREFILL_POLICY, seed=spec.seed)
     sim = Simulator.from_config(
-        spec.cluster, policy, prefill_policy=prefill_policy, max_drain_s=spec.max_drain_s,
-        seed=spec.seed,
+        spec.cluster, stack.policy, prefill_policy=prefill_policy, watchdog=stack.watchdog,
+        max_drain_s=spec.max_drain_s, seed=spec.seed,
     )
     return sim.run(workload, progress=progress)
 
@@ -305,6 +307,13 @@ def replay(
     rescore: Annotated[
         bool, typer.Option(help="simulate deadline-unaware policies once for all scales")
     ] = True,
+    predictor: Annotated[
+        Path | None,
+        typer.Option(help="directory from `goodserve predictor train`: GoodServe uses its "
+                     "MoE (default: a running history of finished lengths)"),
+    ] = None,
+    tau: Annotated[int, typer.Option(min=1, help="watchdog period, iterations")] = 50,
+    alpha: Annotated[float, typer.Option(min=0.0, max=1.0, help="status EMA weight")] = 0.2,
 ) -> None:
     """Replay a trace against routing policies and SLO scales; write results to --out."""
     if backend == Backend.LIVE:
@@ -318,11 +327,15 @@ def replay(
             reference_gpu=slo_reference_gpu,
             max_drain_s=max_drain,
             rescore=rescore,
+            routing=RoutingOptions(seed=seed, tau_iterations=tau, alpha=alpha,
+                                   length_factory=_length_factory(predictor)),
         )
         workload = build_workload(
             arrivals=arrivals, trace=trace, prompts=prompts, rate=rate,
             duration_s=duration, max_requests=max_requests, seed=seed,
         )
+        if predictor is not None:
+            workload = attach_predictions(workload, spec.routing.length_factory())
         outcomes = _run_with_progress(spec, workload, progress)
     except ValueError as exc:
         raise _fail(str(exc)) from None
@@ -336,6 +349,30 @@ def replay(
     write_outputs(out, setup, outcomes)
     typer.echo(f"wrote {out}/summary.csv, requests.parquet, goodput.png, "
                f"slo_violation.png, report.md")
+
+
+def _length_factory(model_dir: Path | None) -> Callable[[], OutputLengthEstimator] | None:
+    """GoodServe's length estimator: the saved MoE (loaded once, shared read-only)."""
+    if model_dir is None:
+        return None
+    from predictor.registry import load_predictor
+
+    try:
+        moe = load_predictor(model_dir, "moe")
+    except (OSError, KeyError) as exc:
+        raise ValueError(f"cannot load predictor from {model_dir}: {exc}") from None
+    return lambda: PredictorLength(moe)
+
+
+def attach_predictions(workload: Workload, length: OutputLengthEstimator) -> Workload:
+    """Arrival-time L_out_hat for every request in one batched call (as the router's
+    micro-batcher would compute them), so routing does not predict one by one."""
+    routes = [r.route_request() for r in workload.requests]
+    totals = length.predict_totals(routes, [0] * len(routes))
+    return workload.with_requests(
+        [replace(r, predicted_output_tokens=round(t))
+         for r, t in zip(workload.requests, totals, strict=True)]
+    )
 
 
 def _run_with_progress(spec: ReplaySpec, workload: Workload, show: bool) -> list[RunOutcome]:

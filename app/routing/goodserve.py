@@ -11,12 +11,14 @@ Pure, clock-agnostic logic shared by the simulator and the live router.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from app.hardware import InstanceSpec
 from app.routing.base import ActiveRequest, Reject, RouteDecision, RoutingPolicy, Watchdog
+from app.routing.budgets import TokenBudgets, token_budget_s
 from app.routing.length import OutputLengthEstimator
 from app.routing.status import InstanceEstimate, StatusEstimator
 from app.routing.view import (
@@ -61,10 +63,17 @@ class Candidate:
     slack_s: float  # deadline - (now + T)
     capability_s_per_token: float
     has_memory_room: bool
+    decode_s_per_token: float  # d_g with this request added
+    tightest_budget_s: float = math.inf  # smallest per-token budget already admitted here
 
-    @property
-    def feasible(self) -> bool:
-        return self.slack_s >= 0 and self.has_memory_room
+    def feasible(self, headroom: float = 0.0) -> bool:
+        """Meets the deadline with `headroom` x T to spare, has KV room, and does not
+        slow the instance past what its admitted requests tolerate."""
+        return (
+            self.slack_s >= headroom * self.latency_s
+            and self.has_memory_room
+            and self.decode_s_per_token * (1.0 + headroom) <= self.tightest_budget_s
+        )
 
 
 def score_instances(
@@ -74,30 +83,65 @@ def score_instances(
     status: StatusEstimator,
     output_tokens: float,
     now: float,
+    budgets: TokenBudgets | None = None,
 ) -> list[Candidate]:
-    """T(r,g), slack and memory room of each instance for `request` (O(M))."""
+    """T(r,g), slack, memory room and admitted budgets per instance for `request` (O(M))."""
     scored = []
     for inst in instances:
         hit = view.prefix_hit_tokens(inst.instance_id, request)
-        latency = estimate_latency_s(request, status.estimate(inst, now), hit, output_tokens)
-        room = inst.kv_free_tokens >= request.num_context_tokens - hit
-        scored.append(
-            Candidate(inst.instance_id, latency, request.deadline_s - (now + latency),
-                      capability_s_per_token(inst.spec), room)
-        )
+        estimate = status.estimate(inst, now)
+        latency = estimate_latency_s(request, estimate, hit, output_tokens)
+        scored.append(Candidate(
+            instance_id=inst.instance_id,
+            latency_s=latency,
+            slack_s=request.deadline_s - (now + latency),
+            capability_s_per_token=capability_s_per_token(inst.spec),
+            has_memory_room=inst.kv_free_tokens >= request.num_context_tokens - hit,
+            decode_s_per_token=estimate.decode_s_per_token,
+            tightest_budget_s=budgets.tightest_s(inst.instance_id) if budgets else math.inf,
+        ))
     return scored
 
 
+def admitted_budget_s(request: RouteRequest, chosen: Candidate, output_tokens: float) -> float:
+    """The per-token time `request` tolerates on `chosen` (its deadline slack spread
+    over its predicted remaining tokens, on top of the current d_g)."""
+    remaining = max(output_tokens - request.num_generated_tokens, 1.0)
+    return chosen.decode_s_per_token + token_budget_s(chosen.slack_s, remaining)
+
+
 def pick_just_enough(
-    candidates: Sequence[Candidate], variant: JustEnoughVariant
+    candidates: Sequence[Candidate], variant: JustEnoughVariant, headroom: float = 0.0
 ) -> Candidate | None:
-    """The feasible candidate the variant prefers; None when none is feasible."""
-    feasible = [c for c in candidates if c.feasible]
+    """The feasible candidate the variant prefers; None when none is feasible.
+
+    `headroom` keeps part of the slack in reserve: a request admitted with zero slack
+    misses as soon as later arrivals slow its instance down.
+    """
+    feasible = [c for c in candidates if c.feasible(headroom)]
     if not feasible:
         return None
     if variant == JustEnoughVariant.LEAST_SLACK:
         return min(feasible, key=lambda c: (c.slack_s, c.instance_id))
     return min(feasible, key=lambda c: (-c.capability_s_per_token, c.slack_s, c.instance_id))
+
+
+@dataclass(frozen=True)
+class JustEnoughConfig:
+    """How just-enough picks; shared by the router and the watchdog."""
+
+    variant: JustEnoughVariant = JustEnoughVariant.WEAKEST
+    # slack kept in reserve, as a fraction of T: instances that would finish with less
+    # spare time count as infeasible, so later arrivals cannot push them past deadline
+    headroom: float = 0.0
+    admission_control: bool = False  # reject early when no instance can make it
+    # "do no harm": skip instances whose predicted d_g would exceed the per-token budget
+    # of a request already placed there (see app/routing/budgets.py)
+    protect_admitted: bool = True
+
+    def __post_init__(self) -> None:
+        if self.headroom < 0:
+            raise ValueError(f"headroom must be >= 0, got {self.headroom}")
 
 
 class JustEnoughPolicy(RoutingPolicy):
@@ -112,13 +156,13 @@ class JustEnoughPolicy(RoutingPolicy):
         self,
         status: StatusEstimator,
         length: OutputLengthEstimator,
-        variant: JustEnoughVariant = JustEnoughVariant.WEAKEST,
-        admission_control: bool = False,
+        config: JustEnoughConfig = JustEnoughConfig(),
+        budgets: TokenBudgets | None = None,
     ) -> None:
         self.status = status
         self.length = length
-        self.variant = JustEnoughVariant(variant)
-        self.admission_control = admission_control
+        self.config = config
+        self.budgets = budgets if budgets is not None else TokenBudgets()
         self.needs_true_output_length = length.needs_true_output_length
 
     def choose(self, request: RouteRequest, view: ClusterView, now: float) -> RouteDecision:
@@ -126,14 +170,16 @@ class JustEnoughPolicy(RoutingPolicy):
         if not holding:
             return Reject(f"no instance can hold {request.num_context_tokens} tokens")
         output = self.length.expected_output(request)
-        candidates = score_instances(
-            request, holding, view, self.status, output, now
-        )
-        chosen = pick_just_enough(candidates, self.variant)
+        budgets = self.budgets if self.config.protect_admitted else None
+        candidates = score_instances(request, holding, view, self.status, output, now, budgets)
+        chosen = pick_just_enough(candidates, self.config.variant, self.config.headroom)
         if chosen is not None:
+            if request.has_deadline:  # hopeless requests are not protected: see below
+                budget = admitted_budget_s(request, chosen, output)
+                self.budgets.admit(chosen.instance_id, request.request_id, budget)
             return chosen.instance_id
         fastest = min(candidates, key=lambda c: (c.latency_s, c.instance_id))
-        if self.admission_control and request.has_deadline:
+        if self.config.admission_control and request.has_deadline:
             return Reject(
                 f"no instance can meet the deadline: best estimate {fastest.latency_s:.2f} s "
                 f"for {request.deadline_s - now:.2f} s left"
@@ -145,6 +191,7 @@ class JustEnoughPolicy(RoutingPolicy):
 
     def on_finish(self, report: FinishReport, now: float) -> None:
         self.length.on_finish(report, now)
+        self.budgets.remove(report.request.request_id)
 
 
 class SloWatchdog(Watchdog):
@@ -163,21 +210,25 @@ class SloWatchdog(Watchdog):
         length: OutputLengthEstimator,
         tau_iterations: int = 50,
         max_migrations_per_request: int = 1,
-        variant: JustEnoughVariant = JustEnoughVariant.WEAKEST,
+        config: JustEnoughConfig = JustEnoughConfig(),
+        budgets: TokenBudgets | None = None,
     ) -> None:
         super().__init__(tau_iterations)
+        self.budgets = budgets if budgets is not None else TokenBudgets()
         if max_migrations_per_request < 0:
             raise ValueError("max_migrations_per_request must be >= 0")
         self.status = status
         self.length = length
         self.max_migrations_per_request = max_migrations_per_request
-        self.variant = JustEnoughVariant(variant)
+        self.config = config
         self.needs_true_output_length = length.needs_true_output_length
         self.req_to_num_migrations: dict[str, int] = {}
 
-    def expected_finish_s(self, active: ActiveRequest, source: InstanceView, now: float) -> float:
+    def expected_finish_s(
+        self, active: ActiveRequest, total_tokens: float, source: InstanceView, now: float
+    ) -> float:
         estimate = self.status.estimate(source, now)
-        remaining = self.length.remaining(active.request, active.num_generated_tokens)
+        remaining = max(total_tokens - active.num_generated_tokens, 1.0)
         waiting = 0.0 if active.is_running else estimate.queue_delay_s
         return now + waiting + remaining * estimate.decode_s_per_token
 
@@ -193,35 +244,46 @@ class SloWatchdog(Watchdog):
         stronger = [
             v for v in view.instances if capability_s_per_token(v.spec) < source_capability
         ]
+        watched = [
+            a for a in active
+            if a.request.has_deadline
+            and self.req_to_num_migrations.get(a.request.request_id, 0)
+            < self.max_migrations_per_request
+        ]
         moves: dict[str, InstanceId] = {}
-        if not stronger:
+        if not stronger or not watched:
             return moves
-        for item in active:
-            request = item.request
-            rid = request.request_id
-            if not request.has_deadline:
+        totals = self.length.predict_totals(
+            [a.request for a in watched], [a.num_generated_tokens for a in watched]
+        )
+        for item, total in zip(watched, totals, strict=True):
+            if self.expected_finish_s(item, total, source, now) <= item.request.deadline_s:
                 continue
-            if self.req_to_num_migrations.get(rid, 0) >= self.max_migrations_per_request:
-                continue
-            if self.expected_finish_s(item, source, now) <= request.deadline_s:
-                continue
-            target = self._target(item, stronger, view, now)
+            target = self._target(item, total, stronger, view, now)
             if target is not None:
+                rid = item.request.request_id
                 moves[rid] = target
                 self.req_to_num_migrations[rid] = self.req_to_num_migrations.get(rid, 0) + 1
         return moves
 
     def _target(
-        self, item: ActiveRequest, stronger: Sequence[InstanceView], view: ClusterView, now: float
+        self,
+        item: ActiveRequest,
+        total: float,
+        stronger: Sequence[InstanceView],
+        view: ClusterView,
+        now: float,
     ) -> InstanceId | None:
         resumed = _as_resumed(item.request, item.num_generated_tokens)
         holding = [v for v in stronger if v.can_hold(resumed.num_context_tokens)]
-        total = self.length.predict_total(item.request, item.num_generated_tokens)
-        candidates = score_instances(
-            resumed, holding, view, self.status, total, now
-        )
-        chosen = pick_just_enough(candidates, self.variant)
-        return None if chosen is None else chosen.instance_id
+        budgets = self.budgets if self.config.protect_admitted else None
+        candidates = score_instances(resumed, holding, view, self.status, total, now, budgets)
+        chosen = pick_just_enough(candidates, self.config.variant, self.config.headroom)
+        if chosen is None:
+            return None
+        budget = admitted_budget_s(resumed, chosen, total)
+        self.budgets.admit(chosen.instance_id, resumed.request_id, budget)
+        return chosen.instance_id
 
 
 def _as_resumed(request: RouteRequest, num_generated: int) -> RouteRequest:
@@ -235,21 +297,23 @@ def make_goodserve(
     alpha: float = 0.2,
     tau_iterations: int = 50,
     migration: bool = True,
-    admission_control: bool = False,
-    variant: JustEnoughVariant = JustEnoughVariant.WEAKEST,
     max_migrations_per_request: int = 1,
+    config: JustEnoughConfig = JustEnoughConfig(),
 ) -> tuple[JustEnoughPolicy, SloWatchdog | None]:
     """Policy + watchdog sharing one status estimator and one length estimator."""
-    status = StatusEstimator(alpha)
-    policy = JustEnoughPolicy(status, length, variant, admission_control)
+    status, budgets = StatusEstimator(alpha), TokenBudgets()
+    policy = JustEnoughPolicy(status, length, config, budgets)
     if not migration:
         return policy, None
-    watchdog = SloWatchdog(status, length, tau_iterations, max_migrations_per_request, variant)
+    watchdog = SloWatchdog(
+        status, length, tau_iterations, max_migrations_per_request, config, budgets
+    )
     return policy, watchdog
 
 
 __all__ = [
     "Candidate",
+    "JustEnoughConfig",
     "JustEnoughPolicy",
     "JustEnoughVariant",
     "SloWatchdog",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 from app.routing.base import StepListener
@@ -34,13 +35,14 @@ class OutputLengthEstimator(StepListener, ABC):
         """Expected total output tokens of `request` after `num_generated` tokens."""
 
     def expected_output(self, request: RouteRequest) -> float:
-        """L_out_hat for routing: the substrate's prediction if it attached one."""
-        if request.predicted_output_tokens is not None and request.num_generated_tokens == 0:
-            return float(request.predicted_output_tokens)
+        """L_out_hat when the request is routed."""
         return self.predict_total(request, request.num_generated_tokens)
 
-    def remaining(self, request: RouteRequest, num_generated: int) -> float:
-        return max(self.predict_total(request, num_generated) - num_generated, 1.0)
+    def predict_totals(
+        self, requests: Sequence[RouteRequest], num_generated: Sequence[int]
+    ) -> list[float]:
+        """Batched `predict_total` (the watchdog re-predicts a whole instance at once)."""
+        return [self.predict_total(r, n) for r, n in zip(requests, num_generated, strict=True)]
 
 
 class TrueLength(OutputLengthEstimator):
@@ -88,18 +90,33 @@ class RunningHistoryLength(OutputLengthEstimator):
 
 
 class PredictorLength(OutputLengthEstimator):
-    """Any trained `Predictor` (MoE, MLP, history, ...) behind the routing interface."""
+    """Any trained `Predictor` (MoE, MLP, history, ...) behind the routing interface.
+
+    When the substrate attached this predictor's arrival-time output to the request
+    (`predicted_output_tokens`, computed in one batch), routing uses it as is.
+    """
 
     def __init__(self, predictor: Predictor) -> None:
         self.predictor = predictor
 
+    def expected_output(self, request: RouteRequest) -> float:
+        if request.predicted_output_tokens is not None and request.num_generated_tokens == 0:
+            return float(request.predicted_output_tokens)
+        return self.predict_total(request, request.num_generated_tokens)
+
     def predict_total(self, request: RouteRequest, num_generated: int = 0) -> float:
+        return self.predict_totals([request], [num_generated])[0]
+
+    def predict_totals(
+        self, requests: Sequence[RouteRequest], num_generated: Sequence[int]
+    ) -> list[float]:
         from predictor.base import PredictionInput
 
-        item = PredictionInput(
-            prompt=request.prompt or "", num_generated_tokens=num_generated, task=request.task
-        )
-        return float(self.predictor.predict([item])[0])
+        items = [
+            PredictionInput(prompt=r.prompt or "", num_generated_tokens=n, task=r.task)
+            for r, n in zip(requests, num_generated, strict=True)
+        ]
+        return [float(x) for x in self.predictor.predict(items)]
 
     def on_finish(self, report: FinishReport, now: float) -> None:
         self.predictor.observe(report.num_output_tokens, report.request.task)

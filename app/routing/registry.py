@@ -1,26 +1,54 @@
-"""Policy registry keyed by enum: the config or CLI name chooses the implementation."""
+"""Policy registry keyed by enum: the config or CLI name chooses the implementation.
+
+A name builds a `RoutingStack`: the routing policy plus, for policies that move
+requests (GoodServe, the oracle, Llumnix), the watchdog that shares its state.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from app.routing.base import RoutingPolicy
+from app.routing.base import RoutingPolicy, Watchdog
 from app.routing.baselines import (
     LeastRequestPolicy,
     PowerOfTwoPolicy,
     RandomPolicy,
     RoundRobinPolicy,
 )
+from app.routing.cache_aware import PreblePolicy, PrefixCachePolicy
+from app.routing.goodserve import (
+    JustEnoughConfig,
+    JustEnoughPolicy,
+    JustEnoughVariant,
+    make_goodserve,
+)
+from app.routing.length import OutputLengthEstimator, RunningHistoryLength, TrueLength
+from app.routing.load_aware import LlumnixBalancer, LlumnixPolicy, LowestTpmPolicy
+from app.routing.status import StatusEstimator
 
 
 class PolicyKind(StrEnum):
-    """CLI / config names of the routing policies."""
+    """CLI / config names of the routing policies (and GoodServe's ablations)."""
 
+    GOODSERVE = "goodserve"
+    ORACLE = "oracle"
     RANDOM = "random"
     P2C = "p2c"
     ROUND_ROBIN = "round-robin"
     LEAST_REQUEST = "least-request"
+    PREFIX_CACHE = "prefix-cache"
+    LOWEST_TPM = "lowest-tpm"
+    PREBLE = "preble"
+    LLUMNIX = "llumnix"
+    SLO_PACK = "slo-pack"
+    # ablations and variants: by name only, not part of `all`
+    GOODSERVE_NO_MIGRATION = "goodserve-no-migration"
+    GOODSERVE_HISTORY = "goodserve-history"
+    GOODSERVE_LEAST_SLACK = "goodserve-least-slack"
+    GOODSERVE_ADMISSION = "goodserve-admission"
 
     @classmethod
     def from_str(cls, name: str) -> PolicyKind:
@@ -31,32 +59,125 @@ class PolicyKind(StrEnum):
             raise ValueError(f"unknown policy {name!r}; known: {known}") from None
 
 
+ABLATIONS = frozenset({
+    PolicyKind.GOODSERVE_NO_MIGRATION, PolicyKind.GOODSERVE_HISTORY,
+    PolicyKind.GOODSERVE_LEAST_SLACK, PolicyKind.GOODSERVE_ADMISSION,
+})
+
+
+@dataclass(frozen=True)
+class RoutingOptions:
+    """Knobs shared by every builder; each builder reads the ones it needs."""
+
+    seed: int = 0
+    tau_iterations: int = 50  # watchdog period, in iterations of an instance
+    alpha: float = 0.2  # EMA weight of the status estimator
+    headroom: float = 0.0  # just-enough slack reserve, fraction of T
+    # GoodServe's output-length predictor (e.g. the MoE); None -> running history
+    length_factory: Callable[[], OutputLengthEstimator] | None = None
+
+    def goodserve_length(self) -> OutputLengthEstimator:
+        return self.length_factory() if self.length_factory else RunningHistoryLength()
+
+
+@dataclass(frozen=True)
+class RoutingStack:
+    """What a substrate needs to route: the policy and an optional watchdog."""
+
+    policy: RoutingPolicy
+    watchdog: Watchdog | None = None
+
+
+Builder = Callable[[RoutingOptions], RoutingStack]
+
+
+def _goodserve(
+    options: RoutingOptions,
+    length: OutputLengthEstimator,
+    migration: bool = True,
+    **config: Any,
+) -> RoutingStack:
+    policy, watchdog = make_goodserve(
+        length, alpha=options.alpha, tau_iterations=options.tau_iterations, migration=migration,
+        config=JustEnoughConfig(headroom=options.headroom, **config),
+    )
+    return RoutingStack(policy, watchdog)
+
+
+def _oracle(options: RoutingOptions) -> RoutingStack:
+    """Just-enough with the true output length and undelayed speeds (alpha = 1)."""
+    oracle_options = options
+    return _goodserve(oracle_options, TrueLength())
+
+
+def _slo_pack(options: RoutingOptions) -> RoutingStack:
+    """AIBrix slo-pack-load / llm-d least-headroom: same latency estimate, history
+    predictor, pack onto the feasible instance with the least headroom; no migration."""
+    status = StatusEstimator(options.alpha)
+    config = JustEnoughConfig(variant=JustEnoughVariant.LEAST_SLACK)
+    return RoutingStack(JustEnoughPolicy(status, RunningHistoryLength(), config))
+
+
+def _seeded(cls: type[RoutingPolicy]) -> Builder:
+    return lambda options: RoutingStack(cls(seed=options.seed))
+
+
 class PolicyRegistry:
-    """PolicyKind -> policy class; `get` builds a fresh object per call."""
+    """PolicyKind -> builder; every call builds fresh objects."""
 
     def __init__(self) -> None:
-        self._classes: dict[PolicyKind, type[RoutingPolicy]] = {}
+        self._builders: dict[PolicyKind, Builder] = {}
 
-    def register(self, kind: PolicyKind, cls: type[RoutingPolicy]) -> None:
-        self._classes[kind] = cls
+    def register(self, kind: PolicyKind, builder: Builder) -> None:
+        self._builders[kind] = builder
 
-    def kinds(self) -> list[PolicyKind]:
-        return list(self._classes)
+    def kinds(self, include_ablations: bool = False) -> list[PolicyKind]:
+        """Registered names; `all` on the CLI means these without the ablations."""
+        return [k for k in self._builders if include_ablations or k not in ABLATIONS]
 
-    def get(self, kind: PolicyKind | str, **kwargs: Any) -> RoutingPolicy:
-        """Build the policy; kwargs go to its constructor (e.g. `seed`)."""
+    def build(self, kind: PolicyKind | str, options: RoutingOptions | None = None) -> RoutingStack:
         key = kind if isinstance(kind, PolicyKind) else PolicyKind.from_str(kind)
-        if key not in self._classes:
+        if key not in self._builders:
             raise ValueError(f"policy {key.value!r} is not registered")
-        return self._classes[key](**kwargs)
+        return self._builders[key](options or RoutingOptions())
+
+    def get(self, kind: PolicyKind | str, **options: Any) -> RoutingPolicy:
+        """Just the policy (for substrates without migration)."""
+        return self.build(kind, RoutingOptions(**options)).policy
 
 
 POLICY_REGISTRY = PolicyRegistry()
-POLICY_REGISTRY.register(PolicyKind.RANDOM, RandomPolicy)
-POLICY_REGISTRY.register(PolicyKind.P2C, PowerOfTwoPolicy)
-POLICY_REGISTRY.register(PolicyKind.ROUND_ROBIN, RoundRobinPolicy)
-POLICY_REGISTRY.register(PolicyKind.LEAST_REQUEST, LeastRequestPolicy)
+for _kind, _builder in {
+    PolicyKind.GOODSERVE: lambda o: _goodserve(o, o.goodserve_length()),
+    PolicyKind.ORACLE: _oracle,
+    PolicyKind.RANDOM: _seeded(RandomPolicy),
+    PolicyKind.P2C: _seeded(PowerOfTwoPolicy),
+    PolicyKind.ROUND_ROBIN: _seeded(RoundRobinPolicy),
+    PolicyKind.LEAST_REQUEST: _seeded(LeastRequestPolicy),
+    PolicyKind.PREFIX_CACHE: _seeded(PrefixCachePolicy),
+    PolicyKind.LOWEST_TPM: _seeded(LowestTpmPolicy),
+    PolicyKind.PREBLE: _seeded(PreblePolicy),
+    PolicyKind.LLUMNIX: lambda o: RoutingStack(
+        LlumnixPolicy(seed=o.seed), LlumnixBalancer(o.tau_iterations)
+    ),
+    PolicyKind.SLO_PACK: _slo_pack,
+    PolicyKind.GOODSERVE_NO_MIGRATION: lambda o: _goodserve(
+        o, o.goodserve_length(), migration=False
+    ),
+    PolicyKind.GOODSERVE_HISTORY: lambda o: _goodserve(o, RunningHistoryLength()),
+    PolicyKind.GOODSERVE_LEAST_SLACK: lambda o: _goodserve(
+        o, o.goodserve_length(), variant=JustEnoughVariant.LEAST_SLACK
+    ),
+    PolicyKind.GOODSERVE_ADMISSION: lambda o: _goodserve(
+        o, o.goodserve_length(), admission_control=True
+    ),
+}.items():
+    POLICY_REGISTRY.register(_kind, _builder)
 
 
-def make_policy(kind: PolicyKind | str, **kwargs: Any) -> RoutingPolicy:
-    return POLICY_REGISTRY.get(kind, **kwargs)
+def make_policy(kind: PolicyKind | str, **options: Any) -> RoutingPolicy:
+    return POLICY_REGISTRY.get(kind, **options)
+
+
+def build_routing(kind: PolicyKind | str, options: RoutingOptions | None = None) -> RoutingStack:
+    return POLICY_REGISTRY.build(kind, options)

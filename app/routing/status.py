@@ -69,6 +69,7 @@ class _InstanceState:
 
     queue_delay: _Ema
     decode_iteration: _Ema
+    decode_batch: _Ema  # decoding sequences in the iterations behind decode_iteration
     prefill_step_s: _Ema  # ratio of EMAs: prefill time / prefill tokens
     prefill_step_tokens: _Ema
     num_samples: int = 0
@@ -102,7 +103,7 @@ class StatusEstimator(StepListener):
         state = self._states.get(instance_id)
         if state is None:
             a = self.alpha
-            state = _InstanceState(_Ema(a), _Ema(a), _Ema(a), _Ema(a))
+            state = _InstanceState(_Ema(a), _Ema(a), _Ema(a), _Ema(a), _Ema(a))
             self._states[instance_id] = state
         return state
 
@@ -123,6 +124,7 @@ class StatusEstimator(StepListener):
         state = self._state(instance_id)
         if num_decode_seqs > 0:
             state.decode_iteration.update(duration_s)
+            state.decode_batch.update(float(num_decode_seqs))
         if num_prefill_tokens > 0:
             state.prefill_step_s.update(duration_s)
             state.prefill_step_tokens.update(float(num_prefill_tokens))
@@ -142,12 +144,14 @@ class StatusEstimator(StepListener):
     def on_status(self, status: EngineStatus, now: float) -> None:
         """A polled report (live router): take only window entries newer than last poll.
 
-        Polled iteration latencies carry no prefill/decode split, so they update d_g.
+        Polled iteration latencies carry no prefill/decode split, so they update d_g,
+        at the batch size the engine reports now.
         """
         state = self._state(status.engine_id)
         num_new = min(status.num_iterations - state.seen_iterations, len(status.recent_iteration_s))
+        batch = max(status.num_running, 1)
         for duration in status.recent_iteration_s[len(status.recent_iteration_s) - num_new :]:
-            self.observe_iteration(status.engine_id, duration, 0, 1, now)
+            self.observe_iteration(status.engine_id, duration, 0, batch, now)
         state.seen_iterations = status.num_iterations
         self._take_new_queue_waits(status.engine_id, status, now)
         self._take_new_finishes(status.engine_id, status, now)
@@ -194,9 +198,26 @@ class StatusEstimator(StepListener):
             prefill_s_per_token=(
                 prior.prefill_s_per_token if prefill_s is None else prefill_s / prefill_tokens
             ),
-            decode_s_per_token=prior.decode_s_per_token if decode is None else decode,
+            decode_s_per_token=(
+                prior.decode_s_per_token if decode is None
+                else decode * self._batch_growth(state, view)
+            ),
             num_samples=state.num_samples,
         )
+
+    @staticmethod
+    def _batch_growth(state: _InstanceState, view: InstanceView) -> float:
+        """How much slower a step will be with everything outstanding now (+ the new
+        request) in the batch than at the batch size the EMA was measured at.
+
+        The measured speed is the truth at the measured load; the hardware model only
+        supplies the shape of speed vs batch size. Without it, a burst of arrivals at
+        one instant would all see the pre-burst speed and pile onto one instance.
+        """
+        measured = state.decode_batch.value or 1.0
+        upcoming = view.num_running + view.num_waiting + 1
+        intercept, slope = view.spec.decode_batch_line
+        return max((intercept + slope * upcoming) / (intercept + slope * measured), 1.0)
 
     @staticmethod
     def _queue_delay_s(state: _InstanceState, view: InstanceView, now: float | None) -> float:

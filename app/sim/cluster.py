@@ -121,18 +121,7 @@ class SimCluster:
 
     def _new_flight(self, index: int) -> Flight:
         work = self.requests[index]
-        route = RouteRequest(
-            request_id=work.request_id,
-            arrival_s=work.arrival_s,
-            deadline_s=work.deadline_s,
-            num_prompt_tokens=work.num_prompt_tokens,
-            block_hashes=work.block_hashes,
-            hash_block_size=work.hash_block_size,
-            prompt=work.prompt,
-            task=work.task,
-            predicted_output_tokens=work.predicted_output_tokens,
-            true_output_tokens=work.num_output_tokens if self.oracle else None,
-        )
+        route = work.route_request(reveal_true_length=self.oracle)
         record = RequestRecord(
             request_id=work.request_id,
             arrival_s=work.arrival_s,

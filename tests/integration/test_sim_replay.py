@@ -45,16 +45,19 @@ def test_replay_writes_summary_records_plots_and_report(tmp_path) -> None:
     assert result.exit_code == 0, result.output
     with (out / "summary.csv").open() as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 4 * 3
+    assert len(rows) == 11 * 3  # `all`: every policy of the issue, not the ablations
     for column in ("policy", "slo_scale", "requests", "met", "goodput_rps",
                    "slo_violation_ratio", "p50_e2e_s", "p99_e2e_s", "migrations", "rejected"):
         assert column in rows[0]
-    for policy in ("random", "p2c", "round-robin", "least-request"):
+    assert {r["policy"] for r in rows} == {
+        "goodserve", "oracle", "random", "p2c", "round-robin", "least-request", "prefix-cache",
+        "lowest-tpm", "preble", "llumnix", "slo-pack"}
+    for policy in ("random", "p2c", "round-robin", "least-request", "preble"):
         met = [int(r["met"]) for r in rows if r["policy"] == policy]
         assert met == sorted(met)  # looser SLOs never lose requests
         assert all(int(r["requests"]) == 60 for r in rows if r["policy"] == policy)
     table = pq.read_table(out / "requests.parquet")
-    assert table.num_rows == 12 * 60
+    assert table.num_rows == 33 * 60
     assert {"policy", "slo_scale", "outcome", "deadline_s", "instance_ids"} <= set(
         table.column_names)
     assert (out / "goodput.png").stat().st_size > 1000

@@ -9,6 +9,7 @@ import pytest
 from app.engine_types import EngineStatus
 from app.routing.base import ActiveRequest, Reject
 from app.routing.goodserve import (
+    JustEnoughConfig,
     JustEnoughPolicy,
     JustEnoughVariant,
     SloWatchdog,
@@ -61,16 +62,28 @@ def test_polled_status_only_counts_new_window_entries():
     status = StatusEstimator(alpha=1.0)
 
     def poll(iterations: tuple[float, ...], count: int) -> None:
-        status.on_status(EngineStatus("A40", "A40", "unified", 0, 1, iterations, (), 0, 10, 0,
+        status.on_status(EngineStatus("A40", "A40", "unified", 0, 3, iterations, (), 0, 10, 0,
                                       num_iterations=count), 0.0)
 
+    view = make_view("A40", running=2)  # + the request being routed = the polled batch of 3
     poll((0.03, 0.04), 2)
-    assert status.estimate(make_view("A40")).num_samples == 2
+    assert status.estimate(view).num_samples == 2
     poll((0.03, 0.04), 2)  # same report again: nothing new
-    assert status.estimate(make_view("A40")).num_samples == 2
+    assert status.estimate(view).num_samples == 2
     poll((0.04, 0.09), 3)
-    est = status.estimate(make_view("A40"))
-    assert est.num_samples == 3 and est.decode_s_per_token == 0.09
+    est = status.estimate(view)
+    assert est.num_samples == 3 and est.decode_s_per_token == pytest.approx(0.09)
+
+
+def test_decode_estimate_grows_with_the_batch_it_will_run_in():
+    status = StatusEstimator(alpha=1.0)
+    status.observe_iteration("A800", 0.020, 0, 10, 0.0)  # measured with 10 sequences
+    same = status.estimate(make_view("A800", running=9)).decode_s_per_token
+    burst = status.estimate(make_view("A800", running=9, waiting=200)).decode_s_per_token
+    assert same == pytest.approx(0.020)
+    intercept, slope = SPECS["A800"].decode_batch_line
+    assert burst == pytest.approx(0.020 * (intercept + 210 * slope) / (intercept + 10 * slope))
+    assert burst > 1.5 * same
 
 
 def test_forget_drops_an_instance():
@@ -103,7 +116,7 @@ def policy_with_speeds(variant=JustEnoughVariant.WEAKEST, admission=False, **dec
     status = StatusEstimator(alpha=1.0)
     for gpu, d in decode_s.items():
         set_speed(status, gpu, d)
-    return JustEnoughPolicy(status, TrueLength(), variant, admission)
+    return JustEnoughPolicy(status, TrueLength(), JustEnoughConfig(variant, 0.0, admission))
 
 
 def test_just_enough_picks_weakest_instance_that_meets_the_deadline():
@@ -225,3 +238,33 @@ def test_queue_delay_follows_a_growing_queue_by_littles_law():
     est = status.estimate(make_view("A40", running=4, waiting=8), now=4.0)
     assert est.queue_delay_s == pytest.approx(8.0, rel=0.01)
     assert status.estimate(make_view("A40", running=4, waiting=0), now=4.0).queue_delay_s == 0.0
+
+
+# ---- do-no-harm budgets ------------------------------------------------------------
+def test_token_budgets_track_the_tightest_admitted_request():
+    from app.routing.budgets import TokenBudgets
+
+    budgets = TokenBudgets()
+    assert budgets.tightest_s("A40") == math.inf
+    budgets.admit("A40", "a", 0.05)
+    budgets.admit("A40", "b", 0.03)
+    budgets.admit("A800", "c", 0.01)
+    assert budgets.tightest_s("A40") == 0.03
+    budgets.remove("b")
+    assert budgets.tightest_s("A40") == 0.05
+    budgets.admit("A800", "a", 0.02)  # moved by a migration
+    assert budgets.tightest_s("A40") == math.inf and budgets.tightest_s("A800") == 0.01
+    budgets.admit("A800", "d", math.inf)  # no deadline: constrains nothing
+    assert len(budgets) == 2
+
+
+def test_instance_stays_closed_while_an_admitted_request_cannot_afford_slowdown():
+    policy = policy_with_speeds(H800=0.01, A800=0.015, A40=0.04)
+    cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
+    # tight request: A40 would take 8.1 s of its 8.2 s -> budget ~0.0405 s/token on A40
+    assert policy.choose(make_request(8.2, rid="tight"), cluster, 0.0) == "A40"
+    # a loose request would fit the A40 too, but slowing A40 further risks "tight"
+    busier = make_cluster(make_view("H800"), make_view("A800"), make_view("A40", running=40))
+    assert policy.choose(make_request(60.0, rid="loose"), busier, 0.0) == "A800"
+    policy.on_finish(FinishReport(make_request(8.2, rid="tight"), "A40", 200, 0.1, 8.0), 8.0)
+    assert policy.choose(make_request(60.0, rid="loose2"), busier, 8.0) == "A40"
