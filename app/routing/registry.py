@@ -72,7 +72,7 @@ class RoutingOptions:
     seed: int = 0
     tau_iterations: int = 50  # watchdog period, in iterations of an instance
     alpha: float = 0.2  # EMA weight of the status estimator
-    headroom: float = 0.0  # just-enough slack reserve, fraction of T
+    headroom: float = JustEnoughConfig.headroom  # just-enough slack reserve, fraction of T
     # GoodServe's output-length predictor (e.g. the MoE); None -> running history
     length_factory: Callable[[], OutputLengthEstimator] | None = None
 
@@ -114,7 +114,9 @@ def _slo_pack(options: RoutingOptions) -> RoutingStack:
     """AIBrix slo-pack-load / llm-d least-headroom: same latency estimate, history
     predictor, pack onto the feasible instance with the least headroom; no migration."""
     status = StatusEstimator(options.alpha)
-    config = JustEnoughConfig(variant=JustEnoughVariant.LEAST_SLACK)
+    config = JustEnoughConfig(
+        variant=JustEnoughVariant.LEAST_SLACK, headroom=0.0, protect_admitted=False
+    )
     return RoutingStack(JustEnoughPolicy(status, RunningHistoryLength(), config))
 
 

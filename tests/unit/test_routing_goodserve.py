@@ -189,7 +189,8 @@ def make_watchdog(**decode_s) -> SloWatchdog:
     status = StatusEstimator(alpha=1.0)
     for gpu, d in decode_s.items():
         set_speed(status, gpu, d)
-    return SloWatchdog(status, TrueLength(), tau_iterations=50)
+    return SloWatchdog(status, TrueLength(), tau_iterations=50,
+                       config=JustEnoughConfig(headroom=0.0))
 
 
 def active(slo_s: float, generated: int, out: int = 400, gpu: str = "A40") -> ActiveRequest:
@@ -268,3 +269,17 @@ def test_instance_stays_closed_while_an_admitted_request_cannot_afford_slowdown(
     assert policy.choose(make_request(60.0, rid="loose"), busier, 0.0) == "A800"
     policy.on_finish(FinishReport(make_request(8.2, rid="tight"), "A40", 200, 0.1, 8.0), 8.0)
     assert policy.choose(make_request(60.0, rid="loose2"), busier, 8.0) == "A40"
+
+
+def test_headroom_keeps_slack_in_reserve():
+    status = StatusEstimator(alpha=1.0)
+    for gpu, d in (("H800", 0.01), ("A800", 0.015), ("A40", 0.04)):
+        set_speed(status, gpu, d)
+    cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
+    tight = JustEnoughPolicy(status, TrueLength(), JustEnoughConfig(headroom=0.0))
+    spare = JustEnoughPolicy(status, TrueLength(), JustEnoughConfig(headroom=0.5))
+    # A40 needs 8.1 s: feasible for a 9 s SLO, but not with 50% of T in reserve (12.15 s)
+    assert tight.choose(make_request(9.0, rid="a"), cluster, 0.0) == "A40"
+    assert spare.choose(make_request(9.0, rid="b"), cluster, 0.0) == "A800"
+    with pytest.raises(ValueError, match="headroom"):
+        JustEnoughConfig(headroom=-0.1)
