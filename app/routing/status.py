@@ -216,6 +216,8 @@ class StatusEstimator(StepListener):
         """
         measured = state.decode_batch.value or 1.0
         upcoming = view.num_running + view.num_waiting + 1
+        if view.max_num_seqs is not None:  # the rest wait; q_g covers them
+            upcoming = min(upcoming, view.max_num_seqs)
         intercept, slope = view.spec.decode_batch_line
         return max((intercept + slope * upcoming) / (intercept + slope * measured), 1.0)
 

@@ -70,10 +70,15 @@ class InstanceView:
     recent_iteration_s: tuple[float, ...]  # latest iteration latencies, oldest first
     recent_queue_wait_s: tuple[float, ...]  # arrival -> first scheduled, recent requests
     updated_s: float  # when these figures were taken
+    max_num_seqs: int | None = None  # the engine's configured batch cap, when known
 
     @classmethod
     def from_status(
-        cls, status: EngineStatus, spec: InstanceSpec, kv_block_size: int
+        cls,
+        status: EngineStatus,
+        spec: InstanceSpec,
+        kv_block_size: int,
+        max_num_seqs: int | None = None,
     ) -> InstanceView:
         """Build from the report a live engine sends (the router's path)."""
         return cls(
@@ -89,6 +94,7 @@ class InstanceView:
             recent_iteration_s=status.recent_iteration_s,
             recent_queue_wait_s=status.recent_queue_wait_s,
             updated_s=status.time_s,
+            max_num_seqs=max_num_seqs,
         )
 
     @property

@@ -66,6 +66,7 @@ class SimInstance:
             recent_iteration_s=tuple(core.recent_iteration_s),
             recent_queue_wait_s=tuple(core.recent_queue_wait_s),
             updated_s=now,
+            max_num_seqs=core.config.max_num_seqs,
         )
 
     def status(self, now: float) -> EngineStatus:

