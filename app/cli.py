@@ -10,6 +10,7 @@ import typer
 
 from app.planning.cli import app as plan_app
 from benchmarks.replay import replay
+from predictor.cli import app as predictor_app
 
 cli = typer.Typer(
     name="goodserve",
@@ -26,6 +27,7 @@ def _root() -> None:
 
 cli.command("replay")(replay)
 cli.add_typer(plan_app, name="plan")
+cli.add_typer(predictor_app, name="predictor")
 
 
 @cli.command()

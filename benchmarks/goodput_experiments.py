@@ -42,7 +42,9 @@ ABLATIONS = (
 )
 TAUS = (10, 25, 50, 100, 200)
 MOONCAKE = "mooncake_conversation_trace.jsonl"
-TARGET_MET = (0.5, 0.8)  # best baseline's met fraction at scale 2 the rate should give
+# the issue asks for a rate where the best baseline meets "roughly 50-80%" at scale 2
+TARGET_MET_MAX = 0.85
+EXPERIMENTS = ("e2e", "qwen", "ablation", "tau")
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,9 @@ class Setup:
 
 
 def held_out_prompts(prompts: Path, out: Path, seed: int) -> tuple[Path, Path]:
-    """Split prompt_lengths.jsonl by prompt_id into train/test JSONL files under out/."""
+    """Split prompt_lengths.jsonl by prompt_id into train/test JSONL files under `out`
+    (a cache outside the repository: the shared data is never copied into it)."""
+    out.mkdir(parents=True, exist_ok=True)
     from predictor.data import load_records, split_by_prompt_id
 
     train, test = split_by_prompt_id(load_records(prompts), 0.2, seed)
@@ -104,8 +108,8 @@ def met_fraction(outcome: RunOutcome) -> float:
 
 
 def choose_rate(setup: Setup, cluster: Path, rates: list[float], out: Path) -> float:
-    """Lowest rate at which the best baseline meets at most 80% at scale 2 (so the
-    comparison is in the regime the paper targets); writes the sweep."""
+    """Lowest rate of the grid at which the best baseline meets at most ~80% at scale 2
+    (the regime the paper targets); writes the sweep."""
     rows, chosen = [], rates[-1]
     for rate in rates:
         workload = make_workload(setup, rate, min(setup.duration_s, 120.0))
@@ -113,7 +117,7 @@ def choose_rate(setup: Setup, cluster: Path, rates: list[float], out: Path) -> f
         best = max(cells, key=met_fraction)
         rows.append({"rate": rate, "best_baseline": best.policy, "met": met_fraction(best)})
         print(f"rate {rate}: best baseline {best.policy} meets {met_fraction(best):.1%}")
-        if met_fraction(best) <= TARGET_MET[1]:
+        if met_fraction(best) <= TARGET_MET_MAX:
             chosen = rate
             break
     (out / "rate").mkdir(parents=True, exist_ok=True)
@@ -147,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=Path, default=DATA / "prompts/prompt_lengths.jsonl")
     parser.add_argument("--predictor", type=Path, help="trained predictor dir (else train one)")
     parser.add_argument("--rate", type=float, help="fixed rate (else chosen by the sweep)")
-    parser.add_argument("--rates", default="20,40,80,120,160,200,250,300")
+    parser.add_argument("--rates", default="40,80,120,160,180,200,240")
+    parser.add_argument("--experiments", default=",".join(EXPERIMENTS),
+                        help=f"subset of {','.join(EXPERIMENTS)}")
     parser.add_argument("--duration", type=float, default=300.0, help="arrival window, s")
     parser.add_argument("--headroom", type=float, default=RoutingOptions().headroom)
     parser.add_argument("--seed", type=int, default=0)
@@ -157,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: data not found ({args.trace}, {args.prompts})")
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    train_path, test_path = held_out_prompts(args.prompts, args.out, args.seed)
+    split_dir = Path.home() / ".cache" / "goodserve" / f"prompt-split-seed{args.seed}"
+    train_path, test_path = held_out_prompts(args.prompts, split_dir, args.seed)
     predictor_dir = args.predictor or train_moe(train_path, args.out / "predictor", args.seed)
     from predictor.registry import load_predictor
 
@@ -178,24 +185,29 @@ def run_all(setup: Setup, args: argparse.Namespace, duration: float) -> int:
            "seed": setup.seed, "headroom": setup.routing.headroom,
            "prompts": "held-out 20% of prompt_lengths.jsonl by prompt_id",
            "predictor": str(setup.predictor_dir)}
-    every = POLICY_REGISTRY.kinds()
+    wanted = set(args.experiments.split(","))
     sections = []
-    cells = experiment("e2e", args.out, {**row, "cluster": "paper-4gpu"},
-                       run(setup, paper, every, SCALES, workload))
-    sections.append(("End to end, paper-4gpu (Llama-3.1-8B)", cells, SCALES))
-    qwen = REPO / "configs" / "paper-4gpu-qwen14b.yaml"
-    cells = experiment("e2e-qwen", args.out, {**row, "cluster": "paper-4gpu-qwen14b"},
-                       run(setup, qwen, every, SCALES, workload))
-    sections.append(("End to end, paper-4gpu-qwen14b (Qwen2.5-14B)", cells, SCALES))
-    cells = experiment("ablation", args.out, row, run(setup, paper, ABLATIONS, SCALES, workload))
-    sections.append(("Ablation", cells, SCALES))
-    tau_cells = []
-    for tau in TAUS:
-        routing = replace(setup.routing, tau_iterations=tau)
-        for cell in run(setup, paper, (PolicyKind.GOODSERVE,), (2.0,), workload, routing):
-            tau_cells.append(replace(cell, policy=f"goodserve tau={tau}"))
-    experiment("tau", args.out, row, tau_cells)
-    sections.append(("Watchdog period tau (scale 2)", tau_cells, (2.0,)))
+    if "e2e" in wanted:
+        cells = run(setup, paper, POLICY_REGISTRY.kinds(), SCALES, workload)
+        experiment("e2e", args.out, {**row, "cluster": "paper-4gpu"}, cells)
+        sections.append(("End to end, paper-4gpu (Llama-3.1-8B)", cells, SCALES))
+    if "qwen" in wanted:
+        qwen = REPO / "configs" / "paper-4gpu-qwen14b.yaml"
+        cells = run(setup, qwen, POLICY_REGISTRY.kinds(), SCALES, workload)
+        experiment("e2e-qwen", args.out, {**row, "cluster": "paper-4gpu-qwen14b"}, cells)
+        sections.append(("End to end, paper-4gpu-qwen14b (Qwen2.5-14B)", cells, SCALES))
+    if "ablation" in wanted:
+        cells = run(setup, paper, ABLATIONS, SCALES, workload)
+        experiment("ablation", args.out, row, cells)
+        sections.append(("Ablation", cells, SCALES))
+    if "tau" in wanted:
+        tau_cells = []
+        for tau in TAUS:
+            routing = replace(setup.routing, tau_iterations=tau)
+            for cell in run(setup, paper, (PolicyKind.GOODSERVE,), (2.0,), workload, routing):
+                tau_cells.append(replace(cell, policy=f"goodserve tau={tau}"))
+        experiment("tau", args.out, row, tau_cells)
+        sections.append(("Watchdog period tau (scale 2)", tau_cells, (2.0,)))
     lines = ["# GoodServe goodput experiments (simulator)", "",
              *[f"- {k}: {v}" for k, v in row.items()], ""]
     for title, cells, scales in sections:

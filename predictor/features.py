@@ -1,0 +1,145 @@
+"""Request features: TF-IDF over the token window, length counts, declared task.
+
+The features are one sparse row per request so the first network layer can be an
+embedding bag (cost proportional to non-zeros, not to the vocabulary size).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, Self
+
+import numpy as np
+import scipy.sparse as sp
+from sklearn.base import BaseEstimator
+from sklearn.feature_extraction.text import TfidfVectorizer
+from sklearn.utils.validation import check_is_fitted
+
+from predictor.base import PredictionInput
+
+__all__ = ["NUMERIC_FEATURES", "Featurizer", "TextFeaturizer", "augment_truncated"]
+
+_NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+_SENTENCE_END = re.compile(r"[.!?](?:\s|$)")
+
+# Order of the numeric columns; all are log1p counts.
+NUMERIC_FEATURES = (
+    "prompt_words",
+    "prompt_chars",
+    "prompt_numbers",  # math problems: more quantities -> more solution steps
+    "prompt_sentences",
+    "prompt_lines",
+    "num_generated_tokens",
+)
+
+
+def numeric_features(inputs: Sequence[PredictionInput]) -> np.ndarray:
+    """log1p counts that TF-IDF (length-normalised) cannot see."""
+    rows = [
+        (
+            len(inp.prompt.split()),
+            len(inp.prompt),
+            len(_NUMBER.findall(inp.prompt)),
+            len(_SENTENCE_END.findall(inp.prompt)),
+            inp.prompt.count("\n"),
+            inp.num_generated_tokens,
+        )
+        for inp in inputs
+    ]
+    return np.log1p(np.asarray(rows, dtype=np.float64).reshape(len(inputs), len(NUMERIC_FEATURES)))
+
+
+class Featurizer(Protocol):
+    """Turns requests into one sparse row each; fitted on training requests."""
+
+    num_features_: int
+
+    def fit(self, inputs: Sequence[PredictionInput]) -> Self: ...
+
+    def transform(self, inputs: Sequence[PredictionInput]) -> sp.csr_matrix: ...
+
+    def fit_transform(self, inputs: Sequence[PredictionInput]) -> sp.csr_matrix: ...
+
+
+class TextFeaturizer(BaseEstimator):
+    """TF-IDF(prompt + generated text) | standardised numeric counts | task one-hot."""
+
+    def __init__(
+        self, max_features: int = 8192, ngram_max: int = 2, min_df: int = 2, use_task: bool = True
+    ) -> None:
+        self.max_features = max_features
+        self.ngram_max = ngram_max
+        self.min_df = min_df
+        self.use_task = use_task
+
+    def fit(self, inputs: Sequence[PredictionInput]) -> Self:
+        # Document frequency counts distinct texts: a prompt answered (or augmented)
+        # several times is still one document.
+        texts = list(dict.fromkeys(inp.text for inp in inputs))
+        # Tiny corpora (tests, smoke runs) would lose every term to min_df.
+        min_df = self.min_df if len(texts) >= 10 * self.min_df else 1
+        self.vectorizer_ = TfidfVectorizer(
+            max_features=self.max_features,
+            ngram_range=(1, self.ngram_max),
+            min_df=min_df,
+            sublinear_tf=True,
+            dtype=np.float32,
+        ).fit(texts)
+        numeric = numeric_features(inputs)
+        self.numeric_mean_ = numeric.mean(axis=0)
+        self.numeric_std_ = np.maximum(numeric.std(axis=0), 1e-6)
+        tasks = {inp.task for inp in inputs if inp.task is not None} if self.use_task else set()
+        self.task_index_ = {task: i for i, task in enumerate(sorted(tasks))}
+        self.num_features_ = len(self.vectorizer_.vocabulary_) + len(NUMERIC_FEATURES) + len(tasks)
+        return self
+
+    def transform(self, inputs: Sequence[PredictionInput]) -> sp.csr_matrix:
+        """One float32 CSR row per input; unseen tasks get an all-zero one-hot."""
+        check_is_fitted(self)
+        tfidf = self.vectorizer_.transform([inp.text for inp in inputs])
+        numeric = (numeric_features(inputs) - self.numeric_mean_) / self.numeric_std_
+        task_cols = np.array([self.task_index_.get(inp.task, -1) for inp in inputs], dtype=np.int64)
+        rows = np.flatnonzero(task_cols >= 0)
+        one_hot = sp.csr_matrix(
+            (np.ones(len(rows), dtype=np.float32), (rows, task_cols[rows])),
+            shape=(len(inputs), len(self.task_index_)),
+        )
+        blocks = [tfidf, sp.csr_matrix(numeric.astype(np.float32)), one_hot]
+        return sp.hstack(blocks, format="csr", dtype=np.float32)
+
+    def fit_transform(self, inputs: Sequence[PredictionInput]) -> sp.csr_matrix:
+        return self.fit(inputs).transform(inputs)
+
+
+@dataclass(frozen=True)
+class AugmentedData:
+    """Training rows after truncated-output augmentation."""
+
+    inputs: list[PredictionInput]
+    output_lengths: np.ndarray  # total output length of the request, per row
+    source_rows: np.ndarray  # index of the original request, per row
+
+
+def augment_truncated(
+    inputs: Sequence[PredictionInput],
+    output_lengths: np.ndarray,
+    num_copies: int,
+    rng: np.random.Generator,
+) -> AugmentedData:
+    """Add `num_copies` rows per request that pretend k tokens were already generated.
+
+    k is uniform in [generated so far, total) and the target stays the total length, so
+    the model learns the conditional total given the request survived k tokens.
+    """
+    low = np.array([inp.num_generated_tokens for inp in inputs], dtype=np.int64)
+    lengths = np.asarray(output_lengths, dtype=np.int64)
+    sources = np.tile(np.arange(len(inputs)), num_copies)
+    ks = rng.integers(low[sources], lengths[sources])
+    new_inputs = list(inputs) + [
+        PredictionInput(inputs[i].prompt, inputs[i].generated_text, int(k), inputs[i].task)
+        for i, k in zip(sources, ks, strict=True)
+    ]
+    source_rows = np.concatenate([np.arange(len(inputs)), sources])
+    return AugmentedData(new_inputs, lengths[source_rows], source_rows)
