@@ -358,10 +358,11 @@ def _length_factory(model_dir: Path | None) -> Callable[[], OutputLengthEstimato
     from predictor.registry import load_predictor
 
     try:
-        moe = load_predictor(model_dir, "moe")
+        load_predictor(model_dir, "moe")
     except (OSError, KeyError) as exc:
         raise ValueError(f"cannot load predictor from {model_dir}: {exc}") from None
-    return lambda: PredictorLength(moe)
+    # a fresh load per run: predictors learn online (observe), runs must not share that
+    return lambda: PredictorLength(load_predictor(model_dir, "moe"))
 
 
 def attach_predictions(workload: Workload, length: OutputLengthEstimator) -> Workload:
