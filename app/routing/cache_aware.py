@@ -19,6 +19,14 @@ def hit_tokens_by_instance(
     return {v.instance_id: view.prefix_hit_tokens(v.instance_id, request) for v in candidates}
 
 
+def longest_hit_holders(
+    candidates: Sequence[InstanceView], hits: dict[str, int]
+) -> list[InstanceView]:
+    """The candidates sharing the longest cached prefix."""
+    best = max(hits.values())
+    return [v for v in candidates if hits[v.instance_id] == best]
+
+
 class PrefixCachePolicy(SeededPolicy):
     """AIBrix prefix-cache: the longest prefix hit, unless load is too uneven.
 
@@ -43,8 +51,7 @@ class PrefixCachePolicy(SeededPolicy):
         best = max(hits.values())
         if best < self.min_hit_ratio * request.num_prompt_tokens:
             return self.least_outstanding(candidates).instance_id
-        return self.least_outstanding([v for v in candidates if hits[v.instance_id] == best])\
-            .instance_id
+        return self.least_outstanding(longest_hit_holders(candidates, hits)).instance_id
 
 
 class PreblePolicy(SeededPolicy):
@@ -63,8 +70,7 @@ class PreblePolicy(SeededPolicy):
         hits = hit_tokens_by_instance(request, candidates, view)
         best = max(hits.values())
         if best > request.num_prompt_tokens - best:
-            return self.least_outstanding([v for v in candidates if hits[v.instance_id] == best])\
-                .instance_id
+            return self.least_outstanding(longest_hit_holders(candidates, hits)).instance_id
         return min(candidates, key=lambda v: (self._cost(v, request, hits[v.instance_id]),
                                               v.instance_id)).instance_id
 

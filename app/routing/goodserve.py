@@ -145,6 +145,35 @@ class JustEnoughConfig:
             raise ValueError(f"headroom must be >= 0, got {self.headroom}")
 
 
+@dataclass(frozen=True)
+class JustEnoughPlacer:
+    """The placement step the router and the watchdog share: score the instances,
+    pick just-enough, and record the chosen instance's budget for the request."""
+
+    status: StatusEstimator
+    config: JustEnoughConfig
+    budgets: TokenBudgets
+
+    def place(
+        self,
+        request: RouteRequest,
+        instances: Sequence[InstanceView],
+        view: ClusterView,
+        output_tokens: float,
+        now: float,
+    ) -> tuple[Candidate | None, list[Candidate]]:
+        """(the chosen candidate or None, every scored candidate)."""
+        guard = self.budgets if self.config.protect_admitted else None
+        candidates = score_instances(
+            request, instances, view, self.status, output_tokens, now, guard
+        )
+        chosen = pick_just_enough(candidates, self.config.variant, self.config.headroom)
+        if chosen is not None and request.has_deadline:  # hopeless requests are not protected
+            budget = admitted_budget_s(request, chosen, output_tokens)
+            self.budgets.admit(chosen.instance_id, request.request_id, budget)
+        return chosen, candidates
+
+
 class JustEnoughPolicy(RoutingPolicy):
     """GoodServe's router: just-enough among instances that meet the deadline.
 
@@ -164,6 +193,7 @@ class JustEnoughPolicy(RoutingPolicy):
         self.length = length
         self.config = config
         self.budgets = budgets if budgets is not None else TokenBudgets()
+        self.placer = JustEnoughPlacer(status, config, self.budgets)
         self.needs_true_output_length = length.needs_true_output_length
 
     def choose(self, request: RouteRequest, view: ClusterView, now: float) -> RouteDecision:
@@ -171,13 +201,8 @@ class JustEnoughPolicy(RoutingPolicy):
         if not holding:
             return Reject(f"no instance can hold {request.num_context_tokens} tokens")
         output = self.length.expected_output(request)
-        budgets = self.budgets if self.config.protect_admitted else None
-        candidates = score_instances(request, holding, view, self.status, output, now, budgets)
-        chosen = pick_just_enough(candidates, self.config.variant, self.config.headroom)
+        chosen, candidates = self.placer.place(request, holding, view, output, now)
         if chosen is not None:
-            if request.has_deadline:  # hopeless requests are not protected: see below
-                budget = admitted_budget_s(request, chosen, output)
-                self.budgets.admit(chosen.instance_id, request.request_id, budget)
             return chosen.instance_id
         fastest = min(candidates, key=lambda c: (c.latency_s, c.instance_id))
         if self.config.admission_control and request.has_deadline:
@@ -222,6 +247,7 @@ class SloWatchdog(Watchdog):
         self.length = length
         self.max_migrations_per_request = max_migrations_per_request
         self.config = config
+        self.placer = JustEnoughPlacer(status, config, self.budgets)
         self.needs_true_output_length = length.needs_true_output_length
         self.req_to_num_migrations: dict[str, int] = {}
 
@@ -277,14 +303,8 @@ class SloWatchdog(Watchdog):
     ) -> InstanceId | None:
         resumed = _as_resumed(item.request, item.num_generated_tokens)
         holding = [v for v in stronger if v.can_hold(resumed.num_context_tokens)]
-        budgets = self.budgets if self.config.protect_admitted else None
-        candidates = score_instances(resumed, holding, view, self.status, total, now, budgets)
-        chosen = pick_just_enough(candidates, self.config.variant, self.config.headroom)
-        if chosen is None:
-            return None
-        budget = admitted_budget_s(resumed, chosen, total)
-        self.budgets.admit(chosen.instance_id, resumed.request_id, budget)
-        return chosen.instance_id
+        chosen, _ = self.placer.place(resumed, holding, view, total, now)
+        return None if chosen is None else chosen.instance_id
 
 
 def _as_resumed(request: RouteRequest, num_generated: int) -> RouteRequest:

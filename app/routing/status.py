@@ -78,6 +78,12 @@ class _InstanceState:
     departures: _Departures = field(default_factory=_Departures)
 
 
+def newest_entries(window: tuple[float, ...], counter: int, seen: int) -> tuple[float, ...]:
+    """The entries of a bounded recent-window that came after the counter read `seen`."""
+    num_new = min(counter - seen, len(window))
+    return window[len(window) - num_new :]
+
+
 def catalog_prior(spec: InstanceSpec) -> InstanceEstimate:
     """Unloaded speeds from the hardware model: what a fresh instance is assumed to do."""
     return InstanceEstimate(
@@ -148,9 +154,9 @@ class StatusEstimator(StepListener):
         at the batch size the engine reports now.
         """
         state = self._state(status.engine_id)
-        num_new = min(status.num_iterations - state.seen_iterations, len(status.recent_iteration_s))
         batch = max(status.num_running, 1)
-        for duration in status.recent_iteration_s[len(status.recent_iteration_s) - num_new :]:
+        durations = status.recent_iteration_s
+        for duration in newest_entries(durations, status.num_iterations, state.seen_iterations):
             self.observe_iteration(status.engine_id, duration, 0, batch, now)
         state.seen_iterations = status.num_iterations
         self._take_new_queue_waits(status.engine_id, status, now)
@@ -165,8 +171,7 @@ class StatusEstimator(StepListener):
     def _take_new_queue_waits(self, instance_id: InstanceId, status: EngineStatus, now: float):
         state = self._state(instance_id)
         waits = status.recent_queue_wait_s
-        num_new = min(status.num_queue_wait_samples - state.seen_queue_waits, len(waits))
-        for wait in waits[len(waits) - num_new :]:
+        for wait in newest_entries(waits, status.num_queue_wait_samples, state.seen_queue_waits):
             self.observe_queue_wait(instance_id, wait, now)
         state.seen_queue_waits = max(status.num_queue_wait_samples, state.seen_queue_waits)
 

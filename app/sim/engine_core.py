@@ -105,12 +105,9 @@ class PrefixCache:
 
     def match(self, block_hashes: Sequence[int]) -> int:
         """Number of leading blocks cached; touches them."""
-        hits = 0
-        for h in block_hashes:
-            if h not in self._lru:
-                break
+        hits = self.peek(block_hashes)
+        for h in block_hashes[:hits]:
             self._lru.move_to_end(h)
-            hits += 1
         return hits
 
     def peek(self, block_hashes: Sequence[int]) -> int:
