@@ -67,13 +67,17 @@ class Candidate:
     tightest_budget_s: float = math.inf  # smallest per-token budget already admitted here
 
     def feasible(self, headroom: float = 0.0) -> bool:
-        """Meets the deadline with `headroom` x T to spare, has KV room, and does not
-        slow the instance past what its admitted requests tolerate."""
-        return (
-            self.slack_s >= headroom * self.latency_s
-            and self.has_memory_room
-            and self.decode_s_per_token * (1.0 + headroom) <= self.tightest_budget_s
-        )
+        """Meets the deadline with `headroom` x T to spare and is harmless.
+
+        The reserve applies to the new request's own estimate only: the admitted
+        requests' budgets already hold the slack they had when they were placed.
+        """
+        return self.slack_s >= headroom * self.latency_s and self.harmless()
+
+    def harmless(self) -> bool:
+        """Has KV room and does not slow the instance past what its admitted
+        requests tolerate (their per-token budgets)."""
+        return self.has_memory_room and self.decode_s_per_token <= self.tightest_budget_s
 
 
 def score_instances(
@@ -126,6 +130,15 @@ def pick_just_enough(
     return min(feasible, key=lambda c: (-c.capability_s_per_token, c.slack_s, c.instance_id))
 
 
+def fallback(candidates: Sequence[Candidate]) -> Candidate:
+    """Best effort when no instance can meet the deadline: the minimum T among the
+    instances that can take the request without breaking an admitted request's
+    budget (all of them when none can). Plain min-T would herd every late request
+    onto the fastest instance and make the requests already there late too."""
+    harmless = [c for c in candidates if c.harmless()] or candidates
+    return min(harmless, key=lambda c: (c.latency_s, c.instance_id))
+
+
 @dataclass(frozen=True)
 class JustEnoughConfig:
     """How just-enough picks; shared by the router and the watchdog."""
@@ -168,17 +181,31 @@ class JustEnoughPlacer:
             request, instances, view, self.status, output_tokens, now, guard
         )
         chosen = pick_just_enough(candidates, self.config.variant, self.config.headroom)
-        if chosen is not None and request.has_deadline:  # hopeless requests are not protected
+        if chosen is not None:
+            self._admit(request, chosen, output_tokens)
+        return chosen, candidates
+
+    def place_best_effort(
+        self, request: RouteRequest, candidates: Sequence[Candidate], output_tokens: float
+    ) -> Candidate:
+        """The fallback when `place` found nothing feasible; a request that can still
+        make it there (positive slack) is protected like any other."""
+        chosen = fallback(candidates)
+        self._admit(request, chosen, output_tokens)
+        return chosen
+
+    def _admit(self, request: RouteRequest, chosen: Candidate, output_tokens: float) -> None:
+        if request.has_deadline and chosen.slack_s > 0:  # hopeless requests are not protected
             budget = admitted_budget_s(request, chosen, output_tokens)
             self.budgets.admit(chosen.instance_id, request.request_id, budget)
-        return chosen, candidates
 
 
 class JustEnoughPolicy(RoutingPolicy):
     """GoodServe's router: just-enough among instances that meet the deadline.
 
-    When none can: route to the minimum T (best effort), or, with admission control,
-    reject early with the reason. `status` and `length` learn from the substrate's
+    When none can: best effort (`fallback`: the minimum T among instances where it
+    harms no admitted request), or, with admission control, reject early with the
+    reason. `status` and `length` learn from the substrate's
     callbacks through this policy (a watchdog sharing them must not re-forward).
     """
 
@@ -204,13 +231,13 @@ class JustEnoughPolicy(RoutingPolicy):
         chosen, candidates = self.placer.place(request, holding, view, output, now)
         if chosen is not None:
             return chosen.instance_id
-        fastest = min(candidates, key=lambda c: (c.latency_s, c.instance_id))
         if self.config.admission_control and request.has_deadline:
+            fastest = min(c.latency_s for c in candidates)
             return Reject(
-                f"no instance can meet the deadline: best estimate {fastest.latency_s:.2f} s "
+                f"no instance can meet the deadline: best estimate {fastest:.2f} s "
                 f"for {request.deadline_s - now:.2f} s left"
             )
-        return fastest.instance_id
+        return self.placer.place_best_effort(request, candidates, output).instance_id
 
     def on_step(self, instance_id: InstanceId, report: StepReport, now: float) -> None:
         self.status.on_step(instance_id, report, now)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -269,6 +270,49 @@ def test_instance_stays_closed_while_an_admitted_request_cannot_afford_slowdown(
     assert policy.choose(make_request(60.0, rid="loose"), busier, 0.0) == "A800"
     policy.on_finish(FinishReport(make_request(8.2, rid="tight"), "A40", 200, 0.1, 8.0), 8.0)
     assert policy.choose(make_request(60.0, rid="loose2"), busier, 8.0) == "A40"
+
+
+def test_late_request_avoids_instances_whose_admitted_requests_it_would_make_late():
+    policy = policy_with_speeds(H800=0.01, A800=0.015, A40=0.04)
+    cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
+    # tight: H800 needs 2.1 s of its 2.2 s -> budget ~0.0105 s/token on H800
+    assert policy.choose(make_request(2.2, rid="tight"), cluster, 0.0) == "H800"
+    busier = make_cluster(make_view("H800", running=40), make_view("A800"), make_view("A40"))
+    hopeless = make_request(0.5, rid="late")
+    candidates = policy.placer.place(hopeless, busier.instances, busier, 200, 0.0)[1]
+    by_id = {c.instance_id: c for c in candidates}
+    # the H800 is still the fastest for it, but joining would break "tight"'s budget
+    assert min(candidates, key=lambda c: c.latency_s).instance_id == "H800"
+    assert not by_id["H800"].harmless() and by_id["A800"].harmless()
+    assert policy.choose(hopeless, busier, 0.0) == "A800"
+    # once nothing admitted is left to protect, best effort means the fastest again
+    policy.on_finish(FinishReport(make_request(2.2, rid="tight"), "H800", 200, 0.1, 2.1), 2.1)
+    assert policy.choose(make_request(0.5, rid="late2"), busier, 2.1) == "H800"
+
+
+def test_headroom_reserves_the_new_requests_slack_not_the_admitted_budgets():
+    from app.routing.goodserve import Candidate
+
+    candidate = Candidate("A40", latency_s=2.0, slack_s=1.0, capability_s_per_token=0.02,
+                          has_memory_room=True, decode_s_per_token=0.09,
+                          tightest_budget_s=0.1)
+    assert candidate.feasible(0.5) and not candidate.feasible(0.6)
+    assert not replace(candidate, decode_s_per_token=0.11).feasible(0.0)
+    assert not replace(candidate, has_memory_room=False).harmless()
+
+
+def test_best_effort_placement_with_time_to_spare_is_protected():
+    status = StatusEstimator(alpha=1.0)
+    for gpu, d in (("H800", 0.01), ("A800", 0.015), ("A40", 0.04)):
+        set_speed(status, gpu, d)
+    cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
+    policy = JustEnoughPolicy(status, TrueLength(), JustEnoughConfig(headroom=0.5))
+    # 2.5 s: H800 makes it (2.1 s) but not with half of T in reserve (3.15 s) -> best effort
+    assert policy.choose(make_request(2.5, rid="edge"), cluster, 0.0) == "H800"
+    assert policy.budgets.tightest_s("H800") < math.inf
+    # hopeless everywhere: placed, but nothing to protect
+    assert policy.choose(make_request(0.5, rid="late"), cluster, 0.0) == "H800"
+    assert len(policy.budgets) == 1
 
 
 def test_headroom_keeps_slack_in_reserve():
