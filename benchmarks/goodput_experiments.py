@@ -7,7 +7,7 @@ predictor trains on the other prompts), SLO = scale x solo time on an A800.
 Experiments, each written as summary.csv + PNG + report.md under --out:
 - rate/      how the rate was chosen: best baseline's met fraction at scale 2 per rate
 - e2e/       every policy x SLO scale on configs/paper-4gpu.yaml
-- e2e-qwen/  the same on configs/paper-4gpu-qwen14b.yaml
+- e2e-qwen/  the same on configs/paper-4gpu-qwen14b.yaml, at its own rate (rate-qwen/)
 - ablation/  GoodServe without migration / with the history predictor / least-slack
 - tau/       watchdog period tau in {10, 25, 50, 100, 200} at scale 2
 - results.md all tables in one page
@@ -43,7 +43,9 @@ ABLATIONS = (
 TAUS = (10, 25, 50, 100, 200)
 MOONCAKE = "mooncake_conversation_trace.jsonl"
 # the issue asks for a rate where the best baseline meets "roughly 50-80%" at scale 2
-TARGET_MET_MAX = 0.85
+TARGET_MET_MAX = 0.80
+LLAMA_RATES = "120,140,160,170,180,190,200,220,240"
+QWEN_RATES = "40,60,80,100,110,120,130,140,160,180"
 EXPERIMENTS = ("e2e", "qwen", "ablation", "tau", "predictors")
 PREDICTORS = ("moe", "mlp", "history_task", "history")  # llm_embedding needs a local encoder
 MOE_EXPERTS = (4, 9, 16)
@@ -109,9 +111,11 @@ def met_fraction(outcome: RunOutcome) -> float:
     return outcome.summary["met"] / outcome.summary["requests"]
 
 
-def choose_rate(setup: Setup, cluster: Path, rates: list[float], out: Path) -> float:
-    """Lowest rate of the grid at which the best baseline meets at most ~80% at scale 2
-    (the regime the paper targets); writes the sweep."""
+def choose_rate(
+    setup: Setup, cluster: Path, rates: list[float], out: Path, name: str = "rate"
+) -> float:
+    """Lowest rate of the grid at which the best baseline meets at most 80% at scale 2
+    (the regime the paper targets); writes the sweep to `out/name/sweep.json`."""
     rows, chosen = [], rates[-1]
     for rate in rates:
         workload = make_workload(setup, rate, min(setup.duration_s, 120.0))
@@ -122,8 +126,8 @@ def choose_rate(setup: Setup, cluster: Path, rates: list[float], out: Path) -> f
         if met_fraction(best) <= TARGET_MET_MAX:
             chosen = rate
             break
-    (out / "rate").mkdir(parents=True, exist_ok=True)
-    (out / "rate" / "sweep.json").write_text(json.dumps({"rows": rows, "chosen": chosen}, indent=2))
+    (out / name).mkdir(parents=True, exist_ok=True)
+    (out / name / "sweep.json").write_text(json.dumps({"rows": rows, "chosen": chosen}, indent=2))
     return chosen
 
 
@@ -181,7 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=Path, default=DATA / "prompts/prompt_lengths.jsonl")
     parser.add_argument("--predictor", type=Path, help="trained predictor dir (else train one)")
     parser.add_argument("--rate", type=float, help="fixed rate (else chosen by the sweep)")
-    parser.add_argument("--rates", default="40,80,120,160,180,200,240")
+    parser.add_argument("--rates", default=LLAMA_RATES)
+    parser.add_argument("--qwen-rate", type=float, help="fixed Qwen rate (else its own sweep)")
+    parser.add_argument("--qwen-rates", default=QWEN_RATES)
     parser.add_argument("--experiments", default=",".join(EXPERIMENTS),
                         help=f"subset of {','.join(EXPERIMENTS)}")
     parser.add_argument("--duration", type=float, default=300.0, help="arrival window, s")
@@ -223,11 +229,18 @@ def run_all(setup: Setup, args: argparse.Namespace, duration: float) -> int:
         cells = run(setup, paper, POLICY_REGISTRY.kinds(), SCALES, workload)
         experiment("e2e", args.out, {**row, "cluster": "paper-4gpu"}, cells)
         sections.append(("End to end, paper-4gpu (Llama-3.1-8B)", cells, SCALES))
-    if "qwen" in wanted:
+    if "qwen" in wanted:  # a 14B model serves fewer requests: its own rate, same rule
         qwen = REPO / "configs" / "paper-4gpu-qwen14b.yaml"
-        cells = run(setup, qwen, POLICY_REGISTRY.kinds(), SCALES, workload)
-        experiment("e2e-qwen", args.out, {**row, "cluster": "paper-4gpu-qwen14b"}, cells)
-        sections.append(("End to end, paper-4gpu-qwen14b (Qwen2.5-14B)", cells, SCALES))
+        qwen_rate = args.qwen_rate or choose_rate(
+            setup, qwen, [float(r) for r in args.qwen_rates.split(",")], args.out, "rate-qwen"
+        )
+        qwen_workload = make_workload(setup, qwen_rate, duration)
+        cells = run(setup, qwen, POLICY_REGISTRY.kinds(), SCALES, qwen_workload)
+        qwen_row = {**row, "rate_rps": qwen_rate, "requests": len(qwen_workload),
+                    "cluster": "paper-4gpu-qwen14b"}
+        experiment("e2e-qwen", args.out, qwen_row, cells)
+        sections.append((f"End to end, paper-4gpu-qwen14b (Qwen2.5-14B), {qwen_rate:g} req/s",
+                         cells, SCALES))
     if "ablation" in wanted:
         cells = run(setup, paper, ABLATIONS, SCALES, workload)
         experiment("ablation", args.out, row, cells)

@@ -18,7 +18,7 @@ from enum import StrEnum
 
 from app.hardware import InstanceSpec
 from app.routing.base import ActiveRequest, Reject, RouteDecision, RoutingPolicy, Watchdog
-from app.routing.budgets import TokenBudgets, token_budget_s
+from app.routing.budgets import Budget, TokenBudgets, token_budget_s
 from app.routing.length import OutputLengthEstimator
 from app.routing.status import InstanceEstimate, StatusEstimator
 from app.routing.view import (
@@ -45,13 +45,17 @@ def estimate_latency_s(
     request: RouteRequest, estimate: InstanceEstimate, prefix_hit_tokens: int, output_tokens: float
 ) -> float:
     """T(r,g): queue + prefill of the uncached context + decode of the remaining output."""
-    prefill_tokens = max(request.num_context_tokens - prefix_hit_tokens, 1)
     remaining = max(output_tokens - request.num_generated_tokens, 1.0)
     return (
         estimate.queue_delay_s
-        + prefill_tokens * estimate.prefill_s_per_token
+        + prefill_time_s(request, estimate, prefix_hit_tokens)
         + remaining * estimate.decode_s_per_token
     )
+
+
+def prefill_time_s(request: RouteRequest, estimate: InstanceEstimate, prefix_hit_tokens: int):
+    """Prefill of the uncached context (prompt + generated ids when resumed)."""
+    return max(request.num_context_tokens - prefix_hit_tokens, 1) * estimate.prefill_s_per_token
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,9 @@ class Candidate:
     capability_s_per_token: float
     has_memory_room: bool
     decode_s_per_token: float  # d_g with this request added
+    prefill_s: float = 0.0  # its prefill: a stall for everything running there
     tightest_budget_s: float = math.inf  # smallest per-token budget already admitted here
+    shortest_stall_s: float = math.inf  # smallest stall an admitted request tolerates
 
     def feasible(self, headroom: float = 0.0) -> bool:
         """Meets the deadline with `headroom` x T to spare and is harmless.
@@ -75,9 +81,13 @@ class Candidate:
         return self.slack_s >= headroom * self.latency_s and self.harmless()
 
     def harmless(self) -> bool:
-        """Has KV room and does not slow the instance past what its admitted
-        requests tolerate (their per-token budgets)."""
-        return self.has_memory_room and self.decode_s_per_token <= self.tightest_budget_s
+        """Has KV room and does not slow or stall the instance past what its
+        admitted requests tolerate (their budgets)."""
+        return (
+            self.has_memory_room
+            and self.decode_s_per_token <= self.tightest_budget_s
+            and self.prefill_s <= self.shortest_stall_s
+        )
 
 
 def score_instances(
@@ -95,6 +105,7 @@ def score_instances(
         hit = view.prefix_hit_tokens(inst.instance_id, request)
         estimate = status.estimate(inst, now)
         latency = estimate_latency_s(request, estimate, hit, output_tokens)
+        iid = inst.instance_id
         scored.append(Candidate(
             instance_id=inst.instance_id,
             latency_s=latency,
@@ -102,16 +113,19 @@ def score_instances(
             capability_s_per_token=capability_s_per_token(inst.spec),
             has_memory_room=inst.kv_free_tokens >= request.num_context_tokens - hit,
             decode_s_per_token=estimate.decode_s_per_token,
-            tightest_budget_s=budgets.tightest_s(inst.instance_id) if budgets else math.inf,
+            prefill_s=prefill_time_s(request, estimate, hit),
+            tightest_budget_s=budgets.tightest_s(iid) if budgets else math.inf,
+            shortest_stall_s=budgets.shortest_stall_s(iid) if budgets else math.inf,
         ))
     return scored
 
 
-def admitted_budget_s(request: RouteRequest, chosen: Candidate, output_tokens: float) -> float:
-    """The per-token time `request` tolerates on `chosen` (its deadline slack spread
-    over its predicted remaining tokens, on top of the current d_g)."""
+def admitted_budget(request: RouteRequest, chosen: Candidate, output_tokens: float) -> Budget:
+    """What `request` tolerates on `chosen`: its deadline slack as one stall, or
+    spread over its predicted remaining tokens on top of the current d_g."""
     remaining = max(output_tokens - request.num_generated_tokens, 1.0)
-    return chosen.decode_s_per_token + token_budget_s(chosen.slack_s, remaining)
+    per_token = chosen.decode_s_per_token + token_budget_s(chosen.slack_s, remaining)
+    return Budget(per_token, chosen.slack_s)
 
 
 def pick_just_enough(
@@ -196,7 +210,7 @@ class JustEnoughPlacer:
 
     def _admit(self, request: RouteRequest, chosen: Candidate, output_tokens: float) -> None:
         if request.has_deadline and chosen.slack_s > 0:  # hopeless requests are not protected
-            budget = admitted_budget_s(request, chosen, output_tokens)
+            budget = admitted_budget(request, chosen, output_tokens)
             self.budgets.admit(chosen.instance_id, request.request_id, budget)
 
 
@@ -248,13 +262,17 @@ class JustEnoughPolicy(RoutingPolicy):
 
 
 class SloWatchdog(Watchdog):
-    """Every tau iterations: migrate requests that would miss their deadline.
+    """Every tau iterations: refresh the budgets of an instance's requests and
+    migrate those that would miss their deadline.
 
     Expected finish of an active request = now + (queue delay if still waiting) +
-    re-predicted remaining tokens x d_g of its instance. If that passes the deadline,
-    move it to the just-enough choice among *stronger* instances whose estimate
-    (re-prefill of prompt + generated ids, then the remaining decode) still meets
-    it. At most `max_migrations_per_request` moves per request.
+    re-predicted remaining tokens x d_g of its instance. A request on track gets its
+    per-token budget recomputed from its progress and re-predicted length (a budget
+    fixed at admission forgets the slack a request gains by running ahead). One that
+    would miss moves to the just-enough choice among *stronger* instances whose
+    estimate (re-prefill of prompt + generated ids, then the remaining decode) still
+    meets the deadline, at most `max_migrations_per_request` times; if it stays, it
+    loses its protection (it would close the instance to requests that can make it).
     """
 
     def __init__(
@@ -278,13 +296,10 @@ class SloWatchdog(Watchdog):
         self.needs_true_output_length = length.needs_true_output_length
         self.req_to_num_migrations: dict[str, int] = {}
 
-    def expected_finish_s(
-        self, active: ActiveRequest, total_tokens: float, source: InstanceView, now: float
-    ) -> float:
-        estimate = self.status.estimate(source, now)
-        remaining = max(total_tokens - active.num_generated_tokens, 1.0)
+    def time_left_s(self, active: ActiveRequest, estimate: InstanceEstimate, now: float) -> float:
+        """Time until the deadline, less the queue delay still ahead of a waiting request."""
         waiting = 0.0 if active.is_running else estimate.queue_delay_s
-        return now + waiting + remaining * estimate.decode_s_per_token
+        return active.request.deadline_s - now - waiting
 
     def check(
         self,
@@ -298,26 +313,29 @@ class SloWatchdog(Watchdog):
         stronger = [
             v for v in view.instances if capability_s_per_token(v.spec) < source_capability
         ]
-        watched = [
-            a for a in active
-            if a.request.has_deadline
-            and self.req_to_num_migrations.get(a.request.request_id, 0)
-            < self.max_migrations_per_request
-        ]
+        watched = [a for a in active if a.request.has_deadline]
         moves: dict[str, InstanceId] = {}
-        if not stronger or not watched:
+        if not watched:
             return moves
+        estimate = self.status.estimate(source, now, joining=0)
         totals = self.length.predict_totals(
             [a.request for a in watched], [a.num_generated_tokens for a in watched]
         )
         for item, total in zip(watched, totals, strict=True):
-            if self.expected_finish_s(item, total, source, now) <= item.request.deadline_s:
+            rid = item.request.request_id
+            remaining = max(total - item.num_generated_tokens, 1.0)
+            time_left = self.time_left_s(item, estimate, now)
+            per_token = token_budget_s(time_left, remaining)
+            if per_token >= estimate.decode_s_per_token:  # on track
+                stall = time_left - remaining * estimate.decode_s_per_token
+                self.budgets.admit(instance_id, rid, Budget(per_token, stall))
                 continue
-            target = self._target(item, total, stronger, view, now)
-            if target is not None:
-                rid = item.request.request_id
-                moves[rid] = target
-                self.req_to_num_migrations[rid] = self.req_to_num_migrations.get(rid, 0) + 1
+            target = self._target(item, total, stronger, view, now) if stronger else None
+            if target is None:
+                self.budgets.remove(rid)
+                continue
+            moves[rid] = target
+            self.req_to_num_migrations[rid] = self.req_to_num_migrations.get(rid, 0) + 1
         return moves
 
     def _target(
@@ -328,6 +346,10 @@ class SloWatchdog(Watchdog):
         view: ClusterView,
         now: float,
     ) -> InstanceId | None:
+        if self.req_to_num_migrations.get(item.request.request_id, 0) >= (
+            self.max_migrations_per_request
+        ):
+            return None
         resumed = _as_resumed(item.request, item.num_generated_tokens)
         holding = [v for v in stronger if v.can_hold(resumed.num_context_tokens)]
         chosen, _ = self.placer.place(resumed, holding, view, total, now)
@@ -347,15 +369,16 @@ def make_goodserve(
     migration: bool = True,
     max_migrations_per_request: int = 1,
     config: JustEnoughConfig = JustEnoughConfig(),
-) -> tuple[JustEnoughPolicy, SloWatchdog | None]:
-    """Policy + watchdog sharing one status estimator and one length estimator."""
+) -> tuple[JustEnoughPolicy, SloWatchdog]:
+    """Policy + watchdog sharing one status estimator, length estimator and budgets.
+
+    Without migration the watchdog still runs (it keeps the budgets current) but
+    never moves a request, so the ablation removes exactly the migrations.
+    """
     status, budgets = StatusEstimator(alpha), TokenBudgets()
     policy = JustEnoughPolicy(status, length, config, budgets)
-    if not migration:
-        return policy, None
-    watchdog = SloWatchdog(
-        status, length, tau_iterations, max_migrations_per_request, config, budgets
-    )
+    moves = max_migrations_per_request if migration else 0
+    watchdog = SloWatchdog(status, length, tau_iterations, moves, config, budgets)
     return policy, watchdog
 
 

@@ -180,8 +180,12 @@ class StatusEstimator(StepListener):
         self._states.pop(instance_id, None)
 
     # ---- estimates -----------------------------------------------------------
-    def estimate(self, view: InstanceView, now: float | None = None) -> InstanceEstimate:
-        """Current (q_g, p_g, d_g); catalog prior for figures not yet observed.
+    def estimate(
+        self, view: InstanceView, now: float | None = None, joining: int = 1
+    ) -> InstanceEstimate:
+        """Current (q_g, p_g, d_g) for a request about to join (`joining` = 1, the
+        router) or already there (0, the watchdog); catalog prior for figures not yet
+        observed.
 
         An idle instance runs at its unloaded speed whatever it reported while busy,
         and nobody queues where nothing waits: both cases use the live counts in
@@ -205,22 +209,22 @@ class StatusEstimator(StepListener):
             ),
             decode_s_per_token=(
                 prior.decode_s_per_token if decode is None
-                else decode * self._batch_growth(state, view)
+                else decode * self._batch_growth(state, view, joining)
             ),
             num_samples=state.num_samples,
         )
 
     @staticmethod
-    def _batch_growth(state: _InstanceState, view: InstanceView) -> float:
-        """How much slower a step will be with everything outstanding now (+ the new
-        request) in the batch than at the batch size the EMA was measured at.
+    def _batch_growth(state: _InstanceState, view: InstanceView, joining: int) -> float:
+        """How much slower a step will be with everything outstanding now (+ the
+        `joining` requests) in the batch than at the batch size the EMA was measured at.
 
         The measured speed is the truth at the measured load; the hardware model only
         supplies the shape of speed vs batch size. Without it, a burst of arrivals at
         one instant would all see the pre-burst speed and pile onto one instance.
         """
         measured = state.decode_batch.value or 1.0
-        upcoming = view.num_running + view.num_waiting + 1
+        upcoming = view.num_running + view.num_waiting + joining
         if view.max_num_seqs is not None:  # the rest wait; q_g covers them
             upcoming = min(upcoming, view.max_num_seqs)
         intercept, slope = view.spec.decode_batch_line

@@ -226,8 +226,23 @@ def test_make_goodserve_shares_estimators_and_ablates_migration():
     policy, dog = make_goodserve(RunningHistoryLength(), tau_iterations=25)
     assert dog.status is policy.status and dog.length is policy.length
     assert dog.tau_iterations == 25
-    _, none = make_goodserve(RunningHistoryLength(), migration=False)
-    assert none is None
+    _, watching = make_goodserve(RunningHistoryLength(), migration=False)
+    assert watching.max_migrations_per_request == 0  # budgets kept current, nobody moved
+
+
+def test_watchdog_refreshes_budgets_from_progress_and_drops_late_requests():
+    dog = make_watchdog(H800=0.01, A800=0.015, A40=0.04)
+    cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
+    # 100 of 400 tokens done at t=4 with 13 s left: 300 tokens may take 13/300 s each
+    assert dog.check("A40", [active(17.0, 100)], cluster, 4.0) == {}
+    assert dog.budgets.tightest_s("A40") == pytest.approx(13.0 / 300)
+    # at t=14 it has fallen behind and no stronger instance can save it: unprotected
+    assert dog.check("A40", [active(17.0, 100)], cluster, 14.0) == {}
+    assert dog.budgets.tightest_s("A40") == math.inf
+    # without migration the watchdog keeps budgets but never moves anyone
+    still = SloWatchdog(dog.status, TrueLength(), max_migrations_per_request=0,
+                        config=JustEnoughConfig(headroom=0.0))
+    assert still.check("A40", [active(10.0, 100)], cluster, 4.0) == {}
 
 
 def test_queue_delay_follows_a_growing_queue_by_littles_law():
@@ -244,19 +259,22 @@ def test_queue_delay_follows_a_growing_queue_by_littles_law():
 
 # ---- do-no-harm budgets ------------------------------------------------------------
 def test_token_budgets_track_the_tightest_admitted_request():
-    from app.routing.budgets import TokenBudgets
+    from app.routing.budgets import Budget, TokenBudgets
 
     budgets = TokenBudgets()
     assert budgets.tightest_s("A40") == math.inf
-    budgets.admit("A40", "a", 0.05)
-    budgets.admit("A40", "b", 0.03)
-    budgets.admit("A800", "c", 0.01)
-    assert budgets.tightest_s("A40") == 0.03
+    budgets.admit("A40", "a", Budget(0.05, 0.2))
+    budgets.admit("A40", "b", Budget(0.03, 0.9))
+    budgets.admit("A800", "c", Budget(0.01))
+    assert budgets.tightest_s("A40") == 0.03 and budgets.shortest_stall_s("A40") == 0.2
     budgets.remove("b")
     assert budgets.tightest_s("A40") == 0.05
-    budgets.admit("A800", "a", 0.02)  # moved by a migration
+    budgets.admit("A40", "a", Budget(0.05, 0.5))  # refreshed by the watchdog
+    assert budgets.shortest_stall_s("A40") == 0.5
+    budgets.admit("A800", "a", Budget(0.02))  # moved by a migration
     assert budgets.tightest_s("A40") == math.inf and budgets.tightest_s("A800") == 0.01
-    budgets.admit("A800", "d", math.inf)  # no deadline: constrains nothing
+    assert budgets.shortest_stall_s("A40") == math.inf
+    budgets.admit("A800", "d", Budget(math.inf))  # no deadline: constrains nothing
     assert len(budgets) == 2
 
 
@@ -313,6 +331,21 @@ def test_best_effort_placement_with_time_to_spare_is_protected():
     # hopeless everywhere: placed, but nothing to protect
     assert policy.choose(make_request(0.5, rid="late"), cluster, 0.0) == "H800"
     assert len(policy.budgets) == 1
+
+
+def test_long_prefill_cannot_stall_an_admitted_request_past_its_slack():
+    policy = policy_with_speeds(H800=0.01, A800=0.015)
+    cluster = make_cluster(make_view("H800"), make_view("A800"))
+    # edge: H800 takes 0.1 s prefill + 2 s decode of its 2.4 s -> 0.3 s of slack to spare
+    assert policy.choose(make_request(2.4, rid="edge"), cluster, 0.0) == "H800"
+    assert policy.budgets.shortest_stall_s("H800") == pytest.approx(0.3, abs=0.01)
+    # a loose request fits the H800 by speed, but a 5000-token prefill stalls "edge" 0.5 s
+    def h800(request):
+        candidates = policy.placer.place(request, cluster.instances, cluster, 20, 0.0)[1]
+        return next(c for c in candidates if c.instance_id == "H800")
+
+    assert not h800(make_request(60.0, prompt=5000, rid="long")).harmless()
+    assert h800(make_request(60.0, prompt=1000, rid="short")).harmless()
 
 
 def test_headroom_keeps_slack_in_reserve():
