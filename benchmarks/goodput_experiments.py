@@ -161,7 +161,7 @@ def predictor_cells(
         run_setup = replace(setup, routing=routing)
         workload = make_workload(run_setup, rate, duration_s)
         for cell in run(run_setup, cluster, (PolicyKind.GOODSERVE,), (2.0,), workload):
-            cells.append(replace(cell, policy=f"goodserve + {name}"))
+            cells.append(cell.renamed(f"goodserve + {name}"))
     return cells
 
 
@@ -250,7 +250,7 @@ def run_all(setup: Setup, args: argparse.Namespace, duration: float) -> int:
         for tau in TAUS:
             routing = replace(setup.routing, tau_iterations=tau)
             for cell in run(setup, paper, (PolicyKind.GOODSERVE,), (2.0,), workload, routing):
-                tau_cells.append(replace(cell, policy=f"goodserve tau={tau}"))
+                tau_cells.append(cell.renamed(f"goodserve tau={tau}"))
         experiment("tau", args.out, row, tau_cells)
         sections.append(("Watchdog period tau (scale 2)", tau_cells, (2.0,)))
     if "predictors" in wanted:

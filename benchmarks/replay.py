@@ -76,6 +76,10 @@ class RunOutcome:
     summary: dict[str, Any]
     records: tuple[RequestRecord, ...]
 
+    def renamed(self, policy: str) -> RunOutcome:
+        """The same cell under another label (e.g. "goodserve tau=10"), in every output."""
+        return replace(self, policy=policy, summary={**self.summary, "policy": policy})
+
 
 def parse_policies(text: str) -> tuple[PolicyKind, ...]:
     if text.strip().lower() == "all":

@@ -122,3 +122,20 @@ def test_malformed_trace_line_is_reported(tmp_path) -> None:
                     "--out", str(tmp_path / "o"), "--no-progress")
     assert result.exit_code == 2
     assert f"{trace}:61: missing field 'input_length'" in result.output
+
+
+def test_renamed_cells_carry_their_label_into_every_output(tmp_path) -> None:
+    from benchmarks.replay import write_outputs
+
+    workload = build_workload(
+        arrivals=Arrivals.TRACE, trace=small_trace(tmp_path / "t.jsonl", 20), prompts=None,
+        rate=4.0, duration_s=None, max_requests=None, seed=0,
+    )
+    spec = ReplaySpec(load_cluster_config(PAPER_CLUSTER), parse_policies("goodserve"), (2.0,))
+    cells = [cell.renamed("goodserve tau=10") for cell in run_replay(spec, workload)]
+    write_outputs(tmp_path / "out", {"note": "renamed"}, cells)
+    (row,) = list(csv.DictReader((tmp_path / "out" / "summary.csv").open()))
+    assert row["policy"] == "goodserve tau=10"
+    assert "| goodserve tau=10 | 2 |" in (tmp_path / "out" / "report.md").read_text()
+    policies = pq.read_table(tmp_path / "out" / "requests.parquet").column("policy")
+    assert set(policies.to_pylist()) == {"goodserve tau=10"}
