@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import ray
 
-from app.config import ClusterConfig, EngineBackend, EngineConfig
+from app.config import ClusterConfig, EngineConfig
 from app.engine_types import EngineRequest, TokenEvent
 from deployments.engine import EngineActor
 
@@ -80,7 +80,3 @@ async def collect_tokens(handle: EngineHandle, request: EngineRequest) -> list[T
     async for ref in stream:
         events.extend(await ref)
     return events
-
-
-def is_vllm(config: EngineConfig) -> bool:
-    return config.backend == EngineBackend.VLLM
