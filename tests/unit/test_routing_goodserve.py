@@ -80,11 +80,17 @@ def test_decode_estimate_grows_with_the_batch_it_will_run_in():
     status = StatusEstimator(alpha=1.0)
     status.observe_iteration("A800", 0.020, 0, 10, 0.0)  # measured with 10 sequences
     same = status.estimate(make_view("A800", running=9)).decode_s_per_token
-    burst = status.estimate(make_view("A800", running=9, waiting=200)).decode_s_per_token
+    bigger = status.estimate(make_view("A800", running=209)).decode_s_per_token
     assert same == pytest.approx(0.020)
     intercept, slope = SPECS["A800"].decode_batch_line
-    assert burst == pytest.approx(0.020 * (intercept + 210 * slope) / (intercept + 10 * slope))
-    assert burst > 1.5 * same
+    assert bigger == pytest.approx(0.020 * (intercept + 210 * slope) / (intercept + 10 * slope))
+    assert bigger > 1.5 * same
+    # a queue does not slow the batch (the engine already runs all it can): q_g covers it
+    queued = status.estimate(make_view("A800", running=9, waiting=200))
+    assert queued.decode_s_per_token == pytest.approx(same)
+    # the watchdog asks for requests already there: no one joins
+    assert status.estimate(make_view("A800", running=10), joining=0).decode_s_per_token == (
+        pytest.approx(same))
 
 
 def test_forget_drops_an_instance():
