@@ -9,7 +9,6 @@ fail with a ValueError naming the file, line and field, never a bare KeyError.
 from __future__ import annotations
 
 import csv
-import json
 import math
 import random
 from collections.abc import Iterator, Sequence
@@ -20,6 +19,7 @@ from typing import Any
 
 from app.engine_types import prefix_block_hashes
 from app.routing.view import RouteRequest
+from predictor.jsonl import iter_jsonl_objects
 
 MOONCAKE_BLOCK_TOKENS = 512  # tokens per Mooncake hash_id
 TEXT_BYTES_PER_BLOCK = 64  # ~16 Llama-3 tokens of English text
@@ -152,22 +152,9 @@ def _field(row: dict[str, Any], name: str, where: str, kind: type, minimum: floa
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        raise ValueError(f"file not found: {path}") from None
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: not UTF-8 text: {exc.reason}") from None
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{where}: invalid JSON: {exc.msg}") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{where}: expected a JSON object")
+    if not path.is_file():
+        raise ValueError(f"file not found: {path}")
+    for where, _, row in iter_jsonl_objects(path):
         yield where, row
 
 

@@ -6,7 +6,6 @@ Bad rows raise `DataError` naming the file and line, so the CLI can print one li
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from predictor.base import PredictionInput
+from predictor.jsonl import iter_jsonl_objects
 
 __all__ = ["DataError", "LengthRecord", "load_records", "split_by_prompt_id"]
 
@@ -37,9 +37,7 @@ class LengthRecord:
         return PredictionInput(prompt=self.prompt, task=self.task)
 
 
-def _parse_row(row: Any, where: str, line_number: int) -> LengthRecord:
-    if not isinstance(row, dict):
-        raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+def _parse_row(row: dict[str, Any], where: str, line_number: int) -> LengthRecord:
     for field in ("prompt", "output_tokens"):
         if field not in row:
             raise DataError(f"{where}: missing field '{field}'")
@@ -66,17 +64,10 @@ def load_records(path: str | Path) -> list[LengthRecord]:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such file")
-    records = []
-    with path.open(encoding="utf-8") as lines:
-        for line_number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{where}: invalid JSON ({exc.msg})") from None
-            records.append(_parse_row(row, where, line_number))
+    records = [
+        _parse_row(row, where, line_number)
+        for where, line_number, row in iter_jsonl_objects(path, DataError)
+    ]
     if not records:
         raise DataError(f"{path}: no records")
     return records
