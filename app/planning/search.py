@@ -25,6 +25,13 @@ def first_true(predicate: Callable[[int], bool], known_false: int) -> int:
         hi = lo + step
         if hi > MAX_POOL_SIZE:
             raise ValueError(f"no pool of up to {MAX_POOL_SIZE} meets the SLOs at this rate")
+    return _boundary(predicate, lo, hi)
+
+
+def _boundary(predicate: Callable[[int], bool], known_false: int, known_true: int) -> int:
+    """Bisection: the smallest integer in (known_false, known_true] where an
+    increasing predicate holds."""
+    lo, hi = known_false, known_true
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if predicate(mid):
@@ -36,14 +43,7 @@ def first_true(predicate: Callable[[int], bool], known_false: int) -> int:
 
 def last_true(predicate: Callable[[int], bool], known_true: int, known_false: int) -> int:
     """Largest integer in [known_true, known_false) where a decreasing predicate holds."""
-    lo, hi = known_true, known_false
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if predicate(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return _boundary(lambda n: not predicate(n), known_true, known_false) - 1
 
 
 def last_true_near(predicate: Callable[[int], bool], guess: int) -> int:
