@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from predictor.base import PredictionInput
@@ -18,18 +17,11 @@ from predictor.moe import MoEPredictor
 from predictor.neural import MLPPredictor
 from predictor.registry import load_predictor, load_predictors, make_predictor, save_predictors
 from predictor.synthetic import make_synthetic_records
+from tests.unit.torch_utils import one_torch_thread  # noqa: F401  (autouse fixture)
 
 pytestmark = pytest.mark.unit
 
 SMALL = {"max_features": 128, "batch_size": 32, "learning_rate": 1e-2, "device": "cpu"}
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def write_jsonl(path: Path, rows: list[object]) -> Path:

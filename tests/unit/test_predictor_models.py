@@ -15,6 +15,7 @@ from predictor.moe import MoEPredictor, assign_tiers, split_halves
 from predictor.neural import MLPPredictor
 from predictor.pipeline import evaluate_predictor
 from predictor.synthetic import make_synthetic_records
+from tests.unit.torch_utils import one_torch_thread  # noqa: F401  (autouse fixture)
 
 pytestmark = pytest.mark.unit
 
@@ -35,14 +36,6 @@ def fast_moe(**overrides: object) -> MoEPredictor:
 
 def fast_mlp() -> MLPPredictor:
     return MLPPredictor(hidden_dim=16, epochs=20, **FAST)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")
