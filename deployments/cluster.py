@@ -16,6 +16,8 @@ from app.config import ClusterConfig, EngineConfig
 from app.engine_types import EngineRequest, TokenEvent
 from deployments.engine import EngineActor
 
+ENGINE_NAMESPACE = "goodserve"  # engines are looked up by name from Serve replicas
+
 
 @dataclass(frozen=True)
 class EngineHandle:
@@ -44,24 +46,42 @@ def init_local_ray(cluster: ClusterConfig, num_cpus: int | None = None) -> None:
     )
 
 
-def launch_engine(engine_id: str, config: EngineConfig) -> EngineHandle:
+def launch_engine(engine_id: str, config: EngineConfig, shared: bool = False) -> EngineHandle:
     """Create one actor on a node of its GPU kind; vLLM actors need no Ray CPU slot
-    (the engine core runs in its own process), so small machines can host several."""
+    (the engine core runs in its own process), so small machines can host several.
+
+    Engines are named actors in ENGINE_NAMESPACE. `shared` returns the running
+    engine of that name if there is one and otherwise starts it detached, so every
+    router replica (and a restarted one) drives the same engines.
+    """
+    options: dict = {}
+    if shared:
+        options = {"get_if_exists": True, "lifetime": "detached"}
     actor = EngineActor.options(
         name=engine_id,
+        namespace=ENGINE_NAMESPACE,
         resources={config.resource_name: 1},
         num_cpus=0,
         max_concurrency=1000,
+        **options,
     ).remote(engine_id, config)
     return EngineHandle(engine_id, config, actor)
 
 
-def launch_cluster(cluster: ClusterConfig, start: bool = True) -> list[EngineHandle]:
-    """One actor per engine of `cluster`; ids are `<cluster>-<gpu>-<n>`."""
-    handles = []
+def engine_ids(cluster: ClusterConfig) -> list[tuple[str, EngineConfig]]:
+    """(id, config) per engine of `cluster`; ids are `<cluster>-<gpu>-<n>`."""
+    named = []
     for i, config in enumerate(cluster.engines()):
         tag = config.gpu_type if config.tp == 1 else f"{config.tp}x{config.gpu_type}"
-        handles.append(launch_engine(f"{cluster.name}-{tag}-{i}", config))
+        named.append((f"{cluster.name}-{tag}-{i}", config))
+    return named
+
+
+def launch_cluster(
+    cluster: ClusterConfig, start: bool = True, shared: bool = False
+) -> list[EngineHandle]:
+    """One actor per engine of `cluster` (see `launch_engine` for `shared`)."""
+    handles = [launch_engine(eid, config, shared) for eid, config in engine_ids(cluster)]
     if start:
         ray.get([h.actor.start.remote() for h in handles])
     return handles

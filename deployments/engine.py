@@ -242,7 +242,8 @@ class VllmBackend(EngineBackendBase):
             "seed": 0,
         }
         if self.config.gpu_type == "cpu":
-            kwargs |= {"dtype": "float32", "enforce_eager": True, "max_model_len": 2048}
+            kwargs |= {"dtype": "float32", "enforce_eager": True,
+                       "max_model_len": self.config.max_model_len}
         kwargs |= self.config.vllm_kwargs
         return AsyncEngineArgs(**kwargs)
 

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+from app.engine_types import EngineStatus
 from app.routing.view import (
     ClusterView,
     FinishReport,
@@ -38,6 +39,14 @@ class StepListener:
 
     def on_finish(self, report: FinishReport, now: float) -> None:
         """Called when a request produced its last token."""
+
+    def on_drop(self, request: RouteRequest, now: float) -> None:
+        """Called when a request ended without finishing (client gone, engine lost):
+        forget it, and learn nothing from its truncated length."""
+
+    def on_status(self, status: EngineStatus, now: float) -> None:
+        """Called with each polled engine report (the live router's feedback path;
+        the simulator delivers `on_step` instead)."""
 
 
 class RoutingPolicy(StepListener, ABC):

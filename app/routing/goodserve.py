@@ -16,10 +16,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
+from app.engine_types import EngineStatus
 from app.hardware import InstanceSpec
 from app.routing.base import ActiveRequest, Reject, RouteDecision, RoutingPolicy, Watchdog
 from app.routing.budgets import Budget, TokenBudgets, token_budget_s
-from app.routing.length import OutputLengthEstimator
+from app.routing.length import OutputLengthEstimator, bounded_output
 from app.routing.status import InstanceEstimate, StatusEstimator
 from app.routing.view import (
     ClusterView,
@@ -241,7 +242,7 @@ class JustEnoughPolicy(RoutingPolicy):
         holding = view.holding(request)
         if not holding:
             return Reject(f"no instance can hold {request.num_context_tokens} tokens")
-        output = self.length.expected_output(request)
+        output = bounded_output(request, self.length.expected_output(request))
         chosen, candidates = self.placer.place(request, holding, view, output, now)
         if chosen is not None:
             return chosen.instance_id
@@ -256,9 +257,15 @@ class JustEnoughPolicy(RoutingPolicy):
     def on_step(self, instance_id: InstanceId, report: StepReport, now: float) -> None:
         self.status.on_step(instance_id, report, now)
 
+    def on_status(self, status: EngineStatus, now: float) -> None:
+        self.status.on_status(status, now)
+
     def on_finish(self, report: FinishReport, now: float) -> None:
         self.length.on_finish(report, now)
         self.budgets.remove(report.request.request_id)
+
+    def on_drop(self, request: RouteRequest, now: float) -> None:
+        self.budgets.remove(request.request_id)
 
 
 class SloWatchdog(Watchdog):
@@ -321,7 +328,8 @@ class SloWatchdog(Watchdog):
         totals = self.length.predict_totals(
             [a.request for a in watched], [a.num_generated_tokens for a in watched]
         )
-        for item, total in zip(watched, totals, strict=True):
+        for item, predicted in zip(watched, totals, strict=True):
+            total = bounded_output(item.request, predicted)
             rid = item.request.request_id
             remaining = max(total - item.num_generated_tokens, 1.0)
             time_left = self.time_left_s(item, estimate, now)
@@ -337,6 +345,12 @@ class SloWatchdog(Watchdog):
             moves[rid] = target
             self.req_to_num_migrations[rid] = self.req_to_num_migrations.get(rid, 0) + 1
         return moves
+
+    def on_finish(self, report: FinishReport, now: float) -> None:
+        self.req_to_num_migrations.pop(report.request.request_id, None)
+
+    def on_drop(self, request: RouteRequest, now: float) -> None:
+        self.req_to_num_migrations.pop(request.request_id, None)
 
     def _target(
         self,

@@ -25,6 +25,12 @@ if TYPE_CHECKING:
 DEFAULT_OUTPUT_TOKENS = 256  # before any request has finished
 
 
+def bounded_output(request: RouteRequest, total: float) -> float:
+    """A predicted total never exceeds the request's own max_tokens (when it has one)."""
+    cap = request.max_output_tokens
+    return total if cap is None else min(total, float(cap))
+
+
 class OutputLengthEstimator(StepListener, ABC):
     """Predicts a request's total output length (tokens, >= num_generated + 1)."""
 

@@ -39,6 +39,7 @@ class RouteRequest:
     predicted_output_tokens: int | None = None
     true_output_tokens: int | None = None  # oracle only
     num_generated_tokens: int = 0  # > 0 when a migrated request is re-routed
+    max_output_tokens: int | None = None  # the client's max_tokens: a hard cap on the output
 
     @property
     def slo_s(self) -> float:

@@ -1,0 +1,77 @@
+"""Configuration of the live serving application (`goodserve serve`, `serve run`).
+
+One YAML file: the `cluster` (same schema the simulator reads, so any cluster config
+is also a serve config) plus optional routing, SLO and router settings.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, field_validator, model_validator
+
+from app.config import ClusterConfig, EngineBackend, EngineConfig, Frozen, load_yaml_model
+from app.routing.registry import PolicyKind
+
+
+class RoutingConfig(Frozen):
+    """Which policy routes, with GoodServe's knobs (see app/routing/registry.py)."""
+
+    policy: str = Field("goodserve", description="a policy name from `goodserve replay`")
+    tau_iterations: int = Field(50, ge=1, description="watchdog period, engine iterations")
+    alpha: float = Field(0.2, gt=0, le=1, description="EMA weight of the status estimator")
+    headroom: float = Field(0.5, ge=0, description="just-enough slack reserve, fraction of T")
+    seed: int = 0
+    predictor_dir: str | None = Field(
+        None, description="trained predictor directory (`goodserve predictor train`); "
+        "None = running history of finished lengths"
+    )
+    predictor_name: str = Field("moe", description="which saved predictor to load")
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, name: str) -> str:
+        kind = PolicyKind.from_str(name)
+        if kind == PolicyKind.ORACLE:
+            raise ValueError("the oracle needs true output lengths; it runs in the simulator only")
+        return kind.value
+
+
+class ServeConfig(Frozen):
+    """The served model's cluster and how the router treats requests."""
+
+    cluster: ClusterConfig
+    model_name: str = Field("goodserve", description="the `model` clients must send")
+    routing: RoutingConfig = RoutingConfig()
+    default_slo_s: float | None = Field(
+        None, gt=0, description="deadline for requests that send no slo_s; None = best effort"
+    )
+    tokenizer_path: str | None = Field(
+        None, description="local tokenizer directory; default: the vLLM engines' model_path"
+    )
+    poll_interval_s: float = Field(0.1, gt=0, description="engine status poll period")
+    num_router_replicas: int = Field(1, ge=1)
+    http_port: int = Field(8000, ge=1, le=65535)
+
+    @model_validator(mode="after")
+    def _one_model(self) -> ServeConfig:
+        engines = self.cluster.engines()
+        if self.cluster.mode != "unified":
+            raise ValueError("cluster.mode: live serving supports 'unified' only for now")
+        models = {(e.backend, e.model, e.model_path) for e in engines}
+        if len(models) > 1:
+            raise ValueError(f"cluster: every engine must serve the same model, got {models}")
+        return self
+
+    @property
+    def engine_template(self) -> EngineConfig:
+        """Any engine (they all serve the same model)."""
+        return self.cluster.engines()[0]
+
+    @property
+    def is_simulated(self) -> bool:
+        return self.engine_template.backend == EngineBackend.SIM
+
+
+def load_serve_config(path: str | Path) -> ServeConfig:
+    return load_yaml_model(path, ServeConfig)

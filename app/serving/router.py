@@ -1,0 +1,437 @@
+"""The live router: the routing stack (policy + watchdog) driving real engines.
+
+Ray-free asyncio. Engines sit behind `EngineClient` (the Serve deployment supplies
+Ray actor clients), the clock is injected, and every decision is made by the same
+policy and watchdog objects the simulator runs:
+- `submit` builds the policy's `RouteRequest` (predicted length, deadline, prefix
+  hashes) and asks `policy.choose` on a view of the healthy instances;
+- `stream` relays the engine's tokens; when the watchdog (or an operator) moves the
+  request, or its engine fails, it continues on the new instance by token ids
+  (prompt + generated so far), so the client sees one uninterrupted stream;
+- a poll loop feeds engine reports to the status estimator and runs the watchdog
+  every `tau` iterations of an instance.
+Instance load (running / waiting) comes from the router's own bookkeeping, which
+is current at every decision; polled reports supply speeds, KV and prefix caches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from app.config import EngineConfig, EngineRole
+from app.engine_types import (
+    EngineRequest,
+    EngineStatus,
+    SamplingSpec,
+    TokenEvent,
+    prefix_block_hashes,
+)
+from app.hardware import InstanceSpec
+from app.routing.base import ActiveRequest, Reject
+from app.routing.registry import RoutingStack
+from app.routing.view import ClusterView, FinishReport, InstanceId, InstanceView, RouteRequest
+
+logger = logging.getLogger(__name__)
+
+ABORTED = "abort"  # finish reason of a stream we ended ourselves (migration, disconnect)
+
+
+class EngineClient(ABC):
+    """Transport to one engine: what the router needs and nothing else."""
+
+    def __init__(self, engine_id: str, config: EngineConfig) -> None:
+        self.engine_id = engine_id
+        self.config = config
+
+    @abstractmethod
+    def generate(self, request: EngineRequest) -> AsyncIterator[list[TokenEvent]]:
+        """Stream the request's tokens, a batch per engine iteration."""
+
+    @abstractmethod
+    async def abort(self, request_id: str) -> bool:
+        """Stop a request on the engine; True if it was there."""
+
+    @abstractmethod
+    async def status(self) -> EngineStatus:
+        """The engine's black-box report."""
+
+
+class RequestRejected(Exception):
+    """The policy declined the request (admission control) or nothing can serve it."""
+
+
+class EngineLost(Exception):
+    """A request's engine failed and no other instance could take it over."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One client request, tokenized."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingSpec
+    arrival_s: float
+    slo_s: float | None = None  # end-to-end deadline after arrival; None = best effort
+    prompt_text: str | None = None
+    task: str | None = None
+
+
+@dataclass(eq=False)
+class Flight:
+    """Router-side state of one request from routing to its end."""
+
+    request: GenerationRequest
+    route: RouteRequest
+    instance_id: InstanceId
+    instance_ids: list[InstanceId]  # every instance it ran on, in order
+    output_token_ids: list[int] = field(default_factory=list)
+    attempt: int = 0  # engine submissions so far - 1 (each move submits again)
+    num_migrations: int = 0
+    num_failovers: int = 0
+    is_running: bool = False  # produced a token on its current instance
+    move_to: InstanceId | None = None  # set by a migration, taken when the stream ends
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    finish_reason: str | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def engine_request_id(self) -> str:
+        """Unique per submission: an engine must never see an id twice."""
+        return self.request_id if self.attempt == 0 else f"{self.request_id}@{self.attempt}"
+
+    def engine_request(self) -> EngineRequest:
+        return EngineRequest(
+            self.engine_request_id,
+            self.request.prompt_token_ids,
+            self.request.sampling,
+            resume_token_ids=tuple(self.output_token_ids),
+        )
+
+
+@dataclass(eq=False)
+class LiveInstance:
+    client: EngineClient
+    spec: InstanceSpec
+    status: EngineStatus | None = None
+    healthy: bool = False  # reachable at the last poll
+    watched_epoch: int = 0  # num_iterations // tau at the last watchdog check
+
+    @property
+    def instance_id(self) -> InstanceId:
+        return self.client.engine_id
+
+
+@dataclass(frozen=True)
+class RouterCounters:
+    """Totals since start (for metrics and tests)."""
+
+    num_routed: int
+    num_rejected: int
+    num_finished: int
+    num_dropped: int
+    num_migrations: int
+    num_failovers: int
+    num_in_flight: int
+
+
+Predict = Callable[[RouteRequest], Awaitable[float]]
+
+
+class LiveRouter:
+    """Routes, streams, migrates and fails over; one instance per router replica."""
+
+    def __init__(
+        self,
+        clients: Sequence[EngineClient],
+        stack: RoutingStack,
+        *,
+        clock: Callable[[], float] = time.time,
+        predict: Predict | None = None,
+        poll_interval_s: float = 0.1,
+        status_timeout_s: float = 5.0,
+        max_failovers: int = 2,
+    ) -> None:
+        if not clients:
+            raise ValueError("the router needs at least one engine")
+        roles = {c.config.role for c in clients}
+        if roles != {EngineRole.UNIFIED}:
+            raise ValueError(f"the live router serves unified engines only, got {sorted(roles)}")
+        for x in (stack.policy, stack.watchdog):
+            if x is not None and x.needs_true_output_length:
+                raise ValueError(f"{type(x).__name__} needs true output lengths (simulator only)")
+        self.instances = {c.engine_id: LiveInstance(c, c.config.instance) for c in clients}
+        if len(self.instances) != len(clients):
+            raise ValueError("engine ids must be unique")
+        self.policy = stack.policy
+        self.watchdog = stack.watchdog
+        present = (x for x in (stack.policy, stack.watchdog) if x is not None)
+        self._listeners = list({id(x): x for x in present}.values())
+        self.clock = clock
+        self.predict = predict
+        self.poll_interval_s = poll_interval_s
+        self.status_timeout_s = status_timeout_s
+        self.max_failovers = max_failovers
+        self.flights: dict[str, Flight] = {}  # request_id -> flight
+        self._poll_task: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()
+        self._num_routed = self._num_rejected = self._num_finished = self._num_dropped = 0
+        self._num_migrations = self._num_failovers = 0
+
+    # ---- lifecycle -------------------------------------------------------------
+    async def start(self) -> None:
+        """Poll every engine once (so the first request sees them), then keep polling."""
+        if self._poll_task is None:
+            await self.poll_once()
+            self._poll_task = asyncio.create_task(self._poll_forever())
+
+    def close(self) -> None:
+        if self._poll_task is not None:
+            self._poll_task.cancel()
+            self._poll_task = None
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_interval_s)
+            try:
+                await self.poll_once()
+            except Exception:  # a bug here must not stop polling for good
+                logger.exception("status poll failed")
+
+    async def poll_once(self) -> None:
+        await asyncio.gather(*(self._poll(inst) for inst in self.instances.values()))
+
+    async def _poll(self, inst: LiveInstance) -> None:
+        try:
+            status = await asyncio.wait_for(inst.client.status(), self.status_timeout_s)
+        except Exception as exc:
+            if inst.healthy:
+                logger.warning("engine %s unreachable: %s", inst.instance_id, exc)
+            inst.healthy = False
+            return
+        inst.status, inst.healthy = status, True
+        now = self.clock()
+        for listener in self._listeners:
+            listener.on_status(status, now)
+        self._watch(inst, now)
+
+    # ---- views -----------------------------------------------------------------
+    def view(self, now: float, exclude: frozenset[InstanceId] = frozenset()) -> ClusterView:
+        """The healthy instances with their latest reports and the router's own load."""
+        running: dict[InstanceId, int] = {}
+        waiting: dict[InstanceId, int] = {}
+        for f in self.flights.values():
+            counts = running if f.is_running else waiting
+            counts[f.instance_id] = counts.get(f.instance_id, 0) + 1
+        views = []
+        for iid, inst in self.instances.items():
+            if not inst.healthy or inst.status is None or iid in exclude:
+                continue
+            sched = inst.client.config.scheduler
+            base = InstanceView.from_status(inst.status, inst.spec, sched.block_size,
+                                            sched.max_num_seqs)
+            views.append(replace(base, num_running=running.get(iid, 0),
+                                 num_waiting=waiting.get(iid, 0)))
+        return ClusterView(now, tuple(views), self._prefix_blocks)
+
+    def _prefix_blocks(self, instance_id: InstanceId, hashes: Sequence[int]) -> int:
+        """Leading prompt blocks in the instance's reported prefix-cache digest."""
+        status = self.instances[instance_id].status
+        digest = status.prefix_digest if status is not None else frozenset()
+        hits = 0
+        for h in hashes:
+            if h not in digest:
+                break
+            hits += 1
+        return hits
+
+    # ---- routing -----------------------------------------------------------------
+    async def submit(self, request: GenerationRequest) -> Flight:
+        """Route a request; raises `RequestRejected` with the reason when it is not served."""
+        if request.request_id in self.flights:
+            raise ValueError(f"duplicate request id {request.request_id}")
+        route = RouteRequest(
+            request_id=request.request_id,
+            arrival_s=request.arrival_s,
+            deadline_s=math.inf if request.slo_s is None else request.arrival_s + request.slo_s,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            block_hashes=prefix_block_hashes(request.prompt_token_ids),
+            prompt=request.prompt_text,
+            task=request.task,
+            max_output_tokens=request.sampling.max_tokens,
+        )
+        if self.predict is not None:
+            predicted = await self.predict(route)
+            route = replace(route, predicted_output_tokens=max(round(predicted), 1))
+        now = self.clock()
+        target = self._choose(route, now)
+        flight = Flight(request, route, target, [target])
+        self.flights[request.request_id] = flight
+        self._num_routed += 1
+        return flight
+
+    def _choose(self, route: RouteRequest, now: float,
+                exclude: frozenset[InstanceId] = frozenset()) -> InstanceId:
+        view = self.view(now, exclude)
+        if not view.instances:
+            self._num_rejected += 1
+            raise RequestRejected("no healthy engine instance is available")
+        decision = self.policy.choose(route, view, now)
+        if isinstance(decision, Reject):
+            self._num_rejected += 1
+            raise RequestRejected(decision.reason)
+        return decision
+
+    async def stream(self, flight: Flight) -> AsyncIterator[list[TokenEvent]]:
+        """The request's tokens (indices from 0, one stream across moves); ends the flight."""
+        finished = False
+        try:
+            while True:
+                client = self.instances[flight.instance_id].client
+                flight.is_running = False
+                try:
+                    async for batch in client.generate(flight.engine_request()):
+                        kept = self._take(flight, batch)
+                        if kept:
+                            yield kept
+                        if flight.finish_reason is not None:
+                            finished = True
+                            return
+                except Exception as exc:  # our abort for a move, or the engine failed
+                    if flight.move_to is None:
+                        self._fail_over(flight, f"{type(exc).__name__}: {exc}")
+                        continue
+                if flight.move_to is not None:
+                    self._move(flight, flight.move_to)
+                else:  # ended without finishing and nobody moved it
+                    self._fail_over(flight, "stream ended before the last token")
+        finally:
+            self._end(flight, finished)
+
+    def _take(self, flight: Flight, batch: list[TokenEvent]) -> list[TokenEvent]:
+        """Record a batch; tokens cut by our own abort keep their ids but lose the reason."""
+        if not batch:
+            return []
+        if not flight.is_running:
+            flight.is_running = True
+            if flight.first_token_s is None:
+                flight.first_token_s = batch[0].time_s
+        kept = [
+            replace(ev, finish_reason=None) if ev.finish_reason == ABORTED else ev
+            for ev in batch
+        ]
+        flight.output_token_ids.extend(ev.token_id for ev in kept)
+        last = kept[-1]
+        if last.finish_reason is not None:
+            flight.finish_reason = last.finish_reason
+            flight.finish_s = last.time_s
+        return kept
+
+    def _move(self, flight: Flight, target: InstanceId) -> None:
+        flight.move_to = None
+        flight.attempt += 1
+        flight.num_migrations += 1
+        self._num_migrations += 1
+        flight.instance_id = target
+        flight.instance_ids.append(target)
+
+    def _fail_over(self, flight: Flight, why: str) -> None:
+        """Continue on another instance by token ids, or give up with `EngineLost`."""
+        lost = flight.instance_id
+        logger.warning("request %s lost its engine %s: %s", flight.request_id, lost, why)
+        self.instances[lost].healthy = False  # until it answers a poll again
+        if flight.num_failovers >= self.max_failovers:
+            raise EngineLost(f"request {flight.request_id}: engine {lost} failed ({why})")
+        resumed = replace(flight.route, num_generated_tokens=len(flight.output_token_ids))
+        try:
+            target = self._choose(resumed, self.clock(), exclude=frozenset({lost}))
+        except RequestRejected as exc:
+            raise EngineLost(f"request {flight.request_id}: engine {lost} failed ({why}) "
+                             f"and no other can continue it: {exc}") from None
+        flight.num_failovers += 1
+        self._num_failovers += 1
+        flight.attempt += 1
+        flight.instance_id = target
+        flight.instance_ids.append(target)
+
+    def _end(self, flight: Flight, finished: bool) -> None:
+        self.flights.pop(flight.request_id, None)
+        now = self.clock()
+        if finished:
+            self._num_finished += 1
+            report = FinishReport(flight.route, flight.instance_id, len(flight.output_token_ids),
+                                  flight.first_token_s, flight.finish_s or now)
+            for listener in self._listeners:
+                listener.on_finish(report, now)
+            return
+        self._num_dropped += 1
+        self._abort_in_background(flight)  # client gone or engine lost: free the engine
+        for listener in self._listeners:
+            listener.on_drop(flight.route, now)
+
+    def _abort_in_background(self, flight: Flight) -> None:
+        client = self.instances[flight.instance_id].client
+        task = asyncio.ensure_future(client.abort(flight.engine_request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ---- migration -------------------------------------------------------------------
+    def _watch(self, inst: LiveInstance, now: float) -> None:
+        """Run the watchdog when the instance has done another tau iterations."""
+        if self.watchdog is None or inst.status is None:
+            return
+        epoch = inst.status.num_iterations // self.watchdog.tau_iterations
+        if epoch <= inst.watched_epoch:
+            return
+        inst.watched_epoch = epoch
+        mine = [f for f in self.flights.values()
+                if f.instance_id == inst.instance_id and f.move_to is None]
+        if not mine:
+            return
+        active = [ActiveRequest(f.route, f.instance_id, len(f.output_token_ids), f.is_running)
+                  for f in mine]
+        view = self.view(now)
+        if inst.instance_id not in view.by_id:
+            return
+        for request_id, target in self.watchdog.check(inst.instance_id, active, view, now).items():
+            self.migrate(request_id, target)
+
+    def migrate(self, request_id: str, target_id: InstanceId) -> bool:
+        """Move a running request to `target_id` by token ids (watchdog or operator).
+
+        Returns False when the request is not in flight (already finished) or is
+        already being moved; raises ValueError for an unknown or unhealthy target.
+        """
+        flight = self.flights.get(request_id)
+        if flight is None or flight.move_to is not None:
+            return False
+        target = self.instances.get(target_id)
+        if target is None or not target.healthy:
+            raise ValueError(f"unknown or unhealthy target instance {target_id!r}")
+        if target_id == flight.instance_id:
+            raise ValueError(f"request {request_id} is already on {target_id}")
+        flight.move_to = target_id
+        self._abort_in_background(flight)
+        return True
+
+    # ---- reporting ----------------------------------------------------------------------
+    def counters(self) -> RouterCounters:
+        return RouterCounters(
+            num_routed=self._num_routed,
+            num_rejected=self._num_rejected,
+            num_finished=self._num_finished,
+            num_dropped=self._num_dropped,
+            num_migrations=self._num_migrations,
+            num_failovers=self._num_failovers,
+            num_in_flight=len(self.flights),
+        )

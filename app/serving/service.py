@@ -1,0 +1,278 @@
+"""The OpenAI-compatible service: HTTP-free request handling around `LiveRouter`.
+
+The Serve deployment maps each endpoint onto one method here and wraps the result
+in a JSON or streaming response; everything between (validation, tokenizing,
+routing, detokenizing, error mapping) lives here, so it is the same code with any
+transport.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from app.engine_types import SamplingSpec
+from app.routing.registry import RoutingOptions, build_routing
+from app.routing.view import RouteRequest
+from app.serving.api import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestSummary,
+    ResponseMeta,
+    error_body,
+    invalid_request,
+    json_object,
+    parse_body,
+    sse,
+    usage,
+)
+from app.serving.config import ServeConfig
+from app.serving.router import (
+    EngineClient,
+    EngineLost,
+    Flight,
+    GenerationRequest,
+    LiveRouter,
+    Predict,
+    RequestRejected,
+)
+from app.serving.tokenizer import HfTokenizer, IncrementalDecoder, Tokenizer, WordHashTokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def make_tokenizer(config: ServeConfig) -> Tokenizer:
+    """The served model's tokenizer; word hashing for simulated engines."""
+    path = config.tokenizer_path or config.engine_template.model_path
+    if path is not None:
+        return HfTokenizer(path)
+    if not config.is_simulated:
+        raise ValueError("tokenizer_path is required for engines without a local model_path")
+    return WordHashTokenizer(config.engine_template.instance.model.vocab_size)
+
+
+def make_predict(config: ServeConfig) -> tuple[Predict | None, Callable[[], None]]:
+    """The router's arrival-time length prediction (micro-batched) and its closer;
+    None when routing uses the running history of finished lengths."""
+    if config.routing.predictor_dir is None:
+        return None, lambda: None
+    from predictor.base import PredictionInput
+    from predictor.batching import PredictionBatcher
+
+    batcher = PredictionBatcher(_load_predictor(config)).start()
+
+    async def predict(route: RouteRequest) -> float:
+        return await batcher.predict_async(PredictionInput(route.prompt or "", task=route.task))
+
+    return predict, batcher.close
+
+
+_PREDICTORS: dict[tuple[str, str], Any] = {}
+
+
+def _load_predictor(config: ServeConfig) -> Any:
+    """One loaded predictor per (dir, name) per process: batcher and watchdog share it."""
+    from predictor.registry import load_predictor
+
+    key = (str(config.routing.predictor_dir), config.routing.predictor_name)
+    if key not in _PREDICTORS:
+        _PREDICTORS[key] = load_predictor(*key)
+    return _PREDICTORS[key]
+
+
+def routing_options(config: ServeConfig) -> RoutingOptions:
+    r = config.routing
+    factory = None
+    if r.predictor_dir is not None:
+        from app.routing.length import PredictorLength
+
+        predictor = _load_predictor(config)
+        factory = lambda: PredictorLength(predictor)  # noqa: E731
+    return RoutingOptions(seed=r.seed, tau_iterations=r.tau_iterations, alpha=r.alpha,
+                          headroom=r.headroom, length_factory=factory)
+
+
+@dataclass(frozen=True)
+class JsonReply:
+    status_code: int
+    body: dict[str, Any]
+
+
+class CompletionService:
+    """Validates, routes and answers OpenAI completion and chat requests."""
+
+    def __init__(
+        self,
+        config: ServeConfig,
+        clients: Sequence[EngineClient],
+        tokenizer: Tokenizer | None = None,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer or make_tokenizer(config)
+        predict, self._close_predictor = make_predict(config)
+        stack = build_routing(config.routing.policy, routing_options(config))
+        self.router = LiveRouter(clients, stack, predict=predict,
+                                 poll_interval_s=config.poll_interval_s)
+        self._ids = itertools.count()
+        self._start_lock = asyncio.Lock()
+        self._started = False
+
+    async def start(self) -> None:
+        async with self._start_lock:
+            if not self._started:
+                await self.router.start()
+                self._started = True
+
+    def close(self) -> None:
+        self.router.close()
+        self._close_predictor()
+
+    # ---- endpoints -------------------------------------------------------------------
+    async def complete(self, raw: bytes, chat: bool) -> JsonReply | AsyncIterator[str]:
+        """A full JSON reply, or the SSE lines of a streamed one."""
+        try:
+            await self.start()
+            body = parse_body(raw, ChatCompletionRequest if chat else CompletionRequest)
+            request = self._generation_request(body, chat)
+            flight = await self._submit(request)
+        except ApiError as exc:
+            return JsonReply(exc.status_code, exc.body())
+        meta = ResponseMeta.new(f"{'chatcmpl' if chat else 'cmpl'}-{request.request_id}",
+                                self.config.model_name, chat)
+        if body.stream:
+            return self._stream(flight, meta)
+        return await self._collect(flight, meta)
+
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [
+            {"id": self.config.model_name, "object": "model", "owned_by": "goodserve"}
+        ]}
+
+    async def health(self) -> JsonReply:
+        await self.start()
+        healthy = [i for i, inst in self.router.instances.items() if inst.healthy]
+        code = 200 if healthy else 503
+        return JsonReply(code, {"status": "ok" if healthy else "unavailable",
+                                "healthy_instances": healthy})
+
+    async def instances(self) -> dict[str, Any]:
+        """Per-instance view the router routes on (ops and debugging)."""
+        await self.start()
+        now = self.router.clock()
+        view = self.router.view(now)
+        rows = []
+        for iid, inst in self.router.instances.items():
+            v = view.by_id.get(iid)
+            rows.append({
+                "instance_id": iid,
+                "gpu_type": inst.spec.gpu.name,
+                "tp": inst.spec.tp,
+                "healthy": inst.healthy,
+                "num_running": v.num_running if v else None,
+                "num_waiting": v.num_waiting if v else None,
+                "num_iterations": inst.status.num_iterations if inst.status else None,
+            })
+        return {"policy": self.config.routing.policy, "instances": rows,
+                "counters": vars(self.router.counters())}
+
+    async def migrate(self, raw: bytes) -> JsonReply:
+        """Operator move of one request: {"request_id": ..., "target": ...}."""
+        try:
+            await self.start()
+            data = json_object(raw)
+            request_id, target = data.get("request_id"), data.get("target")
+            if not isinstance(request_id, str) or not isinstance(target, str):
+                raise invalid_request("request_id and target must be strings")
+            moved = self.router.migrate(request_id, target)
+        except ApiError as exc:
+            return JsonReply(exc.status_code, exc.body())
+        except ValueError as exc:
+            return JsonReply(400, error_body(str(exc), "invalid_request_error", "target"))
+        if not moved:
+            return JsonReply(404, error_body(
+                f"request {request_id!r} is not in flight (or already moving)",
+                "not_found_error", "request_id"))
+        return JsonReply(200, {"request_id": request_id, "target": target, "moving": True})
+
+    # ---- helpers -----------------------------------------------------------------------
+    def _generation_request(self, body: Any, chat: bool) -> GenerationRequest:
+        if body.model != self.config.model_name:
+            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves "
+                           f"{self.config.model_name!r}", "not_found_error", "model")
+        if chat:
+            text = self.tokenizer.render_chat(body.messages)
+            token_ids = self.tokenizer.encode(text)
+        elif isinstance(body.prompt, str):
+            text, token_ids = body.prompt, self.tokenizer.encode(body.prompt)
+        else:
+            text, token_ids = None, list(body.prompt)
+        if not token_ids:
+            raise invalid_request("prompt has no tokens", "prompt")
+        vocab = self.config.engine_template.instance.model.vocab_size
+        if max(token_ids) >= vocab:
+            raise invalid_request(f"prompt token ids must be < {vocab}", "prompt")
+        limit = self.config.engine_template.max_model_len
+        if limit is not None and len(token_ids) + body.max_tokens > limit:
+            raise invalid_request(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({body.max_tokens}) exceeds "
+                f"the model context of {limit} tokens", "max_tokens")
+        sampling = SamplingSpec(max_tokens=body.max_tokens, temperature=body.temperature,
+                                ignore_eos=body.ignore_eos, seed=body.seed)
+        return GenerationRequest(
+            request_id=f"{next(self._ids)}-{uuid.uuid4().hex[:12]}",
+            prompt_token_ids=tuple(token_ids),
+            sampling=sampling,
+            arrival_s=self.router.clock(),
+            slo_s=body.slo_s if body.slo_s is not None else self.config.default_slo_s,
+            prompt_text=text,
+            task=body.task,
+        )
+
+    async def _submit(self, request: GenerationRequest) -> Flight:
+        try:
+            return await self.router.submit(request)
+        except RequestRejected as exc:
+            raise ApiError(503, f"request not admitted: {exc}", "slo_unattainable") from None
+
+    def _summary(self, flight: Flight) -> RequestSummary:
+        end = flight.finish_s if flight.finish_s is not None else self.router.clock()
+        return RequestSummary(
+            instance_ids=tuple(flight.instance_ids),
+            num_migrations=flight.num_migrations,
+            slo_s=flight.request.slo_s,
+            e2e_s=end - flight.request.arrival_s,
+            predicted_output_tokens=flight.route.predicted_output_tokens,
+        )
+
+    async def _collect(self, flight: Flight, meta: ResponseMeta) -> JsonReply:
+        try:
+            async for _ in self.router.stream(flight):
+                pass
+        except EngineLost as exc:
+            return JsonReply(502, error_body(str(exc), "engine_error"))
+        text = self.tokenizer.decode(flight.output_token_ids)
+        num_prompt = len(flight.request.prompt_token_ids)
+        body = meta.full(text, flight.finish_reason or "stop",
+                         usage(num_prompt, len(flight.output_token_ids)), self._summary(flight))
+        return JsonReply(200, body)
+
+    async def _stream(self, flight: Flight, meta: ResponseMeta) -> AsyncIterator[str]:
+        decoder = IncrementalDecoder(self.tokenizer)
+        try:
+            async for batch in self.router.stream(flight):
+                final = batch[-1].finished
+                delta = decoder.feed([ev.token_id for ev in batch], final=final)
+                yield sse(meta.chunk(delta, batch[-1].finish_reason if final else None))
+        except EngineLost as exc:
+            yield sse(error_body(str(exc), "engine_error"))
+        else:
+            yield sse({"id": meta.response_id, "object": meta.object_name,
+                       "goodserve": self._summary(flight).as_dict()})
+        yield sse("[DONE]")
+
