@@ -1,0 +1,127 @@
+"""The Ray Serve router over HTTP, driving simulated engine actors on four GPU kinds.
+
+Real Ray, real Serve, real HTTP; engines are the sim backend in real time, so the
+policy, status estimator and watchdog run exactly as in production.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from app.config import ClusterConfig, EngineConfig, InstanceGroup, SchedulerConfig
+from app.serving.config import RoutingConfig, ServeConfig
+
+pytestmark = pytest.mark.integration
+
+GPU_SETUP = (("H800", 1), ("A800", 1), ("A40", 1), ("V100", 2))
+WEAKEST = "live-A40-2"  # largest unloaded time per token of the four
+STRONGEST = "live-H800-0"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def live_url(ray_session):
+    from ray import serve
+
+    from deployments.router import build_app
+
+    groups = [InstanceGroup(engine=EngineConfig(gpu_type=g, tp=tp,
+                                                scheduler=SchedulerConfig(max_num_seqs=32)))
+              for g, tp in GPU_SETUP]
+    config = ServeConfig(cluster=ClusterConfig(name="live", groups=groups),
+                         routing=RoutingConfig(tau_iterations=10))
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(config), name="live-sim", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    import ray
+
+    from deployments.cluster import ENGINE_NAMESPACE
+    for name in ("live-H800-0", "live-A800-1", "live-A40-2", "live-2xV100-3"):
+        ray.kill(ray.get_actor(name, namespace=ENGINE_NAMESPACE))
+
+
+def post(url: str, path: str, **body) -> httpx.Response:
+    payload = {"model": "goodserve", "prompt": "route me " * 50, "max_tokens": 8} | body
+    return httpx.post(url + path, json=payload, timeout=120)
+
+
+def test_just_enough_live_weak_gpu_for_loose_deadlines_strong_for_tight(live_url):
+    """On the idle cluster 100 tokens take ~3.6 s on the A40 and ~0.9 s on the H800.
+    First in the module on purpose: with no finished request yet the history
+    predictor's default (256) capped by max_tokens gives the true 100 tokens, and the
+    loose request's 100 then make the history right for the tight one."""
+    loose = post(live_url, "/v1/completions", max_tokens=100, slo_s=20.0).json()
+    tight = post(live_url, "/v1/completions", max_tokens=100, slo_s=2.0).json()
+    assert loose["goodserve"]["instance_ids"] == [WEAKEST]
+    assert tight["goodserve"]["instance_ids"] == [STRONGEST]
+    assert loose["goodserve"]["met_deadline"] and tight["goodserve"]["met_deadline"]
+
+
+def test_completion_is_openai_shaped_and_reports_where_it_ran(live_url):
+    reply = post(live_url, "/v1/completions", max_tokens=12, slo_s=30.0)
+    assert reply.status_code == 200
+    data = reply.json()
+    assert data["object"] == "text_completion" and data["model"] == "goodserve"
+    assert data["usage"]["completion_tokens"] == 12 and data["usage"]["prompt_tokens"] == 100
+    assert data["choices"][0]["finish_reason"] == "length"
+    assert data["goodserve"]["met_deadline"] is True
+    assert httpx.get(live_url + "/v1/models").json()["data"][0]["id"] == "goodserve"
+    assert httpx.get(live_url + "/health").json()["status"] == "ok"
+
+
+def test_streaming_sends_every_token_then_done(live_url):
+    with httpx.stream("POST", live_url + "/v1/completions", timeout=120, json={
+        "model": "goodserve", "prompt": "stream this", "max_tokens": 6, "stream": True,
+    }) as reply:
+        assert reply.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in reply.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    texts = "".join(c["choices"][0]["text"] for c in chunks if "choices" in c)
+    assert texts.count("<") == 6
+
+
+def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(live_url):
+    bad = httpx.post(live_url + "/v1/completions", content=b"{oops", timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+    wrong_model = post(live_url, "/v1/completions", model="nope")
+    assert wrong_model.status_code == 404 and "does not exist" in wrong_model.json()["error"][
+        "message"]
+    assert post(live_url, "/v1/completions").status_code == 200
+
+
+def test_watchdog_migrates_a_request_that_outgrows_its_prediction(live_url):
+    """The router's history predictor sees six 4-token and five 60-token outputs (plus
+    the few short and 100-token ones of earlier tests), so it predicts <= 12 tokens for
+    a new request and 60 once one has passed 12. A 60-token
+    request with a 1.5 s deadline therefore starts on the weakest GPU (4 tokens fit
+    anywhere) and, at its first watchdog check (tau = 10 iterations), is at risk there
+    (~2 s left to do) and moves by token ids to a stronger instance that can make it."""
+    with ThreadPoolExecutor(11) as pool:
+        history = list(pool.map(lambda n: post(live_url, "/v1/completions", max_tokens=n,
+                                               ignore_eos=True), [4] * 6 + [60] * 5))
+    assert all(r.status_code == 200 for r in history)
+    prompt = "migrate me " * 20
+    moved = post(live_url, "/v1/completions", prompt=prompt, max_tokens=60, slo_s=1.5).json()
+    summary = moved["goodserve"]
+    assert summary["instance_ids"][0] == WEAKEST and summary["num_migrations"] == 1
+    assert summary["instance_ids"][1] != WEAKEST
+    assert moved["usage"]["completion_tokens"] == 60
+    # token-id resume: the same prompt without a deadline (no move) gives the same text
+    unmoved = post(live_url, "/v1/completions", prompt=prompt, max_tokens=60).json()
+    assert unmoved["goodserve"]["num_migrations"] == 0
+    assert moved["choices"][0]["text"] == unmoved["choices"][0]["text"]
+    counters = httpx.get(live_url + "/v1/instances").json()["counters"]
+    assert counters["num_migrations"] >= 1 and counters["num_in_flight"] == 0

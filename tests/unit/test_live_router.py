@@ -1,0 +1,289 @@
+"""Live router core and OpenAI service without Ray: engines behind a scripted transport.
+
+`ScriptedEngine` fakes only the transport (like Ray Serve's FakeRunningReplica):
+token i of a prompt is a fixed function of (prompt, i), as with greedy decoding,
+so a stream resumed elsewhere by token ids must continue with the same tokens.
+Real engines behind the same router are covered by the integration (sim engine
+actors) and e2e (vLLM) tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+
+import pytest
+
+from app.config import ClusterConfig, EngineConfig, InstanceGroup
+from app.engine_types import EngineRequest, EngineStatus, SamplingSpec, TokenEvent
+from app.routing.base import ActiveRequest, Watchdog
+from app.routing.registry import RoutingStack, build_routing
+from app.routing.view import ClusterView, InstanceId
+from app.serving.config import ServeConfig
+from app.serving.router import (
+    EngineClient,
+    EngineLost,
+    GenerationRequest,
+    LiveRouter,
+    RequestRejected,
+)
+from app.serving.service import CompletionService, JsonReply
+from app.serving.tokenizer import IncrementalDecoder, Tokenizer, WordHashTokenizer
+
+pytestmark = pytest.mark.unit
+
+PROMPT = tuple(range(100, 164))
+
+
+def token_of(prompt: Sequence[int], index: int) -> int:
+    return (sum(prompt) * 31 + index * 7) % 50_000 + 2
+
+
+class ScriptedEngine(EngineClient):
+    """One token per `step_s`; `fail_at` raises at that output index; abort ends the stream."""
+
+    def __init__(self, engine_id: str, gpu_type: str, step_s: float = 0.002,
+                 fail_at: int | None = None) -> None:
+        super().__init__(engine_id, EngineConfig(gpu_type=gpu_type))
+        self.step_s = step_s
+        self.fail_at = fail_at
+        self.received: list[EngineRequest] = []
+        self.aborted: list[str] = []
+        self.num_iterations = 0
+        self._stop: dict[str, asyncio.Event] = {}
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[list[TokenEvent]]:
+        self.received.append(request)
+        stop = self._stop.setdefault(request.request_id, asyncio.Event())
+        prompt, max_tokens = request.prompt_token_ids, request.sampling.max_tokens
+        for i in range(len(request.resume_token_ids), max_tokens):
+            await asyncio.sleep(self.step_s)
+            if stop.is_set():
+                return
+            if self.fail_at is not None and i >= self.fail_at:
+                raise RuntimeError("engine process died")
+            self.num_iterations += 1
+            reason = "length" if i == max_tokens - 1 else None
+            yield [TokenEvent(request.request_id, token_of(prompt, i), i, time.time(), reason)]
+
+    async def abort(self, request_id: str) -> bool:
+        self.aborted.append(request_id)
+        self._stop.setdefault(request_id, asyncio.Event()).set()
+        return True
+
+    async def status(self) -> EngineStatus:
+        return EngineStatus(self.engine_id, self.config.gpu_type, "unified", 0, 0, (), (), 0,
+                            100_000, 0, time_s=time.time(), num_iterations=self.num_iterations)
+
+
+def request(rid: str = "r1", max_tokens: int = 20, slo_s: float | None = None) -> GenerationRequest:
+    return GenerationRequest(rid, PROMPT, SamplingSpec(max_tokens=max_tokens), time.time(), slo_s)
+
+
+async def drain(router: LiveRouter, flight) -> list[TokenEvent]:
+    return [ev async for batch in router.stream(flight) for ev in batch]
+
+
+async def started(*engines: EngineClient, policy: str = "goodserve",
+                  stack: RoutingStack | None = None) -> LiveRouter:
+    live = LiveRouter(engines, stack or build_routing(policy), poll_interval_s=3600)
+    await live.start()
+    return live
+
+
+async def test_migration_continues_the_stream_by_token_ids():
+    a, b = ScriptedEngine("a", "A40"), ScriptedEngine("b", "H800")
+    router = await started(a, b, policy="round-robin")
+    flight = await router.submit(request(max_tokens=30))
+    source = a if flight.instance_id == "a" else b
+    target = b if source is a else a
+    events = []
+    async for batch in router.stream(flight):
+        events.extend(batch)
+        if len(events) == 10:
+            assert router.migrate("r1", target.engine_id)
+    assert [e.index for e in events] == list(range(30))
+    assert [e.token_id for e in events] == [token_of(PROMPT, i) for i in range(30)]
+    moved = target.received[-1]
+    assert len(moved.resume_token_ids) >= 10 and moved.request_id != "r1"
+    assert list(moved.resume_token_ids) == [token_of(PROMPT, i)
+                                            for i in range(len(moved.resume_token_ids))]
+    assert source.aborted == ["r1"]
+    assert flight.instance_ids == [source.engine_id, target.engine_id]
+    assert router.counters().num_migrations == 1 and not router.flights
+
+
+async def test_engine_failure_continues_on_another_instance():
+    broken, healthy = ScriptedEngine("broken", "H800", fail_at=5), ScriptedEngine("ok", "A40")
+    router = await started(broken, healthy)
+    flight = await router.submit(request(max_tokens=20))  # no deadline: weakest, so force it
+    flight.instance_id = flight.instance_ids[0] = "broken"
+    events = await drain(router, flight)
+    assert [e.token_id for e in events] == [token_of(PROMPT, i) for i in range(20)]
+    assert flight.instance_ids == ["broken", "ok"] and flight.num_failovers == 1
+    assert list(healthy.received[0].resume_token_ids) == [token_of(PROMPT, i) for i in range(5)]
+    assert not router.instances["broken"].healthy  # out of rotation until it answers a poll
+    assert "broken" not in router.view(time.time()).by_id
+
+
+async def test_engine_lost_when_no_instance_can_take_over():
+    router = await started(ScriptedEngine("only", "A40", fail_at=3))
+    flight = await router.submit(request(slo_s=60.0))
+    with pytest.raises(EngineLost, match="no other can continue it"):
+        await drain(router, flight)
+    assert not router.flights and len(router.policy.budgets) == 0
+    assert router.counters().num_dropped == 1
+
+
+async def test_client_disconnect_aborts_the_engine_and_forgets_the_request():
+    engine = ScriptedEngine("e", "A40")
+    router = await started(engine)
+    flight = await router.submit(request(max_tokens=200, slo_s=60.0))
+    assert len(router.policy.budgets) == 1  # admitted with a budget
+    stream = router.stream(flight)
+    await anext(stream)
+    await stream.aclose()  # the HTTP client went away
+    await asyncio.sleep(0.01)
+    assert engine.aborted == ["r1"]
+    assert not router.flights and len(router.policy.budgets) == 0
+    assert router.counters().num_dropped == 1
+
+
+async def test_admission_control_rejects_with_the_reason():
+    router = await started(ScriptedEngine("e", "A40"), policy="goodserve-admission")
+    with pytest.raises(RequestRejected, match="no instance can meet the deadline"):
+        await router.submit(request(max_tokens=500, slo_s=0.001))
+    assert not router.flights and router.counters().num_rejected == 1
+
+
+async def test_unhealthy_cluster_rejects_instead_of_hanging():
+    engine = ScriptedEngine("e", "A40")
+    router = await started(engine)
+    router.instances["e"].healthy = False
+    with pytest.raises(RequestRejected, match="no healthy engine"):
+        await router.submit(request())
+
+
+async def test_view_counts_requests_the_router_sent_but_the_engine_has_not_reported():
+    router = await started(ScriptedEngine("e", "A40"))
+    await router.submit(request("r1"))
+    await router.submit(request("r2"))
+    view = router.view(time.time()).get("e")
+    assert (view.num_waiting, view.num_running) == (2, 0)
+
+
+async def test_max_tokens_caps_the_length_estimate():
+    """History says 256 tokens before anything finished; max_tokens=4 must win, so a
+    deadline a 256-token estimate could not meet on any instance is still admitted."""
+    router = await started(ScriptedEngine("e", "A40"), policy="goodserve-admission")
+    flight = await router.submit(request(max_tokens=4, slo_s=1.0))
+    assert flight.instance_id == "e"
+
+
+class RecordingWatchdog(Watchdog):
+    """Moves every active request of the checked instance to `target`."""
+
+    def __init__(self, tau_iterations: int, target: InstanceId) -> None:
+        super().__init__(tau_iterations)
+        self.target = target
+        self.checks: list[tuple[InstanceId, int]] = []
+
+    def check(self, instance_id: InstanceId, active: Sequence[ActiveRequest],
+              view: ClusterView, now: float) -> Mapping[str, InstanceId]:
+        self.checks.append((instance_id, len(active)))
+        return {a.request.request_id: self.target for a in active if instance_id != self.target}
+
+
+async def test_watchdog_runs_once_per_tau_iterations_and_its_moves_are_carried_out():
+    slow, fast = ScriptedEngine("slow", "A40"), ScriptedEngine("fast", "H800")
+    watchdog = RecordingWatchdog(tau_iterations=5, target="fast")
+    stack = RoutingStack(build_routing("round-robin").policy, watchdog)
+    router = await started(slow, fast, stack=stack)
+    flight = await router.submit(request(max_tokens=40))
+    flight.instance_id = flight.instance_ids[0] = "slow"
+    events = []
+    async for batch in router.stream(flight):
+        events.extend(batch)
+        if len(events) in (4, 6, 7):  # slow has done 4, 6, 7 iterations: one epoch crossed
+            await router.poll_once()
+    assert watchdog.checks.count(("slow", 1)) == 1
+    assert flight.instance_ids == ["slow", "fast"]
+    assert [e.token_id for e in events] == [token_of(PROMPT, i) for i in range(40)]
+
+
+def test_incremental_decoder_holds_back_an_incomplete_character():
+    class Utf8Bytes(Tokenizer):
+        def encode(self, text: str) -> list[int]:
+            return list(text.encode())
+
+        def decode(self, token_ids: Sequence[int]) -> str:
+            return bytes(token_ids).decode(errors="replace")
+
+    decoder = IncrementalDecoder(Utf8Bytes())
+    euro = list("€".encode())
+    assert decoder.feed([ord("a"), euro[0]]) == "a"
+    assert decoder.feed(euro[1:]) == "€"
+    assert decoder.text == "a€"
+
+
+def sim_service(*engines: ScriptedEngine, **config) -> CompletionService:
+    cluster = ClusterConfig(groups=[InstanceGroup(engine=EngineConfig(gpu_type="A40"))])
+    return CompletionService(ServeConfig(cluster=cluster, **config), list(engines))
+
+
+def body(**fields) -> bytes:
+    return json.dumps({"model": "goodserve", "prompt": "a b c d", "max_tokens": 3} | fields
+                      ).encode()
+
+
+@pytest.mark.parametrize(("raw", "status", "param", "message"), [
+    (b"{not json", 400, None, "not valid JSON"),
+    (b"[1, 2]", 400, None, "JSON object"),
+    (json.dumps({"model": "goodserve"}).encode(), 400, "prompt", "Field required"),
+    (body(model="gpt-4"), 404, "model", "does not exist"),
+    (body(max_tokens=0), 400, "max_tokens", "greater than or equal to 1"),
+    (body(slo_s=-1), 400, "slo_s", "greater than 0"),
+    (body(n=2), 400, None, "only n=1"),
+    (body(stop=["\n"]), 400, None, "stop strings are not supported"),
+    (body(prompt="   "), 400, "prompt", "must not be empty"),
+    (body(prompt=[1, -3]), 400, "prompt", "ids >= 0"),
+    (body(prompt=[10**9]), 400, "prompt", "must be <"),
+])
+async def test_bad_requests_get_openai_errors_and_lose_nothing(raw, status, param, message):
+    engine = ScriptedEngine("e", "A40")
+    service = sim_service(engine)
+    reply = await service.complete(raw, chat=False)
+    assert isinstance(reply, JsonReply) and reply.status_code == status
+    error = reply.body["error"]
+    assert message in error["message"] and error["param"] == param
+    ok = await service.complete(body(), chat=False)  # the next request is served
+    assert ok.status_code == 200 and ok.body["usage"]["completion_tokens"] == 3
+    service.close()
+
+
+async def test_completion_reply_and_stream_follow_the_openai_shapes():
+    service = sim_service(ScriptedEngine("e", "A40"), default_slo_s=30.0)
+    reply = await service.complete(body(max_tokens=5), chat=False)
+    assert reply.body["object"] == "text_completion"
+    choice = reply.body["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["text"].count("<") == 5
+    assert reply.body["goodserve"]["met_deadline"] is True
+    assert reply.body["goodserve"]["instance_ids"] == ["e"]
+    chat = json.dumps({"model": "goodserve", "max_tokens": 4, "stream": True,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    lines = [line async for line in await service.complete(chat, chat=True)]
+    assert lines[-1] == "data: [DONE]\n\n"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    deltas = [c["choices"][0]["delta"]["content"] for c in chunks if "choices" in c]
+    assert len(deltas) == 4 and chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["goodserve"]["slo_s"] == 30.0
+    service.close()
+
+
+def test_word_hash_tokenizer_is_stable_and_in_vocab():
+    tok = WordHashTokenizer(vocab_size=1000)
+    ids = tok.encode("the quick brown fox the")
+    assert ids[0] == ids[-1] and all(2 <= i < 1000 for i in ids) and len(ids) == 5
+    assert tok.decode(ids).split() == [f"<{i}>" for i in ids]
