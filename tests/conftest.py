@@ -48,23 +48,37 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-@pytest.fixture(scope="session")
-def vllm_engine(ray_session, tiny_model_dir):
-    """One real vLLM CPU engine actor on the tiny model, shared by e2e tests."""
-    import ray
+def vllm_cluster_config(model_dir: Path):
+    """Two real vLLM CPU engines on the tiny model (the e2e tests' one set of engines)."""
+    from app.config import ClusterConfig, EngineBackend, EngineConfig, InstanceGroup
+    from app.config import SchedulerConfig
 
-    from app.config import EngineBackend, EngineConfig, SchedulerConfig
-    from deployments.cluster import launch_engine
-
-    config = EngineConfig(
+    engine = EngineConfig(
         gpu_type="cpu",
         model="tiny-llama",
         backend=EngineBackend.VLLM,
-        model_path=str(tiny_model_dir),
+        model_path=str(model_dir),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048),
     )
-    handle = launch_engine("e2e-vllm-0", config)
-    ray.get(handle.actor.start.remote(), timeout=600)
-    yield handle
-    ray.get(handle.actor.shutdown.remote(), timeout=120)
-    ray.kill(handle.actor)
+    return ClusterConfig(name="e2e", groups=[InstanceGroup(count=2, engine=engine)])
+
+
+@pytest.fixture(scope="session")
+def vllm_engines(ray_session, tiny_model_dir):
+    """The shared vLLM engine actors, started once; the live router reuses them by name."""
+    import ray
+
+    from deployments.cluster import launch_cluster
+
+    handles = launch_cluster(vllm_cluster_config(tiny_model_dir), start=False, shared=True)
+    ray.get([h.actor.start.remote() for h in handles], timeout=600)
+    yield handles
+    ray.get([h.actor.shutdown.remote() for h in handles], timeout=120)
+    for h in handles:
+        ray.kill(h.actor)
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(vllm_engines):
+    """One of them, for the engine-level tests."""
+    return vllm_engines[0]

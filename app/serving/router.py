@@ -406,15 +406,18 @@ class LiveRouter:
         for request_id, target in self.watchdog.check(inst.instance_id, active, view, now).items():
             self.migrate(request_id, target)
 
-    def migrate(self, request_id: str, target_id: InstanceId) -> bool:
-        """Move a running request to `target_id` by token ids (watchdog or operator).
+    def migrate(self, request_id: str, target_id: InstanceId | None = None) -> InstanceId | None:
+        """Move a running request by token ids (watchdog or operator); returns the target.
 
-        Returns False when the request is not in flight (already finished) or is
-        already being moved; raises ValueError for an unknown or unhealthy target.
+        Without `target_id` the policy picks among the other instances. Returns None
+        when the request is not in flight (already finished) or is already moving;
+        raises ValueError for an unknown, unhealthy or unavailable target.
         """
         flight = self.flights.get(request_id)
         if flight is None or flight.move_to is not None:
-            return False
+            return None
+        if target_id is None:
+            target_id = self._policy_target(flight)
         target = self.instances.get(target_id)
         if target is None or not target.healthy:
             raise ValueError(f"unknown or unhealthy target instance {target_id!r}")
@@ -422,7 +425,16 @@ class LiveRouter:
             raise ValueError(f"request {request_id} is already on {target_id}")
         flight.move_to = target_id
         self._abort_in_background(flight)
-        return True
+        return target_id
+
+    def _policy_target(self, flight: Flight) -> InstanceId:
+        resumed = replace(flight.route, num_generated_tokens=len(flight.output_token_ids))
+        view = self.view(self.clock(), exclude=frozenset({flight.instance_id}))
+        decision = self.policy.choose(resumed, view, self.clock()) if view.instances else Reject(
+            "no other healthy instance")
+        if isinstance(decision, Reject):
+            raise ValueError(f"cannot move request {flight.request_id}: {decision.reason}")
+        return decision
 
     # ---- reporting ----------------------------------------------------------------------
     def counters(self) -> RouterCounters:

@@ -182,13 +182,14 @@ class CompletionService:
                 "counters": vars(self.router.counters())}
 
     async def migrate(self, raw: bytes) -> JsonReply:
-        """Operator move of one request: {"request_id": ..., "target": ...}."""
+        """Operator move of one request: {"request_id": ..., "target": optional id}
+        (without a target the policy picks among the other instances)."""
         try:
             await self.start()
             data = json_object(raw)
             request_id, target = data.get("request_id"), data.get("target")
-            if not isinstance(request_id, str) or not isinstance(target, str):
-                raise invalid_request("request_id and target must be strings")
+            if not isinstance(request_id, str) or not isinstance(target, str | None):
+                raise invalid_request("request_id must be a string, target a string or absent")
             moved = self.router.migrate(request_id, target)
         except ApiError as exc:
             return JsonReply(exc.status_code, exc.body())
@@ -198,7 +199,7 @@ class CompletionService:
             return JsonReply(404, error_body(
                 f"request {request_id!r} is not in flight (or already moving)",
                 "not_found_error", "request_id"))
-        return JsonReply(200, {"request_id": request_id, "target": target, "moving": True})
+        return JsonReply(200, {"request_id": request_id, "target": moved, "moving": True})
 
     # ---- helpers -----------------------------------------------------------------------
     def _generation_request(self, body: Any, chat: bool) -> GenerationRequest:
