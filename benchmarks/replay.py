@@ -320,8 +320,6 @@ def replay(
     alpha: Annotated[float, typer.Option(min=0.0, max=1.0, help="status EMA weight")] = 0.2,
 ) -> None:
     """Replay a trace against routing policies and SLO scales; write results to --out."""
-    if backend == Backend.LIVE:
-        raise _fail("--backend live is not available yet (use --backend sim)")
     try:
         spec = ReplaySpec(
             cluster=load_cluster_config(cluster),
@@ -340,7 +338,10 @@ def replay(
         )
         if predictor is not None:
             workload = attach_predictions(workload, spec.routing.length_factory())
-        outcomes = _run_with_progress(spec, workload, progress)
+        if backend == Backend.LIVE:
+            outcomes = _run_live_with_progress(spec, workload, progress, predictor)
+        else:
+            outcomes = _run_with_progress(spec, workload, progress)
     except ValueError as exc:
         raise _fail(str(exc)) from None
     setup = {
@@ -386,3 +387,59 @@ def _run_with_progress(spec: ReplaySpec, workload: Workload, show: bool) -> list
     total = num_simulations(spec) * len(workload)
     with tqdm(total=total, unit="req", disable=not show, desc="replay") as bar:
         return run_replay(spec, workload, bar.update)
+
+
+def run_live_replay(
+    spec: ReplaySpec, workload: Workload, predictor_dir: Path | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> list[RunOutcome]:
+    """Every (policy, scale) cell through a local Ray Serve router, one deployment each.
+
+    Deadline-unaware policies are not re-scored across scales here: a live run is
+    not repeatable, so each cell is its own run.
+    """
+    from ray import serve
+
+    from app.serving.config import ServeConfig
+    from benchmarks.live_replay import live_cell, live_summary_row, serve_config_for
+    from deployments.cluster import init_local_ray
+    from deployments.router import free_port
+
+    for kind in spec.policies:
+        if POLICY_REGISTRY.build(kind, spec.routing).policy.needs_true_output_length:
+            raise ValueError(f"policy {kind.value!r} needs true output lengths: sim backend only")
+    base = ServeConfig(cluster=spec.cluster)
+    reference = reference_instance(cluster_model(spec.cluster), spec.reference_gpu)
+    solo_s = solo_latencies_s(workload.requests, reference)
+    init_local_ray(spec.cluster)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    outcomes = []
+    try:
+        for kind in spec.policies:
+            config = serve_config_for(
+                base, kind.value, seed=spec.seed, tau_iterations=spec.routing.tau_iterations,
+                alpha=spec.routing.alpha,
+                predictor_dir=None if predictor_dir is None else str(predictor_dir))
+            for scale in spec.slo_scales:
+                cell = assign_slos(workload, solo_s, scale)
+                records, wall_s = live_cell(config, cell, f"http://127.0.0.1:{port}", progress)
+                row = live_summary_row(kind.value, scale, records, cell, wall_s)
+                outcomes.append(RunOutcome(kind.value, scale, row, tuple(records)))
+    finally:
+        serve.shutdown()
+    return outcomes
+
+
+def _run_live_with_progress(
+    spec: ReplaySpec, workload: Workload, show: bool, predictor_dir: Path | None
+) -> list[RunOutcome]:
+    import ray
+    from tqdm import tqdm
+
+    total = len(spec.policies) * len(spec.slo_scales) * len(workload)
+    try:
+        with tqdm(total=total, unit="req", disable=not show, desc="live replay") as bar:
+            return run_live_replay(spec, workload, predictor_dir, bar.update)
+    finally:
+        ray.shutdown()

@@ -9,6 +9,7 @@ HTTP onto it and Ray actors onto `EngineClient`.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -85,6 +86,13 @@ class RouterDeployment:
 
     def __del__(self) -> None:
         self.service.close()
+
+
+def free_port() -> int:
+    """An unused local TCP port for the HTTP proxy."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def build_app(config: ServeConfig) -> serve.Application:

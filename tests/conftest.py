@@ -50,8 +50,13 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 def vllm_cluster_config(model_dir: Path):
     """Two real vLLM CPU engines on the tiny model (the e2e tests' one set of engines)."""
-    from app.config import ClusterConfig, EngineBackend, EngineConfig, InstanceGroup
-    from app.config import SchedulerConfig
+    from app.config import (
+        ClusterConfig,
+        EngineBackend,
+        EngineConfig,
+        InstanceGroup,
+        SchedulerConfig,
+    )
 
     engine = EngineConfig(
         gpu_type="cpu",

@@ -8,7 +8,6 @@ import httpx
 import pytest
 
 from tests.conftest import vllm_cluster_config
-from tests.integration.test_live_serve import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -20,7 +19,7 @@ def vllm_url(vllm_engines, tiny_model_dir):
     from ray import serve
 
     from app.serving.config import ServeConfig
-    from deployments.router import build_app
+    from deployments.router import build_app, free_port
 
     config = ServeConfig(cluster=vllm_cluster_config(tiny_model_dir), default_slo_s=120.0)
     port = free_port()

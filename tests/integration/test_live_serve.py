@@ -7,7 +7,6 @@ policy, status estimator and watchdog run exactly as in production.
 from __future__ import annotations
 
 import json
-import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -23,17 +22,11 @@ WEAKEST = "live-A40-2"  # largest unloaded time per token of the four
 STRONGEST = "live-H800-0"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def live_url(ray_session):
     from ray import serve
 
-    from deployments.router import build_app
+    from deployments.router import build_app, free_port
 
     groups = [InstanceGroup(engine=EngineConfig(gpu_type=g, tp=tp,
                                                 scheduler=SchedulerConfig(max_num_seqs=32)))

@@ -1,0 +1,163 @@
+"""Live replay: the same workloads as the simulator, sent over HTTP to the Serve router.
+
+Each (policy, SLO scale) cell deploys the router with that policy on fresh engines
+(so no cell inherits another's caches), sends every request at its arrival time and
+scores what the client measured: a request meets its deadline when its response
+arrived within its SLO of being sent. Prompts are sent as token ids that reproduce
+the request's length and its shared prefixes (a block hash always becomes the same
+ids), which is exact for simulated engines; vLLM engines serve them too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import httpx
+
+from app.serving.config import RoutingConfig, ServeConfig
+from app.sim.metrics import summarize
+from app.sim.records import RequestOutcome, RequestRecord
+from app.workload import Workload, WorkloadRequest
+
+APP_NAME = "goodserve-replay"
+
+
+def _ids(seed: bytes, count: int, vocab_size: int) -> list[int]:
+    """`count` stable token ids in [2, vocab_size) derived from `seed`."""
+    out: list[int] = []
+    counter = 0
+    while len(out) < count:
+        digest = hashlib.blake2b(seed + counter.to_bytes(4, "little"), digest_size=64).digest()
+        out.extend(2 + int.from_bytes(digest[i:i + 4], "little") % (vocab_size - 2)
+                   for i in range(0, 64, 4))
+        counter += 1
+    return out[:count]
+
+
+def prompt_token_ids(request: WorkloadRequest, vocab_size: int) -> list[int]:
+    """The request's prompt length in ids; hash block k always maps to the same ids."""
+    ids: list[int] = []
+    for h in request.block_hashes:
+        ids.extend(_ids(h.to_bytes(8, "little", signed=h < 0), request.hash_block_size,
+                        vocab_size))
+    ids = ids[: request.num_prompt_tokens]
+    tail = request.num_prompt_tokens - len(ids)
+    return ids + _ids(request.request_id.encode(), tail, vocab_size)
+
+
+def _record(request: WorkloadRequest, sent_s: float, done_s: float,
+            reply: httpx.Response | None, error: str | None) -> RequestRecord:
+    record = RequestRecord(
+        request_id=request.request_id, arrival_s=request.arrival_s,
+        deadline_s=request.deadline_s, slo_s=request.slo_s,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_output_tokens=request.num_output_tokens,
+    )
+    if reply is not None and reply.status_code == 200:
+        data = reply.json()
+        ext = data["goodserve"]
+        record.finish_s = request.arrival_s + (done_s - sent_s)
+        record.num_generated_tokens = data["usage"]["completion_tokens"]
+        record.instance_ids = list(ext["instance_ids"])
+        record.num_migrations = ext["num_migrations"]
+        record.predicted_output_tokens = ext["predicted_output_tokens"]
+    elif reply is not None and reply.status_code == 503:
+        record.outcome = RequestOutcome.REJECTED
+        record.reject_reason = reply.json()["error"]["message"]
+    else:
+        record.reject_reason = error or (reply.text[:200] if reply is not None else "no reply")
+    record.outcome = record.decide()
+    return record
+
+
+async def drive(
+    base_url: str,
+    workload: Workload,
+    model_name: str,
+    vocab_size: int,
+    timeout_s: float = 600.0,
+    progress: Callable[[int], None] | None = None,
+) -> list[RequestRecord]:
+    """Send every request at its arrival time; one record per request, in order."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=100)
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits) as client:
+        start = time.monotonic()
+
+        async def one(request: WorkloadRequest) -> RequestRecord:
+            await asyncio.sleep(max(0.0, start + request.arrival_s - time.monotonic()))
+            body: dict[str, Any] = {
+                "model": model_name,
+                "prompt": prompt_token_ids(request, vocab_size),
+                "max_tokens": request.num_output_tokens,
+                "ignore_eos": True,
+                "temperature": 0.0,
+            }
+            if math.isfinite(request.slo_s):
+                body["slo_s"] = request.slo_s
+            if request.task is not None:
+                body["task"] = request.task
+            sent = time.monotonic()
+            reply, error = None, None
+            try:
+                reply = await client.post("/v1/completions", json=body)
+            except httpx.HTTPError as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            record = _record(request, sent, time.monotonic(), reply, error)
+            if progress is not None:
+                progress(1)
+            return record
+
+        return list(await asyncio.gather(*(one(r) for r in workload.requests)))
+
+
+def live_cell(
+    config: ServeConfig,
+    workload: Workload,
+    base_url: str,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[list[RequestRecord], float]:
+    """Deploy the router with `config` on fresh engines, replay, tear the engines down.
+
+    Returns the records and the wall seconds of the replay.
+    """
+    from ray import serve
+
+    from deployments.cluster import launch_cluster, shutdown_engines
+    from deployments.router import build_app
+
+    serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+    try:
+        t0 = time.monotonic()
+        vocab = config.engine_template.instance.model.vocab_size
+        records = asyncio.run(drive(base_url, workload, config.model_name, vocab,
+                                    progress=progress))
+        return records, time.monotonic() - t0
+    finally:
+        serve.delete(APP_NAME)
+        shutdown_engines(launch_cluster(config.cluster, start=False, shared=True))
+
+
+def live_summary_row(
+    policy: str, scale: float, records: Sequence[RequestRecord], workload: Workload,
+    wall_s: float,
+) -> dict[str, Any]:
+    makespan = max((r.finish_s for r in records if r.finish_s is not None), default=0.0)
+    return {"policy": policy, "slo_scale": scale,
+            **summarize(records, workload.duration_s).as_row(),
+            "makespan_s": makespan, "wall_s": wall_s}
+
+
+def serve_config_for(base: ServeConfig, policy: str, **routing: Any) -> ServeConfig:
+    """`base` routed by `policy` (plus routing overrides such as tau or alpha)."""
+    return replace_model(base, routing=RoutingConfig(policy=policy, **routing))
+
+
+def replace_model(model: Any, **fields: Any) -> Any:
+    """A frozen pydantic model with some fields replaced (and validated again)."""
+    return type(model).model_validate(model.model_dump() | fields)
+
