@@ -118,3 +118,4 @@ def test_watchdog_migrates_a_request_that_outgrows_its_prediction(live_url):
     assert moved["choices"][0]["text"] == unmoved["choices"][0]["text"]
     counters = httpx.get(live_url + "/v1/instances").json()["counters"]
     assert counters["num_migrations"] >= 1 and counters["num_in_flight"] == 0
+

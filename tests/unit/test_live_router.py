@@ -287,3 +287,16 @@ def test_word_hash_tokenizer_is_stable_and_in_vocab():
     ids = tok.encode("the quick brown fox the")
     assert ids[0] == ids[-1] and all(2 <= i < 1000 for i in ids) and len(ids) == 5
     assert tok.decode(ids).split() == [f"<{i}>" for i in ids]
+
+
+def test_live_replay_prompts_reproduce_lengths_and_shared_prefixes():
+    from app.workload import WorkloadRequest
+    from benchmarks.live_replay import prompt_token_ids
+
+    a = WorkloadRequest("a", 0.0, 40, 5, block_hashes=(11, -22), hash_block_size=16)
+    b = WorkloadRequest("b", 0.0, 50, 5, block_hashes=(11, -22, 33), hash_block_size=16)
+    c = WorkloadRequest("c", 0.0, 20, 5, block_hashes=(99,), hash_block_size=16)
+    ids_a, ids_b, ids_c = (prompt_token_ids(r, vocab_size=1000) for r in (a, b, c))
+    assert (len(ids_a), len(ids_b), len(ids_c)) == (40, 50, 20)
+    assert ids_a[:32] == ids_b[:32] and ids_a[32:] != ids_b[32:40]
+    assert ids_c[:16] != ids_a[:16] and all(2 <= i < 1000 for i in ids_a + ids_b + ids_c)
