@@ -6,6 +6,8 @@ benchmarks/...) and are mounted here.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
 from app.planning.cli import app as plan_app
@@ -32,38 +34,78 @@ cli.add_typer(predictor_app, name="predictor")
 
 @cli.command()
 def demo(
-    requests_per_engine: int = typer.Option(4, min=1, help="requests sent to each engine"),
-    prompt_len: int = typer.Option(512, min=1, help="prompt tokens per request"),
-    max_tokens: int = typer.Option(32, min=1, help="tokens generated per request"),
-    vllm: bool = typer.Option(True, help="also start a real vLLM CPU engine (tiny model)"),
+    rate: float = typer.Option(3.0, min=0.1, help="arrivals per second"),
+    duration: float = typer.Option(20.0, min=1.0, help="arrival window, seconds"),
+    slo_scale: float = typer.Option(1.5, min=0.1, help="SLO = scale x solo time on an A800"),
+    seed: int = typer.Option(0),
 ) -> None:
-    """Local Ray cluster of sim engines on 4 GPU kinds (+ vLLM CPU); print timings."""
-    import asyncio
+    """Serve the default cluster live and replay a workload per policy; print the client's
+    figures next to the simulator's for the same workload and policies."""
+    from app.demo import DEMO_POLICIES, demo_workload, format_comparison
+    from app.serving.config import default_serve_config
+    from benchmarks.replay import ReplaySpec, run_live_with_progress, run_replay
+
+    config = default_serve_config()
+    spec = ReplaySpec(config.cluster, DEMO_POLICIES, (slo_scale,), seed=seed)
+    workload = demo_workload(rate, duration, seed)
+    engines = ", ".join(e.instance.name for e in config.cluster.engines())
+    typer.echo(f"{len(workload)} requests over {duration:g} s at {rate:g} req/s, SLO scale "
+               f"{slo_scale:g}; engines: {engines} (simulated, real time); local Ray Serve")
+    live = run_live_with_progress(spec, workload, show=True, predictor_dir=None)
+    sim = run_replay(spec, workload)
+    typer.echo(format_comparison(live, sim))
+
+
+@cli.command()
+def serve(
+    config: str | None = typer.Option(None, help="serve config YAML (default: embedded)"),
+    port: int | None = typer.Option(None, help="HTTP port (default: the config's)"),
+) -> None:
+    """Start a local Ray cluster and serve the OpenAI API until interrupted."""
+    import time
 
     import ray
+    from ray import serve as ray_serve
 
-    from app.demo import DEFAULT_TINY_MODEL_DIR, default_demo_cluster, format_report, run_on_engines
-    from deployments.cluster import init_local_ray, launch_cluster, shutdown_engines
+    from app.serving.config import default_serve_config, load_serve_config
+    from deployments.cluster import init_local_ray
+    from deployments.router import build_app
 
-    model_dir = None
-    if vllm:
-        from app.tiny_model import build_tiny_llama
-
-        typer.echo(f"building tiny model in {DEFAULT_TINY_MODEL_DIR} ...")
-        model_dir = build_tiny_llama(DEFAULT_TINY_MODEL_DIR)
-    cluster = default_demo_cluster(model_dir)
-    init_local_ray(cluster)
     try:
-        typer.echo(f"starting {len(cluster.engines())} engines ...")
-        handles = launch_cluster(cluster)
-        try:
-            timings = asyncio.run(run_on_engines(handles, requests_per_engine, prompt_len,
-                                                 max_tokens))
-            typer.echo(format_report(handles, timings, prompt_len, max_tokens))
-        finally:
-            shutdown_engines(handles)
+        serve_config = load_serve_config(config) if config else default_serve_config()
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=2) from None
+    model_path = serve_config.engine_template.model_path
+    if model_path is not None and not Path(model_path).is_dir():
+        typer.echo(f"error: model directory not found: {model_path} (for the tiny test model "
+                   "run `goodserve tiny-model`)", err=True)
+        raise typer.Exit(code=2)
+    http_port = port or serve_config.http_port
+    init_local_ray(serve_config.cluster)
+    try:
+        ray_serve.start(http_options={"host": "0.0.0.0", "port": http_port})
+        ray_serve.run(build_app(serve_config), name="goodserve", route_prefix="/")
+        typer.echo(f"serving {serve_config.model_name!r} on http://127.0.0.1:{http_port}/v1 "
+                   "(Ctrl-C stops)")
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
     finally:
+        ray_serve.shutdown()
         ray.shutdown()
+
+
+@cli.command("tiny-model")
+def tiny_model(
+    out: Path = typer.Option(Path.home() / ".cache" / "goodserve" / "tiny-llama",
+                             help="directory to write the model and tokenizer to"),
+) -> None:
+    """Build the tiny random Llama + tokenizer locally (what the vLLM CPU configs serve)."""
+    from app.tiny_model import build_tiny_llama
+
+    typer.echo(f"wrote {build_tiny_llama(out)}")
 
 
 def main() -> None:

@@ -11,7 +11,14 @@ from pathlib import Path
 from typing import Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from app.hardware import GPU_CATALOG, MODEL_CATALOG, InstanceSpec, get_gpu, get_model
 
@@ -62,6 +69,11 @@ class EngineConfig(Frozen):
     )
     model_path: str | None = Field(None, description="vllm backend: local model directory")
     vllm_kwargs: dict = Field(default_factory=dict, description="extra vLLM engine args")
+
+    @field_validator("model_path")
+    @classmethod
+    def _expand_home(cls, path: str | None) -> str | None:
+        return None if path is None else str(Path(path).expanduser())
 
     @model_validator(mode="after")
     def _known_names(self) -> EngineConfig:

@@ -1,119 +1,57 @@
-"""Main job until live serving lands: a local Ray cluster of simulated engines
-pinned to four GPU kinds plus one real vLLM CPU engine, answering a few requests
-and printing what each took next to what the hardware model predicts."""
+"""The main job (`make run`): GoodServe serving live on the embedded default cluster.
+
+Starts a local Ray cluster, deploys the Serve router over simulated H800, A800, A40
+and 2xV100 engines (`app.main.default_serve_config`), replays a seeded Poisson
+workload over HTTP once per policy, and prints what the client measured next to
+what the offline simulator predicts for the same workload and the same policy
+objects. Needs no data files and no GPU.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import random
-import statistics
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Sequence
 
-from app.config import (
-    ClusterConfig,
-    EngineBackend,
-    EngineConfig,
-    InstanceGroup,
-    SchedulerConfig,
-)
-from app.engine_types import EngineRequest, SamplingSpec, TokenEvent
+from app.routing.registry import PolicyKind
+from app.workload import Content, Workload, poisson_workload
 
-DEFAULT_TINY_MODEL_DIR = Path.home() / ".cache" / "goodserve" / "tiny-llama"
+DEMO_POLICIES = (PolicyKind.GOODSERVE, PolicyKind.LEAST_REQUEST)
 
 
-def default_demo_cluster(tiny_model_dir: Path | None) -> ClusterConfig:
-    """The embedded default: H800, A800, A40, 2xV100 simulated (+ a vLLM CPU engine)."""
-    sim = SchedulerConfig(max_num_seqs=64)
-    groups = [
-        InstanceGroup(engine=EngineConfig(gpu_type=g, tp=tp, scheduler=sim))
-        for g, tp in (("H800", 1), ("A800", 1), ("A40", 1), ("V100", 2))
-    ]
-    if tiny_model_dir is not None:
-        vllm = EngineConfig(
-            gpu_type="cpu",
-            model="tiny-llama",
-            backend=EngineBackend.VLLM,
-            model_path=str(tiny_model_dir),
-            scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048),
-        )
-        groups.append(InstanceGroup(engine=vllm))
-    return ClusterConfig(name="demo", groups=groups)
-
-
-@dataclass(frozen=True)
-class RequestTiming:
-    """Measured latency of one request on one engine."""
-
-    engine_id: str
-    num_prompt_tokens: int
-    num_output_tokens: int
-    ttft_s: float
-    tpot_s: float
-    e2e_s: float
-
-
-def timing_of(
-    engine_id: str, request: EngineRequest, sent_s: float, events: list[TokenEvent]
-) -> RequestTiming:
-    if not events:
-        raise RuntimeError(f"{engine_id}: request {request.request_id} produced no tokens")
-    return RequestTiming(
-        engine_id=engine_id,
-        num_prompt_tokens=request.num_prompt_tokens,
-        num_output_tokens=len(events),
-        ttft_s=events[0].time_s - sent_s,
-        tpot_s=(events[-1].time_s - events[0].time_s) / max(len(events) - 1, 1),
-        e2e_s=events[-1].time_s - sent_s,
-    )
-
-
-def make_demo_requests(
-    num_requests: int, prompt_len: int, max_tokens: int, vocab_size: int, seed: int
-) -> list[EngineRequest]:
+def demo_contents(num: int = 64, seed: int = 0) -> list[Content]:
+    """Chat-like requests: log-normal prompt (median ~600) and output (median ~120)
+    lengths; every fourth shares a 1024-token system prompt (prefix-cache hits)."""
     rng = random.Random(seed)
-    return [
-        EngineRequest(
-            request_id=f"demo-{i}",
-            prompt_token_ids=[rng.randrange(2, vocab_size) for _ in range(prompt_len)],
-            sampling=SamplingSpec(max_tokens=max_tokens, ignore_eos=True),
-        )
-        for i in range(num_requests)
-    ]
+    shared = tuple(range(1, 65))  # 64 blocks of 16 tokens
+    out = []
+    for i in range(num):
+        prompt = min(max(int(rng.lognormvariate(6.4, 0.7)), 16), 6000)
+        output = min(max(int(rng.lognormvariate(4.8, 0.8)), 8), 800)
+        if i % 4 == 0:
+            prompt = max(prompt, 1100)
+            hashes = shared + tuple(10_000 * (i + 1) + k for k in range((prompt - 1024) // 16))
+        else:
+            hashes = tuple(10_000 * (i + 1) + k for k in range(prompt // 16))
+        out.append(Content(prompt, output, hashes, 16))
+    return out
 
 
-async def run_on_engines(handles, requests_per_engine: int, prompt_len: int, max_tokens: int):
-    """Send the same small workload to every engine concurrently; return timings."""
-    import time
-
-    from deployments.cluster import collect_tokens
-
-    async def one(handle, request):
-        sent = time.time()
-        events = await collect_tokens(handle, request)
-        return timing_of(handle.engine_id, request, sent, events)
-
-    jobs = []
-    for h in handles:
-        vocab = h.config.instance.model.vocab_size
-        for r in make_demo_requests(requests_per_engine, prompt_len, max_tokens, vocab, seed=0):
-            jobs.append(one(h, EngineRequest(f"{h.engine_id}-{r.request_id}",
-                                             r.prompt_token_ids, r.sampling)))
-    return await asyncio.gather(*jobs)
+def demo_workload(rate: float, duration_s: float, seed: int = 0) -> Workload:
+    return poisson_workload(rate, duration_s, demo_contents(seed=seed), seed=seed, name="demo")
 
 
-def format_report(handles, timings: list[RequestTiming], prompt_len: int, max_tokens: int) -> str:
-    lines = [
-        f"{'engine':22s} {'backend':7s} {'ttft_s':>8s} {'tpot_ms':>8s} {'e2e_s':>7s} "
-        f"{'solo_model_s':>12s}"
-    ]
-    for h in handles:
-        mine = [t for t in timings if t.engine_id == h.engine_id]
-        predicted = h.config.instance.solo_latency_s(prompt_len, max_tokens)
-        lines.append(
-            f"{h.engine_id:22s} {h.config.backend.value:7s} "
-            f"{statistics.median(t.ttft_s for t in mine):8.3f} "
-            f"{statistics.median(t.tpot_s for t in mine) * 1e3:8.2f} "
-            f"{statistics.median(t.e2e_s for t in mine):7.3f} {predicted:12.3f}"
-        )
+def format_comparison(live: Sequence, sim: Sequence) -> str:
+    """One row per (policy, scale): live figures, then the simulator's."""
+    cols = ("met", "goodput_rps", "p50_e2e_s", "p99_e2e_s", "migrations")
+    head = "policy          scale  " + "  ".join(f"{'live ' + c:>16s}" for c in cols) + "  " \
+        + "  ".join(f"{'sim ' + c:>15s}" for c in cols)
+    lines = [head]
+    for a, b in zip(live, sim, strict=True):
+        live_cells = "  ".join(f"{_fmt(a.summary[c]):>16s}" for c in cols)
+        sim_cells = "  ".join(f"{_fmt(b.summary[c]):>15s}" for c in cols)
+        lines.append(f"{a.policy:15s} {a.slo_scale:5.2f}  {live_cells}  {sim_cells}")
     return "\n".join(lines)
+
+
+def _fmt(value: float | int) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else str(value)

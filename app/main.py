@@ -10,19 +10,8 @@ from __future__ import annotations
 
 from ray import serve
 
-from app.config import ClusterConfig, EngineConfig, InstanceGroup, SchedulerConfig
-from app.serving.config import ServeConfig, load_serve_config
+from app.serving.config import default_serve_config, load_serve_config
 from deployments.router import build_app
-
-
-def default_serve_config() -> ServeConfig:
-    """Llama-3.1-8B on simulated H800, A800, A40 and 2xV100 (TP2), routed by GoodServe."""
-    scheduler = SchedulerConfig(max_num_seqs=64)
-    groups = [
-        InstanceGroup(engine=EngineConfig(gpu_type=g, tp=tp, scheduler=scheduler))
-        for g, tp in (("H800", 1), ("A800", 1), ("A40", 1), ("V100", 2))
-    ]
-    return ServeConfig(cluster=ClusterConfig(name="local-sim", groups=groups))
 
 
 def build(args: dict[str, str]) -> serve.Application:

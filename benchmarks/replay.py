@@ -339,7 +339,7 @@ def replay(
         if predictor is not None:
             workload = attach_predictions(workload, spec.routing.length_factory())
         if backend == Backend.LIVE:
-            outcomes = _run_live_with_progress(spec, workload, progress, predictor)
+            outcomes = run_live_with_progress(spec, workload, progress, predictor)
         else:
             outcomes = _run_with_progress(spec, workload, progress)
     except ValueError as exc:
@@ -431,7 +431,7 @@ def run_live_replay(
     return outcomes
 
 
-def _run_live_with_progress(
+def run_live_with_progress(
     spec: ReplaySpec, workload: Workload, show: bool, predictor_dir: Path | None
 ) -> list[RunOutcome]:
     import ray

@@ -10,7 +10,15 @@ from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
 
-from app.config import ClusterConfig, EngineBackend, EngineConfig, Frozen, load_yaml_model
+from app.config import (
+    ClusterConfig,
+    EngineBackend,
+    EngineConfig,
+    Frozen,
+    InstanceGroup,
+    SchedulerConfig,
+    load_yaml_model,
+)
 from app.routing.registry import PolicyKind
 
 
@@ -71,6 +79,16 @@ class ServeConfig(Frozen):
     @property
     def is_simulated(self) -> bool:
         return self.engine_template.backend == EngineBackend.SIM
+
+
+def default_serve_config() -> ServeConfig:
+    """Llama-3.1-8B on simulated H800, A800, A40 and 2xV100 (TP2), routed by GoodServe."""
+    scheduler = SchedulerConfig(max_num_seqs=64)
+    groups = [
+        InstanceGroup(engine=EngineConfig(gpu_type=g, tp=tp, scheduler=scheduler))
+        for g, tp in (("H800", 1), ("A800", 1), ("A40", 1), ("V100", 2))
+    ]
+    return ServeConfig(cluster=ClusterConfig(name="local-sim", groups=groups))
 
 
 def load_serve_config(path: str | Path) -> ServeConfig:

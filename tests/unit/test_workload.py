@@ -190,3 +190,15 @@ def test_parse_scales() -> None:
         parse_scales("1,a")
     with pytest.raises(ValueError, match="must be > 0"):
         parse_scales("1,-2")
+
+
+def test_demo_workload_is_seeded_and_shares_a_system_prompt():
+    from app.demo import demo_contents, demo_workload
+
+    contents = demo_contents(seed=3)
+    assert contents == demo_contents(seed=3) and contents != demo_contents(seed=4)
+    shared = [c for i, c in enumerate(contents) if i % 4 == 0]
+    assert all(c.block_hashes[:64] == tuple(range(1, 65)) for c in shared)
+    assert all(len(c.block_hashes) * 16 <= c.num_prompt_tokens for c in contents)
+    workload = demo_workload(rate=3.0, duration_s=20.0, seed=3)
+    assert 30 < len(workload) < 90 and workload.duration_s == 20.0
