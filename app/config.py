@@ -67,6 +67,10 @@ class EngineConfig(Frozen):
     time_scale: float = Field(
         1.0, gt=0, description="sim backend: wall seconds per simulated second"
     )
+    stream_interval_s: float = Field(
+        0.05, ge=0, description="engine actor: merge token batches within this window "
+        "(first and last token go out at once); 0 streams every iteration"
+    )
     model_path: str | None = Field(None, description="vllm backend: local model directory")
     vllm_kwargs: dict = Field(default_factory=dict, description="extra vLLM engine args")
 

@@ -30,6 +30,7 @@ from app.engine_types import (
     TokenEvent,
     prefix_block_hashes,
 )
+from app.serving.streams import coalesce
 from app.sim.engine_core import PrefixCache, SimEngineCore, SimSequence
 
 if TYPE_CHECKING:
@@ -58,7 +59,7 @@ class EngineBackendBase(ABC):
         """Stop a request; True if it was running or waiting here."""
 
     @abstractmethod
-    def status(self) -> EngineStatus:
+    def status(self, with_prefix_digest: bool = True) -> EngineStatus:
         """Cheap black-box figures; never blocks on the engine."""
 
     @abstractmethod
@@ -155,8 +156,9 @@ class SimBackend(EngineBackendBase):
             queue.put_nowait(None)
         return found
 
-    def status(self) -> EngineStatus:
-        return self.core.status(self.engine_id, self.config.role.value, time.time())
+    def status(self, with_prefix_digest: bool = True) -> EngineStatus:
+        return self.core.status(self.engine_id, self.config.role.value, time.time(),
+                                with_digest=with_prefix_digest)
 
     async def shutdown(self) -> None:
         if self._loop_task is not None:
@@ -309,7 +311,7 @@ class VllmBackend(EngineBackendBase):
         await self.engine.abort(request_id)
         return True
 
-    def status(self) -> EngineStatus:
+    def status(self, with_prefix_digest: bool = True) -> EngineStatus:
         used = round(self._stats.kv_cache_usage * self._num_kv_blocks)
         return EngineStatus(
             engine_id=self.engine_id,
@@ -322,7 +324,7 @@ class VllmBackend(EngineBackendBase):
             num_kv_blocks_used=used,
             num_kv_blocks_free=self._num_kv_blocks - used,
             num_cached_prefix_blocks=len(self._prefix),
-            prefix_digest=self._prefix.digest(),
+            prefix_digest=self._prefix.digest() if with_prefix_digest else frozenset(),
             time_s=time.time(),
             num_iterations=self._stats.num_iterations,
             num_queue_wait_samples=self._stats.num_queue_wait_samples,
@@ -355,14 +357,17 @@ class EngineActor:
         return self.backend.engine_id
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[list[TokenEvent]]:
-        async for batch in self.backend.generate(request):
+        interval_s = self.backend.config.stream_interval_s
+        async for batch in coalesce(self.backend.generate(request), interval_s):
             yield batch
 
     async def abort(self, request_id: str) -> bool:
         return await self.backend.abort(request_id)
 
-    def status(self) -> EngineStatus:
-        return self.backend.status()
+    def status(self, with_prefix_digest: bool = False) -> EngineStatus:
+        """Black-box figures; the prefix digest (every cached block hash) only on request,
+        since shipping it with each poll cost the router more than routing did."""
+        return self.backend.status(with_prefix_digest)
 
     def config(self) -> EngineConfig:
         return self.backend.config

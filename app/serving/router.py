@@ -11,7 +11,10 @@ policy and watchdog objects the simulator runs:
 - a poll loop feeds engine reports to the status estimator and runs the watchdog
   every `tau` iterations of an instance.
 Instance load (running / waiting) comes from the router's own bookkeeping, which
-is current at every decision; polled reports supply speeds, KV and prefix caches.
+is current at every decision; polled reports supply speeds and KV. Prefix hits come
+from a router-side LRU of the block hashes it sent each instance (sized like the
+instance's KV), the "approximate prefix index" of production routers: shipping
+every cached hash with each poll cost more than the routing itself.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field, replace
 
 from app.config import EngineConfig, EngineRole
 from app.engine_types import (
+    PREFIX_BLOCK_SIZE,
     EngineRequest,
     EngineStatus,
     SamplingSpec,
@@ -36,6 +40,7 @@ from app.hardware import InstanceSpec
 from app.routing.base import ActiveRequest, Reject
 from app.routing.registry import RoutingStack
 from app.routing.view import ClusterView, FinishReport, InstanceId, InstanceView, RouteRequest
+from app.sim.engine_core import PrefixCache
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +131,17 @@ class LiveInstance:
     status: EngineStatus | None = None
     healthy: bool = False  # reachable at the last poll
     watched_epoch: int = 0  # num_iterations // tau at the last watchdog check
+    prefixes: PrefixCache | None = None  # block hashes sent here; sized at the first report
+
+    def remember_prefix(self, block_hashes: Sequence[int]) -> None:
+        if self.prefixes is not None:
+            self.prefixes.insert(block_hashes, PREFIX_BLOCK_SIZE)
+
+    def update(self, status: EngineStatus) -> None:
+        self.status, self.healthy = status, True
+        if self.prefixes is None:
+            blocks = status.num_kv_blocks_used + status.num_kv_blocks_free
+            self.prefixes = PrefixCache(blocks * self.client.config.scheduler.block_size)
 
     @property
     def instance_id(self) -> InstanceId:
@@ -219,7 +235,7 @@ class LiveRouter:
                 logger.warning("engine %s unreachable: %s", inst.instance_id, exc)
             inst.healthy = False
             return
-        inst.status, inst.healthy = status, True
+        inst.update(status)
         now = self.clock()
         for listener in self._listeners:
             listener.on_status(status, now)
@@ -245,15 +261,9 @@ class LiveRouter:
         return ClusterView(now, tuple(views), self._prefix_blocks)
 
     def _prefix_blocks(self, instance_id: InstanceId, hashes: Sequence[int]) -> int:
-        """Leading prompt blocks in the instance's reported prefix-cache digest."""
-        status = self.instances[instance_id].status
-        digest = status.prefix_digest if status is not None else frozenset()
-        hits = 0
-        for h in hashes:
-            if h not in digest:
-                break
-            hits += 1
-        return hits
+        """Leading prompt blocks this router has sent the instance (and not yet aged out)."""
+        prefixes = self.instances[instance_id].prefixes
+        return 0 if prefixes is None else prefixes.peek(hashes)
 
     # ---- routing -----------------------------------------------------------------
     async def submit(self, request: GenerationRequest) -> Flight:
@@ -276,6 +286,7 @@ class LiveRouter:
         now = self.clock()
         target = self._choose(route, now)
         flight = Flight(request, route, target, [target])
+        self.instances[target].remember_prefix(route.block_hashes)
         self.flights[request.request_id] = flight
         self._num_routed += 1
         return flight
@@ -338,6 +349,7 @@ class LiveRouter:
         return kept
 
     def _move(self, flight: Flight, target: InstanceId) -> None:
+        self.instances[target].remember_prefix(flight.route.block_hashes)
         flight.move_to = None
         flight.attempt += 1
         flight.num_migrations += 1
@@ -358,6 +370,7 @@ class LiveRouter:
         except RequestRejected as exc:
             raise EngineLost(f"request {flight.request_id}: engine {lost} failed ({why}) "
                              f"and no other can continue it: {exc}") from None
+        self.instances[target].remember_prefix(flight.route.block_hashes)
         flight.num_failovers += 1
         self._num_failovers += 1
         flight.attempt += 1

@@ -300,3 +300,37 @@ def test_live_replay_prompts_reproduce_lengths_and_shared_prefixes():
     assert (len(ids_a), len(ids_b), len(ids_c)) == (40, 50, 20)
     assert ids_a[:32] == ids_b[:32] and ids_a[32:] != ids_b[32:40]
     assert ids_c[:16] != ids_a[:16] and all(2 <= i < 1000 for i in ids_a + ids_b + ids_c)
+
+
+async def test_router_remembers_the_prefixes_it_sent_each_instance():
+    router = await started(ScriptedEngine("a", "A40"), ScriptedEngine("b", "A40"),
+                           policy="prefix-cache")
+    first = await router.submit(request("r1"))
+    view = router.view(time.time())
+    hits = {iid: view.prefix_hit_tokens(iid, first.route) for iid in ("a", "b")}
+    assert hits[first.instance_id] == len(PROMPT) and sum(hits.values()) == len(PROMPT)
+    second = await router.submit(request("r2"))  # same prompt: prefix-cache follows it
+    assert second.instance_id == first.instance_id
+
+
+async def _batches(items, delay_s: float = 0.0, fail: bool = False):
+    for item in items:
+        await asyncio.sleep(delay_s)
+        yield item
+    if fail:
+        raise RuntimeError("source failed")
+
+
+async def test_coalesce_sends_the_first_batch_alone_then_merges_per_window():
+    from app.serving.streams import coalesce
+
+    out = [b async for b in coalesce(_batches([[i] for i in range(10)], 0.01), 0.035)]
+    assert out[0] == [0] and sum(out, []) == list(range(10))
+    assert 2 < len(out) < 10  # merged, but not all into one
+    passthrough = [b async for b in coalesce(_batches([[1], [2]]), 0.0)]
+    assert passthrough == [[1], [2]]
+    got = []
+    with pytest.raises(RuntimeError, match="source failed"):
+        async for b in coalesce(_batches([[1], [2], [3]], 0.001, fail=True), 0.05):
+            got.extend(b)
+    assert got == [1, 2, 3]  # nothing received before the failure is lost
