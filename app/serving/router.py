@@ -283,8 +283,11 @@ class LiveRouter:
         if self.predict is not None:
             predicted = await self.predict(route)
             route = replace(route, predicted_output_tokens=max(round(predicted), 1))
-        now = self.clock()
-        target = self._choose(route, now)
+        try:
+            target = self._choose(route, self.clock())
+        except RequestRejected:
+            self._num_rejected += 1
+            raise
         flight = Flight(request, route, target, [target])
         self.instances[target].remember_prefix(route.block_hashes)
         self.flights[request.request_id] = flight
@@ -295,13 +298,17 @@ class LiveRouter:
                 exclude: frozenset[InstanceId] = frozenset()) -> InstanceId:
         view = self.view(now, exclude)
         if not view.instances:
-            self._num_rejected += 1
             raise RequestRejected("no healthy engine instance is available")
         decision = self.policy.choose(route, view, now)
         if isinstance(decision, Reject):
-            self._num_rejected += 1
             raise RequestRejected(decision.reason)
         return decision
+
+    def _choose_elsewhere(self, flight: Flight) -> InstanceId:
+        """The policy's pick for the request as it stands now (prompt + generated ids to
+        re-prefill), among the instances other than its current one."""
+        resumed = replace(flight.route, num_generated_tokens=len(flight.output_token_ids))
+        return self._choose(resumed, self.clock(), exclude=frozenset({flight.instance_id}))
 
     async def stream(self, flight: Flight) -> AsyncIterator[list[TokenEvent]]:
         """The request's tokens (indices from 0, one stream across moves); ends the flight."""
@@ -349,11 +356,15 @@ class LiveRouter:
         return kept
 
     def _move(self, flight: Flight, target: InstanceId) -> None:
-        self.instances[target].remember_prefix(flight.route.block_hashes)
         flight.move_to = None
-        flight.attempt += 1
         flight.num_migrations += 1
         self._num_migrations += 1
+        self._resubmit_on(flight, target)
+
+    def _resubmit_on(self, flight: Flight, target: InstanceId) -> None:
+        """Point the flight at `target`; `stream` submits it there next (a new engine id)."""
+        self.instances[target].remember_prefix(flight.route.block_hashes)
+        flight.attempt += 1
         flight.instance_id = target
         flight.instance_ids.append(target)
 
@@ -364,18 +375,14 @@ class LiveRouter:
         self.instances[lost].healthy = False  # until it answers a poll again
         if flight.num_failovers >= self.max_failovers:
             raise EngineLost(f"request {flight.request_id}: engine {lost} failed ({why})")
-        resumed = replace(flight.route, num_generated_tokens=len(flight.output_token_ids))
         try:
-            target = self._choose(resumed, self.clock(), exclude=frozenset({lost}))
+            target = self._choose_elsewhere(flight)
         except RequestRejected as exc:
             raise EngineLost(f"request {flight.request_id}: engine {lost} failed ({why}) "
                              f"and no other can continue it: {exc}") from None
-        self.instances[target].remember_prefix(flight.route.block_hashes)
         flight.num_failovers += 1
         self._num_failovers += 1
-        flight.attempt += 1
-        flight.instance_id = target
-        flight.instance_ids.append(target)
+        self._resubmit_on(flight, target)
 
     def _end(self, flight: Flight, finished: bool) -> None:
         self.flights.pop(flight.request_id, None)
@@ -430,7 +437,10 @@ class LiveRouter:
         if flight is None or flight.move_to is not None:
             return None
         if target_id is None:
-            target_id = self._policy_target(flight)
+            try:
+                target_id = self._choose_elsewhere(flight)
+            except RequestRejected as exc:
+                raise ValueError(f"cannot move request {request_id}: {exc}") from None
         target = self.instances.get(target_id)
         if target is None or not target.healthy:
             raise ValueError(f"unknown or unhealthy target instance {target_id!r}")
@@ -439,15 +449,6 @@ class LiveRouter:
         flight.move_to = target_id
         self._abort_in_background(flight)
         return target_id
-
-    def _policy_target(self, flight: Flight) -> InstanceId:
-        resumed = replace(flight.route, num_generated_tokens=len(flight.output_token_ids))
-        view = self.view(self.clock(), exclude=frozenset({flight.instance_id}))
-        decision = self.policy.choose(resumed, view, self.clock()) if view.instances else Reject(
-            "no other healthy instance")
-        if isinstance(decision, Reject):
-            raise ValueError(f"cannot move request {flight.request_id}: {decision.reason}")
-        return decision
 
     # ---- reporting ----------------------------------------------------------------------
     def counters(self) -> RouterCounters:
