@@ -10,6 +10,9 @@ Experiments, each written as summary.csv + PNG + report.md under --out:
 - e2e-qwen/  the same on configs/paper-4gpu-qwen14b.yaml, at its own rate (rate-qwen/)
 - ablation/  GoodServe without migration / with the history predictor / least-slack
 - tau/       watchdog period tau in {10, 25, 50, 100, 200} at scale 2
+- seeds/     GoodServe, its no-migration ablation, the oracle and every baseline on
+             several workload seeds (other prompt draws for the same arrivals), with
+             mean, spread and per-seed ratios (seeds.md)
 - results.md all tables in one page
 Usage: python -m benchmarks.goodput_experiments --out results/goodput [--quick]
 """
@@ -46,7 +49,9 @@ MOONCAKE = "mooncake_conversation_trace.jsonl"
 TARGET_MET_MAX = 0.80
 LLAMA_RATES = "120,140,160,170,180,190,200,220,240"
 QWEN_RATES = "40,60,80,100,110,120,130,140,160,180"
-EXPERIMENTS = ("e2e", "qwen", "ablation", "tau", "predictors")
+EXPERIMENTS = ("e2e", "qwen", "ablation", "tau", "predictors", "seeds")
+SEED_POLICIES = (PolicyKind.GOODSERVE, PolicyKind.GOODSERVE_NO_MIGRATION, PolicyKind.ORACLE,
+                 *BASELINES)
 PREDICTORS = ("moe", "mlp", "history_task", "history")  # llm_embedding needs a local encoder
 MOE_EXPERTS = (4, 9, 16)
 
@@ -165,6 +170,51 @@ def predictor_cells(
     return cells
 
 
+def seed_cells(
+    setup: Setup, cluster: Path, rate: float, duration_s: float, seeds: list[int]
+) -> list[RunOutcome]:
+    """SEED_POLICIES at every scale on one workload per seed; labels carry the seed."""
+    cells = []
+    for seed in seeds:
+        seeded = replace(setup, seed=seed, routing=replace(setup.routing, seed=seed))
+        workload = make_workload(seeded, rate, duration_s)
+        for cell in run(seeded, cluster, SEED_POLICIES, SCALES, workload):
+            cells.append(cell.renamed(f"{cell.policy} seed={seed}"))
+        print(f"seed {seed}: {len(workload)} requests done")
+    return cells
+
+
+def seeds_report(cells: list[RunOutcome], seeds: list[int]) -> str:
+    """Mean and range over seeds per policy and scale, and GoodServe's ratio to the best
+    baseline (chosen per seed and scale) and to the oracle, seed by seed."""
+    goodput = {(c.policy, c.slo_scale): c.summary["goodput_rps"] for c in cells}
+    names = [k.value for k in SEED_POLICIES]
+    header = "| policy | " + " | ".join(f"scale {s:g}" for s in SCALES) + " |"
+    lines = ["Goodput req/s: mean over seeds [min, max]", "", header,
+             "|---|" + "---|" * len(SCALES)]
+    for name in names:
+        row = []
+        for scale in SCALES:
+            values = [goodput[f"{name} seed={seed}", scale] for seed in seeds]
+            row.append(f"{sum(values) / len(values):.1f} [{min(values):.1f}, {max(values):.1f}]")
+        lines.append(f"| {name} | " + " | ".join(row) + " |")
+    baselines = [k.value for k in BASELINES]
+    for title, others in (("best baseline", baselines),
+                          ("no migration", [PolicyKind.GOODSERVE_NO_MIGRATION.value]),
+                          ("oracle", [PolicyKind.ORACLE.value])):
+        lines += ["", f"GoodServe / {title}, per seed", "", header.replace("policy", "seed"),
+                  "|---|" + "---|" * len(SCALES)]
+        for seed in seeds:
+            row = []
+            for scale in SCALES:
+                best = max(others, key=lambda n: goodput[f"{n} seed={seed}", scale])
+                ratio = goodput[f"goodserve seed={seed}", scale] / goodput[
+                    f"{best} seed={seed}", scale]
+                row.append(f"{ratio:.2f}" + (f" ({best})" if len(others) > 1 else ""))
+            lines.append(f"| {seed} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def markdown_table(cells: list[RunOutcome], scales: tuple[float, ...]) -> str:
     """policy x scale table of goodput (met fraction in brackets)."""
     policies = list(dict.fromkeys(c.policy for c in cells))
@@ -193,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=300.0, help="arrival window, s")
     parser.add_argument("--headroom", type=float, default=RoutingOptions().headroom)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", default="0,1,2,3", help="workload seeds of `seeds`")
     parser.add_argument("--quick", action="store_true", help="short window, fewer cells")
     args = parser.parse_args(argv)
     if not args.trace.exists() or not args.prompts.exists():
@@ -258,6 +309,12 @@ def run_all(setup: Setup, args: argparse.Namespace, duration: float) -> int:
         experiment("predictors", args.out, row, cells)
         sections.append(("GoodServe with each predictor (scale 2; paper Figs. 8, 10a)",
                          cells, (2.0,)))
+    if "seeds" in wanted:
+        seeds = [int(x) for x in args.seeds.split(",")]
+        cells = seed_cells(setup, paper, rate, duration, seeds)
+        experiment("seeds", args.out, {**row, "seeds": args.seeds}, cells)
+        (args.out / "seeds" / "seeds.md").write_text(seeds_report(cells, seeds) + "\n")
+        sections.append((f"Workload seeds {args.seeds}", cells, SCALES))
     lines = ["# GoodServe goodput experiments (simulator)", "",
              *[f"- {k}: {v}" for k, v in row.items()], ""]
     for title, cells, scales in sections:

@@ -438,8 +438,10 @@ def run_live_with_progress(
     from tqdm import tqdm
 
     total = len(spec.policies) * len(spec.slo_scales) * len(workload)
+    owns_ray = not ray.is_initialized()  # stop only a Ray this run starts
     try:
         with tqdm(total=total, unit="req", disable=not show, desc="live replay") as bar:
             return run_live_replay(spec, workload, predictor_dir, bar.update)
     finally:
-        ray.shutdown()
+        if owns_ray:
+            ray.shutdown()

@@ -96,7 +96,7 @@ def test_poisson_arrivals_with_trace_content(tmp_path) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--backend", "live"], "not available yet"),
+        (["--backend", "live", "--policies", "oracle"], "sim backend only"),
         (["--cluster", "missing.yaml"], "config file not found"),
         (["--policies", "nope"], "unknown policy"),
         (["--slo-scales", "1,x"], "bad SLO scale"),

@@ -1,0 +1,27 @@
+"""The multi-seed report: means, ranges and per-seed ratios come out of the cells."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.goodput_experiments import SCALES, SEED_POLICIES, seeds_report
+from benchmarks.replay import RunOutcome
+
+pytestmark = pytest.mark.unit
+
+
+def test_seeds_report_ratios_use_the_best_baseline_of_each_seed_and_scale():
+    cells = []
+    for seed in (0, 1):
+        for kind in SEED_POLICIES:
+            goodput = {"goodserve": 120.0 + seed * 10, "slo-pack": 100.0,
+                       "preble": 90.0 + seed * 30, "oracle": 150.0,
+                       "goodserve-no-migration": 110.0}.get(kind.value, 50.0)
+            for scale in SCALES:
+                cells.append(RunOutcome(f"{kind.value} seed={seed}", scale,
+                                        {"goodput_rps": goodput}, ()))
+    report = seeds_report(cells, [0, 1])
+    assert "| goodserve | 125.0 [120.0, 130.0]" in report
+    assert "| 0 | 1.20 (slo-pack)" in report  # 120 / 100
+    assert "| 1 | 1.08 (preble)" in report  # 130 / 120
+    assert "| 0 | 1.09 |" in report and "| 1 | 0.87 |" in report  # vs no-migration, oracle
