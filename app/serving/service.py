@@ -14,7 +14,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from app.engine_types import SamplingSpec
 from app.routing.registry import RoutingOptions, build_routing
@@ -44,6 +44,9 @@ from app.serving.router import (
 )
 from app.serving.tokenizer import HfTokenizer, IncrementalDecoder, Tokenizer, WordHashTokenizer
 
+if TYPE_CHECKING:
+    from predictor.base import Predictor
+
 logger = logging.getLogger(__name__)
 
 
@@ -57,15 +60,24 @@ def make_tokenizer(config: ServeConfig) -> Tokenizer:
     return WordHashTokenizer(config.engine_template.instance.model.vocab_size)
 
 
-def make_predict(config: ServeConfig) -> tuple[Predict | None, Callable[[], None]]:
-    """The router's arrival-time length prediction (micro-batched) and its closer;
-    None when routing uses the running history of finished lengths."""
+def load_length_predictor(config: ServeConfig) -> Predictor | None:
+    """The trained predictor the config names; None = running history of finished lengths."""
     if config.routing.predictor_dir is None:
+        return None
+    from predictor.registry import load_predictor
+
+    return load_predictor(config.routing.predictor_dir, config.routing.predictor_name)
+
+
+def make_predict(predictor: Predictor | None) -> tuple[Predict | None, Callable[[], None]]:
+    """The router's arrival-time length prediction, micro-batched across concurrent
+    requests (GPU when the predictor has one), and the function that stops it."""
+    if predictor is None:
         return None, lambda: None
     from predictor.base import PredictionInput
     from predictor.batching import PredictionBatcher
 
-    batcher = PredictionBatcher(_load_predictor(config)).start()
+    batcher = PredictionBatcher(predictor).start()
 
     async def predict(route: RouteRequest) -> float:
         return await batcher.predict_async(PredictionInput(route.prompt or "", task=route.task))
@@ -73,26 +85,13 @@ def make_predict(config: ServeConfig) -> tuple[Predict | None, Callable[[], None
     return predict, batcher.close
 
 
-_PREDICTORS: dict[tuple[str, str], Any] = {}
-
-
-def _load_predictor(config: ServeConfig) -> Any:
-    """One loaded predictor per (dir, name) per process: batcher and watchdog share it."""
-    from predictor.registry import load_predictor
-
-    key = (str(config.routing.predictor_dir), config.routing.predictor_name)
-    if key not in _PREDICTORS:
-        _PREDICTORS[key] = load_predictor(*key)
-    return _PREDICTORS[key]
-
-
-def routing_options(config: ServeConfig) -> RoutingOptions:
+def routing_options(config: ServeConfig, predictor: Predictor | None) -> RoutingOptions:
+    """The registry's options; the watchdog re-predicts with the same predictor object."""
     r = config.routing
     factory = None
-    if r.predictor_dir is not None:
+    if predictor is not None:
         from app.routing.length import PredictorLength
 
-        predictor = _load_predictor(config)
         factory = lambda: PredictorLength(predictor)  # noqa: E731
     return RoutingOptions(seed=r.seed, tau_iterations=r.tau_iterations, alpha=r.alpha,
                           headroom=r.headroom, length_factory=factory)
@@ -115,8 +114,9 @@ class CompletionService:
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer or make_tokenizer(config)
-        predict, self._close_predictor = make_predict(config)
-        stack = build_routing(config.routing.policy, routing_options(config))
+        predictor = load_length_predictor(config)
+        predict, self._close_predictor = make_predict(predictor)
+        stack = build_routing(config.routing.policy, routing_options(config, predictor))
         self.router = LiveRouter(clients, stack, predict=predict,
                                  poll_interval_s=config.poll_interval_s)
         self._ids = itertools.count()

@@ -334,3 +334,20 @@ async def test_coalesce_sends_the_first_batch_alone_then_merges_per_window():
         async for b in coalesce(_batches([[1], [2], [3]], 0.001, fail=True), 0.05):
             got.extend(b)
     assert got == [1, 2, 3]  # nothing received before the failure is lost
+
+
+async def test_service_with_a_trained_predictor_predicts_at_arrival(tmp_path):
+    """`routing.predictor_dir`: the batched predictor's output reaches the policy (and the
+    reply), and the watchdog's estimator wraps the same predictor."""
+    from predictor.base import PredictionInput
+    from predictor.registry import make_predictor, save_predictors
+
+    history = make_predictor("history").fit([PredictionInput("x")] * 3, [40, 50, 60])
+    save_predictors({"history": history}, tmp_path)
+    service = sim_service(ScriptedEngine("e", "A40"),
+                          routing={"predictor_dir": str(tmp_path), "predictor_name": "history"})
+    reply = await service.complete(body(max_tokens=5), chat=False)
+    assert reply.status_code == 200
+    assert reply.body["goodserve"]["predicted_output_tokens"] == 50
+    assert service.router.policy.length.predictor is service.router.watchdog.length.predictor
+    service.close()
