@@ -102,6 +102,11 @@ class EngineConfig(Frozen):
                                     else None)
 
     @property
+    def num_gpus(self) -> int:
+        """Physical GPUs the engine occupies: tp for vLLM on a GPU; none when simulated."""
+        return self.tp if self.backend == EngineBackend.VLLM and self.gpu_type != "cpu" else 0
+
+    @property
     def resource_name(self) -> str:
         """Custom Ray resource that pins this engine to a node of its GPU kind."""
         return gpu_resource_name(self.gpu_type)

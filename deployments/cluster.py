@@ -30,7 +30,9 @@ class EngineHandle:
 
 def local_node_resources(cluster: ClusterConfig) -> dict[str, float]:
     """Custom resources a single local node must declare to host `cluster`."""
-    counts = Counter(e.resource_name for e in cluster.engines())
+    counts: Counter[str] = Counter()
+    for engine in cluster.engines():
+        counts[engine.resource_name] += engine.tp
     return {name: float(n) for name, n in counts.items()}
 
 
@@ -50,7 +52,9 @@ def launch_engine(engine_id: str, config: EngineConfig, shared: bool = False) ->
     """Create one actor on a node of its GPU kind; vLLM actors need no Ray CPU slot
     (the engine core runs in its own process), so small machines can host several.
 
-    Engines are named actors in ENGINE_NAMESPACE. `shared` returns the running
+    An engine holds one unit of its `gpu_type:<GPU>` resource per GPU (tp units), and
+    a vLLM engine on a real GPU also holds tp Ray GPUs, so Ray sets the devices it may
+    use. Engines are named actors in ENGINE_NAMESPACE. `shared` returns the running
     engine of that name if there is one and otherwise starts it detached, so every
     router replica (and a restarted one) drives the same engines.
     """
@@ -60,7 +64,8 @@ def launch_engine(engine_id: str, config: EngineConfig, shared: bool = False) ->
     actor = EngineActor.options(
         name=engine_id,
         namespace=ENGINE_NAMESPACE,
-        resources={config.resource_name: 1},
+        resources={config.resource_name: config.tp},
+        num_gpus=config.num_gpus,
         num_cpus=0,
         max_concurrency=1000,
         **options,

@@ -36,9 +36,9 @@ def test_engines_hold_their_gpu_kind_resource(ray_session, sim_engines):
     from tests.conftest import LOCAL_GPU_RESOURCES
 
     available = ray_session.available_resources()
-    for gpu, _ in GPU_SETUP:
+    for gpu, tp in GPU_SETUP:  # one unit per GPU: the 2xV100 engine holds two
         key = f"gpu_type:{gpu}"
-        assert available.get(key, 0.0) == LOCAL_GPU_RESOURCES[key] - 1
+        assert available.get(key, 0.0) == LOCAL_GPU_RESOURCES[key] - tp
 
 
 async def _timed(handle, request):

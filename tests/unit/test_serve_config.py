@@ -49,3 +49,26 @@ def test_default_config_is_the_four_gpu_simulated_cluster():
     assert isinstance(config, ServeConfig) and config.is_simulated
     assert [e.instance.name for e in config.cluster.engines()] == ["H800", "A800", "A40",
                                                                    "2xV100"]
+
+
+def test_cluster_yaml_node_types_can_host_the_gpu_serve_config():
+    """cluster.yaml declares `gpu_type:<GPU>` per GPU on catalog GPU kinds, with enough
+    units (and Ray GPUs) for every engine of configs/aws-gpu.yaml."""
+    import yaml
+
+    from app.hardware import GPU_CATALOG
+
+    root = Path(__file__).resolve().parents[2]
+    nodes = yaml.safe_load((root / "cluster.yaml").read_text())["available_node_types"]
+    capacity: dict[str, float] = {}
+    for node in nodes.values():
+        for name, amount in node["resources"].items():
+            if name.startswith("gpu_type:"):
+                assert name.removeprefix("gpu_type:") in GPU_CATALOG
+                assert node["resources"]["GPU"] == amount  # one unit per physical GPU
+                capacity[name] = capacity.get(name, 0) + amount * node["max_workers"]
+    need: dict[str, int] = {}
+    for engine in load_serve_config(root / "configs" / "aws-gpu.yaml").cluster.engines():
+        assert engine.num_gpus == engine.tp
+        need[engine.resource_name] = need.get(engine.resource_name, 0) + engine.tp
+    assert all(need[name] <= capacity.get(name, 0) for name in need), (need, capacity)
