@@ -337,13 +337,18 @@ class LiveRouter:
             self._end(flight, finished)
 
     def _take(self, flight: Flight, batch: list[TokenEvent]) -> list[TokenEvent]:
-        """Record a batch; tokens cut by our own abort keep their ids but lose the reason."""
+        """Record a batch; tokens cut by our own abort keep their ids but lose the reason.
+
+        Times are the router's clock when the batch arrived (what the client sees, and
+        free of clock skew between the router's and the engines' nodes).
+        """
         if not batch:
             return []
+        now = self.clock()
         if not flight.is_running:
             flight.is_running = True
             if flight.first_token_s is None:
-                flight.first_token_s = batch[0].time_s
+                flight.first_token_s = now
         kept = [
             replace(ev, finish_reason=None) if ev.finish_reason == ABORTED else ev
             for ev in batch
@@ -352,7 +357,7 @@ class LiveRouter:
         last = kept[-1]
         if last.finish_reason is not None:
             flight.finish_reason = last.finish_reason
-            flight.finish_s = last.time_s
+            flight.finish_s = now
         return kept
 
     def _move(self, flight: Flight, target: InstanceId) -> None:
