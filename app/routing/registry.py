@@ -20,6 +20,7 @@ from app.routing.baselines import (
 )
 from app.routing.cache_aware import PreblePolicy, PrefixCachePolicy
 from app.routing.goodserve import (
+    DEFAULT_MIGRATION_MARGIN,
     JustEnoughConfig,
     JustEnoughPolicy,
     JustEnoughVariant,
@@ -73,6 +74,8 @@ class RoutingOptions:
     tau_iterations: int = 50  # watchdog period, in iterations of an instance
     alpha: float = 0.2  # EMA weight of the status estimator
     headroom: float = JustEnoughConfig.headroom  # just-enough slack reserve, fraction of T
+    # the watchdog moves requests late by more than this fraction of their time left
+    migration_margin: float = DEFAULT_MIGRATION_MARGIN
     # GoodServe's output-length predictor (e.g. the MoE); None -> running history
     length_factory: Callable[[], OutputLengthEstimator] | None = None
 
@@ -99,6 +102,7 @@ def _goodserve(
 ) -> RoutingStack:
     policy, watchdog = make_goodserve(
         length, alpha=options.alpha, tau_iterations=options.tau_iterations, migration=migration,
+        migration_margin=options.migration_margin,
         config=JustEnoughConfig(headroom=options.headroom, **config),
     )
     return RoutingStack(policy, watchdog)

@@ -19,6 +19,7 @@ from app.config import (
     SchedulerConfig,
     load_yaml_model,
 )
+from app.routing.goodserve import DEFAULT_MIGRATION_MARGIN
 from app.routing.registry import PolicyKind
 
 
@@ -29,6 +30,9 @@ class RoutingConfig(Frozen):
     tau_iterations: int = Field(50, ge=1, description="watchdog period, engine iterations")
     alpha: float = Field(0.2, gt=0, le=1, description="EMA weight of the status estimator")
     headroom: float = Field(0.5, ge=0, description="just-enough slack reserve, fraction of T")
+    migration_margin: float = Field(
+        DEFAULT_MIGRATION_MARGIN, ge=0,
+        description="watchdog moves requests late by more than this fraction of time left")
     seed: int = 0
     predictor_dir: str | None = Field(
         None, description="trained predictor directory (`goodserve predictor train`); "

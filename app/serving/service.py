@@ -94,7 +94,8 @@ def routing_options(config: ServeConfig, predictor: Predictor | None) -> Routing
 
         factory = lambda: PredictorLength(predictor)  # noqa: E731
     return RoutingOptions(seed=r.seed, tau_iterations=r.tau_iterations, alpha=r.alpha,
-                          headroom=r.headroom, length_factory=factory)
+                          headroom=r.headroom, migration_margin=r.migration_margin,
+                          length_factory=factory)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ def live_url(ray_session):
                                                 scheduler=SchedulerConfig(max_num_seqs=32)))
               for g, tp in GPU_SETUP]
     config = ServeConfig(cluster=ClusterConfig(name="live", groups=groups),
-                         routing=RoutingConfig(tau_iterations=10))
+                         routing=RoutingConfig(tau_iterations=10, migration_margin=0.0))
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(config), name="live-sim", route_prefix="/")
@@ -101,7 +101,8 @@ def test_watchdog_migrates_a_request_that_outgrows_its_prediction(live_url):
     a new request and 60 once one has passed 12. A 60-token
     request with a 1.5 s deadline therefore starts on the weakest GPU (4 tokens fit
     anywhere) and, at its first watchdog check (tau = 10 iterations), is at risk there
-    (~2 s left to do) and moves by token ids to a stronger instance that can make it."""
+    (~2 s left to do) and moves by token ids to a stronger instance that can make it.
+    (Migration margin 0 here: any lateness moves; the margin has its own unit test.)"""
     with ThreadPoolExecutor(11) as pool:
         history = list(pool.map(lambda n: post(live_url, "/v1/completions", max_tokens=n,
                                                ignore_eos=True), [4] * 6 + [60] * 5))

@@ -9,6 +9,7 @@ import pytest
 
 from app.engine_types import EngineStatus
 from app.routing.base import ActiveRequest, Reject
+from app.routing.budgets import Budget
 from app.routing.goodserve import (
     JustEnoughConfig,
     JustEnoughPolicy,
@@ -212,6 +213,20 @@ def test_watchdog_migrates_exactly_when_finish_would_miss_the_deadline():
     assert on_time == {}
     late = dog.check("A40", [active(10.0, 100)], cluster, now)
     assert late == {"r": "A800"}  # just-enough among stronger instances
+
+
+def test_migration_margin_moves_only_clearly_late_requests():
+    """A40 needs 12 s for the 300 tokens left: 2 s late with 10 s left is within a 0.5
+    margin (stays, unprotected); 6 s late with 6 s left is not (moves)."""
+    dog = make_watchdog(H800=0.01, A800=0.015, A40=0.04)
+    dog.migration_margin = 0.5
+    cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
+    dog.budgets.admit("A40", "r", Budget(1.0, 1.0))
+    assert dog.check("A40", [active(14.0, 100)], cluster, 4.0) == {}
+    assert len(dog.budgets) == 0  # barely late: no longer protected
+    assert dog.check("A40", [active(10.0, 100)], cluster, 4.0) == {"r": "A800"}
+    with pytest.raises(ValueError, match="migration_margin"):
+        SloWatchdog(StatusEstimator(), TrueLength(), migration_margin=-0.1)
 
 
 def test_watchdog_keeps_request_when_no_stronger_instance_can_make_it():
