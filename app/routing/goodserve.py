@@ -33,8 +33,8 @@ from app.routing.view import (
 
 # The watchdog moves a request only when it would finish later than its deadline by
 # more than this fraction of its time left. Chosen over workload seeds 0-3 at 190 req/s
-# (benchmarks/goodput_experiments.py): margin 0 moved ~300 requests per minute, two
-# thirds of which met their deadline without moving, and lost 5% goodput at scale 2;
+# (benchmarks/goodput_experiments.py): margin 0 moved ~300 requests per minute, four
+# fifths of which met their deadline without moving, and lost 5% goodput at scale 2;
 # margin 1 keeps the moves that pay (see README, "seeds").
 DEFAULT_MIGRATION_MARGIN = 1.0
 
