@@ -127,7 +127,7 @@ def live_cell(
     """
     from ray import serve
 
-    from deployments.cluster import launch_cluster, shutdown_engines
+    from deployments.cluster import shutdown_shared_engines
     from deployments.router import build_app
 
     serve.run(build_app(config), name=APP_NAME, route_prefix="/")
@@ -139,7 +139,7 @@ def live_cell(
         return records, time.monotonic() - t0
     finally:
         serve.delete(APP_NAME)
-        shutdown_engines(launch_cluster(config.cluster, start=False, shared=True))
+        shutdown_shared_engines(config.cluster)
 
 
 def live_summary_row(

@@ -92,10 +92,23 @@ def launch_cluster(
     return handles
 
 
-def shutdown_engines(handles: list[EngineHandle]) -> None:
-    ray.get([h.actor.shutdown.remote() for h in handles])
+def shutdown_engines(handles: list[EngineHandle], timeout_s: float | None = None) -> None:
+    ray.get([h.actor.shutdown.remote() for h in handles], timeout=timeout_s)
     for h in handles:
         ray.kill(h.actor)
+
+
+def shutdown_shared_engines(cluster: ClusterConfig) -> None:
+    """Stop the named engines of `cluster` that are running (`launch_engine(shared=True)`),
+    without starting the missing ones."""
+    handles = []
+    for engine_id, config in engine_ids(cluster):
+        try:
+            actor = ray.get_actor(engine_id, namespace=ENGINE_NAMESPACE)
+        except ValueError:  # not running
+            continue
+        handles.append(EngineHandle(engine_id, config, actor))
+    shutdown_engines(handles)
 
 
 async def collect_tokens(handle: EngineHandle, request: EngineRequest) -> list[TokenEvent]:

@@ -73,14 +73,12 @@ def vllm_engines(ray_session, tiny_model_dir):
     """The shared vLLM engine actors, started once; the live router reuses them by name."""
     import ray
 
-    from deployments.cluster import launch_cluster
+    from deployments.cluster import launch_cluster, shutdown_engines
 
     handles = launch_cluster(vllm_cluster_config(tiny_model_dir), start=False, shared=True)
     ray.get([h.actor.start.remote() for h in handles], timeout=600)
     yield handles
-    ray.get([h.actor.shutdown.remote() for h in handles], timeout=120)
-    for h in handles:
-        ray.kill(h.actor)
+    shutdown_engines(handles, timeout_s=120)
 
 
 @pytest.fixture(scope="session")

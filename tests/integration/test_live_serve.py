@@ -38,11 +38,9 @@ def live_url(ray_session):
     serve.run(build_app(config), name="live-sim", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
-    import ray
+    from deployments.cluster import shutdown_shared_engines
 
-    from deployments.cluster import ENGINE_NAMESPACE
-    for name in ("live-H800-0", "live-A800-1", "live-A40-2", "live-2xV100-3"):
-        ray.kill(ray.get_actor(name, namespace=ENGINE_NAMESPACE))
+    shutdown_shared_engines(config.cluster)
 
 
 def post(url: str, path: str, **body) -> httpx.Response:
