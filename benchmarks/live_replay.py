@@ -14,13 +14,12 @@ import asyncio
 import hashlib
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 
 from app.serving.config import RoutingConfig, ServeConfig
-from app.sim.metrics import summarize
 from app.sim.records import RequestOutcome, RequestRecord
 from app.workload import Workload, WorkloadRequest
 
@@ -140,16 +139,6 @@ def live_cell(
     finally:
         serve.delete(APP_NAME)
         shutdown_shared_engines(config.cluster)
-
-
-def live_summary_row(
-    policy: str, scale: float, records: Sequence[RequestRecord], workload: Workload,
-    wall_s: float,
-) -> dict[str, Any]:
-    makespan = max((r.finish_s for r in records if r.finish_s is not None), default=0.0)
-    return {"policy": policy, "slo_scale": scale,
-            **summarize(records, workload.duration_s).as_row(),
-            "makespan_s": makespan, "wall_s": wall_s}
 
 
 def serve_config_for(base: ServeConfig, policy: str, **routing: Any) -> ServeConfig:

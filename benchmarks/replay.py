@@ -145,14 +145,21 @@ def _simulate(
     return sim.run(workload, progress=progress)
 
 
+def cell_outcome(
+    policy: str, scale: float, records: Sequence[RequestRecord], duration_s: float,
+    makespan_s: float, wall_s: float,
+) -> RunOutcome:
+    """One (policy, scale) cell with its summary row (sim and live backends alike)."""
+    row = {"policy": policy, "slo_scale": scale, **summarize(records, duration_s).as_row(),
+           "makespan_s": makespan_s, "wall_s": wall_s}
+    return RunOutcome(policy, scale, row, tuple(records))
+
+
 def _outcome(
     kind: PolicyKind, scale: float, result: SimResult, records: Sequence[RequestRecord],
     wall_s: float,
 ) -> RunOutcome:
-    summary = summarize(records, result.duration_s)
-    row = {"policy": kind.value, "slo_scale": scale, **summary.as_row(),
-           "makespan_s": result.makespan_s, "wall_s": wall_s}
-    return RunOutcome(kind.value, scale, row, tuple(records))
+    return cell_outcome(kind.value, scale, records, result.duration_s, result.makespan_s, wall_s)
 
 
 def _reuses_runs(spec: ReplaySpec, kind: PolicyKind) -> bool:
@@ -401,7 +408,7 @@ def run_live_replay(
     from ray import serve
 
     from app.serving.config import ServeConfig
-    from benchmarks.live_replay import live_cell, live_summary_row, serve_config_for
+    from benchmarks.live_replay import live_cell, serve_config_for
     from deployments.cluster import init_local_ray
     from deployments.router import free_port
 
@@ -424,8 +431,10 @@ def run_live_replay(
             for scale in spec.slo_scales:
                 cell = assign_slos(workload, solo_s, scale)
                 records, wall_s = live_cell(config, cell, f"http://127.0.0.1:{port}", progress)
-                row = live_summary_row(kind.value, scale, records, cell, wall_s)
-                outcomes.append(RunOutcome(kind.value, scale, row, tuple(records)))
+                makespan_s = max((r.finish_s for r in records if r.finish_s is not None),
+                                 default=0.0)
+                outcomes.append(cell_outcome(kind.value, scale, records, cell.duration_s,
+                                             makespan_s, wall_s))
     finally:
         serve.shutdown()
     return outcomes
