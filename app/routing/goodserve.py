@@ -349,15 +349,13 @@ class SloWatchdog(Watchdog):
             rid = item.request.request_id
             remaining = max(total - item.num_generated_tokens, 1.0)
             time_left = self.time_left_s(item, estimate, now)
-            per_token = token_budget_s(time_left, remaining)
-            if per_token >= estimate.decode_s_per_token:  # on track
-                stall = time_left - remaining * estimate.decode_s_per_token
-                self.budgets.admit(instance_id, rid, Budget(per_token, stall))
-                continue
             late_s = remaining * estimate.decode_s_per_token - time_left
-            clearly_late = late_s > self.migration_margin * max(time_left, 0.0)
+            if late_s <= 0:  # on track: what it can afford now is its budget
+                per_token = token_budget_s(time_left, remaining)
+                self.budgets.admit(instance_id, rid, Budget(per_token, -late_s))
+                continue
             target = None
-            if stronger and clearly_late:
+            if stronger and late_s > self.migration_margin * max(time_left, 0.0):
                 target = self._target(item, total, stronger, view, now)
             if target is None:
                 self.budgets.remove(rid)
