@@ -424,9 +424,11 @@ def run_live_replay(
     outcomes = []
     try:
         for kind in spec.policies:
+            options = spec.routing
             config = serve_config_for(
-                base, kind.value, seed=spec.seed, tau_iterations=spec.routing.tau_iterations,
-                alpha=spec.routing.alpha,
+                base, kind.value, seed=spec.seed, tau_iterations=options.tau_iterations,
+                alpha=options.alpha, headroom=options.headroom,
+                migration_margin=options.migration_margin,
                 predictor_dir=None if predictor_dir is None else str(predictor_dir))
             for scale in spec.slo_scales:
                 cell = assign_slos(workload, solo_s, scale)
