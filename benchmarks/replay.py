@@ -21,7 +21,13 @@ import typer
 
 from app.config import ClusterConfig, EngineRole, load_cluster_config
 from app.routing.length import OutputLengthEstimator, PredictorLength
-from app.routing.registry import POLICY_REGISTRY, PolicyKind, RoutingOptions, build_routing
+from app.routing.registry import (
+    POLICY_REGISTRY,
+    SIM_ONLY,
+    PolicyKind,
+    RoutingOptions,
+    build_routing,
+)
 from app.sim.metrics import summarize
 from app.sim.records import RequestRecord
 from app.sim.simulator import SimResult, Simulator
@@ -413,7 +419,7 @@ def run_live_replay(
     from deployments.router import free_port
 
     for kind in spec.policies:
-        if POLICY_REGISTRY.build(kind, spec.routing).policy.needs_true_output_length:
+        if kind in SIM_ONLY:
             raise ValueError(f"policy {kind.value!r} needs true output lengths: sim backend only")
     base = ServeConfig(cluster=spec.cluster)
     reference = reference_instance(cluster_model(spec.cluster), spec.reference_gpu)

@@ -53,15 +53,21 @@ def estimate_latency_s(
     request: RouteRequest, estimate: InstanceEstimate, prefix_hit_tokens: int, output_tokens: float
 ) -> float:
     """T(r,g): queue + prefill of the uncached context + decode of the remaining output."""
+    prefill = prefill_time_s(request, estimate, prefix_hit_tokens)
+    return latency_with_prefill_s(request, estimate, prefill, output_tokens)
+
+
+def latency_with_prefill_s(
+    request: RouteRequest, estimate: InstanceEstimate, prefill_s: float, output_tokens: float
+) -> float:
+    """T(r,g) given its prefill term (the scorer needs that term on its own too)."""
     remaining = max(output_tokens - request.num_generated_tokens, 1.0)
-    return (
-        estimate.queue_delay_s
-        + prefill_time_s(request, estimate, prefix_hit_tokens)
-        + remaining * estimate.decode_s_per_token
-    )
+    return estimate.queue_delay_s + prefill_s + remaining * estimate.decode_s_per_token
 
 
-def prefill_time_s(request: RouteRequest, estimate: InstanceEstimate, prefix_hit_tokens: int):
+def prefill_time_s(
+    request: RouteRequest, estimate: InstanceEstimate, prefix_hit_tokens: int
+) -> float:
     """Prefill of the uncached context (prompt + generated ids when resumed)."""
     return max(request.num_context_tokens - prefix_hit_tokens, 1) * estimate.prefill_s_per_token
 
@@ -112,7 +118,8 @@ def score_instances(
     for inst in instances:
         hit = view.prefix_hit_tokens(inst.instance_id, request)
         estimate = status.estimate(inst, now)
-        latency = estimate_latency_s(request, estimate, hit, output_tokens)
+        prefill = prefill_time_s(request, estimate, hit)
+        latency = latency_with_prefill_s(request, estimate, prefill, output_tokens)
         iid = inst.instance_id
         scored.append(Candidate(
             instance_id=inst.instance_id,
@@ -121,7 +128,7 @@ def score_instances(
             capability_s_per_token=capability_s_per_token(inst.spec),
             has_memory_room=inst.kv_free_tokens >= request.num_context_tokens - hit,
             decode_s_per_token=estimate.decode_s_per_token,
-            prefill_s=prefill_time_s(request, estimate, hit),
+            prefill_s=prefill,
             tightest_budget_s=budgets.tightest_s(iid) if budgets else math.inf,
             shortest_stall_s=budgets.shortest_stall_s(iid) if budgets else math.inf,
         ))

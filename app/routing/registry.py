@@ -60,6 +60,9 @@ class PolicyKind(StrEnum):
             raise ValueError(f"unknown policy {name!r}; known: {known}") from None
 
 
+# policies that read the true output length: the simulator can reveal it, a live router cannot
+SIM_ONLY = frozenset({PolicyKind.ORACLE})
+
 ABLATIONS = frozenset({
     PolicyKind.GOODSERVE_NO_MIGRATION, PolicyKind.GOODSERVE_HISTORY,
     PolicyKind.GOODSERVE_LEAST_SLACK, PolicyKind.GOODSERVE_ADMISSION,

@@ -20,7 +20,7 @@ from app.config import (
     load_yaml_model,
 )
 from app.routing.goodserve import DEFAULT_MIGRATION_MARGIN
-from app.routing.registry import PolicyKind
+from app.routing.registry import SIM_ONLY, PolicyKind
 
 
 class RoutingConfig(Frozen):
@@ -44,8 +44,9 @@ class RoutingConfig(Frozen):
     @classmethod
     def _known_policy(cls, name: str) -> str:
         kind = PolicyKind.from_str(name)
-        if kind == PolicyKind.ORACLE:
-            raise ValueError("the oracle needs true output lengths; it runs in the simulator only")
+        if kind in SIM_ONLY:
+            raise ValueError(
+                f"{kind.value} needs true output lengths; it runs in the simulator only")
         return kind.value
 
 

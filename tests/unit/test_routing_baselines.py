@@ -16,7 +16,7 @@ from app.routing.baselines import (
     RandomPolicy,
     RoundRobinPolicy,
 )
-from app.routing.registry import POLICY_REGISTRY, PolicyKind, make_policy
+from app.routing.registry import POLICY_REGISTRY, SIM_ONLY, PolicyKind, make_policy
 from app.routing.view import ClusterView, InstanceView, RouteRequest
 
 pytestmark = pytest.mark.unit
@@ -109,3 +109,11 @@ def test_instance_view_from_an_engine_status_report() -> None:
     view = InstanceView.from_status(status, SPEC, kv_block_size=16)
     assert (view.num_outstanding, view.kv_capacity_tokens, view.kv_free_tokens) == (5, 1600, 1440)
     assert view.num_iterations == 7 and view.gpu_type == "A40" and view.updated_s == 4.0
+
+
+def test_sim_only_lists_exactly_the_policies_that_read_true_lengths() -> None:
+    """The live backends refuse SIM_ONLY up front; a policy missing from it would
+    fail only when its first request arrives."""
+    for kind in POLICY_REGISTRY.kinds(include_ablations=True):
+        policy = POLICY_REGISTRY.build(kind).policy
+        assert (kind in SIM_ONLY) == policy.needs_true_output_length, kind
