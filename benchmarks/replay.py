@@ -29,7 +29,7 @@ from app.routing.registry import (
     build_routing,
 )
 from app.sim.metrics import summarize
-from app.sim.records import RequestRecord
+from app.sim.records import RequestOutcome, RequestRecord
 from app.sim.simulator import SimResult, Simulator
 from app.workload import (
     Workload,
@@ -219,6 +219,46 @@ def write_summary_csv(path: Path, outcomes: Sequence[RunOutcome]) -> None:
         writer.writerows(rows)
 
 
+def output_bands(records: Sequence[RequestRecord]) -> tuple[int, int]:
+    """Tercile cut points of the true output lengths: short < first <= mid < second."""
+    lengths = sorted(r.num_output_tokens for r in records)
+    if not lengths:
+        return (0, 0)
+    return lengths[len(lengths) // 3], lengths[2 * len(lengths) // 3]
+
+
+def placement_rows(outcomes: Sequence[RunOutcome]) -> list[dict[str, Any]]:
+    """Per cell: where requests were first placed and how many met their deadline
+    there, by output-length tercile. Shows which instances a policy spends on which
+    requests (e.g. long requests holding the strongest GPU at a tight SLO scale)."""
+    rows = []
+    for o in outcomes:
+        cuts = output_bands(o.records)
+        counts: dict[tuple[str, str], list[int]] = {}
+        for r in o.records:
+            instance = r.instance_ids[0] if r.instance_ids else "-"
+            band = ("short" if r.num_output_tokens < cuts[0]
+                    else "mid" if r.num_output_tokens < cuts[1] else "long")
+            cell = counts.setdefault((instance, band), [0, 0])
+            cell[0] += 1
+            cell[1] += r.outcome == RequestOutcome.MET
+        rows += [
+            {"policy": o.policy, "slo_scale": o.slo_scale, "instance": instance,
+             "output_band": band, "band_cuts": f"{cuts[0]}/{cuts[1]}", "placed": placed,
+             "met": met}
+            for (instance, band), (placed, met) in sorted(counts.items())
+        ]
+    return rows
+
+
+def write_placement_csv(path: Path, outcomes: Sequence[RunOutcome]) -> None:
+    rows = placement_rows(outcomes)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["policy"])
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def write_records_parquet(path: Path, outcomes: Sequence[RunOutcome]) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -283,7 +323,8 @@ def write_report(path: Path, setup: dict[str, Any], outcomes: Sequence[RunOutcom
         "|" + "---|" * len(columns),
     ]
     lines += ["| " + " | ".join(_fmt(o.summary[c]) for c in columns) + " |" for o in outcomes]
-    lines += ["", "Plots: goodput.png, slo_violation.png. Records: requests.parquet.", ""]
+    lines += ["", "Plots: goodput.png, slo_violation.png. Records: requests.parquet. "
+              "Where requests started and met, by output-length tercile: placement.csv.", ""]
     path.write_text("\n".join(lines))
 
 
@@ -291,6 +332,7 @@ def write_outputs(out: Path, setup: dict[str, Any], outcomes: Sequence[RunOutcom
     out.mkdir(parents=True, exist_ok=True)
     write_summary_csv(out / "summary.csv", outcomes)
     write_records_parquet(out / "requests.parquet", outcomes)
+    write_placement_csv(out / "placement.csv", outcomes)
     write_plots(out, outcomes)
     write_report(out / "report.md", setup, outcomes)
 

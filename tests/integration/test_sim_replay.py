@@ -63,6 +63,13 @@ def test_replay_writes_summary_records_plots_and_report(tmp_path) -> None:
     assert (out / "goodput.png").stat().st_size > 1000
     assert (out / "slo_violation.png").stat().st_size > 1000
     assert "| least-request | 3 |" in (out / "report.md").read_text()
+    with (out / "placement.csv").open() as f:
+        placement = list(csv.DictReader(f))
+    for row in rows:  # every request of every cell is placed somewhere exactly once
+        cell = [p for p in placement
+                if p["policy"] == row["policy"] and p["slo_scale"] == row["slo_scale"]]
+        assert sum(int(p["placed"]) for p in cell) == int(row["requests"])
+        assert sum(int(p["met"]) for p in cell) == int(row["met"])
 
 
 def test_rescoring_equals_simulating_each_scale(tmp_path) -> None:

@@ -25,3 +25,25 @@ def test_seeds_report_ratios_use_the_best_baseline_of_each_seed_and_scale():
     assert "| 0 | 1.20 (slo-pack)" in report  # 120 / 100
     assert "| 1 | 1.08 (preble)" in report  # 130 / 120
     assert "| 0 | 1.09 |" in report and "| 1 | 0.87 |" in report  # vs no-migration, oracle
+
+
+def test_placement_rows_count_first_placements_and_met_by_output_tercile():
+    from app.sim.records import RequestOutcome, RequestRecord
+    from benchmarks.replay import placement_rows
+
+    def record(rid: str, output: int, instances: list[str], met: bool) -> RequestRecord:
+        outcome = RequestOutcome.MET if met else RequestOutcome.VIOLATED
+        return RequestRecord(rid, 0.0, 1.0, 1.0, 10, output, instance_ids=instances,
+                             outcome=outcome)
+
+    records = (
+        record("a", 10, ["h800-0"], True), record("b", 20, ["h800-0"], True),
+        record("c", 100, ["a40-0", "h800-0"], True),  # migrated: counts where it started
+        record("d", 200, ["a40-0"], False), record("e", 900, ["h800-0"], False),
+        record("f", 1000, [], False),  # rejected: never placed
+    )
+    rows = placement_rows([RunOutcome("goodserve", 1.0, {}, records)])
+    table = {(r["instance"], r["output_band"]): (r["placed"], r["met"]) for r in rows}
+    assert {r["band_cuts"] for r in rows} == {"100/900"}
+    assert table == {("h800-0", "short"): (2, 2), ("a40-0", "mid"): (2, 1),
+                     ("h800-0", "long"): (1, 0), ("-", "long"): (1, 0)}
