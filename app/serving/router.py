@@ -132,13 +132,22 @@ class LiveInstance:
     healthy: bool = False  # reachable at the last poll
     watched_epoch: int = 0  # num_iterations // tau at the last watchdog check
     prefixes: PrefixCache | None = None  # block hashes sent here; sized at the first report
+    # what other router replicas had running / waiting here at the last poll
+    others_running: int = 0
+    others_waiting: int = 0
 
     def remember_prefix(self, block_hashes: Sequence[int]) -> None:
         if self.prefixes is not None:
             self.prefixes.insert(block_hashes, PREFIX_BLOCK_SIZE)
 
-    def update(self, status: EngineStatus) -> None:
+    def update(self, status: EngineStatus, own_outstanding: int) -> None:
+        """Take a report; the engine's requests beyond this router's own
+        (`own_outstanding`) belong to other replicas, and count as waiting first
+        when the engine has a queue."""
         self.status, self.healthy = status, True
+        others = max(status.num_running + status.num_waiting - own_outstanding, 0)
+        self.others_waiting = min(others, status.num_waiting)
+        self.others_running = others - self.others_waiting
         if self.prefixes is None:
             blocks = status.num_kv_blocks_used + status.num_kv_blocks_free
             self.prefixes = PrefixCache(blocks * self.client.config.scheduler.block_size)
@@ -235,7 +244,8 @@ class LiveRouter:
                 logger.warning("engine %s unreachable: %s", inst.instance_id, exc)
             inst.healthy = False
             return
-        inst.update(status)
+        own = sum(1 for f in self.flights.values() if f.instance_id == inst.instance_id)
+        inst.update(status, own)
         now = self.clock()
         for listener in self._listeners:
             listener.on_status(status, now)
@@ -243,7 +253,10 @@ class LiveRouter:
 
     # ---- views -----------------------------------------------------------------
     def view(self, now: float, exclude: frozenset[InstanceId] = frozenset()) -> ClusterView:
-        """The healthy instances with their latest reports and the router's own load."""
+        """The healthy instances with their latest reports and their load: this
+        router's requests, current at every decision, plus what other router replicas
+        had there at the last poll (routing on its own requests alone, each replica
+        would see an instance the others fill as idle)."""
         running: dict[InstanceId, int] = {}
         waiting: dict[InstanceId, int] = {}
         for f in self.flights.values():
@@ -256,8 +269,8 @@ class LiveRouter:
             sched = inst.client.config.scheduler
             base = InstanceView.from_status(inst.status, inst.spec, sched.block_size,
                                             sched.max_num_seqs)
-            views.append(replace(base, num_running=running.get(iid, 0),
-                                 num_waiting=waiting.get(iid, 0)))
+            views.append(replace(base, num_running=running.get(iid, 0) + inst.others_running,
+                                 num_waiting=waiting.get(iid, 0) + inst.others_waiting))
         return ClusterView(now, tuple(views), self._prefix_blocks)
 
     def _prefix_blocks(self, instance_id: InstanceId, hashes: Sequence[int]) -> int:

@@ -52,21 +52,27 @@ class ScriptedEngine(EngineClient):
         self.received: list[EngineRequest] = []
         self.aborted: list[str] = []
         self.num_iterations = 0
+        self.active: set[str] = set()  # requests generating now (reported as running)
         self._stop: dict[str, asyncio.Event] = {}
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[list[TokenEvent]]:
         self.received.append(request)
         stop = self._stop.setdefault(request.request_id, asyncio.Event())
         prompt, max_tokens = request.prompt_token_ids, request.sampling.max_tokens
-        for i in range(len(request.resume_token_ids), max_tokens):
-            await asyncio.sleep(self.step_s)
-            if stop.is_set():
-                return
-            if self.fail_at is not None and i >= self.fail_at:
-                raise RuntimeError("engine process died")
-            self.num_iterations += 1
-            reason = "length" if i == max_tokens - 1 else None
-            yield [TokenEvent(request.request_id, token_of(prompt, i), i, time.time(), reason)]
+        self.active.add(request.request_id)
+        try:
+            for i in range(len(request.resume_token_ids), max_tokens):
+                await asyncio.sleep(self.step_s)
+                if stop.is_set():
+                    return
+                if self.fail_at is not None and i >= self.fail_at:
+                    raise RuntimeError("engine process died")
+                self.num_iterations += 1
+                reason = "length" if i == max_tokens - 1 else None
+                yield [TokenEvent(request.request_id, token_of(prompt, i), i, time.time(),
+                                  reason)]
+        finally:
+            self.active.discard(request.request_id)
 
     async def abort(self, request_id: str) -> bool:
         self.aborted.append(request_id)
@@ -74,8 +80,9 @@ class ScriptedEngine(EngineClient):
         return True
 
     async def status(self) -> EngineStatus:
-        return EngineStatus(self.engine_id, self.config.gpu_type, "unified", 0, 0, (), (), 0,
-                            100_000, 0, time_s=time.time(), num_iterations=self.num_iterations)
+        return EngineStatus(self.engine_id, self.config.gpu_type, "unified", 0, len(self.active),
+                            (), (), 0, 100_000, 0, time_s=time.time(),
+                            num_iterations=self.num_iterations)
 
 
 def request(rid: str = "r1", max_tokens: int = 20, slo_s: float | None = None) -> GenerationRequest:
@@ -113,6 +120,25 @@ async def test_migration_continues_the_stream_by_token_ids():
     assert source.aborted == ["r1"]
     assert flight.instance_ids == [source.engine_id, target.engine_id]
     assert router.counters().num_migrations == 1 and not router.flights
+
+
+async def test_a_replica_counts_the_requests_other_replicas_run_on_an_engine():
+    """Two router replicas share engines: one fills `a`, the other must route around it."""
+    a, b = ScriptedEngine("a", "H800", step_s=0.05), ScriptedEngine("b", "H800", step_s=0.05)
+    filler = await started(a, policy="least-request")
+    other = await started(a, b, policy="least-request")
+    flights = [await filler.submit(request(f"f{i}", max_tokens=400)) for i in range(3)]
+    streams = [asyncio.create_task(drain(filler, f)) for f in flights]
+    await asyncio.sleep(0.02)  # the three are generating on `a`
+    await asyncio.gather(other.poll_once(), filler.poll_once())
+    assert other.view(time.time()).get("a").num_outstanding == 3
+    assert filler.view(time.time()).get("a").num_outstanding == 3  # its own, not twice
+    placed = [(await other.submit(request(f"o{i}"))).instance_id for i in range(2)]
+    assert placed == ["b", "b"]  # 3 (other replica's) vs 0, then 3 vs 1
+    for task in streams:
+        task.cancel()
+    filler.close()
+    other.close()
 
 
 async def test_engine_failure_continues_on_another_instance():
