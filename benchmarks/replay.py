@@ -373,6 +373,13 @@ def replay(
     ] = None,
     tau: Annotated[int, typer.Option(min=1, help="watchdog period, iterations")] = 50,
     alpha: Annotated[float, typer.Option(min=0.0, max=1.0, help="status EMA weight")] = 0.2,
+    headroom: Annotated[
+        float, typer.Option(min=0.0, help="just-enough slack reserve, fraction of T")
+    ] = RoutingOptions.headroom,
+    migration_margin: Annotated[
+        float, typer.Option(min=0.0, help="watchdog moves requests late by more than this "
+                            "fraction of their time left")
+    ] = RoutingOptions.migration_margin,
 ) -> None:
     """Replay a trace against routing policies and SLO scales; write results to --out."""
     try:
@@ -385,6 +392,7 @@ def replay(
             max_drain_s=max_drain,
             rescore=rescore,
             routing=RoutingOptions(seed=seed, tau_iterations=tau, alpha=alpha,
+                                   headroom=headroom, migration_margin=migration_margin,
                                    length_factory=_length_factory(predictor)),
         )
         workload = build_workload(
@@ -405,9 +413,11 @@ def replay(
         "model": cluster_model(spec.cluster), "trace": trace, "prompts": prompts,
         "arrivals": arrivals.value, "rate_rps": rate, "requests": len(workload),
         "duration_s": workload.duration_s, "seed": seed, "slo_reference": slo_reference_gpu,
+        "predictor": predictor or "running history", "tau": tau, "alpha": alpha,
+        "headroom": headroom, "migration_margin": migration_margin,
     }
     write_outputs(out, setup, outcomes)
-    typer.echo(f"wrote {out}/summary.csv, requests.parquet, goodput.png, "
+    typer.echo(f"wrote {out}/summary.csv, requests.parquet, placement.csv, goodput.png, "
                f"slo_violation.png, report.md")
 
 

@@ -100,6 +100,25 @@ def test_poisson_arrivals_with_trace_content(tmp_path) -> None:
     assert 20 <= int(row["requests"]) <= 65 and float(row["duration_s"]) == 20.0
 
 
+def test_routing_knobs_reach_the_policy_and_the_report(tmp_path) -> None:
+    """--headroom feeds just-enough: with admission control and a reserve of 1000 x T no
+    instance qualifies, so every request is rejected; 0 admits them."""
+    rejected = {}
+    for reserve in ("0", "1000"):
+        out = tmp_path / reserve
+        result = invoke(
+            "--trace", str(small_trace(tmp_path / "t.jsonl")), "--cluster", str(PAPER_CLUSTER),
+            "--policies", "goodserve-admission", "--slo-scales", "3", "--out", str(out),
+            "--headroom", reserve, "--migration-margin", "0.25", "--no-progress",
+        )
+        assert result.exit_code == 0, result.output
+        (row,) = list(csv.DictReader((out / "summary.csv").open()))
+        rejected[reserve] = int(row["rejected"])
+        report = (out / "report.md").read_text()
+        assert f"- headroom: {float(reserve):g}" in report and "- migration_margin: 0.25" in report
+    assert rejected["1000"] == 60 and rejected["0"] < 60
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
