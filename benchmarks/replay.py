@@ -380,6 +380,10 @@ def replay(
         float, typer.Option(min=0.0, help="watchdog moves requests late by more than this "
                             "fraction of their time left")
     ] = RoutingOptions.migration_margin,
+    budget_refresh: Annotated[
+        int, typer.Option(min=1, help="refresh admitted requests' budgets every this many "
+                          "iterations (moves stay every --tau)")
+    ] = RoutingOptions.budget_refresh_iterations,
 ) -> None:
     """Replay a trace against routing policies and SLO scales; write results to --out."""
     try:
@@ -393,6 +397,7 @@ def replay(
             rescore=rescore,
             routing=RoutingOptions(seed=seed, tau_iterations=tau, alpha=alpha,
                                    headroom=headroom, migration_margin=migration_margin,
+                                   budget_refresh_iterations=budget_refresh,
                                    length_factory=_length_factory(predictor)),
         )
         workload = build_workload(
@@ -415,6 +420,7 @@ def replay(
         "duration_s": workload.duration_s, "seed": seed, "slo_reference": slo_reference_gpu,
         "predictor": predictor or "running history", "tau": tau, "alpha": alpha,
         "headroom": headroom, "migration_margin": migration_margin,
+        "budget_refresh_iterations": budget_refresh,
     }
     write_outputs(out, setup, outcomes)
     typer.echo(f"wrote {out}/summary.csv, requests.parquet, placement.csv, goodput.png, "
@@ -487,6 +493,7 @@ def run_live_replay(
                 base, kind.value, seed=spec.seed, tau_iterations=options.tau_iterations,
                 alpha=options.alpha, headroom=options.headroom,
                 migration_margin=options.migration_margin,
+                budget_refresh_iterations=options.budget_refresh_iterations,
                 predictor_dir=None if predictor_dir is None else str(predictor_dir))
             for scale in spec.slo_scales:
                 cell = assign_slos(workload, solo_s, scale)

@@ -83,8 +83,9 @@ class ActiveRequest:
 class Watchdog(StepListener, ABC):
     """Periodic SLO check that may move requests to other instances.
 
-    The substrate calls `check` every `tau_iterations` iterations of an instance,
-    between iterations. A migration aborts the request on its instance and re-adds
+    The substrate calls `check` every `check_period_iterations` iterations of an
+    instance (tau unless a watchdog checks more often than it moves), between
+    iterations. A migration aborts the request on its instance and re-adds
     it on the target by token IDs (prompt + generated so far); the target
     re-prefills them, no KV is copied.
     """
@@ -95,6 +96,11 @@ class Watchdog(StepListener, ABC):
         if tau_iterations < 1:
             raise ValueError(f"tau_iterations must be >= 1, got {tau_iterations}")
         self.tau_iterations = tau_iterations
+
+    @property
+    def check_period_iterations(self) -> int:
+        """How often the substrate calls `check`, in iterations of an instance."""
+        return self.tau_iterations
 
     @abstractmethod
     def check(

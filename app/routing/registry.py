@@ -20,6 +20,7 @@ from app.routing.baselines import (
 )
 from app.routing.cache_aware import PreblePolicy, PrefixCachePolicy
 from app.routing.goodserve import (
+    DEFAULT_BUDGET_REFRESH_ITERATIONS,
     DEFAULT_MIGRATION_MARGIN,
     JustEnoughConfig,
     JustEnoughPolicy,
@@ -79,6 +80,8 @@ class RoutingOptions:
     headroom: float = JustEnoughConfig.headroom  # just-enough slack reserve, fraction of T
     # the watchdog moves requests late by more than this fraction of their time left
     migration_margin: float = DEFAULT_MIGRATION_MARGIN
+    # admitted requests' budgets are refreshed this often (iterations), moves every tau
+    budget_refresh_iterations: int = DEFAULT_BUDGET_REFRESH_ITERATIONS
     # GoodServe's output-length predictor (e.g. the MoE); None -> running history
     length_factory: Callable[[], OutputLengthEstimator] | None = None
 
@@ -106,6 +109,7 @@ def _goodserve(
     policy, watchdog = make_goodserve(
         length, alpha=options.alpha, tau_iterations=options.tau_iterations, migration=migration,
         migration_margin=options.migration_margin,
+        budget_refresh_iterations=options.budget_refresh_iterations,
         config=JustEnoughConfig(headroom=options.headroom, **config),
     )
     return RoutingStack(policy, watchdog)

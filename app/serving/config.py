@@ -19,7 +19,7 @@ from app.config import (
     SchedulerConfig,
     load_yaml_model,
 )
-from app.routing.goodserve import DEFAULT_MIGRATION_MARGIN
+from app.routing.goodserve import DEFAULT_BUDGET_REFRESH_ITERATIONS, DEFAULT_MIGRATION_MARGIN
 from app.routing.registry import SIM_ONLY, PolicyKind
 
 
@@ -33,6 +33,9 @@ class RoutingConfig(Frozen):
     migration_margin: float = Field(
         DEFAULT_MIGRATION_MARGIN, ge=0,
         description="watchdog moves requests late by more than this fraction of time left")
+    budget_refresh_iterations: int = Field(
+        DEFAULT_BUDGET_REFRESH_ITERATIONS, ge=1,
+        description="admitted requests' budgets are refreshed this often (engine iterations)")
     seed: int = 0
     predictor_dir: str | None = Field(
         None, description="trained predictor directory (`goodserve predictor train`); "

@@ -425,10 +425,10 @@ class LiveRouter:
 
     # ---- migration -------------------------------------------------------------------
     def _watch(self, inst: LiveInstance, now: float) -> None:
-        """Run the watchdog when the instance has done another tau iterations."""
+        """Run the watchdog when the instance has done another check period."""
         if self.watchdog is None or inst.status is None:
             return
-        epoch = inst.status.num_iterations // self.watchdog.tau_iterations
+        epoch = inst.status.num_iterations // self.watchdog.check_period_iterations
         if epoch <= inst.watched_epoch:
             return
         inst.watched_epoch = epoch

@@ -95,6 +95,7 @@ def routing_options(config: ServeConfig, predictor: Predictor | None) -> Routing
         factory = lambda: PredictorLength(predictor)  # noqa: E731
     return RoutingOptions(seed=r.seed, tau_iterations=r.tau_iterations, alpha=r.alpha,
                           headroom=r.headroom, migration_margin=r.migration_margin,
+                          budget_refresh_iterations=r.budget_refresh_iterations,
                           length_factory=factory)
 
 

@@ -231,7 +231,7 @@ class SimCluster:
         if self.step_listeners:
             self._report_step(inst, step, now)
         if self.watchdog is not None and inst.role == self.serve_role:
-            if inst.core.num_iterations % self.watchdog.tau_iterations == 0:
+            if inst.core.num_iterations % self.watchdog.check_period_iterations == 0:
                 events.extend(self._watch(inst, now))
         if self.router_queue and inst.role == self.entry_role:
             events.extend(self._drain_router_queue(now))

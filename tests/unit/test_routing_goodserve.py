@@ -243,6 +243,25 @@ def test_watchdog_never_moves_from_the_strongest_or_twice():
     assert dog.check("A40", [active(10.0, 100)], cluster, 4.0) == {}  # limit 1 per request
 
 
+def test_budgets_refresh_every_check_but_moves_wait_for_tau():
+    """tau 50, refresh 20: checks every gcd = 10 iterations, moves on every 5th check."""
+    dog = make_watchdog(H800=0.01, A800=0.015, A40=0.04)
+    dog = SloWatchdog(dog.status, TrueLength(), tau_iterations=50,
+                      config=JustEnoughConfig(headroom=0.0), budget_refresh_iterations=20)
+    assert dog.check_period_iterations == 10
+    cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
+    for _ in range(4):  # late, and A800 could take it, but it is not a tau boundary yet
+        dog.budgets.admit("A40", "r", Budget(1.0, 1.0))
+        assert dog.check("A40", [active(10.0, 100)], cluster, 4.0) == {}
+        assert len(dog.budgets) == 0  # the refresh still drops its protection
+        assert dog.check("A800", [active(30.0, 100, gpu="A800")], cluster, 4.0) == {}
+    assert dog.check("A40", [active(10.0, 100)], cluster, 4.0) == {"r": "A800"}
+    with pytest.raises(ValueError, match="budget_refresh_iterations"):
+        SloWatchdog(StatusEstimator(), TrueLength(), budget_refresh_iterations=0)
+    _, default = make_goodserve(RunningHistoryLength())
+    assert (default.tau_iterations, default.check_period_iterations) == (50, 10)
+
+
 def test_make_goodserve_shares_estimators_and_ablates_migration():
     policy, dog = make_goodserve(RunningHistoryLength(), tau_iterations=25)
     assert dog.status is policy.status and dog.length is policy.length
