@@ -12,7 +12,6 @@ Pure, clock-agnostic logic shared by the simulator and the live router.
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
@@ -308,8 +307,9 @@ class SloWatchdog(Watchdog):
     the capacity it takes there, and many requests judged barely late still finish in
     time where they are.
 
-    The substrate calls `check` every gcd(tau, refresh) iterations, so moves happen
-    exactly every tau iterations; between them a late request only loses its budget.
+    The substrate calls `check` every gcd(tau, refresh) iterations; moves happen when
+    the instance has done another tau iterations since the last move check; between
+    them a late request only loses its budget.
     """
 
     def __init__(
@@ -329,8 +329,7 @@ class SloWatchdog(Watchdog):
         if refresh < 1:
             raise ValueError(f"budget_refresh_iterations must be >= 1, got {refresh}")
         self._check_period = math.gcd(tau_iterations, refresh)
-        self._checks_per_move = tau_iterations // self._check_period
-        self._num_checks: Counter[InstanceId] = Counter()
+        self._move_epochs: dict[InstanceId, int] = {}  # num_iterations // tau at last move
         self.budgets = budgets if budgets is not None else TokenBudgets()
         if max_migrations_per_request < 0:
             raise ValueError("max_migrations_per_request must be >= 0")
@@ -349,6 +348,15 @@ class SloWatchdog(Watchdog):
     def check_period_iterations(self) -> int:
         return self._check_period
 
+    def _crossed_tau(self, source: InstanceView) -> bool:
+        """True once per tau iterations of `source` (by its iteration count, so a
+        poller that sees several check periods at once still moves on time)."""
+        epoch = source.num_iterations // self.tau_iterations
+        if epoch <= self._move_epochs.get(source.instance_id, 0):
+            return False
+        self._move_epochs[source.instance_id] = epoch
+        return True
+
     def time_left_s(self, active: ActiveRequest, estimate: InstanceEstimate, now: float) -> float:
         """Time until the deadline, less the queue delay still ahead of a waiting request."""
         waiting = 0.0 if active.is_running else estimate.queue_delay_s
@@ -361,9 +369,8 @@ class SloWatchdog(Watchdog):
         view: ClusterView,
         now: float,
     ) -> Mapping[str, InstanceId]:
-        self._num_checks[instance_id] += 1
-        may_move = self._num_checks[instance_id] % self._checks_per_move == 0
         source = view.get(instance_id)
+        may_move = self._check_period == self.tau_iterations or self._crossed_tau(source)
         source_capability = capability_s_per_token(source.spec)
         stronger = [
             v for v in view.instances if capability_s_per_token(v.spec) < source_capability

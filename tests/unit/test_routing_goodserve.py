@@ -21,7 +21,7 @@ from app.routing.goodserve import (
 )
 from app.routing.length import RunningHistoryLength, TrueLength
 from app.routing.status import InstanceEstimate, StatusEstimator, catalog_prior
-from app.routing.view import FinishReport
+from app.routing.view import ClusterView, FinishReport
 from tests.unit.routing_utils import SPECS, make_cluster, make_request, make_view
 
 pytestmark = pytest.mark.unit
@@ -249,13 +249,20 @@ def test_budgets_refresh_every_check_but_moves_wait_for_tau():
     dog = SloWatchdog(dog.status, TrueLength(), tau_iterations=50,
                       config=JustEnoughConfig(headroom=0.0), budget_refresh_iterations=20)
     assert dog.check_period_iterations == 10
-    cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
-    for _ in range(4):  # late, and A800 could take it, but it is not a tau boundary yet
+
+    def at(iterations: int) -> ClusterView:
+        a40 = replace(make_view("A40"), num_iterations=iterations)
+        return make_cluster(make_view("H800"), make_view("A800"), a40)
+
+    for iterations in (10, 20, 30, 40):  # late, A800 could take it, but tau has not passed
         dog.budgets.admit("A40", "r", Budget(1.0, 1.0))
-        assert dog.check("A40", [active(10.0, 100)], cluster, 4.0) == {}
+        assert dog.check("A40", [active(10.0, 100)], at(iterations), 4.0) == {}
         assert len(dog.budgets) == 0  # the refresh still drops its protection
-        assert dog.check("A800", [active(30.0, 100, gpu="A800")], cluster, 4.0) == {}
-    assert dog.check("A40", [active(10.0, 100)], cluster, 4.0) == {"r": "A800"}
+    assert dog.check("A40", [active(10.0, 100)], at(50), 4.0) == {"r": "A800"}
+    dog.req_to_num_migrations.clear()  # as if another late request were there
+    assert dog.check("A40", [active(10.0, 100)], at(60), 4.0) == {}
+    # a poller that sees several periods at once still moves at the next tau boundary
+    assert dog.check("A40", [active(10.0, 100)], at(130), 4.0) == {"r": "A800"}
     with pytest.raises(ValueError, match="budget_refresh_iterations"):
         SloWatchdog(StatusEstimator(), TrueLength(), budget_refresh_iterations=0)
     _, default = make_goodserve(RunningHistoryLength())
