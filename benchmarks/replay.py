@@ -471,7 +471,7 @@ def run_live_replay(
     """
     from ray import serve
 
-    from app.serving.config import ServeConfig
+    from app.serving.config import ServeConfig, routing_knobs
     from benchmarks.live_replay import live_cell, serve_config_for
     from deployments.cluster import init_local_ray
     from deployments.router import free_port
@@ -488,12 +488,8 @@ def run_live_replay(
     outcomes = []
     try:
         for kind in spec.policies:
-            options = spec.routing
             config = serve_config_for(
-                base, kind.value, seed=spec.seed, tau_iterations=options.tau_iterations,
-                alpha=options.alpha, headroom=options.headroom,
-                migration_margin=options.migration_margin,
-                budget_refresh_iterations=options.budget_refresh_iterations,
+                base, kind.value, **{**routing_knobs(spec.routing), "seed": spec.seed},
                 predictor_dir=None if predictor_dir is None else str(predictor_dir))
             for scale in spec.slo_scales:
                 cell = assign_slos(workload, solo_s, scale)

@@ -6,7 +6,9 @@ is also a serve config) plus optional routing, SLO and router settings.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
@@ -20,7 +22,7 @@ from app.config import (
     load_yaml_model,
 )
 from app.routing.goodserve import DEFAULT_BUDGET_REFRESH_ITERATIONS, DEFAULT_MIGRATION_MARGIN
-from app.routing.registry import SIM_ONLY, PolicyKind
+from app.routing.registry import SIM_ONLY, PolicyKind, RoutingOptions
 
 
 class RoutingConfig(Frozen):
@@ -51,6 +53,19 @@ class RoutingConfig(Frozen):
             raise ValueError(
                 f"{kind.value} needs true output lengths; it runs in the simulator only")
         return kind.value
+
+
+# knobs the serve config and the registry's RoutingOptions share, read by name both ways,
+# so a knob added to both reaches the live router from every caller
+ROUTING_KNOBS = tuple(
+    name for name in RoutingConfig.model_fields
+    if name in {f.name for f in dataclasses.fields(RoutingOptions)}
+)
+
+
+def routing_knobs(source: RoutingConfig | RoutingOptions) -> dict[str, Any]:
+    """The shared knobs of a serve config's routing section or of RoutingOptions."""
+    return {name: getattr(source, name) for name in ROUTING_KNOBS}
 
 
 class ServeConfig(Frozen):

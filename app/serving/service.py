@@ -32,7 +32,7 @@ from app.serving.api import (
     sse,
     usage,
 )
-from app.serving.config import ServeConfig
+from app.serving.config import ServeConfig, routing_knobs
 from app.serving.router import (
     EngineClient,
     EngineLost,
@@ -93,10 +93,7 @@ def routing_options(config: ServeConfig, predictor: Predictor | None) -> Routing
         from app.routing.length import PredictorLength
 
         factory = lambda: PredictorLength(predictor)  # noqa: E731
-    return RoutingOptions(seed=r.seed, tau_iterations=r.tau_iterations, alpha=r.alpha,
-                          headroom=r.headroom, migration_margin=r.migration_margin,
-                          budget_refresh_iterations=r.budget_refresh_iterations,
-                          length_factory=factory)
+    return RoutingOptions(**routing_knobs(r), length_factory=factory)
 
 
 @dataclass(frozen=True)

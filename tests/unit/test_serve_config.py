@@ -72,3 +72,24 @@ def test_cluster_yaml_node_types_can_host_the_gpu_serve_config():
         assert engine.num_gpus == engine.tp
         need[engine.resource_name] = need.get(engine.resource_name, 0) + engine.tp
     assert all(need[name] <= capacity.get(name, 0) for name in need), (need, capacity)
+
+
+def test_every_routing_knob_travels_between_options_and_the_serve_config():
+    """The live replay builds a serve config from RoutingOptions and the service builds
+    RoutingOptions back from it: non-default knobs must survive the round trip."""
+    from app.routing.registry import RoutingOptions
+    from app.serving.config import (
+        ROUTING_KNOBS,
+        RoutingConfig,
+        default_serve_config,
+        routing_knobs,
+    )
+    from app.serving.service import routing_options
+
+    assert set(ROUTING_KNOBS) == {"seed", "tau_iterations", "alpha", "headroom",
+                                  "migration_margin", "budget_refresh_iterations"}
+    options = RoutingOptions(seed=7, tau_iterations=30, alpha=0.4, headroom=0.1,
+                             migration_margin=2.5, budget_refresh_iterations=5)
+    config = ServeConfig(cluster=default_serve_config().cluster,
+                         routing=RoutingConfig(**routing_knobs(options)))
+    assert routing_options(config, None) == options
