@@ -244,8 +244,9 @@ class LiveRouter:
                 logger.warning("engine %s unreachable: %s", inst.instance_id, exc)
             inst.healthy = False
             return
-        own = sum(1 for f in self.flights.values() if f.instance_id == inst.instance_id)
-        inst.update(status, own)
+        running, waiting = self._own_load()
+        iid = inst.instance_id
+        inst.update(status, running.get(iid, 0) + waiting.get(iid, 0))
         now = self.clock()
         for listener in self._listeners:
             listener.on_status(status, now)
@@ -257,11 +258,7 @@ class LiveRouter:
         router's requests, current at every decision, plus what other router replicas
         had there at the last poll (routing on its own requests alone, each replica
         would see an instance the others fill as idle)."""
-        running: dict[InstanceId, int] = {}
-        waiting: dict[InstanceId, int] = {}
-        for f in self.flights.values():
-            counts = running if f.is_running else waiting
-            counts[f.instance_id] = counts.get(f.instance_id, 0) + 1
+        running, waiting = self._own_load()
         views = []
         for iid, inst in self.instances.items():
             if not inst.healthy or inst.status is None or iid in exclude:
@@ -272,6 +269,15 @@ class LiveRouter:
             views.append(replace(base, num_running=running.get(iid, 0) + inst.others_running,
                                  num_waiting=waiting.get(iid, 0) + inst.others_waiting))
         return ClusterView(now, tuple(views), self._prefix_blocks)
+
+    def _own_load(self) -> tuple[dict[InstanceId, int], dict[InstanceId, int]]:
+        """This router's requests per instance: (running, waiting)."""
+        running: dict[InstanceId, int] = {}
+        waiting: dict[InstanceId, int] = {}
+        for f in self.flights.values():
+            counts = running if f.is_running else waiting
+            counts[f.instance_id] = counts.get(f.instance_id, 0) + 1
+        return running, waiting
 
     def _prefix_blocks(self, instance_id: InstanceId, hashes: Sequence[int]) -> int:
         """Leading prompt blocks this router has sent the instance (and not yet aged out)."""
