@@ -211,12 +211,16 @@ def num_simulations(spec: ReplaySpec) -> int:
 # ---- outputs ------------------------------------------------------------------------
 
 
-def write_summary_csv(path: Path, outcomes: Sequence[RunOutcome]) -> None:
-    rows = [o.summary for o in outcomes]
+def write_rows_csv(path: Path, rows: Sequence[dict[str, Any]], fieldnames: list[str]) -> None:
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(f, fieldnames=fieldnames)
         writer.writeheader()
         writer.writerows(rows)
+
+
+def write_summary_csv(path: Path, outcomes: Sequence[RunOutcome]) -> None:
+    rows = [o.summary for o in outcomes]
+    write_rows_csv(path, rows, list(rows[0]))
 
 
 def output_bands(records: Sequence[RequestRecord]) -> tuple[int, int]:
@@ -253,10 +257,7 @@ def placement_rows(outcomes: Sequence[RunOutcome]) -> list[dict[str, Any]]:
 
 def write_placement_csv(path: Path, outcomes: Sequence[RunOutcome]) -> None:
     rows = placement_rows(outcomes)
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["policy"])
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows_csv(path, rows, list(rows[0]) if rows else ["policy"])
 
 
 def write_records_parquet(path: Path, outcomes: Sequence[RunOutcome]) -> None:
