@@ -385,6 +385,10 @@ def replay(
         int, typer.Option(min=1, help="refresh admitted requests' budgets every this many "
                           "iterations (moves stay every --tau)")
     ] = RoutingOptions.budget_refresh_iterations,
+    migration_cost_quantile: Annotated[
+        float, typer.Option(min=0.0, max=1.0, help="a move may cost its target up to this "
+                            "quantile of recent arrivals' estimated latency there")
+    ] = RoutingOptions.migration_cost_quantile,  # type: ignore[assignment]
 ) -> None:
     """Replay a trace against routing policies and SLO scales; write results to --out."""
     try:
@@ -399,6 +403,7 @@ def replay(
             routing=RoutingOptions(seed=seed, tau_iterations=tau, alpha=alpha,
                                    headroom=headroom, migration_margin=migration_margin,
                                    budget_refresh_iterations=budget_refresh,
+                                   migration_cost_quantile=migration_cost_quantile,
                                    length_factory=_length_factory(predictor)),
         )
         workload = build_workload(
@@ -422,6 +427,7 @@ def replay(
         "predictor": predictor or "running history", "tau": tau, "alpha": alpha,
         "headroom": headroom, "migration_margin": migration_margin,
         "budget_refresh_iterations": budget_refresh,
+        "migration_cost_quantile": migration_cost_quantile,
     }
     write_outputs(out, setup, outcomes)
     typer.echo(f"wrote {out}/summary.csv, requests.parquet, placement.csv, goodput.png, "

@@ -12,6 +12,7 @@ Pure, clock-agnostic logic shared by the simulator and the live router.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
@@ -32,11 +33,11 @@ from app.routing.view import (
 )
 
 # The watchdog moves a request only when it would finish later than its deadline by
-# more than this fraction of its time left. Chosen over workload seeds 0-3 at 190 req/s
-# (benchmarks/goodput_experiments.py): margin 0 moved ~300 requests per minute, four
-# fifths of which met their deadline without moving, and lost 5% goodput at scale 2;
-# margin 1 keeps the moves that pay (see README, "seeds").
-DEFAULT_MIGRATION_MARGIN = 1.0
+# more than this fraction of its time left. With the migration cost gate below no
+# margin is needed (six workload seeds at 190 req/s: margin 0 beats margin 1 by 2.8
+# req/s at SLO scale 2); a margin of 1 was the default before the gate, when margin 0
+# moved ~300 requests a minute, four fifths of which met their deadline without moving.
+DEFAULT_MIGRATION_MARGIN = 0.0
 
 # Admitted requests' budgets are refreshed every this many iterations of their
 # instance, more often than tau: a budget set from a stale prediction closes the
@@ -44,6 +45,15 @@ DEFAULT_MIGRATION_MARGIN = 1.0
 # (190 req/s, scale 2, seed 0, no migration: refresh every 10 / 50 / 100 / 200
 # iterations -> 173.4 / 166.5 / 152.2 / 145.6 req/s).
 DEFAULT_BUDGET_REFRESH_ITERATIONS = 10
+
+# A move may take no more of its target than this quantile of the estimated latency T
+# of the new requests just-enough recently placed there: goodput counts requests, so a
+# move that costs the target more than the typical arrival it displaces loses on
+# average (190 req/s, six workload seeds, see README "migration cost gate": with margin
+# 0 migration now adds 1.6 / 1.7 / 2.5 req/s at SLO scales 2 / 2.5 / 3 over no migration,
+# where without the gate it cost up to 4%).
+DEFAULT_MIGRATION_COST_QUANTILE = 0.5
+RECENT_ADMISSIONS_WINDOW = 200
 
 
 class JustEnoughVariant(StrEnum):
@@ -236,6 +246,31 @@ class JustEnoughPlacer:
             self.budgets.admit(chosen.instance_id, request.request_id, budget)
 
 
+class RecentAdmissions:
+    """Estimated latency T of the last `window` new requests placed on each instance
+    with room to spare: the yardstick for what a migration may cost there."""
+
+    def __init__(self, window: int = RECENT_ADMISSIONS_WINDOW) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window = window
+        self._latencies: dict[InstanceId, deque[float]] = {}
+
+    def record(self, instance_id: InstanceId, latency_s: float) -> None:
+        latencies = self._latencies.get(instance_id)
+        if latencies is None:
+            latencies = self._latencies[instance_id] = deque(maxlen=self.window)
+        latencies.append(latency_s)
+
+    def quantile_s(self, instance_id: InstanceId, q: float) -> float:
+        """The q-quantile (nearest rank below) of recent T; inf before any admission."""
+        latencies = self._latencies.get(instance_id)
+        if not latencies:
+            return math.inf
+        ordered = sorted(latencies)
+        return ordered[int(q * (len(ordered) - 1))]
+
+
 class JustEnoughPolicy(RoutingPolicy):
     """GoodServe's router: just-enough among instances that meet the deadline.
 
@@ -251,11 +286,13 @@ class JustEnoughPolicy(RoutingPolicy):
         length: OutputLengthEstimator,
         config: JustEnoughConfig = JustEnoughConfig(),
         budgets: TokenBudgets | None = None,
+        admissions: RecentAdmissions | None = None,
     ) -> None:
         self.status = status
         self.length = length
         self.config = config
         self.budgets = budgets if budgets is not None else TokenBudgets()
+        self.admissions = admissions if admissions is not None else RecentAdmissions()
         self.placer = JustEnoughPlacer(status, config, self.budgets)
         self.needs_true_output_length = length.needs_true_output_length
 
@@ -266,6 +303,7 @@ class JustEnoughPolicy(RoutingPolicy):
         output = bounded_output(request, self.length.expected_output(request))
         chosen, candidates = self.placer.place(request, holding, view, output, now)
         if chosen is not None:
+            self.admissions.record(chosen.instance_id, chosen.latency_s)
             return chosen.instance_id
         if self.config.admission_control and request.has_deadline:
             fastest = min(c.latency_s for c in candidates)
@@ -305,7 +343,10 @@ class SloWatchdog(Watchdog):
     `migration_margin` moves only requests whose expected lateness exceeds that
     fraction of their time left: a move costs a re-prefill on a strong instance and
     the capacity it takes there, and many requests judged barely late still finish in
-    time where they are.
+    time where they are. `migration_cost_quantile` refuses moves whose T on the target
+    (re-prefill + remaining decode) exceeds that quantile of the T of the new requests
+    recently placed there (`RecentAdmissions`, shared with the policy): one saved
+    request must not displace more than one typical arrival; None = no gate.
 
     The substrate calls `check` every gcd(tau, refresh) iterations; moves happen when
     the instance has done another tau iterations since the last move check; between
@@ -322,6 +363,8 @@ class SloWatchdog(Watchdog):
         budgets: TokenBudgets | None = None,
         migration_margin: float = 0.0,
         budget_refresh_iterations: int | None = None,
+        admissions: RecentAdmissions | None = None,
+        migration_cost_quantile: float | None = None,
     ) -> None:
         super().__init__(tau_iterations)
         refresh = tau_iterations if budget_refresh_iterations is None else (
@@ -336,6 +379,11 @@ class SloWatchdog(Watchdog):
         if migration_margin < 0:
             raise ValueError(f"migration_margin must be >= 0, got {migration_margin}")
         self.migration_margin = migration_margin
+        if migration_cost_quantile is not None and not 0.0 <= migration_cost_quantile <= 1.0:
+            raise ValueError(
+                f"migration_cost_quantile must be in [0, 1] or None, got {migration_cost_quantile}")
+        self.migration_cost_quantile = migration_cost_quantile
+        self.admissions = admissions if admissions is not None else RecentAdmissions()
         self.status = status
         self.length = length
         self.max_migrations_per_request = max_migrations_per_request
@@ -424,7 +472,16 @@ class SloWatchdog(Watchdog):
         resumed = _as_resumed(item.request, item.num_generated_tokens)
         holding = [v for v in stronger if v.can_hold(resumed.num_context_tokens)]
         chosen, _ = self.placer.place(resumed, holding, view, total, now)
-        return None if chosen is None else chosen.instance_id
+        if chosen is None or not self._affordable(chosen):
+            return None  # the caller drops the budget place() recorded
+        return chosen.instance_id
+
+    def _affordable(self, target: Candidate) -> bool:
+        """The move costs the target no more than its typical recent arrival."""
+        if self.migration_cost_quantile is None:
+            return True
+        limit = self.admissions.quantile_s(target.instance_id, self.migration_cost_quantile)
+        return target.latency_s <= limit
 
 
 def _as_resumed(request: RouteRequest, num_generated: int) -> RouteRequest:
@@ -441,28 +498,33 @@ def make_goodserve(
     max_migrations_per_request: int = 1,
     migration_margin: float = DEFAULT_MIGRATION_MARGIN,
     budget_refresh_iterations: int = DEFAULT_BUDGET_REFRESH_ITERATIONS,
+    migration_cost_quantile: float | None = DEFAULT_MIGRATION_COST_QUANTILE,
     config: JustEnoughConfig = JustEnoughConfig(),
 ) -> tuple[JustEnoughPolicy, SloWatchdog]:
-    """Policy + watchdog sharing one status estimator, length estimator and budgets.
+    """Policy + watchdog sharing one status estimator, length estimator, budgets and
+    record of recent admissions.
 
     Without migration the watchdog still runs (it keeps the budgets current) but
     never moves a request, so the ablation removes exactly the migrations.
     """
-    status, budgets = StatusEstimator(alpha), TokenBudgets()
-    policy = JustEnoughPolicy(status, length, config, budgets)
+    status, budgets, admissions = StatusEstimator(alpha), TokenBudgets(), RecentAdmissions()
+    policy = JustEnoughPolicy(status, length, config, budgets, admissions)
     moves = max_migrations_per_request if migration else 0
     watchdog = SloWatchdog(status, length, tau_iterations, moves, config, budgets,
-                           migration_margin, budget_refresh_iterations)
+                           migration_margin, budget_refresh_iterations, admissions,
+                           migration_cost_quantile)
     return policy, watchdog
 
 
 __all__ = [
     "DEFAULT_BUDGET_REFRESH_ITERATIONS",
+    "DEFAULT_MIGRATION_COST_QUANTILE",
     "DEFAULT_MIGRATION_MARGIN",
     "Candidate",
     "JustEnoughConfig",
     "JustEnoughPolicy",
     "JustEnoughVariant",
+    "RecentAdmissions",
     "SloWatchdog",
     "capability_s_per_token",
     "estimate_latency_s",

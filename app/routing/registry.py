@@ -21,6 +21,7 @@ from app.routing.baselines import (
 from app.routing.cache_aware import PreblePolicy, PrefixCachePolicy
 from app.routing.goodserve import (
     DEFAULT_BUDGET_REFRESH_ITERATIONS,
+    DEFAULT_MIGRATION_COST_QUANTILE,
     DEFAULT_MIGRATION_MARGIN,
     JustEnoughConfig,
     JustEnoughPolicy,
@@ -82,6 +83,8 @@ class RoutingOptions:
     migration_margin: float = DEFAULT_MIGRATION_MARGIN
     # admitted requests' budgets are refreshed this often (iterations), moves every tau
     budget_refresh_iterations: int = DEFAULT_BUDGET_REFRESH_ITERATIONS
+    # a move may cost its target up to this quantile of recent arrivals' T (None: no gate)
+    migration_cost_quantile: float | None = DEFAULT_MIGRATION_COST_QUANTILE
     # GoodServe's output-length predictor (e.g. the MoE); None -> running history
     length_factory: Callable[[], OutputLengthEstimator] | None = None
 
@@ -110,6 +113,7 @@ def _goodserve(
         length, alpha=options.alpha, tau_iterations=options.tau_iterations, migration=migration,
         migration_margin=options.migration_margin,
         budget_refresh_iterations=options.budget_refresh_iterations,
+        migration_cost_quantile=options.migration_cost_quantile,
         config=JustEnoughConfig(headroom=options.headroom, **config),
     )
     return RoutingStack(policy, watchdog)

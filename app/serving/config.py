@@ -21,7 +21,11 @@ from app.config import (
     SchedulerConfig,
     load_yaml_model,
 )
-from app.routing.goodserve import DEFAULT_BUDGET_REFRESH_ITERATIONS, DEFAULT_MIGRATION_MARGIN
+from app.routing.goodserve import (
+    DEFAULT_BUDGET_REFRESH_ITERATIONS,
+    DEFAULT_MIGRATION_COST_QUANTILE,
+    DEFAULT_MIGRATION_MARGIN,
+)
 from app.routing.registry import SIM_ONLY, PolicyKind, RoutingOptions
 
 
@@ -38,6 +42,10 @@ class RoutingConfig(Frozen):
     budget_refresh_iterations: int = Field(
         DEFAULT_BUDGET_REFRESH_ITERATIONS, ge=1,
         description="admitted requests' budgets are refreshed this often (engine iterations)")
+    migration_cost_quantile: float | None = Field(
+        DEFAULT_MIGRATION_COST_QUANTILE, ge=0, le=1,
+        description="a move may cost its target up to this quantile of the estimated "
+        "latency of the new requests recently placed there; null = no limit")
     seed: int = 0
     predictor_dir: str | None = Field(
         None, description="trained predictor directory (`goodserve predictor train`); "

@@ -14,6 +14,7 @@ from app.routing.goodserve import (
     JustEnoughConfig,
     JustEnoughPolicy,
     JustEnoughVariant,
+    RecentAdmissions,
     SloWatchdog,
     capability_s_per_token,
     estimate_latency_s,
@@ -241,6 +242,54 @@ def test_watchdog_never_moves_from_the_strongest_or_twice():
     assert dog.check("H800", [active(4.5, 100, gpu="H800")], cluster, 4.0) == {}
     assert dog.check("A40", [active(10.0, 100)], cluster, 4.0) == {"r": "A800"}
     assert dog.check("A40", [active(10.0, 100)], cluster, 4.0) == {}  # limit 1 per request
+
+
+def test_recent_admissions_keep_a_window_per_instance():
+    admissions = RecentAdmissions(window=3)
+    assert admissions.quantile_s("A800", 0.5) == math.inf  # nothing placed there yet
+    for latency in (9.0, 1.0, 2.0, 3.0):  # the 9.0 falls out of the window
+        admissions.record("A800", latency)
+    assert admissions.quantile_s("A800", 0.5) == 2.0
+    assert admissions.quantile_s("A800", 1.0) == 3.0
+    assert admissions.quantile_s("A40", 0.0) == math.inf
+    with pytest.raises(ValueError, match="window"):
+        RecentAdmissions(window=0)
+
+
+def test_move_may_cost_its_target_no_more_than_a_typical_arrival():
+    """Resumed on the A800 the late request needs ~4.6 s (re-prefill + 300 tokens)."""
+    cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
+
+    def dog_after_arrivals(latency_s: float, quantile: float | None) -> SloWatchdog:
+        dog = make_watchdog(H800=0.01, A800=0.015, A40=0.04)
+        dog.migration_cost_quantile = quantile
+        for _ in range(5):
+            dog.admissions.record("A800", latency_s)
+            dog.admissions.record("H800", latency_s)
+        return dog
+
+    cheap_arrivals = dog_after_arrivals(1.0, 0.5)
+    cheap_arrivals.budgets.admit("A40", "r", Budget(1.0, 1.0))
+    assert cheap_arrivals.check("A40", [active(10.0, 100)], cluster, 4.0) == {}
+    assert len(cheap_arrivals.budgets) == 0  # stays, unprotected, nothing admitted on A800
+    assert dog_after_arrivals(6.0, 0.5).check(
+        "A40", [active(10.0, 100)], cluster, 4.0) == {"r": "A800"}
+    assert dog_after_arrivals(1.0, None).check(  # no gate
+        "A40", [active(10.0, 100)], cluster, 4.0) == {"r": "A800"}
+    with pytest.raises(ValueError, match="migration_cost_quantile"):
+        SloWatchdog(StatusEstimator(), TrueLength(), migration_cost_quantile=1.5)
+
+
+def test_policy_records_what_its_placements_cost_for_the_watchdog():
+    policy, dog = make_goodserve(TrueLength(), config=JustEnoughConfig(headroom=0.0))
+    assert dog.admissions is policy.admissions
+    set_speed(policy.status, "H800", 0.01)
+    cluster = make_cluster(make_view("H800"))
+    request = make_request(100.0, prompt=500, out=400)
+    assert policy.choose(request, cluster, 0.0) == "H800"
+    expected = estimate_latency_s(
+        request, policy.status.estimate(cluster.get("H800"), 0.0), 0, 400)
+    assert policy.admissions.quantile_s("H800", 0.5) == pytest.approx(expected)
 
 
 def test_budgets_refresh_every_check_but_moves_wait_for_tau():
