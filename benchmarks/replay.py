@@ -387,8 +387,8 @@ def replay(
     ] = RoutingOptions.budget_refresh_iterations,
     migration_cost_quantile: Annotated[
         float, typer.Option(min=0.0, max=1.0, help="a move may cost its target up to this "
-                            "quantile of recent arrivals' estimated latency there")
-    ] = RoutingOptions.migration_cost_quantile,  # type: ignore[assignment]
+                            "quantile of recent arrivals' estimated latency there (1: no limit)")
+    ] = RoutingOptions.migration_cost_quantile,
 ) -> None:
     """Replay a trace against routing policies and SLO scales; write results to --out."""
     try:

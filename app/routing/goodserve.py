@@ -346,7 +346,7 @@ class SloWatchdog(Watchdog):
     time where they are. `migration_cost_quantile` refuses moves whose T on the target
     (re-prefill + remaining decode) exceeds that quantile of the T of the new requests
     recently placed there (`RecentAdmissions`, shared with the policy): one saved
-    request must not displace more than one typical arrival; None = no gate.
+    request must not displace more than one typical arrival; 1 = no limit.
 
     The substrate calls `check` every gcd(tau, refresh) iterations; moves happen when
     the instance has done another tau iterations since the last move check; between
@@ -364,7 +364,7 @@ class SloWatchdog(Watchdog):
         migration_margin: float = 0.0,
         budget_refresh_iterations: int | None = None,
         admissions: RecentAdmissions | None = None,
-        migration_cost_quantile: float | None = None,
+        migration_cost_quantile: float = 1.0,
     ) -> None:
         super().__init__(tau_iterations)
         refresh = tau_iterations if budget_refresh_iterations is None else (
@@ -379,9 +379,9 @@ class SloWatchdog(Watchdog):
         if migration_margin < 0:
             raise ValueError(f"migration_margin must be >= 0, got {migration_margin}")
         self.migration_margin = migration_margin
-        if migration_cost_quantile is not None and not 0.0 <= migration_cost_quantile <= 1.0:
+        if not 0.0 <= migration_cost_quantile <= 1.0:
             raise ValueError(
-                f"migration_cost_quantile must be in [0, 1] or None, got {migration_cost_quantile}")
+                f"migration_cost_quantile must be in [0, 1], got {migration_cost_quantile}")
         self.migration_cost_quantile = migration_cost_quantile
         self.admissions = admissions if admissions is not None else RecentAdmissions()
         self.status = status
@@ -478,7 +478,7 @@ class SloWatchdog(Watchdog):
 
     def _affordable(self, target: Candidate) -> bool:
         """The move costs the target no more than its typical recent arrival."""
-        if self.migration_cost_quantile is None:
+        if self.migration_cost_quantile >= 1.0:
             return True
         limit = self.admissions.quantile_s(target.instance_id, self.migration_cost_quantile)
         return target.latency_s <= limit
@@ -498,7 +498,7 @@ def make_goodserve(
     max_migrations_per_request: int = 1,
     migration_margin: float = DEFAULT_MIGRATION_MARGIN,
     budget_refresh_iterations: int = DEFAULT_BUDGET_REFRESH_ITERATIONS,
-    migration_cost_quantile: float | None = DEFAULT_MIGRATION_COST_QUANTILE,
+    migration_cost_quantile: float = DEFAULT_MIGRATION_COST_QUANTILE,
     config: JustEnoughConfig = JustEnoughConfig(),
 ) -> tuple[JustEnoughPolicy, SloWatchdog]:
     """Policy + watchdog sharing one status estimator, length estimator, budgets and

@@ -83,8 +83,8 @@ class RoutingOptions:
     migration_margin: float = DEFAULT_MIGRATION_MARGIN
     # admitted requests' budgets are refreshed this often (iterations), moves every tau
     budget_refresh_iterations: int = DEFAULT_BUDGET_REFRESH_ITERATIONS
-    # a move may cost its target up to this quantile of recent arrivals' T (None: no gate)
-    migration_cost_quantile: float | None = DEFAULT_MIGRATION_COST_QUANTILE
+    # a move may cost its target up to this quantile of recent arrivals' T (1: no limit)
+    migration_cost_quantile: float = DEFAULT_MIGRATION_COST_QUANTILE
     # GoodServe's output-length predictor (e.g. the MoE); None -> running history
     length_factory: Callable[[], OutputLengthEstimator] | None = None
 

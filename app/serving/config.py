@@ -42,10 +42,10 @@ class RoutingConfig(Frozen):
     budget_refresh_iterations: int = Field(
         DEFAULT_BUDGET_REFRESH_ITERATIONS, ge=1,
         description="admitted requests' budgets are refreshed this often (engine iterations)")
-    migration_cost_quantile: float | None = Field(
+    migration_cost_quantile: float = Field(
         DEFAULT_MIGRATION_COST_QUANTILE, ge=0, le=1,
         description="a move may cost its target up to this quantile of the estimated "
-        "latency of the new requests recently placed there; null = no limit")
+        "latency of the new requests recently placed there; 1 = no limit")
     seed: int = 0
     predictor_dir: str | None = Field(
         None, description="trained predictor directory (`goodserve predictor train`); "

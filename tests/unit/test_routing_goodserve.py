@@ -260,7 +260,7 @@ def test_move_may_cost_its_target_no_more_than_a_typical_arrival():
     """Resumed on the A800 the late request needs ~4.6 s (re-prefill + 300 tokens)."""
     cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
 
-    def dog_after_arrivals(latency_s: float, quantile: float | None) -> SloWatchdog:
+    def dog_after_arrivals(latency_s: float, quantile: float) -> SloWatchdog:
         dog = make_watchdog(H800=0.01, A800=0.015, A40=0.04)
         dog.migration_cost_quantile = quantile
         for _ in range(5):
@@ -274,7 +274,7 @@ def test_move_may_cost_its_target_no_more_than_a_typical_arrival():
     assert len(cheap_arrivals.budgets) == 0  # stays, unprotected, nothing admitted on A800
     assert dog_after_arrivals(6.0, 0.5).check(
         "A40", [active(10.0, 100)], cluster, 4.0) == {"r": "A800"}
-    assert dog_after_arrivals(1.0, None).check(  # no gate
+    assert dog_after_arrivals(1.0, 1.0).check(  # no limit
         "A40", [active(10.0, 100)], cluster, 4.0) == {"r": "A800"}
     with pytest.raises(ValueError, match="migration_cost_quantile"):
         SloWatchdog(StatusEstimator(), TrueLength(), migration_cost_quantile=1.5)
