@@ -104,7 +104,7 @@ def learner_references(split: Split, seed: int) -> dict[str, np.ndarray]:
     nearest = np.argsort(-similarity, axis=1)[:, :KNN_NEIGHBOURS]
     knn = np.median(neighbour_lengths[nearest], axis=1)
 
-    svd = TruncatedSVD(SVD_DIM, random_state=seed).fit(x_train)
+    svd = TruncatedSVD(min(SVD_DIM, x_train.shape[1] - 1), random_state=seed).fit(x_train)
 
     def dense(x) -> np.ndarray:
         """SVD of all columns, plus the numeric counts and task one-hot as they are."""
@@ -139,7 +139,8 @@ def main(
 ) -> None:
     """Print MAE per reference point, overall and per source, averaged over the seeds."""
     if not data.is_file():
-        raise typer.BadParameter(f"{data}: no such file (the shared prompts are needed)")
+        typer.echo(f"error: {data}: no such file (the shared prompts are needed)", err=True)
+        raise typer.Exit(2)
     import torch
 
     torch.set_num_threads(1)
