@@ -247,20 +247,41 @@ class JustEnoughPlacer:
 
 
 class RecentAdmissions:
-    """Estimated latency T of the last `window` new requests placed on each instance
-    with room to spare: the yardstick for what a migration may cost there."""
+    """What recent arrivals cost each instance and whether it had to turn any away:
+    the yardstick for what a migration may take there.
+
+    Per instance, the estimated latency T of the last `window` new requests placed on
+    it with room to spare; and whether, within the last `window` arrivals, it turned
+    away one that would have met its deadline there but for the instance's capacity
+    (memory or an admitted request's budget). Only such a contended instance has
+    arrivals a move could displace.
+    """
 
     def __init__(self, window: int = RECENT_ADMISSIONS_WINDOW) -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self.window = window
         self._latencies: dict[InstanceId, deque[float]] = {}
+        self._num_arrivals = 0
+        self._last_turned_away: dict[InstanceId, int] = {}  # arrival number
+
+    def record_arrival(self, candidates: Sequence[Candidate], headroom: float) -> None:
+        """One new request was scored against `candidates`."""
+        self._num_arrivals += 1
+        for c in candidates:
+            if c.slack_s >= headroom * c.latency_s and not c.harmless():
+                self._last_turned_away[c.instance_id] = self._num_arrivals
 
     def record(self, instance_id: InstanceId, latency_s: float) -> None:
+        """A new request was placed on `instance_id` with estimated latency T."""
         latencies = self._latencies.get(instance_id)
         if latencies is None:
             latencies = self._latencies[instance_id] = deque(maxlen=self.window)
         latencies.append(latency_s)
+
+    def contended(self, instance_id: InstanceId) -> bool:
+        last = self._last_turned_away.get(instance_id)
+        return last is not None and self._num_arrivals - last < self.window
 
     def quantile_s(self, instance_id: InstanceId, q: float) -> float:
         """The q-quantile (nearest rank below) of recent T; inf before any admission."""
@@ -302,6 +323,7 @@ class JustEnoughPolicy(RoutingPolicy):
             return Reject(f"no instance can hold {request.num_context_tokens} tokens")
         output = bounded_output(request, self.length.expected_output(request))
         chosen, candidates = self.placer.place(request, holding, view, output, now)
+        self.admissions.record_arrival(candidates, self.config.headroom)
         if chosen is not None:
             self.admissions.record(chosen.instance_id, chosen.latency_s)
             return chosen.instance_id
@@ -343,7 +365,8 @@ class SloWatchdog(Watchdog):
     `migration_margin` moves only requests whose expected lateness exceeds that
     fraction of their time left: a move costs a re-prefill on a strong instance and
     the capacity it takes there, and many requests judged barely late still finish in
-    time where they are. `migration_cost_quantile` refuses moves whose T on the target
+    time where they are. `migration_cost_quantile` refuses moves to a contended target
+    (one that recently turned away an arrival for lack of capacity) whose T there
     (re-prefill + remaining decode) exceeds that quantile of the T of the new requests
     recently placed there (`RecentAdmissions`, shared with the policy): one saved
     request must not displace more than one typical arrival; 1 = no limit.
@@ -477,8 +500,10 @@ class SloWatchdog(Watchdog):
         return chosen.instance_id
 
     def _affordable(self, target: Candidate) -> bool:
-        """The move costs the target no more than its typical recent arrival."""
-        if self.migration_cost_quantile >= 1.0:
+        """The target has capacity to spare, or the move costs it no more than its
+        typical recent arrival."""
+        if self.migration_cost_quantile >= 1.0 or not self.admissions.contended(
+                target.instance_id):
             return True
         limit = self.admissions.quantile_s(target.instance_id, self.migration_cost_quantile)
         return target.latency_s <= limit

@@ -11,6 +11,7 @@ from app.engine_types import EngineStatus
 from app.routing.base import ActiveRequest, Reject
 from app.routing.budgets import Budget
 from app.routing.goodserve import (
+    Candidate,
     JustEnoughConfig,
     JustEnoughPolicy,
     JustEnoughVariant,
@@ -256,16 +257,36 @@ def test_recent_admissions_keep_a_window_per_instance():
         RecentAdmissions(window=0)
 
 
-def test_move_may_cost_its_target_no_more_than_a_typical_arrival():
+def turned_away(instance_id: str) -> Candidate:
+    """An arrival that would have met its deadline on the instance but for its budgets."""
+    return Candidate(instance_id, latency_s=1.0, slack_s=5.0, capability_s_per_token=0.01,
+                     has_memory_room=True, decode_s_per_token=0.02, tightest_budget_s=0.01)
+
+
+def test_recent_admissions_know_which_instances_turned_arrivals_away():
+    admissions = RecentAdmissions(window=2)
+    admissions.record_arrival([turned_away("H800")], headroom=0.5)
+    assert admissions.contended("H800") and not admissions.contended("A40")
+    late = replace(turned_away("A40"), slack_s=0.1)  # would not have met there anyway
+    admissions.record_arrival([late], headroom=0.5)
+    assert admissions.contended("H800") and not admissions.contended("A40")
+    admissions.record_arrival([], headroom=0.5)  # two arrivals later: spare again
+    assert not admissions.contended("H800")
+
+
+def test_move_may_cost_a_contended_target_no_more_than_a_typical_arrival():
     """Resumed on the A800 the late request needs ~4.6 s (re-prefill + 300 tokens)."""
     cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
 
-    def dog_after_arrivals(latency_s: float, quantile: float) -> SloWatchdog:
+    def dog_after_arrivals(latency_s: float, quantile: float, contended: bool = True
+                           ) -> SloWatchdog:
         dog = make_watchdog(H800=0.01, A800=0.015, A40=0.04)
         dog.migration_cost_quantile = quantile
         for _ in range(5):
             dog.admissions.record("A800", latency_s)
             dog.admissions.record("H800", latency_s)
+        if contended:
+            dog.admissions.record_arrival([turned_away("A800"), turned_away("H800")], 0.0)
         return dog
 
     cheap_arrivals = dog_after_arrivals(1.0, 0.5)
@@ -275,6 +296,8 @@ def test_move_may_cost_its_target_no_more_than_a_typical_arrival():
     assert dog_after_arrivals(6.0, 0.5).check(
         "A40", [active(10.0, 100)], cluster, 4.0) == {"r": "A800"}
     assert dog_after_arrivals(1.0, 1.0).check(  # no limit
+        "A40", [active(10.0, 100)], cluster, 4.0) == {"r": "A800"}
+    assert dog_after_arrivals(1.0, 0.5, contended=False).check(  # capacity to spare
         "A40", [active(10.0, 100)], cluster, 4.0) == {"r": "A800"}
     with pytest.raises(ValueError, match="migration_cost_quantile"):
         SloWatchdog(StatusEstimator(), TrueLength(), migration_cost_quantile=1.5)
