@@ -28,6 +28,7 @@ from app.routing.registry import (
     RoutingOptions,
     build_routing,
 )
+from app.serving.config import routing_knobs
 from app.sim.metrics import summarize
 from app.sim.records import RequestOutcome, RequestRecord
 from app.sim.simulator import SimResult, Simulator
@@ -424,10 +425,7 @@ def replay(
         "model": cluster_model(spec.cluster), "trace": trace, "prompts": prompts,
         "arrivals": arrivals.value, "rate_rps": rate, "requests": len(workload),
         "duration_s": workload.duration_s, "seed": seed, "slo_reference": slo_reference_gpu,
-        "predictor": predictor or "running history", "tau": tau, "alpha": alpha,
-        "headroom": headroom, "migration_margin": migration_margin,
-        "budget_refresh_iterations": budget_refresh,
-        "migration_cost_quantile": migration_cost_quantile,
+        "predictor": predictor or "running history", **routing_knobs(spec.routing),
     }
     write_outputs(out, setup, outcomes)
     typer.echo(f"wrote {out}/summary.csv, requests.parquet, placement.csv, goodput.png, "
@@ -478,7 +476,7 @@ def run_live_replay(
     """
     from ray import serve
 
-    from app.serving.config import ServeConfig, routing_knobs
+    from app.serving.config import ServeConfig
     from benchmarks.live_replay import live_cell, serve_config_for
     from deployments.cluster import init_local_ray
     from deployments.router import free_port
