@@ -34,9 +34,10 @@ from app.routing.view import (
 
 # The watchdog moves a request only when it would finish later than its deadline by
 # more than this fraction of its time left. With the migration cost gate below no
-# margin is needed (six workload seeds at 190 req/s: margin 0 beats margin 1 by 2.8
-# req/s at SLO scale 2); a margin of 1 was the default before the gate, when margin 0
-# moved ~300 requests a minute, four fifths of which met their deadline without moving.
+# margin is needed (dev runs, six workload seeds at 190 req/s: with the gate, margin 0
+# beat margin 1 by 2.8 req/s at SLO scale 2); a margin of 1 was the default before the
+# gate, when margin 0 moved ~300 requests a minute, four fifths of which met their
+# deadline without moving.
 DEFAULT_MIGRATION_MARGIN = 0.0
 
 # Admitted requests' budgets are refreshed every this many iterations of their
@@ -49,9 +50,11 @@ DEFAULT_BUDGET_REFRESH_ITERATIONS = 10
 # A move may take no more of its target than this quantile of the estimated latency T
 # of the new requests just-enough recently placed there: goodput counts requests, so a
 # move that costs the target more than the typical arrival it displaces loses on
-# average (190 req/s, six workload seeds, see README "migration cost gate": with margin
-# 0 migration now adds 1.6 / 1.7 / 2.5 req/s at SLO scales 2 / 2.5 / 3 over no migration,
-# where without the gate it cost up to 4%).
+# average. Only contended targets are gated (`RecentAdmissions.contended`): at light
+# load a gate everywhere blocked the moves that rescue under-predicted requests. 190
+# req/s, six workload seeds (README, "migration cost gate"): GoodServe vs no migration
+# +0.2 / -1.7 / +0.7 / -1.0 / +2.7 req/s at SLO scales 1 / 1.5 / 2 / 2.5 / 3; without the
+# gate (margin 1) migration cost 4.0 / 1.3 / 3.0 / 0.2 req/s at scales 1-2.5.
 DEFAULT_MIGRATION_COST_QUANTILE = 0.5
 RECENT_ADMISSIONS_WINDOW = 200
 
