@@ -107,12 +107,16 @@ class Candidate:
     shortest_stall_s: float = math.inf  # smallest stall an admitted request tolerates
 
     def feasible(self, headroom: float = 0.0) -> bool:
-        """Meets the deadline with `headroom` x T to spare and is harmless.
+        """Meets the deadline with `headroom` x T to spare and is harmless."""
+        return self.meets_deadline(headroom) and self.harmless()
+
+    def meets_deadline(self, headroom: float = 0.0) -> bool:
+        """Finishes with `headroom` x T to spare, whatever it does to the others.
 
         The reserve applies to the new request's own estimate only: the admitted
         requests' budgets already hold the slack they had when they were placed.
         """
-        return self.slack_s >= headroom * self.latency_s and self.harmless()
+        return self.slack_s >= headroom * self.latency_s
 
     def harmless(self) -> bool:
         """Has KV room and does not slow or stall the instance past what its
@@ -272,7 +276,7 @@ class RecentAdmissions:
         """One new request was scored against `candidates`."""
         self._num_arrivals += 1
         for c in candidates:
-            if c.slack_s >= headroom * c.latency_s and not c.harmless():
+            if c.meets_deadline(headroom) and not c.harmless():
                 self._last_turned_away[c.instance_id] = self._num_arrivals
 
     def record(self, instance_id: InstanceId, latency_s: float) -> None:
