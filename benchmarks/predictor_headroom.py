@@ -17,7 +17,6 @@ of the gap between the per-task median and the floor text features can close.
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,11 +26,12 @@ from typing import Annotated
 import numpy as np
 import typer
 
+from benchmarks.predictor_accuracy import DEFAULT_DATA
 from predictor.data import LengthRecord, load_records, split_by_prompt_id
+from predictor.jsonl import iter_jsonl_objects
 from predictor.pipeline import predictor_params, shuffled_training_data
 from predictor.registry import PredictorKind, make_predictor
 
-DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/prompts/prompt_lengths.jsonl"
 KNN_NEIGHBOURS = 20
 SVD_DIM = 128
 
@@ -126,13 +126,6 @@ def moe_reference(split: Split, seed: int) -> dict[str, np.ndarray]:
     return {"moe (project default)": moe.predict([r.to_input() for r in split.test])}
 
 
-def load_split(data: Path, seed: int) -> Split:
-    train, test = split_by_prompt_id(load_records(data), test_fraction=0.2, seed=seed)
-    with data.open() as f:
-        meta = {i: json.loads(line) for i, line in enumerate(f, start=1) if line.strip()}
-    return Split(train, test, meta)
-
-
 def main(
     data: Annotated[Path, typer.Option(help="prompt/output-length JSONL")] = DEFAULT_DATA,
     seeds: Annotated[str, typer.Option(help="comma-separated split seeds")] = "0,1,2",
@@ -144,10 +137,12 @@ def main(
     import torch
 
     torch.set_num_threads(1)
+    records = load_records(data)
+    meta = {line_number: row for _, line_number, row in iter_jsonl_objects(data)}
     errors: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     sources: list[str] = []
     for seed in (int(s) for s in seeds.split(",")):
-        split = load_split(data, seed)
+        split = Split(*split_by_prompt_id(records, test_fraction=0.2, seed=seed), meta)
         y = np.array([r.output_tokens for r in split.test])
         source = np.array(split.field(split.test, "source"))
         sources = sorted(set(source))
