@@ -390,6 +390,11 @@ def replay(
         float, typer.Option(min=0.0, max=1.0, help="a move may cost its target up to this "
                             "quantile of recent arrivals' estimated latency there (1: no limit)")
     ] = RoutingOptions.migration_cost_quantile,
+    reservation_quantile: Annotated[
+        float, typer.Option(min=0.0, max=1.0, help="when the strongest instances strand "
+                            "requests they take only those whose SLO is within this "
+                            "quantile of recent arrivals' SLOs (1: no reservation)")
+    ] = RoutingOptions.reservation_quantile,
 ) -> None:
     """Replay a trace against routing policies and SLO scales; write results to --out."""
     try:
@@ -405,6 +410,7 @@ def replay(
                                    headroom=headroom, migration_margin=migration_margin,
                                    budget_refresh_iterations=budget_refresh,
                                    migration_cost_quantile=migration_cost_quantile,
+                                   reservation_quantile=reservation_quantile,
                                    length_factory=_length_factory(predictor)),
         )
         workload = build_workload(

@@ -85,6 +85,9 @@ class RoutingOptions:
     budget_refresh_iterations: int = DEFAULT_BUDGET_REFRESH_ITERATIONS
     # a move may cost its target up to this quantile of recent arrivals' T (1: no limit)
     migration_cost_quantile: float = DEFAULT_MIGRATION_COST_QUANTILE
+    # stranding strongest instances take requests within this quantile of recent SLO
+    # spans (1: no reservation)
+    reservation_quantile: float = JustEnoughConfig.reservation_quantile
     # GoodServe's output-length predictor (e.g. the MoE); None -> running history
     length_factory: Callable[[], OutputLengthEstimator] | None = None
 
@@ -114,7 +117,8 @@ def _goodserve(
         migration_margin=options.migration_margin,
         budget_refresh_iterations=options.budget_refresh_iterations,
         migration_cost_quantile=options.migration_cost_quantile,
-        config=JustEnoughConfig(headroom=options.headroom, **config),
+        config=JustEnoughConfig(headroom=options.headroom,
+                                reservation_quantile=options.reservation_quantile, **config),
     )
     return RoutingStack(policy, watchdog)
 
@@ -130,7 +134,8 @@ def _slo_pack(options: RoutingOptions) -> RoutingStack:
     predictor, pack onto the feasible instance with the least headroom; no migration."""
     status = StatusEstimator(options.alpha)
     config = JustEnoughConfig(
-        variant=JustEnoughVariant.LEAST_SLACK, headroom=0.0, protect_admitted=False
+        variant=JustEnoughVariant.LEAST_SLACK, headroom=0.0, protect_admitted=False,
+        reservation_quantile=1.0,
     )
     return RoutingStack(JustEnoughPolicy(status, RunningHistoryLength(), config))
 

@@ -25,6 +25,7 @@ from app.routing.goodserve import (
     DEFAULT_BUDGET_REFRESH_ITERATIONS,
     DEFAULT_MIGRATION_COST_QUANTILE,
     DEFAULT_MIGRATION_MARGIN,
+    DEFAULT_RESERVATION_QUANTILE,
 )
 from app.routing.registry import SIM_ONLY, PolicyKind, RoutingOptions
 
@@ -46,6 +47,10 @@ class RoutingConfig(Frozen):
         DEFAULT_MIGRATION_COST_QUANTILE, ge=0, le=1,
         description="a move may cost its target up to this quantile of the estimated "
         "latency of the new requests recently placed there; 1 = no limit")
+    reservation_quantile: float = Field(
+        DEFAULT_RESERVATION_QUANTILE, ge=0, le=1,
+        description="when the strongest instances strand requests they take only those "
+        "whose SLO is within this quantile of recent arrivals' SLOs; 1 = no reservation")
     seed: int = 0
     predictor_dir: str | None = Field(
         None, description="trained predictor directory (`goodserve predictor train`); "

@@ -11,6 +11,7 @@ from app.engine_types import EngineStatus
 from app.routing.base import ActiveRequest, Reject
 from app.routing.budgets import Budget
 from app.routing.goodserve import (
+    MIN_SLO_SAMPLES,
     Candidate,
     JustEnoughConfig,
     JustEnoughPolicy,
@@ -20,6 +21,8 @@ from app.routing.goodserve import (
     capability_s_per_token,
     estimate_latency_s,
     make_goodserve,
+    reserve_strongest,
+    score_instances,
 )
 from app.routing.length import RunningHistoryLength, TrueLength
 from app.routing.status import InstanceEstimate, StatusEstimator, catalog_prior
@@ -265,13 +268,105 @@ def turned_away(instance_id: str) -> Candidate:
 
 def test_recent_admissions_know_which_instances_turned_arrivals_away():
     admissions = RecentAdmissions(window=2)
-    admissions.record_arrival([turned_away("H800")], headroom=0.5)
+    arrival = make_request(10.0)
+    admissions.record_arrival(arrival, [turned_away("H800")], headroom=0.5)
     assert admissions.contended("H800") and not admissions.contended("A40")
     late = replace(turned_away("A40"), slack_s=0.1)  # would not have met there anyway
-    admissions.record_arrival([late], headroom=0.5)
+    admissions.record_arrival(arrival, [late], headroom=0.5)
     assert admissions.contended("H800") and not admissions.contended("A40")
-    admissions.record_arrival([], headroom=0.5)  # two arrivals later: spare again
+    admissions.record_arrival(arrival, [], headroom=0.5)  # two arrivals later: spare again
     assert not admissions.contended("H800")
+
+
+def test_an_instance_strands_an_arrival_only_when_nothing_else_could_take_it():
+    admissions = RecentAdmissions(window=2)
+    arrival = make_request(10.0)
+    room_elsewhere = Candidate("A800", latency_s=1.0, slack_s=5.0, capability_s_per_token=0.02,
+                               has_memory_room=True, decode_s_per_token=0.02)
+    admissions.record_arrival(arrival, [turned_away("H800"), room_elsewhere], headroom=0.5)
+    assert admissions.contended("H800") and not admissions.stranding("H800")
+    admissions.record_arrival(arrival, [turned_away("H800")], headroom=0.5)
+    assert admissions.stranding("H800")
+    admissions.record_arrival(arrival, [], headroom=0.5)
+    admissions.record_arrival(arrival, [], headroom=0.5)
+    assert not admissions.stranding("H800")
+    # turned away by its reservation: still contended, but that does not extend it
+    reserved = replace(turned_away("H800"), tightest_budget_s=math.inf, reserved=True)
+    admissions.record_arrival(arrival, [reserved], headroom=0.5)
+    assert admissions.contended("H800") and not admissions.stranding("H800")
+
+
+def test_slo_span_quantile_waits_for_enough_arrivals():
+    admissions = RecentAdmissions(slo_window=200)
+    for span in range(1, MIN_SLO_SAMPLES):
+        admissions.record_arrival(make_request(float(span)), [], headroom=0.0)
+    assert admissions.slo_span_quantile_s(0.9) == math.inf
+    admissions.record_arrival(make_request(float(MIN_SLO_SAMPLES)), [], headroom=0.0)
+    admissions.record_arrival(make_request(math.inf), [], headroom=0.0)  # no deadline: not a span
+    assert admissions.slo_span_quantile_s(0.9) == pytest.approx(0.9 * MIN_SLO_SAMPLES, abs=1)
+    with pytest.raises(ValueError, match="windows"):
+        RecentAdmissions(slo_window=0)
+
+
+def stranding_h800_after_spans(admissions: RecentAdmissions) -> None:
+    """Arrivals with SLO spans 1..100 s, the last of them stranded by the H800."""
+    for span in range(1, 101):
+        admissions.record_arrival(make_request(float(span)), [], headroom=0.0)
+    admissions.record_arrival(make_request(50.0), [turned_away("H800")], headroom=0.0)
+
+
+def test_stranding_strongest_instance_is_reserved_for_tighter_slos():
+    """9,000 tokens need ~90 s on the H800 and ~135 s on the A800: only the H800 can
+    meet a 95 s deadline, but 95 s is looser than 90% of recent arrivals."""
+    policy = policy_with_speeds(H800=0.01, A800=0.015, A40=0.04)
+    cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
+    loose, tight = make_request(95.0, out=9000), make_request(85.0, out=8000)
+    assert policy.choose(loose, cluster, 0.0) == "H800"  # not stranding yet
+    stranding_h800_after_spans(policy.admissions)
+    assert policy.choose(loose, cluster, 0.0) == "A800"  # best effort elsewhere
+    assert policy.choose(tight, cluster, 0.0) == "H800"
+    unreserved = JustEnoughPolicy(policy.status, TrueLength(),
+                                  JustEnoughConfig(headroom=0.0, reservation_quantile=1.0))
+    stranding_h800_after_spans(unreserved.admissions)
+    assert unreserved.choose(loose, cluster, 0.0) == "H800"
+    with pytest.raises(ValueError, match="reservation_quantile"):
+        JustEnoughConfig(reservation_quantile=1.5)
+
+
+def test_reserve_marks_only_the_pools_strongest_instances():
+    policy = policy_with_speeds(H800=0.01, A800=0.015, A40=0.04)
+    admissions = policy.admissions
+    stranding_h800_after_spans(admissions)
+    admissions.record_arrival(make_request(50.0), [turned_away("A800")], headroom=0.0)
+    assert admissions.stranding("A800")
+    cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
+    scored = score_instances(make_request(95.0), cluster.instances, cluster, policy.status,
+                             200, 0.0)
+    reserved = {c.instance_id for c in reserve_strongest(
+        make_request(95.0), scored, cluster, admissions, 0.9) if c.reserved}
+    assert reserved == {"H800"}  # the A800 strands too, but it is not the strongest
+    best_effort = make_request(math.inf)  # no deadline: the loosest of all
+    assert {c.instance_id for c in reserve_strongest(
+        best_effort, scored, cluster, admissions, 0.9) if c.reserved} == {"H800"}
+    tight = make_request(50.0)
+    assert not any(c.reserved for c in reserve_strongest(tight, scored, cluster, admissions, 0.9))
+    assert not any(c.reserved for c in reserve_strongest(
+        make_request(95.0), scored, cluster, admissions, 1.0))
+
+
+def test_watchdog_does_not_move_a_loose_request_onto_a_reserved_instance():
+    policy, dog = make_goodserve(TrueLength(), config=JustEnoughConfig(headroom=0.0))
+    for gpu, d in {"H800": 0.01, "A800": 0.015, "A40": 0.04}.items():
+        set_speed(policy.status, gpu, d)
+    moving_a800 = replace(make_view("A800"), num_iterations=50)  # a tau has passed
+    cluster = make_cluster(make_view("H800"), moving_a800, make_view("A40"))
+    late_on_a800 = ActiveRequest(make_request(95.0, out=9000), "A800", 0, is_running=True)
+    assert dog.check("A800", [late_on_a800], cluster, 0.0) == {"r": "H800"}
+    policy, dog = make_goodserve(TrueLength(), config=JustEnoughConfig(headroom=0.0))
+    for gpu, d in {"H800": 0.01, "A800": 0.015, "A40": 0.04}.items():
+        set_speed(policy.status, gpu, d)
+    stranding_h800_after_spans(dog.admissions)
+    assert dog.check("A800", [late_on_a800], cluster, 0.0) == {}
 
 
 def test_move_may_cost_a_contended_target_no_more_than_a_typical_arrival():
@@ -286,7 +381,8 @@ def test_move_may_cost_a_contended_target_no_more_than_a_typical_arrival():
             dog.admissions.record("A800", latency_s)
             dog.admissions.record("H800", latency_s)
         if contended:
-            dog.admissions.record_arrival([turned_away("A800"), turned_away("H800")], 0.0)
+            dog.admissions.record_arrival(
+                make_request(10.0), [turned_away("A800"), turned_away("H800")], 0.0)
         return dog
 
     cheap_arrivals = dog_after_arrivals(1.0, 0.5)
