@@ -10,11 +10,12 @@ policy and watchdog objects the simulator runs:
   (prompt + generated so far), so the client sees one uninterrupted stream;
 - a poll loop feeds engine reports to the status estimator and runs the watchdog
   every `tau` iterations of an instance.
-Instance load (running / waiting) comes from the router's own bookkeeping, which
-is current at every decision; polled reports supply speeds and KV. Prefix hits come
-from a router-side LRU of the block hashes it sent each instance (sized like the
-instance's KV), the "approximate prefix index" of production routers: shipping
-every cached hash with each poll cost more than the routing itself.
+Instance load (running / waiting) comes from the router's own bookkeeping (counts
+kept as flights change), which is current at every decision; polled reports supply
+speeds and KV. Prefix hits come from a router-side LRU of the block hashes it sent
+each instance (sized like the instance's KV), the "approximate prefix index" of
+production routers: shipping every cached hash with each poll cost more than the
+routing itself.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import logging
 import math
 import time
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -157,6 +159,26 @@ class LiveInstance:
         return self.client.engine_id
 
 
+class OwnLoad:
+    """This router's flights per instance, running or waiting, counted as they change
+    (the router's views read it at every decision and every poll)."""
+
+    def __init__(self) -> None:
+        self._counts: Counter[tuple[InstanceId, bool]] = Counter()
+
+    def add(self, flight: Flight) -> None:
+        self._counts[(flight.instance_id, flight.is_running)] += 1
+
+    def remove(self, flight: Flight) -> None:
+        self._counts[(flight.instance_id, flight.is_running)] -= 1
+
+    def running(self, instance_id: InstanceId) -> int:
+        return self._counts[(instance_id, True)]
+
+    def waiting(self, instance_id: InstanceId) -> int:
+        return self._counts[(instance_id, False)]
+
+
 @dataclass(frozen=True)
 class RouterCounters:
     """Totals since start (for metrics and tests)."""
@@ -208,6 +230,7 @@ class LiveRouter:
         self.status_timeout_s = status_timeout_s
         self.max_failovers = max_failovers
         self.flights: dict[str, Flight] = {}  # request_id -> flight
+        self._load = OwnLoad()  # the flights' instances and states, counted
         self._poll_task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
         self._num_routed = self._num_rejected = self._num_finished = self._num_dropped = 0
@@ -244,9 +267,8 @@ class LiveRouter:
                 logger.warning("engine %s unreachable: %s", inst.instance_id, exc)
             inst.healthy = False
             return
-        running, waiting = self._own_load()
         iid = inst.instance_id
-        inst.update(status, running.get(iid, 0) + waiting.get(iid, 0))
+        inst.update(status, self._load.running(iid) + self._load.waiting(iid))
         now = self.clock()
         for listener in self._listeners:
             listener.on_status(status, now)
@@ -258,7 +280,6 @@ class LiveRouter:
         router's requests, current at every decision, plus what other router replicas
         had there at the last poll (routing on its own requests alone, each replica
         would see an instance the others fill as idle)."""
-        running, waiting = self._own_load()
         views = []
         for iid, inst in self.instances.items():
             if not inst.healthy or inst.status is None or iid in exclude:
@@ -266,18 +287,23 @@ class LiveRouter:
             sched = inst.client.config.scheduler
             base = InstanceView.from_status(inst.status, inst.spec, sched.block_size,
                                             sched.max_num_seqs)
-            views.append(replace(base, num_running=running.get(iid, 0) + inst.others_running,
-                                 num_waiting=waiting.get(iid, 0) + inst.others_waiting))
+            views.append(replace(base,
+                                 num_running=self._load.running(iid) + inst.others_running,
+                                 num_waiting=self._load.waiting(iid) + inst.others_waiting))
         return ClusterView(now, tuple(views), self._prefix_blocks)
 
-    def _own_load(self) -> tuple[dict[InstanceId, int], dict[InstanceId, int]]:
-        """This router's requests per instance: (running, waiting)."""
-        running: dict[InstanceId, int] = {}
-        waiting: dict[InstanceId, int] = {}
-        for f in self.flights.values():
-            counts = running if f.is_running else waiting
-            counts[f.instance_id] = counts.get(f.instance_id, 0) + 1
-        return running, waiting
+    def _set_state(self, flight: Flight, *, instance_id: InstanceId | None = None,
+                   is_running: bool | None = None) -> None:
+        """Change where a flight is or whether it runs, keeping the load counts true."""
+        tracked = self.flights.get(flight.request_id) is flight
+        if tracked:
+            self._load.remove(flight)
+        if instance_id is not None:
+            flight.instance_id = instance_id
+        if is_running is not None:
+            flight.is_running = is_running
+        if tracked:
+            self._load.add(flight)
 
     def _prefix_blocks(self, instance_id: InstanceId, hashes: Sequence[int]) -> int:
         """Leading prompt blocks this router has sent the instance (and not yet aged out)."""
@@ -310,6 +336,7 @@ class LiveRouter:
         flight = Flight(request, route, target, [target])
         self.instances[target].remember_prefix(route.block_hashes)
         self.flights[request.request_id] = flight
+        self._load.add(flight)
         self._num_routed += 1
         return flight
 
@@ -335,7 +362,7 @@ class LiveRouter:
         try:
             while True:
                 client = self.instances[flight.instance_id].client
-                flight.is_running = False
+                self._set_state(flight, is_running=False)
                 try:
                     async for batch in client.generate(flight.engine_request()):
                         kept = self._take(flight, batch)
@@ -365,7 +392,7 @@ class LiveRouter:
             return []
         now = self.clock()
         if not flight.is_running:
-            flight.is_running = True
+            self._set_state(flight, is_running=True)
             if flight.first_token_s is None:
                 flight.first_token_s = now
         kept = [
@@ -389,7 +416,7 @@ class LiveRouter:
         """Point the flight at `target`; `stream` submits it there next (a new engine id)."""
         self.instances[target].remember_prefix(flight.route.block_hashes)
         flight.attempt += 1
-        flight.instance_id = target
+        self._set_state(flight, instance_id=target)
         flight.instance_ids.append(target)
 
     def _fail_over(self, flight: Flight, why: str) -> None:
@@ -409,7 +436,9 @@ class LiveRouter:
         self._resubmit_on(flight, target)
 
     def _end(self, flight: Flight, finished: bool) -> None:
-        self.flights.pop(flight.request_id, None)
+        if self.flights.get(flight.request_id) is flight:
+            self._load.remove(flight)
+            del self.flights[flight.request_id]
         now = self.clock()
         if finished:
             self._num_finished += 1

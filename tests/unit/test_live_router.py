@@ -89,6 +89,14 @@ def request(rid: str = "r1", max_tokens: int = 20, slo_s: float | None = None) -
     return GenerationRequest(rid, PROMPT, SamplingSpec(max_tokens=max_tokens), time.time(), slo_s)
 
 
+def assert_load_matches_flights(router: LiveRouter) -> None:
+    """The load the router routes on (kept as flights change) equals a recount."""
+    for inst in router.view(time.time()).instances:
+        mine = [f for f in router.flights.values() if f.instance_id == inst.instance_id]
+        running = sum(f.is_running for f in mine)
+        assert (inst.num_running, inst.num_waiting) == (running, len(mine) - running)
+
+
 async def drain(router: LiveRouter, flight) -> list[TokenEvent]:
     return [ev async for batch in router.stream(flight) for ev in batch]
 
@@ -109,6 +117,7 @@ async def test_migration_continues_the_stream_by_token_ids():
     events = []
     async for batch in router.stream(flight):
         events.extend(batch)
+        assert_load_matches_flights(router)
         if len(events) == 10:
             assert router.migrate("r1") == target.engine_id  # the policy picks the other
     assert [e.index for e in events] == list(range(30))
@@ -120,6 +129,7 @@ async def test_migration_continues_the_stream_by_token_ids():
     assert source.aborted == ["r1"]
     assert flight.instance_ids == [source.engine_id, target.engine_id]
     assert router.counters().num_migrations == 1 and not router.flights
+    assert_load_matches_flights(router)
 
 
 async def test_a_replica_counts_the_requests_other_replicas_run_on_an_engine():
@@ -144,14 +154,21 @@ async def test_a_replica_counts_the_requests_other_replicas_run_on_an_engine():
 async def test_engine_failure_continues_on_another_instance():
     broken, healthy = ScriptedEngine("broken", "H800", fail_at=5), ScriptedEngine("ok", "A40")
     router = await started(broken, healthy)
-    flight = await router.submit(request(max_tokens=20))  # no deadline: weakest, so force it
-    flight.instance_id = flight.instance_ids[0] = "broken"
-    events = await drain(router, flight)
+    router.instances["ok"].healthy = False  # no deadline goes to the weakest: steer it
+    flight = await router.submit(request(max_tokens=20))
+    router.instances["ok"].healthy = True
+    assert flight.instance_id == "broken"
+    events = []
+    async for batch in router.stream(flight):
+        events.extend(batch)
+        assert_load_matches_flights(router)
     assert [e.token_id for e in events] == [token_of(PROMPT, i) for i in range(20)]
     assert flight.instance_ids == ["broken", "ok"] and flight.num_failovers == 1
     assert list(healthy.received[0].resume_token_ids) == [token_of(PROMPT, i) for i in range(5)]
     assert not router.instances["broken"].healthy  # out of rotation until it answers a poll
     assert "broken" not in router.view(time.time()).by_id
+    router.instances["broken"].healthy = True
+    assert_load_matches_flights(router)
 
 
 async def test_engine_lost_when_no_instance_can_take_over():
@@ -170,8 +187,10 @@ async def test_client_disconnect_aborts_the_engine_and_forgets_the_request():
     assert len(router.policy.budgets) == 1  # admitted with a budget
     stream = router.stream(flight)
     await anext(stream)
+    assert_load_matches_flights(router)
     await stream.aclose()  # the HTTP client went away
     await asyncio.sleep(0.01)
+    assert_load_matches_flights(router)
     assert engine.aborted == ["r1"]
     assert not router.flights and len(router.policy.budgets) == 0
     assert router.counters().num_dropped == 1
