@@ -476,10 +476,10 @@ class SloWatchdog(Watchdog):
         max_migrations_per_request: int = 1,
         config: JustEnoughConfig = JustEnoughConfig(),
         budgets: TokenBudgets | None = None,
-        migration_margin: float = 0.0,
-        budget_refresh_iterations: int | None = None,
+        migration_margin: float = DEFAULT_MIGRATION_MARGIN,
+        budget_refresh_iterations: int | None = None,  # None: every tau
         admissions: RecentAdmissions | None = None,
-        migration_cost_quantile: float = 1.0,
+        migration_cost_quantile: float = DEFAULT_MIGRATION_COST_QUANTILE,
     ) -> None:
         super().__init__(tau_iterations)
         refresh = tau_iterations if budget_refresh_iterations is None else (
