@@ -122,11 +122,11 @@ class Candidate:
 
     def feasible(self, headroom: float = 0.0) -> bool:
         """Meets the deadline with `headroom` x T to spare and may take the request."""
-        return self.meets_deadline(headroom) and self.admissible()
+        return self.meets_deadline(headroom) and not self.reserved and self.harmless()
 
     def admissible(self) -> bool:
         """Harmless and not reserved for tighter deadlines."""
-        return self.harmless() and not self.reserved
+        return not self.reserved and self.harmless()
 
     def meets_deadline(self, headroom: float = 0.0) -> bool:
         """Finishes with `headroom` x T to spare, whatever it does to the others.
@@ -224,7 +224,7 @@ def reserve_strongest(
     A request without a deadline has the loosest span of all. Applies to moves as to
     arrivals: a request kept off the strong GPU on arrival must not take it by moving.
     """
-    if quantile >= 1.0 or not candidates:
+    if quantile >= 1.0 or not candidates or not admissions.any_stranding():
         return list(candidates)
     strongest = min(capability_s_per_token(v.spec) for v in view.instances)
     limit: float | None = None
@@ -334,7 +334,9 @@ class RecentAdmissions:
         self._num_arrivals = 0
         self._last_turned_away: dict[InstanceId, int] = {}  # arrival number
         self._last_stranded: dict[InstanceId, int] = {}  # arrival number
+        self._last_any_stranded: int | None = None
         self._slo_spans: deque[float] = deque(maxlen=slo_window)
+        self._span_quantile: tuple[tuple[int, float], float] = ((-1, 0.0), math.inf)
 
     def record_arrival(
         self, request: RouteRequest, candidates: Sequence[Candidate], headroom: float
@@ -343,13 +345,15 @@ class RecentAdmissions:
         self._num_arrivals += 1
         if request.has_deadline:
             self._slo_spans.append(request.slo_s)
+        turned_away = [c for c in candidates if c.meets_deadline(headroom) and not c.admissible()]
+        if not turned_away:
+            return
         stranded = not any(c.meets_deadline(headroom) and c.harmless() for c in candidates)
-        for c in candidates:
-            if not c.meets_deadline(headroom) or c.admissible():
-                continue
+        for c in turned_away:
             self._last_turned_away[c.instance_id] = self._num_arrivals
             if stranded and not c.harmless():  # for lack of capacity, not by reservation
                 self._last_stranded[c.instance_id] = self._num_arrivals
+                self._last_any_stranded = self._num_arrivals
 
     def record(self, instance_id: InstanceId, latency_s: float) -> None:
         """A new request was placed on `instance_id` with estimated latency T."""
@@ -364,6 +368,9 @@ class RecentAdmissions:
     def stranding(self, instance_id: InstanceId) -> bool:
         return self._within_window(self._last_stranded.get(instance_id))
 
+    def any_stranding(self) -> bool:
+        return self._within_window(self._last_any_stranded)
+
     def _within_window(self, arrival_number: int | None) -> bool:
         return arrival_number is not None and self._num_arrivals - arrival_number < self.window
 
@@ -372,8 +379,11 @@ class RecentAdmissions:
         fewer than MIN_SLO_SAMPLES were seen."""
         if len(self._slo_spans) < MIN_SLO_SAMPLES:
             return math.inf
-        ordered = sorted(self._slo_spans)
-        return ordered[int(q * (len(ordered) - 1))]
+        key = (self._num_arrivals, q)  # the spans change only with arrivals
+        if self._span_quantile[0] != key:
+            ordered = sorted(self._slo_spans)
+            self._span_quantile = (key, ordered[int(q * (len(ordered) - 1))])
+        return self._span_quantile[1]
 
     def quantile_s(self, instance_id: InstanceId, q: float) -> float:
         """The q-quantile (nearest rank below) of recent T; inf before any admission."""
