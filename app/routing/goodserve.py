@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
@@ -381,17 +381,19 @@ class RecentAdmissions:
             return math.inf
         key = (self._num_arrivals, q)  # the spans change only with arrivals
         if self._span_quantile[0] != key:
-            ordered = sorted(self._slo_spans)
-            self._span_quantile = (key, ordered[int(q * (len(ordered) - 1))])
+            self._span_quantile = (key, nearest_rank_quantile(self._slo_spans, q))
         return self._span_quantile[1]
 
     def quantile_s(self, instance_id: InstanceId, q: float) -> float:
         """The q-quantile (nearest rank below) of recent T; inf before any admission."""
         latencies = self._latencies.get(instance_id)
-        if not latencies:
-            return math.inf
-        ordered = sorted(latencies)
-        return ordered[int(q * (len(ordered) - 1))]
+        return nearest_rank_quantile(latencies, q) if latencies else math.inf
+
+
+def nearest_rank_quantile(values: Collection[float], q: float) -> float:
+    """The q-quantile of `values` at the nearest rank below (one of the values)."""
+    ordered = sorted(values)
+    return ordered[int(q * (len(ordered) - 1))]
 
 
 class JustEnoughPolicy(RoutingPolicy):
