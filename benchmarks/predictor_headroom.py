@@ -11,8 +11,11 @@ Reference points on the same held-out fifth (split by prompt id) as
 - two off-the-shelf learners on the MoE's own features: k nearest training prompts
   of the same task (median of their median lengths) and gradient-boosted trees on a
   128-d SVD of the TF-IDF plus the numeric and task columns (L1 on log length).
-The MoE row trains `moe` with the project defaults. The point is to show how much
-of the gap between the per-task median and the floor text features can close.
+The MoE row trains `moe` with the project defaults. With `--encoder DIR` (a local
+sentence encoder, e.g. all-MiniLM-L6-v2 installed from PyPI; nothing is fetched from
+a hub) a last row fine-tunes it end to end with a small head (L1 on log length,
+"[task] prompt" truncated to --encoder-max-tokens). The point is to show how much of
+the gap between the per-task median and the floor text representations can close.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from predictor.registry import PredictorKind, make_predictor
 
 KNN_NEIGHBOURS = 20
 SVD_DIM = 128
+FINE_TUNE_BATCH = 16
 
 
 @dataclass(frozen=True)
@@ -126,13 +130,63 @@ def moe_reference(split: Split, seed: int) -> dict[str, np.ndarray]:
     return {"moe (project default)": moe.predict([r.to_input() for r in split.test])}
 
 
+def finetuned_encoder_reference(
+    split: Split, seed: int, encoder_path: Path, max_tokens: int, epochs: float
+) -> dict[str, np.ndarray]:
+    """Fine-tune a local encoder + MLP head on log length (L1: the median), end to end."""
+    import torch
+
+    from predictor.llm_embedding import load_local_encoder
+
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    encoder, tokenizer = load_local_encoder(str(encoder_path), torch.device("cpu"))
+    width = encoder.config.hidden_size
+    head = torch.nn.Sequential(torch.nn.Linear(width, 128), torch.nn.GELU(),
+                               torch.nn.Linear(128, 1))
+    optimizer = torch.optim.AdamW([{"params": encoder.parameters(), "lr": 3e-5},
+                                   {"params": head.parameters(), "lr": 1e-3}],
+                                  weight_decay=0.01)
+
+    def predict_log(records: Sequence[LengthRecord]) -> torch.Tensor:
+        batch = tokenizer([f"[{r.task}] {r.prompt}" for r in records], padding=True,
+                          truncation=True, max_length=max_tokens, return_tensors="pt")
+        states = encoder(**batch).last_hidden_state
+        mask = batch["attention_mask"].unsqueeze(-1).float()
+        return head((states * mask).sum(1) / mask.sum(1)).squeeze(-1)
+
+    y_log = np.log([r.output_tokens for r in split.train])
+    offset = float(y_log.mean())
+    encoder.train()
+    for _ in range(max(int(epochs * len(split.train) / FINE_TUNE_BATCH), 1)):
+        rows = rng.choice(len(split.train), FINE_TUNE_BATCH)
+        target = torch.tensor(y_log[rows] - offset, dtype=torch.float32)
+        loss = torch.nn.functional.l1_loss(predict_log([split.train[i] for i in rows]), target)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    encoder.eval()
+    with torch.no_grad():
+        predicted = torch.cat([predict_log(split.test[i:i + 64])
+                               for i in range(0, len(split.test), 64)])
+    return {f"fine-tuned {encoder_path.name}": np.exp(predicted.numpy() + offset)}
+
+
 def main(
     data: Annotated[Path, typer.Option(help="prompt/output-length JSONL")] = DEFAULT_DATA,
     seeds: Annotated[str, typer.Option(help="comma-separated split seeds")] = "0,1,2",
+    encoder: Annotated[
+        Path | None, typer.Option(help="local encoder directory to fine-tune (optional)")
+    ] = None,
+    encoder_max_tokens: Annotated[int, typer.Option(min=8)] = 128,
+    encoder_epochs: Annotated[float, typer.Option(min=0.0)] = 2.0,
 ) -> None:
     """Print MAE per reference point, overall and per source, averaged over the seeds."""
     if not data.is_file():
         typer.echo(f"error: {data}: no such file (the shared prompts are needed)", err=True)
+        raise typer.Exit(2)
+    if encoder is not None and not encoder.is_dir():
+        typer.echo(f"error: {encoder}: no such encoder directory", err=True)
         raise typer.Exit(2)
     import torch
 
@@ -150,6 +204,9 @@ def main(
             **label_references(split), **learner_references(split, seed),
             **moe_reference(split, seed),
         }
+        if encoder is not None:
+            predictions |= finetuned_encoder_reference(
+                split, seed, encoder, encoder_max_tokens, encoder_epochs)
         for name, predicted in predictions.items():
             error = np.abs(predicted - y)
             errors[name]["all"].append(float(error.mean()))
