@@ -136,11 +136,12 @@ def finetuned_encoder_reference(
     """Fine-tune a local encoder + MLP head on log length (L1: the median), end to end."""
     import torch
 
-    from predictor.llm_embedding import load_local_encoder
+    from predictor.llm_embedding import load_local_encoder, mean_pooled
 
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
-    encoder, tokenizer = load_local_encoder(str(encoder_path), torch.device("cpu"))
+    device = torch.device("cpu")
+    encoder, tokenizer = load_local_encoder(str(encoder_path), device)
     width = encoder.config.hidden_size
     head = torch.nn.Sequential(torch.nn.Linear(width, 128), torch.nn.GELU(),
                                torch.nn.Linear(128, 1))
@@ -149,11 +150,8 @@ def finetuned_encoder_reference(
                                   weight_decay=0.01)
 
     def predict_log(records: Sequence[LengthRecord]) -> torch.Tensor:
-        batch = tokenizer([f"[{r.task}] {r.prompt}" for r in records], padding=True,
-                          truncation=True, max_length=max_tokens, return_tensors="pt")
-        states = encoder(**batch).last_hidden_state
-        mask = batch["attention_mask"].unsqueeze(-1).float()
-        return head((states * mask).sum(1) / mask.sum(1)).squeeze(-1)
+        texts = [f"[{r.task}] {r.prompt}" for r in records]
+        return head(mean_pooled(encoder, tokenizer, texts, max_tokens, device)).squeeze(-1)
 
     y_log = np.log([r.output_tokens for r in split.train])
     offset = float(y_log.mean())

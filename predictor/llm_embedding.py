@@ -21,9 +21,21 @@ from predictor.features import numeric_features
 from predictor.nets import resolve_device
 from predictor.neural import MLPPredictor
 
-__all__ = ["EncoderFeaturizer", "LLMEmbeddingPredictor", "load_local_encoder"]
+__all__ = ["EncoderFeaturizer", "LLMEmbeddingPredictor", "load_local_encoder", "mean_pooled"]
 
 _UNPICKLED = ("encoder_", "tokenizer_")  # reloaded from encoder_path, never pickled
+
+
+def mean_pooled(
+    encoder: Any, tokenizer: Any, texts: list[str], max_length: int, device: torch.device
+) -> torch.Tensor:
+    """Mean of the encoder's last hidden states over real (non-padding) tokens; keeps
+    the autograd graph, so it serves fine-tuning as well as frozen embedding."""
+    batch = tokenizer(texts, padding=True, truncation=True, max_length=max_length,
+                      return_tensors="pt").to(device)
+    states = encoder(**batch).last_hidden_state
+    mask = batch["attention_mask"].unsqueeze(-1).to(states.dtype)
+    return (states * mask).sum(1) / mask.sum(1).clamp(min=1.0)
 
 
 def load_local_encoder(encoder_path: str, device: torch.device) -> tuple[Any, Any]:
@@ -109,16 +121,9 @@ class EncoderFeaturizer(BaseEstimator):
         out: list[np.ndarray] = []
         with torch.inference_mode():
             for start in range(0, len(texts), self.batch_size):
-                batch = self.tokenizer_(
-                    texts[start : start + self.batch_size],
-                    padding=True,
-                    truncation=True,
-                    max_length=self.max_length,
-                    return_tensors="pt",
-                ).to(device)
-                states = self.encoder_(**batch).last_hidden_state
-                mask = batch["attention_mask"].unsqueeze(-1).to(states.dtype)
-                pooled = (states * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+                pooled = mean_pooled(self.encoder_, self.tokenizer_,
+                                     texts[start : start + self.batch_size],
+                                     self.max_length, device)
                 out.extend(pooled.float().cpu().numpy())
         return out
 
