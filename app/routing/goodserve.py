@@ -20,7 +20,7 @@ from enum import StrEnum
 from app.engine_types import EngineStatus
 from app.hardware import InstanceSpec
 from app.routing.base import ActiveRequest, Reject, RouteDecision, RoutingPolicy, Watchdog
-from app.routing.budgets import Budget, TokenBudgets, token_budget_s
+from app.routing.budgets import SlackBudgets
 from app.routing.length import OutputLengthEstimator, bounded_output
 from app.routing.status import InstanceEstimate, StatusEstimator
 from app.routing.view import (
@@ -40,7 +40,7 @@ from app.routing.view import (
 # deadline without moving.
 DEFAULT_MIGRATION_MARGIN = 0.0
 
-# Admitted requests' budgets are refreshed every this many iterations of their
+# Admitted requests' budgets (slack) are refreshed every this many iterations of their
 # instance, more often than tau: a budget set from a stale prediction closes the
 # instance to requests it could take, or leaves it open to ones that hurt
 # (190 req/s, scale 2, seed 0, no migration: refresh every 10 / 50 / 100 / 200
@@ -114,9 +114,7 @@ class Candidate:
     slack_s: float  # deadline - (now + T)
     capability_s_per_token: float
     has_memory_room: bool
-    decode_s_per_token: float  # d_g with this request added
     prefill_s: float = 0.0  # its prefill: a stall for everything running there
-    tightest_budget_s: float = math.inf  # smallest per-token budget already admitted here
     shortest_stall_s: float = math.inf  # smallest stall an admitted request tolerates
     reserved: bool = False  # kept for tighter deadlines (`reserve_strongest`)
 
@@ -137,13 +135,9 @@ class Candidate:
         return self.slack_s >= headroom * self.latency_s
 
     def harmless(self) -> bool:
-        """Has KV room and does not slow or stall the instance past what its
-        admitted requests tolerate (their budgets)."""
-        return (
-            self.has_memory_room
-            and self.decode_s_per_token <= self.tightest_budget_s
-            and self.prefill_s <= self.shortest_stall_s
-        )
+        """Has KV room and its prefill does not stall the instance past what its
+        admitted requests tolerate (their slack)."""
+        return self.has_memory_room and self.prefill_s <= self.shortest_stall_s
 
 
 def score_instances(
@@ -153,7 +147,7 @@ def score_instances(
     status: StatusEstimator,
     output_tokens: float,
     now: float,
-    budgets: TokenBudgets | None = None,
+    budgets: SlackBudgets | None = None,
 ) -> list[Candidate]:
     """T(r,g), slack, memory room and admitted budgets per instance for `request` (O(M))."""
     scored = []
@@ -169,20 +163,10 @@ def score_instances(
             slack_s=request.deadline_s - (now + latency),
             capability_s_per_token=capability_s_per_token(inst.spec),
             has_memory_room=inst.kv_free_tokens >= request.num_context_tokens - hit,
-            decode_s_per_token=estimate.decode_s_per_token,
             prefill_s=prefill,
-            tightest_budget_s=budgets.tightest_s(iid) if budgets else math.inf,
             shortest_stall_s=budgets.shortest_stall_s(iid) if budgets else math.inf,
         ))
     return scored
-
-
-def admitted_budget(request: RouteRequest, chosen: Candidate, output_tokens: float) -> Budget:
-    """What `request` tolerates on `chosen`: its deadline slack as one stall, or
-    spread over its predicted remaining tokens on top of the current d_g."""
-    remaining = max(output_tokens - request.num_generated_tokens, 1.0)
-    per_token = chosen.decode_s_per_token + token_budget_s(chosen.slack_s, remaining)
-    return Budget(per_token, chosen.slack_s)
 
 
 def pick_just_enough(
@@ -249,8 +233,8 @@ class JustEnoughConfig:
     # (0.5 = finish within 2/3 of the time left; chosen by benchmarks/goodput_experiments)
     headroom: float = 0.5
     admission_control: bool = False  # reject early when no instance can make it
-    # "do no harm": skip instances whose predicted d_g would exceed the per-token budget
-    # of a request already placed there (see app/routing/budgets.py)
+    # "do no harm": skip instances where this request's prefill would stall a request
+    # already placed there past its slack (see app/routing/budgets.py)
     protect_admitted: bool = True
     # stranding strongest instances take only requests whose SLO span is within this
     # quantile of recent arrivals' (`reserve_strongest`); 1 = no reservation
@@ -272,7 +256,7 @@ class JustEnoughPlacer:
 
     status: StatusEstimator
     config: JustEnoughConfig
-    budgets: TokenBudgets
+    budgets: SlackBudgets
     admissions: RecentAdmissions
 
     def place(
@@ -292,22 +276,21 @@ class JustEnoughPlacer:
         )
         chosen = pick_just_enough(candidates, self.config.variant, self.config.headroom)
         if chosen is not None:
-            self._admit(request, chosen, output_tokens)
+            self._admit(request, chosen)
         return chosen, candidates
 
     def place_best_effort(
-        self, request: RouteRequest, candidates: Sequence[Candidate], output_tokens: float
+        self, request: RouteRequest, candidates: Sequence[Candidate]
     ) -> Candidate:
         """The fallback when `place` found nothing feasible; a request that can still
         make it there (positive slack) is protected like any other."""
         chosen = fallback(candidates)
-        self._admit(request, chosen, output_tokens)
+        self._admit(request, chosen)
         return chosen
 
-    def _admit(self, request: RouteRequest, chosen: Candidate, output_tokens: float) -> None:
+    def _admit(self, request: RouteRequest, chosen: Candidate) -> None:
         if request.has_deadline and chosen.slack_s > 0:  # hopeless requests are not protected
-            budget = admitted_budget(request, chosen, output_tokens)
-            self.budgets.admit(chosen.instance_id, request.request_id, budget)
+            self.budgets.admit(chosen.instance_id, request.request_id, chosen.slack_s)
 
 
 class RecentAdmissions:
@@ -410,13 +393,13 @@ class JustEnoughPolicy(RoutingPolicy):
         status: StatusEstimator,
         length: OutputLengthEstimator,
         config: JustEnoughConfig = JustEnoughConfig(),
-        budgets: TokenBudgets | None = None,
+        budgets: SlackBudgets | None = None,
         admissions: RecentAdmissions | None = None,
     ) -> None:
         self.status = status
         self.length = length
         self.config = config
-        self.budgets = budgets if budgets is not None else TokenBudgets()
+        self.budgets = budgets if budgets is not None else SlackBudgets()
         self.admissions = admissions if admissions is not None else RecentAdmissions()
         self.placer = JustEnoughPlacer(status, config, self.budgets, self.admissions)
         self.needs_true_output_length = length.needs_true_output_length
@@ -437,7 +420,7 @@ class JustEnoughPolicy(RoutingPolicy):
                 f"no instance can meet the deadline: best estimate {fastest:.2f} s "
                 f"for {request.deadline_s - now:.2f} s left"
             )
-        return self.placer.place_best_effort(request, candidates, output).instance_id
+        return self.placer.place_best_effort(request, candidates).instance_id
 
     def on_step(self, instance_id: InstanceId, report: StepReport, now: float) -> None:
         self.status.on_step(instance_id, report, now)
@@ -459,7 +442,7 @@ class SloWatchdog(Watchdog):
 
     Expected finish of an active request = now + (queue delay if still waiting) +
     re-predicted remaining tokens x d_g of its instance. A request on track gets its
-    per-token budget recomputed from its progress and re-predicted length (a budget
+    budget (slack) recomputed from its progress and re-predicted length (a budget
     fixed at admission forgets the slack a request gains by running ahead). One that
     would miss moves to the just-enough choice among *stronger* instances whose
     estimate (re-prefill of prompt + generated ids, then the remaining decode) still
@@ -487,7 +470,7 @@ class SloWatchdog(Watchdog):
         tau_iterations: int = 50,
         max_migrations_per_request: int = 1,
         config: JustEnoughConfig = JustEnoughConfig(),
-        budgets: TokenBudgets | None = None,
+        budgets: SlackBudgets | None = None,
         migration_margin: float = DEFAULT_MIGRATION_MARGIN,
         budget_refresh_iterations: int | None = None,  # None: every tau
         admissions: RecentAdmissions | None = None,
@@ -500,7 +483,7 @@ class SloWatchdog(Watchdog):
             raise ValueError(f"budget_refresh_iterations must be >= 1, got {refresh}")
         self._check_period = math.gcd(tau_iterations, refresh)
         self._move_epochs: dict[InstanceId, int] = {}  # num_iterations // tau at last move
-        self.budgets = budgets if budgets is not None else TokenBudgets()
+        self.budgets = budgets if budgets is not None else SlackBudgets()
         if max_migrations_per_request < 0:
             raise ValueError("max_migrations_per_request must be >= 0")
         if migration_margin < 0:
@@ -565,8 +548,7 @@ class SloWatchdog(Watchdog):
             time_left = self.time_left_s(item, estimate, now)
             late_s = remaining * estimate.decode_s_per_token - time_left
             if late_s <= 0:  # on track: what it can afford now is its budget
-                per_token = token_budget_s(time_left, remaining)
-                self.budgets.admit(instance_id, rid, Budget(per_token, -late_s))
+                self.budgets.admit(instance_id, rid, -late_s)
                 continue
             target = None
             if may_move and stronger and late_s > self.migration_margin * max(time_left, 0.0):
@@ -636,7 +618,7 @@ def make_goodserve(
     Without migration the watchdog still runs (it keeps the budgets current) but
     never moves a request, so the ablation removes exactly the migrations.
     """
-    status, budgets, admissions = StatusEstimator(alpha), TokenBudgets(), RecentAdmissions()
+    status, budgets, admissions = StatusEstimator(alpha), SlackBudgets(), RecentAdmissions()
     policy = JustEnoughPolicy(status, length, config, budgets, admissions)
     moves = max_migrations_per_request if migration else 0
     watchdog = SloWatchdog(status, length, tau_iterations, moves, config, budgets,

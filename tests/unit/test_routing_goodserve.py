@@ -9,7 +9,7 @@ import pytest
 
 from app.engine_types import EngineStatus
 from app.routing.base import ActiveRequest, Reject
-from app.routing.budgets import Budget
+from app.routing.budgets import SlackBudgets
 from app.routing.goodserve import (
     MIN_SLO_SAMPLES,
     Candidate,
@@ -226,7 +226,7 @@ def test_migration_margin_moves_only_clearly_late_requests():
     dog = make_watchdog(H800=0.01, A800=0.015, A40=0.04)
     dog.migration_margin = 0.5
     cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
-    dog.budgets.admit("A40", "r", Budget(1.0, 1.0))
+    dog.budgets.admit("A40", "r", 1.0)
     assert dog.check("A40", [active(14.0, 100)], cluster, 4.0) == {}
     assert len(dog.budgets) == 0  # barely late: no longer protected
     assert dog.check("A40", [active(10.0, 100)], cluster, 4.0) == {"r": "A800"}
@@ -263,7 +263,7 @@ def test_recent_admissions_keep_a_window_per_instance():
 def turned_away(instance_id: str) -> Candidate:
     """An arrival that would have met its deadline on the instance but for its budgets."""
     return Candidate(instance_id, latency_s=1.0, slack_s=5.0, capability_s_per_token=0.01,
-                     has_memory_room=True, decode_s_per_token=0.02, tightest_budget_s=0.01)
+                     has_memory_room=True, prefill_s=0.2, shortest_stall_s=0.1)
 
 
 def test_recent_admissions_know_which_instances_turned_arrivals_away():
@@ -282,7 +282,7 @@ def test_an_instance_strands_an_arrival_only_when_nothing_else_could_take_it():
     admissions = RecentAdmissions(window=2)
     arrival = make_request(10.0)
     room_elsewhere = Candidate("A800", latency_s=1.0, slack_s=5.0, capability_s_per_token=0.02,
-                               has_memory_room=True, decode_s_per_token=0.02)
+                               has_memory_room=True)
     admissions.record_arrival(arrival, [turned_away("H800"), room_elsewhere], headroom=0.5)
     assert admissions.contended("H800") and not admissions.stranding("H800")
     admissions.record_arrival(arrival, [turned_away("H800")], headroom=0.5)
@@ -291,7 +291,7 @@ def test_an_instance_strands_an_arrival_only_when_nothing_else_could_take_it():
     admissions.record_arrival(arrival, [], headroom=0.5)
     assert not admissions.stranding("H800")
     # turned away by its reservation: still contended, but that does not extend it
-    reserved = replace(turned_away("H800"), tightest_budget_s=math.inf, reserved=True)
+    reserved = replace(turned_away("H800"), shortest_stall_s=math.inf, reserved=True)
     admissions.record_arrival(arrival, [reserved], headroom=0.5)
     assert admissions.contended("H800") and not admissions.stranding("H800")
 
@@ -386,7 +386,7 @@ def test_move_may_cost_a_contended_target_no_more_than_a_typical_arrival():
         return dog
 
     cheap_arrivals = dog_after_arrivals(1.0, 0.5)
-    cheap_arrivals.budgets.admit("A40", "r", Budget(1.0, 1.0))
+    cheap_arrivals.budgets.admit("A40", "r", 1.0)
     assert cheap_arrivals.check("A40", [active(10.0, 100)], cluster, 4.0) == {}
     assert len(cheap_arrivals.budgets) == 0  # stays, unprotected, nothing admitted on A800
     assert dog_after_arrivals(6.0, 0.5).check(
@@ -423,7 +423,7 @@ def test_budgets_refresh_every_check_but_moves_wait_for_tau():
         return make_cluster(make_view("H800"), make_view("A800"), a40)
 
     for iterations in (10, 20, 30, 40):  # late, A800 could take it, but tau has not passed
-        dog.budgets.admit("A40", "r", Budget(1.0, 1.0))
+        dog.budgets.admit("A40", "r", 1.0)
         assert dog.check("A40", [active(10.0, 100)], at(iterations), 4.0) == {}
         assert len(dog.budgets) == 0  # the refresh still drops its protection
     assert dog.check("A40", [active(10.0, 100)], at(50), 4.0) == {"r": "A800"}
@@ -448,12 +448,12 @@ def test_make_goodserve_shares_estimators_and_ablates_migration():
 def test_watchdog_refreshes_budgets_from_progress_and_drops_late_requests():
     dog = make_watchdog(H800=0.01, A800=0.015, A40=0.04)
     cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
-    # 100 of 400 tokens done at t=4 with 13 s left: 300 tokens may take 13/300 s each
+    # 100 of 400 tokens done at t=4 with 13 s left: 300 tokens take 12 s, 1 s to spare
     assert dog.check("A40", [active(17.0, 100)], cluster, 4.0) == {}
-    assert dog.budgets.tightest_s("A40") == pytest.approx(13.0 / 300)
+    assert dog.budgets.shortest_stall_s("A40") == pytest.approx(1.0)
     # at t=14 it has fallen behind and no stronger instance can save it: unprotected
     assert dog.check("A40", [active(17.0, 100)], cluster, 14.0) == {}
-    assert dog.budgets.tightest_s("A40") == math.inf
+    assert dog.budgets.shortest_stall_s("A40") == math.inf
     # without migration the watchdog keeps budgets but never moves anyone
     still = SloWatchdog(dog.status, TrueLength(), max_migrations_per_request=0,
                         config=JustEnoughConfig(headroom=0.0))
@@ -473,64 +473,60 @@ def test_queue_delay_follows_a_growing_queue_by_littles_law():
 
 
 # ---- do-no-harm budgets ------------------------------------------------------------
-def test_token_budgets_track_the_tightest_admitted_request():
-    from app.routing.budgets import Budget, TokenBudgets
-
-    budgets = TokenBudgets()
-    assert budgets.tightest_s("A40") == math.inf
-    budgets.admit("A40", "a", Budget(0.05, 0.2))
-    budgets.admit("A40", "b", Budget(0.03, 0.9))
-    budgets.admit("A800", "c", Budget(0.01))
-    assert budgets.tightest_s("A40") == 0.03 and budgets.shortest_stall_s("A40") == 0.2
-    budgets.remove("b")
-    assert budgets.tightest_s("A40") == 0.05
-    budgets.admit("A40", "a", Budget(0.05, 0.5))  # refreshed by the watchdog
-    assert budgets.shortest_stall_s("A40") == 0.5
-    budgets.admit("A800", "a", Budget(0.02))  # moved by a migration
-    assert budgets.tightest_s("A40") == math.inf and budgets.tightest_s("A800") == 0.01
+def test_slack_budgets_track_the_smallest_admitted_slack():
+    budgets = SlackBudgets()
     assert budgets.shortest_stall_s("A40") == math.inf
-    budgets.admit("A800", "d", Budget(math.inf))  # no deadline: constrains nothing
+    budgets.admit("A40", "a", 0.2)
+    budgets.admit("A40", "b", 0.9)
+    budgets.admit("A800", "c", 0.1)
+    assert budgets.shortest_stall_s("A40") == 0.2
+    budgets.remove("a")
+    assert budgets.shortest_stall_s("A40") == 0.9
+    budgets.admit("A40", "b", 0.5)  # refreshed by the watchdog
+    assert budgets.shortest_stall_s("A40") == 0.5
+    budgets.admit("A800", "b", 0.3)  # moved by a migration
+    assert budgets.shortest_stall_s("A40") == math.inf
+    assert budgets.shortest_stall_s("A800") == 0.1
+    budgets.admit("A800", "d", math.inf)  # no deadline: constrains nothing
     assert len(budgets) == 2
 
 
-def test_instance_stays_closed_while_an_admitted_request_cannot_afford_slowdown():
+def test_late_request_avoids_instances_whose_admitted_requests_its_prefill_would_stall():
     policy = policy_with_speeds(H800=0.01, A800=0.015, A40=0.04)
     cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
-    # tight request: A40 would take 8.1 s of its 8.2 s -> budget ~0.0405 s/token on A40
-    assert policy.choose(make_request(8.2, rid="tight"), cluster, 0.0) == "A40"
-    # a loose request would fit the A40 too, but slowing A40 further risks "tight"
-    busier = make_cluster(make_view("H800"), make_view("A800"), make_view("A40", running=40))
-    assert policy.choose(make_request(60.0, rid="loose"), busier, 0.0) == "A800"
-    policy.on_finish(FinishReport(make_request(8.2, rid="tight"), "A40", 200, 0.1, 8.0), 8.0)
-    assert policy.choose(make_request(60.0, rid="loose2"), busier, 8.0) == "A40"
-
-
-def test_late_request_avoids_instances_whose_admitted_requests_it_would_make_late():
-    policy = policy_with_speeds(H800=0.01, A800=0.015, A40=0.04)
-    cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
-    # tight: H800 needs 2.1 s of its 2.2 s -> budget ~0.0105 s/token on H800
+    # tight: H800 needs 2.1 s of its 2.2 s -> 0.1 s of slack
     assert policy.choose(make_request(2.2, rid="tight"), cluster, 0.0) == "H800"
-    busier = make_cluster(make_view("H800", running=40), make_view("A800"), make_view("A40"))
-    hopeless = make_request(0.5, rid="late")
-    candidates = policy.placer.place(hopeless, busier.instances, busier, 200, 0.0)[1]
+    hopeless = make_request(0.5, prompt=5000, rid="late")
+    candidates = policy.placer.place(hopeless, cluster.instances, cluster, 200, 0.0)[1]
     by_id = {c.instance_id: c for c in candidates}
-    # the H800 is still the fastest for it, but joining would break "tight"'s budget
+    # the H800 is still the fastest for it, but its 0.5 s prefill would make "tight" late
     assert min(candidates, key=lambda c: c.latency_s).instance_id == "H800"
     assert not by_id["H800"].harmless() and by_id["A800"].harmless()
-    assert policy.choose(hopeless, busier, 0.0) == "A800"
+    assert policy.choose(hopeless, cluster, 0.0) == "A800"
     # once nothing admitted is left to protect, best effort means the fastest again
     policy.on_finish(FinishReport(make_request(2.2, rid="tight"), "H800", 200, 0.1, 2.1), 2.1)
-    assert policy.choose(make_request(0.5, rid="late2"), busier, 2.1) == "H800"
+    assert policy.choose(make_request(0.5, prompt=5000, rid="late2"), cluster, 2.1) == "H800"
+
+
+def test_an_instance_is_not_closed_for_the_slowdown_a_newcomer_adds():
+    """Decode is memory-bound: joining a batch slows it by well under 1%. Only the
+    newcomer's prefill is budgeted; a per-token budget closed instances to arrivals
+    that would have met (README, "do no harm")."""
+    policy = policy_with_speeds(H800=0.01, A800=0.015, A40=0.04)
+    cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
+    # tight: A40 takes 8.1 s of its 8.2 s, 0.1 s of slack
+    assert policy.choose(make_request(8.2, rid="tight"), cluster, 0.0) == "A40"
+    # 6 running: one more makes a step ~1% slower, which "tight" alone could not afford
+    # per token; a short prefill (0.05 s) fits its slack, so the A40 stays open
+    busier = make_cluster(make_view("H800"), make_view("A800"), make_view("A40", running=6))
+    assert policy.choose(make_request(60.0, prompt=500, rid="loose"), busier, 0.0) == "A40"
 
 
 def test_headroom_reserves_the_new_requests_slack_not_the_admitted_budgets():
-    from app.routing.goodserve import Candidate
-
     candidate = Candidate("A40", latency_s=2.0, slack_s=1.0, capability_s_per_token=0.02,
-                          has_memory_room=True, decode_s_per_token=0.09,
-                          tightest_budget_s=0.1)
+                          has_memory_room=True, prefill_s=0.09, shortest_stall_s=0.1)
     assert candidate.feasible(0.5) and not candidate.feasible(0.6)
-    assert not replace(candidate, decode_s_per_token=0.11).feasible(0.0)
+    assert not replace(candidate, prefill_s=0.11).feasible(0.0)
     assert not replace(candidate, has_memory_room=False).harmless()
 
 
@@ -542,7 +538,7 @@ def test_best_effort_placement_with_time_to_spare_is_protected():
     policy = JustEnoughPolicy(status, TrueLength(), JustEnoughConfig(headroom=0.5))
     # 2.5 s: H800 makes it (2.1 s) but not with half of T in reserve (3.15 s) -> best effort
     assert policy.choose(make_request(2.5, rid="edge"), cluster, 0.0) == "H800"
-    assert policy.budgets.tightest_s("H800") < math.inf
+    assert policy.budgets.shortest_stall_s("H800") < math.inf
     # hopeless everywhere: placed, but nothing to protect
     assert policy.choose(make_request(0.5, rid="late"), cluster, 0.0) == "H800"
     assert len(policy.budgets) == 1
