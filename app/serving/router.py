@@ -160,23 +160,30 @@ class LiveInstance:
 
 
 class OwnLoad:
-    """This router's flights per instance, running or waiting, counted as they change
-    (the router's views read it at every decision and every poll)."""
+    """This router's flights per instance, and how many run or wait there, kept as
+    they change (the views read the counts at every decision and every poll; the
+    watchdog reads one instance's flights at each of its checks)."""
 
     def __init__(self) -> None:
         self._counts: Counter[tuple[InstanceId, bool]] = Counter()
+        self._flights: dict[InstanceId, dict[str, Flight]] = {}
 
     def add(self, flight: Flight) -> None:
         self._counts[(flight.instance_id, flight.is_running)] += 1
+        self._flights.setdefault(flight.instance_id, {})[flight.request_id] = flight
 
     def remove(self, flight: Flight) -> None:
         self._counts[(flight.instance_id, flight.is_running)] -= 1
+        del self._flights[flight.instance_id][flight.request_id]
 
     def running(self, instance_id: InstanceId) -> int:
         return self._counts[(instance_id, True)]
 
     def waiting(self, instance_id: InstanceId) -> int:
         return self._counts[(instance_id, False)]
+
+    def flights_on(self, instance_id: InstanceId) -> list[Flight]:
+        return list(self._flights.get(instance_id, {}).values())
 
 
 @dataclass(frozen=True)
@@ -467,8 +474,7 @@ class LiveRouter:
         if epoch <= inst.watched_epoch:
             return
         inst.watched_epoch = epoch
-        mine = [f for f in self.flights.values()
-                if f.instance_id == inst.instance_id and f.move_to is None]
+        mine = [f for f in self._load.flights_on(inst.instance_id) if f.move_to is None]
         if not mine:
             return
         active = [ActiveRequest(f.route, f.instance_id, len(f.output_token_ids), f.is_running)

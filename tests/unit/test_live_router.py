@@ -95,6 +95,8 @@ def assert_load_matches_flights(router: LiveRouter) -> None:
         mine = [f for f in router.flights.values() if f.instance_id == inst.instance_id]
         running = sum(f.is_running for f in mine)
         assert (inst.num_running, inst.num_waiting) == (running, len(mine) - running)
+        on = router._load.flights_on(inst.instance_id)  # what the watchdog checks there
+        assert sorted(f.request_id for f in on) == sorted(f.request_id for f in mine)
 
 
 async def drain(router: LiveRouter, flight) -> list[TokenEvent]:
