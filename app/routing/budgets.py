@@ -9,7 +9,7 @@ and watchdog.
 The slowdown of the batch a newcomer joins is not budgeted: decode is memory-bound,
 one more request slows a step by well under 1%, and a per-token budget only ever
 tripped on requests that the pessimistic estimate already had behind - it closed
-instances to arrivals that would have met (measured in the README, "do no harm").
+instances to arrivals that would have met (README, "do-no-harm budgets").
 """
 
 from __future__ import annotations

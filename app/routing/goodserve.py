@@ -43,8 +43,8 @@ DEFAULT_MIGRATION_MARGIN = 0.0
 # Admitted requests' budgets (slack) are refreshed every this many iterations of their
 # instance, more often than tau: a budget set from a stale prediction closes the
 # instance to requests it could take, or leaves it open to ones that hurt
-# (190 req/s, scale 2, seed 0, no migration: refresh every 10 / 50 / 100 / 200
-# iterations -> 173.4 / 166.5 / 152.2 / 145.6 req/s).
+# (190 req/s, scale 2, seed 0, no migration, with the former per-token budgets:
+# refresh every 10 / 50 / 100 / 200 iterations -> 173.4 / 166.5 / 152.2 / 145.6 req/s).
 DEFAULT_BUDGET_REFRESH_ITERATIONS = 10
 
 # A move may take no more of its target than this quantile of the estimated latency T
