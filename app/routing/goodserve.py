@@ -120,7 +120,7 @@ class Candidate:
 
     def feasible(self, headroom: float = 0.0) -> bool:
         """Meets the deadline with `headroom` x T to spare and may take the request."""
-        return self.meets_deadline(headroom) and not self.reserved and self.harmless()
+        return self.meets_deadline(headroom) and self.admissible()
 
     def admissible(self) -> bool:
         """Harmless and not reserved for tighter deadlines."""
