@@ -25,7 +25,6 @@ import logging
 import math
 import time
 from abc import ABC, abstractmethod
-from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -160,30 +159,29 @@ class LiveInstance:
 
 
 class OwnLoad:
-    """This router's flights per instance, and how many run or wait there, kept as
+    """This router's flights per instance, split into running and waiting, kept as
     they change (the views read the counts at every decision and every poll; the
     watchdog reads one instance's flights at each of its checks)."""
 
     def __init__(self) -> None:
-        self._counts: Counter[tuple[InstanceId, bool]] = Counter()
-        self._flights: dict[InstanceId, dict[str, Flight]] = {}
+        self._flights: dict[tuple[InstanceId, bool], dict[str, Flight]] = {}
 
     def add(self, flight: Flight) -> None:
-        self._counts[(flight.instance_id, flight.is_running)] += 1
-        self._flights.setdefault(flight.instance_id, {})[flight.request_id] = flight
+        key = (flight.instance_id, flight.is_running)
+        self._flights.setdefault(key, {})[flight.request_id] = flight
 
     def remove(self, flight: Flight) -> None:
-        self._counts[(flight.instance_id, flight.is_running)] -= 1
-        del self._flights[flight.instance_id][flight.request_id]
+        del self._flights[(flight.instance_id, flight.is_running)][flight.request_id]
 
     def running(self, instance_id: InstanceId) -> int:
-        return self._counts[(instance_id, True)]
+        return len(self._flights.get((instance_id, True), ()))
 
     def waiting(self, instance_id: InstanceId) -> int:
-        return self._counts[(instance_id, False)]
+        return len(self._flights.get((instance_id, False), ()))
 
     def flights_on(self, instance_id: InstanceId) -> list[Flight]:
-        return list(self._flights.get(instance_id, {}).values())
+        return [f for running in (True, False)
+                for f in self._flights.get((instance_id, running), {}).values()]
 
 
 @dataclass(frozen=True)
