@@ -10,6 +10,12 @@ The slowdown of the batch a newcomer joins is not budgeted: decode is memory-bou
 one more request slows a step by well under 1%, and a per-token budget only ever
 tripped on requests that the pessimistic estimate already had behind - it closed
 instances to arrivals that would have met (README, "do-no-harm budgets").
+
+The prefill compared here is L_in x p_g, and p_g is measured over whole iterations
+(the decode step included), 12-31x a prompt token's marginal cost on a busy
+instance: in practice this check is an admission throttle, and with the marginal
+cost instead it stops throttling and late requests flood the strongest instance
+(README, "What the stall check really measures").
 """
 
 from __future__ import annotations
