@@ -395,6 +395,10 @@ def replay(
                             "requests they take only those whose SLO is within this "
                             "quantile of recent arrivals' SLOs (1: no reservation)")
     ] = RoutingOptions.reservation_quantile,
+    stall_factor: Annotated[
+        float, typer.Option(min=0.0, help="share of a new request's prefill estimate "
+                            "charged against admitted requests' slack (do-no-harm check)")
+    ] = RoutingOptions.stall_factor,
 ) -> None:
     """Replay a trace against routing policies and SLO scales; write results to --out."""
     try:
@@ -411,6 +415,7 @@ def replay(
                                    budget_refresh_iterations=budget_refresh,
                                    migration_cost_quantile=migration_cost_quantile,
                                    reservation_quantile=reservation_quantile,
+                                   stall_factor=stall_factor,
                                    length_factory=_length_factory(predictor)),
         )
         workload = build_workload(

@@ -88,6 +88,8 @@ class RoutingOptions:
     # stranding strongest instances take requests within this quantile of recent SLO
     # spans (1: no reservation)
     reservation_quantile: float = JustEnoughConfig.reservation_quantile
+    # share of a newcomer's prefill estimate charged against admitted requests' slack
+    stall_factor: float = JustEnoughConfig.stall_factor
     # GoodServe's output-length predictor (e.g. the MoE); None -> running history
     length_factory: Callable[[], OutputLengthEstimator] | None = None
 
@@ -118,7 +120,8 @@ def _goodserve(
         budget_refresh_iterations=options.budget_refresh_iterations,
         migration_cost_quantile=options.migration_cost_quantile,
         config=JustEnoughConfig(headroom=options.headroom,
-                                reservation_quantile=options.reservation_quantile, **config),
+                                reservation_quantile=options.reservation_quantile,
+                                stall_factor=options.stall_factor, **config),
     )
     return RoutingStack(policy, watchdog)
 

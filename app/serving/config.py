@@ -26,6 +26,7 @@ from app.routing.goodserve import (
     DEFAULT_MIGRATION_COST_QUANTILE,
     DEFAULT_MIGRATION_MARGIN,
     DEFAULT_RESERVATION_QUANTILE,
+    DEFAULT_STALL_FACTOR,
 )
 from app.routing.registry import SIM_ONLY, PolicyKind, RoutingOptions
 
@@ -51,6 +52,10 @@ class RoutingConfig(Frozen):
         DEFAULT_RESERVATION_QUANTILE, ge=0, le=1,
         description="when the strongest instances strand requests they take only those "
         "whose SLO is within this quantile of recent arrivals' SLOs; 1 = no reservation")
+    stall_factor: float = Field(
+        DEFAULT_STALL_FACTOR, ge=0,
+        description="share of a new request's prefill estimate charged against admitted "
+        "requests' slack by the do-no-harm check; 0 = no check")
     seed: int = 0
     predictor_dir: str | None = Field(
         None, description="trained predictor directory (`goodserve predictor train`); "

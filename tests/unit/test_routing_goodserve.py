@@ -263,7 +263,7 @@ def test_recent_admissions_keep_a_window_per_instance():
 def turned_away(instance_id: str) -> Candidate:
     """An arrival that would have met its deadline on the instance but for its budgets."""
     return Candidate(instance_id, latency_s=1.0, slack_s=5.0, capability_s_per_token=0.01,
-                     has_memory_room=True, prefill_s=0.2, shortest_stall_s=0.1)
+                     has_memory_room=True, stall_s=0.2, shortest_stall_s=0.1)
 
 
 def test_recent_admissions_know_which_instances_turned_arrivals_away():
@@ -524,9 +524,9 @@ def test_an_instance_is_not_closed_for_the_slowdown_a_newcomer_adds():
 
 def test_headroom_reserves_the_new_requests_slack_not_the_admitted_budgets():
     candidate = Candidate("A40", latency_s=2.0, slack_s=1.0, capability_s_per_token=0.02,
-                          has_memory_room=True, prefill_s=0.09, shortest_stall_s=0.1)
+                          has_memory_room=True, stall_s=0.09, shortest_stall_s=0.1)
     assert candidate.feasible(0.5) and not candidate.feasible(0.6)
-    assert not replace(candidate, prefill_s=0.11).feasible(0.0)
+    assert not replace(candidate, stall_s=0.11).feasible(0.0)
     assert not replace(candidate, has_memory_room=False).harmless()
 
 
@@ -557,6 +557,36 @@ def test_long_prefill_cannot_stall_an_admitted_request_past_its_slack():
 
     assert not h800(make_request(60.0, prompt=5000, rid="long")).harmless()
     assert h800(make_request(60.0, prompt=1000, rid="short")).harmless()
+
+
+@pytest.mark.parametrize("factor, harmless_prompts, harmful_prompts", [
+    (1.0, (1000, 2500), (5000,)),
+    (0.5, (1000, 5000), (8000,)),  # half the 0.5 s prefill fits the 0.3 s slack
+    (0.0, (1000, 8000), ()),  # no check at all
+])
+def test_stall_factor_scales_what_a_prefill_charges_against_admitted_slack(
+    factor, harmless_prompts, harmful_prompts
+):
+    status = StatusEstimator(alpha=1.0)
+    for gpu, d in (("H800", 0.01), ("A800", 0.015)):
+        set_speed(status, gpu, d)
+    config = JustEnoughConfig(headroom=0.0, stall_factor=factor)
+    policy = JustEnoughPolicy(status, TrueLength(), config)
+    cluster = make_cluster(make_view("H800"), make_view("A800"))
+    assert policy.choose(make_request(2.4, rid="edge"), cluster, 0.0) == "H800"  # 0.3 s slack
+
+    def h800_harmless(prompt: int) -> bool:
+        request = make_request(60.0, prompt=prompt, rid=f"p{prompt}")
+        candidates = policy.placer.place(request, cluster.instances, cluster, 20, 0.0)[1]
+        return next(c for c in candidates if c.instance_id == "H800").harmless()
+
+    assert all(h800_harmless(n) for n in harmless_prompts)
+    assert not any(h800_harmless(n) for n in harmful_prompts)
+
+
+def test_stall_factor_must_not_be_negative():
+    with pytest.raises(ValueError, match="stall_factor"):
+        JustEnoughConfig(stall_factor=-0.5)
 
 
 def test_headroom_keeps_slack_in_reserve():
