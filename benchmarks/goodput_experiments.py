@@ -242,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"subset of {','.join(EXPERIMENTS)}")
     parser.add_argument("--duration", type=float, default=300.0, help="arrival window, s")
     parser.add_argument("--headroom", type=float, default=RoutingOptions().headroom)
+    parser.add_argument("--stall-factor", type=float, default=RoutingOptions().stall_factor,
+                        help="share of a new request's prefill estimate charged against "
+                        "admitted requests' slack")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--seeds", default="0,1,2,3", help="workload seeds of `seeds`")
     parser.add_argument("--quick", action="store_true", help="short window, fewer cells")
@@ -258,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # a fresh load per run: predictors learn online (observe), runs must not share that
     routing = RoutingOptions(seed=args.seed, headroom=args.headroom,
+                             stall_factor=args.stall_factor,
                              length_factory=lambda: PredictorLength(
                                  load_predictor(predictor_dir, "moe")))
     duration = 60.0 if args.quick else args.duration
@@ -272,6 +276,7 @@ def run_all(setup: Setup, args: argparse.Namespace, duration: float) -> int:
     workload = make_workload(setup, rate, duration)
     row = {"rate_rps": rate, "requests": len(workload), "duration_s": duration,
            "seed": setup.seed, "headroom": setup.routing.headroom,
+           "stall_factor": setup.routing.stall_factor,
            "prompts": "held-out 20% of prompt_lengths.jsonl by prompt_id",
            "predictor": str(setup.predictor_dir)}
     wanted = set(args.experiments.split(","))
