@@ -550,13 +550,12 @@ def test_long_prefill_cannot_stall_an_admitted_request_past_its_slack():
     # edge: H800 takes 0.1 s prefill + 2 s decode of its 2.4 s -> 0.3 s of slack to spare
     assert policy.choose(make_request(2.4, rid="edge"), cluster, 0.0) == "H800"
     assert policy.budgets.shortest_stall_s("H800") == pytest.approx(0.3, abs=0.01)
-    # a loose request fits the H800 by speed, but an 8000-token prefill (0.8 s, half of
-    # it charged by the default stall factor) stalls "edge" past its slack
+    # a loose request fits the H800 by speed, but a 5000-token prefill stalls "edge" 0.5 s
     def h800(request):
         candidates = policy.placer.place(request, cluster.instances, cluster, 20, 0.0)[1]
         return next(c for c in candidates if c.instance_id == "H800")
 
-    assert not h800(make_request(60.0, prompt=8000, rid="long")).harmless()
+    assert not h800(make_request(60.0, prompt=5000, rid="long")).harmless()
     assert h800(make_request(60.0, prompt=1000, rid="short")).harmless()
 
 
