@@ -25,6 +25,7 @@ from app.routing.goodserve import (
     score_instances,
 )
 from app.routing.length import RunningHistoryLength, TrueLength
+from app.routing.registry import PolicyKind, RoutingOptions, build_routing
 from app.routing.status import InstanceEstimate, StatusEstimator, catalog_prior
 from app.routing.view import ClusterView, FinishReport
 from tests.unit.routing_utils import SPECS, make_cluster, make_request, make_view
@@ -582,6 +583,12 @@ def test_stall_factor_scales_what_a_prefill_charges_against_admitted_slack(
 
     assert all(h800_harmless(n) for n in harmless_prompts)
     assert not any(h800_harmless(n) for n in harmful_prompts)
+
+
+def test_stall_factor_reaches_the_policy_and_the_watchdog():
+    stack = build_routing(PolicyKind.GOODSERVE, RoutingOptions(stall_factor=0.5))
+    assert stack.policy.config.stall_factor == 0.5
+    assert stack.watchdog.config.stall_factor == 0.5
 
 
 def test_stall_factor_must_not_be_negative():
