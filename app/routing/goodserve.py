@@ -71,7 +71,7 @@ DEFAULT_RESERVATION_QUANTILE = 0.9
 # The do-no-harm check charges a newcomer's whole prefill estimate against the smallest
 # admitted slack. The estimate overstates the real stall (p_g is measured over whole
 # iterations), so the factor sets how hard the check throttles admissions. 0.5 beats
-# 1.0 at SLO scale 1 with the MoE (six workload seeds: 136.0 against 126.9 req/s,
+# 1.0 at SLO scale 1 with the MoE (six workload seeds: 136.1 against 126.9 req/s,
 # ahead of slo-pack on every seed) and loses 1-2% at scales 1.5-3, but it is tuned to
 # that predictor's errors: the oracle collapses at scales 1-1.5 (seed 0: 23.9 / 94.9
 # against 90.5 / 146.5), 0.25 floods the H800, and with the running-history predictor
