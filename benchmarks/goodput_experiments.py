@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from app.config import load_cluster_config
+from app.routing.goodserve import JustEnoughConfig
 from app.routing.length import PredictorLength
 from app.routing.registry import POLICY_REGISTRY, PolicyKind, RoutingOptions
 from app.workload import Workload, load_prompts, load_trace, trace_workload
@@ -245,10 +246,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stall-factor", type=float, default=RoutingOptions().stall_factor,
                         help="share of a new request's prefill estimate charged against "
                         "admitted requests' slack")
+    parser.add_argument("--confidence-quantile", type=float,
+                        default=RoutingOptions().confidence_quantile,
+                        help="just-enough places by this quantile of the predicted length "
+                        "first (0.5: the point estimate alone)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--seeds", default="0,1,2,3", help="workload seeds of `seeds`")
     parser.add_argument("--quick", action="store_true", help="short window, fewer cells")
     args = parser.parse_args(argv)
+    try:  # the knobs' own checks, before minutes of data loading and training
+        JustEnoughConfig(headroom=args.headroom, stall_factor=args.stall_factor,
+                         confidence_quantile=args.confidence_quantile)
+    except ValueError as error:
+        print(f"error: {error}")
+        return 2
     if not args.trace.exists() or not args.prompts.exists():
         print(f"error: data not found ({args.trace}, {args.prompts})")
         return 2
@@ -262,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     # a fresh load per run: predictors learn online (observe), runs must not share that
     routing = RoutingOptions(seed=args.seed, headroom=args.headroom,
                              stall_factor=args.stall_factor,
+                             confidence_quantile=args.confidence_quantile,
                              length_factory=lambda: PredictorLength(
                                  load_predictor(predictor_dir, "moe")))
     duration = 60.0 if args.quick else args.duration
@@ -277,6 +289,7 @@ def run_all(setup: Setup, args: argparse.Namespace, duration: float) -> int:
     row = {"rate_rps": rate, "requests": len(workload), "duration_s": duration,
            "seed": setup.seed, "headroom": setup.routing.headroom,
            "stall_factor": setup.routing.stall_factor,
+           "confidence_quantile": setup.routing.confidence_quantile,
            "prompts": "held-out 20% of prompt_lengths.jsonl by prompt_id",
            "predictor": str(setup.predictor_dir)}
     wanted = set(args.experiments.split(","))

@@ -399,6 +399,11 @@ def replay(
         float, typer.Option(min=0.0, help="share of a new request's prefill estimate "
                             "charged against admitted requests' slack (do-no-harm check)")
     ] = RoutingOptions.stall_factor,
+    confidence_quantile: Annotated[
+        float, typer.Option(min=0.5, max=1.0, help="just-enough places by this quantile of "
+                            "the predicted length first, when the estimator knows its "
+                            "spread (0.5: the point estimate alone)")
+    ] = RoutingOptions.confidence_quantile,
 ) -> None:
     """Replay a trace against routing policies and SLO scales; write results to --out."""
     try:
@@ -416,6 +421,7 @@ def replay(
                                    migration_cost_quantile=migration_cost_quantile,
                                    reservation_quantile=reservation_quantile,
                                    stall_factor=stall_factor,
+                                   confidence_quantile=confidence_quantile,
                                    length_factory=_length_factory(predictor)),
         )
         workload = build_workload(

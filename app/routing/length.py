@@ -4,7 +4,8 @@ Routing code asks one question: "how many tokens will this request produce in
 total, given it has produced `num_generated` so far?". Three answers:
 - `PredictorLength` wraps any `predictor.Predictor` (MoE, MLP, history, ...);
 - `RunningHistoryLength` is the label-free history baseline a router can always
-  run: the conditional median of recently finished lengths (Past-Future style);
+  run: the conditional median of recently finished lengths (Past-Future style),
+  and, since it holds the whole distribution, a confident (high-quantile) total;
 - `TrueLength` is the oracle's (true output length, simulator only).
 """
 
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from predictor.base import Predictor
 
 DEFAULT_OUTPUT_TOKENS = 256  # before any request has finished
+MIN_CALIBRATION_SAMPLES = 100  # finished requests before a predictor's spread is trusted
 
 
 def bounded_output(request: RouteRequest, total: float) -> float:
@@ -43,6 +45,12 @@ class OutputLengthEstimator(StepListener, ABC):
     def expected_output(self, request: RouteRequest) -> float:
         """L_out_hat when the request is routed."""
         return self.predict_total(request, request.num_generated_tokens)
+
+    def confident_output(self, request: RouteRequest, quantile: float) -> float | None:
+        """A total the request stays within with probability `quantile`, when this
+        estimator knows the spread of its errors; None when it does not (then routing
+        has only the point estimate)."""
+        return None
 
     def predict_totals(
         self, requests: Sequence[RouteRequest], num_generated: Sequence[int]
@@ -86,13 +94,20 @@ class RunningHistoryLength(OutputLengthEstimator):
         self.observe_length(report.num_output_tokens)
 
     def predict_total(self, request: RouteRequest, num_generated: int = 0) -> float:
+        return self.conditional_quantile(num_generated, 0.5)
+
+    def confident_output(self, request: RouteRequest, quantile: float) -> float | None:
+        return self.conditional_quantile(request.num_generated_tokens, quantile)
+
+    def conditional_quantile(self, num_generated: int, quantile: float) -> float:
+        """The `quantile` of recently finished lengths longer than `num_generated`."""
         start = bisect.bisect_right(self._sorted, num_generated)
         longer = len(self._sorted) - start
         if not self._sorted:
             return float(max(self.default_tokens, num_generated + 1))
         if longer == 0:  # outlived everything seen: assume it is about to end
             return float(num_generated + 1)
-        return float(self._sorted[start + longer // 2])
+        return float(self._sorted[start + min(int(quantile * longer), longer - 1)])
 
 
 class PredictorLength(OutputLengthEstimator):
@@ -102,8 +117,23 @@ class PredictorLength(OutputLengthEstimator):
     (`predicted_output_tokens`, computed in one batch), routing uses it as is.
     """
 
-    def __init__(self, predictor: Predictor) -> None:
+    def __init__(self, predictor: Predictor, calibration_window: int = 2000) -> None:
         self.predictor = predictor
+        # true / predicted length of recently finished requests, prediction made at arrival
+        self._ratios: deque[float] = deque(maxlen=calibration_window)
+        self._ratio_quantile: tuple[tuple[int, float], float] = ((-1, 0.0), 1.0)
+        self._num_finished = 0
+
+    def confident_output(self, request: RouteRequest, quantile: float) -> float | None:
+        """The arrival prediction scaled by the `quantile` of recent true/predicted
+        ratios: the predictor's own error spread, learned from finished requests."""
+        if request.num_generated_tokens or len(self._ratios) < MIN_CALIBRATION_SAMPLES:
+            return None
+        key = (self._num_finished, quantile)
+        if self._ratio_quantile[0] != key:
+            ordered = sorted(self._ratios)
+            self._ratio_quantile = (key, ordered[int(quantile * (len(ordered) - 1))])
+        return self.expected_output(request) * self._ratio_quantile[1]
 
     def expected_output(self, request: RouteRequest) -> float:
         if request.predicted_output_tokens is not None and request.num_generated_tokens == 0:
@@ -126,3 +156,7 @@ class PredictorLength(OutputLengthEstimator):
 
     def on_finish(self, report: FinishReport, now: float) -> None:
         self.predictor.observe(report.num_output_tokens, report.request.task)
+        predicted = report.request.predicted_output_tokens
+        if predicted:
+            self._num_finished += 1
+            self._ratios.append(report.num_output_tokens / predicted)

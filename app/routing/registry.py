@@ -90,6 +90,9 @@ class RoutingOptions:
     reservation_quantile: float = JustEnoughConfig.reservation_quantile
     # share of a newcomer's prefill estimate charged against admitted requests' slack
     stall_factor: float = JustEnoughConfig.stall_factor
+    # just-enough places by this quantile of the predicted length first, when the
+    # estimator knows its spread (0.5: the point estimate alone)
+    confidence_quantile: float = JustEnoughConfig.confidence_quantile
     # GoodServe's output-length predictor (e.g. the MoE); None -> running history
     length_factory: Callable[[], OutputLengthEstimator] | None = None
 
@@ -121,7 +124,8 @@ def _goodserve(
         migration_cost_quantile=options.migration_cost_quantile,
         config=JustEnoughConfig(headroom=options.headroom,
                                 reservation_quantile=options.reservation_quantile,
-                                stall_factor=options.stall_factor, **config),
+                                stall_factor=options.stall_factor,
+                                confidence_quantile=options.confidence_quantile, **config),
     )
     return RoutingStack(policy, watchdog)
 
@@ -138,7 +142,7 @@ def _slo_pack(options: RoutingOptions) -> RoutingStack:
     status = StatusEstimator(options.alpha)
     config = JustEnoughConfig(
         variant=JustEnoughVariant.LEAST_SLACK, headroom=0.0, protect_admitted=False,
-        reservation_quantile=1.0,
+        reservation_quantile=1.0, confidence_quantile=0.5,
     )
     return RoutingStack(JustEnoughPolicy(status, RunningHistoryLength(), config))
 

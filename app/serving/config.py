@@ -23,6 +23,7 @@ from app.config import (
 )
 from app.routing.goodserve import (
     DEFAULT_BUDGET_REFRESH_ITERATIONS,
+    DEFAULT_CONFIDENCE_QUANTILE,
     DEFAULT_MIGRATION_COST_QUANTILE,
     DEFAULT_MIGRATION_MARGIN,
     DEFAULT_RESERVATION_QUANTILE,
@@ -56,6 +57,11 @@ class RoutingConfig(Frozen):
         DEFAULT_STALL_FACTOR, ge=0,
         description="share of a new request's prefill estimate charged against admitted "
         "requests' slack by the do-no-harm check; 0 = no check")
+    confidence_quantile: float = Field(
+        DEFAULT_CONFIDENCE_QUANTILE, ge=0.5, le=1,
+        description="just-enough places by this quantile of the predicted length first, "
+        "when the length estimator knows its spread (the running history does); "
+        "0.5 = the point estimate alone")
     seed: int = 0
     predictor_dir: str | None = Field(
         None, description="trained predictor directory (`goodserve predictor train`); "

@@ -26,13 +26,19 @@ def mixed_contents(n: int, seed: int) -> list[Content]:
     ]
 
 
-def test_goodserve_meets_more_deadlines_than_load_balancers():
-    workload = poisson_workload(20.0, 60.0, mixed_contents(500, seed=3), seed=3)
+@pytest.mark.parametrize("seed", range(5))
+def test_goodserve_meets_more_deadlines_than_load_balancers(seed):
+    """Every seed, SLO scales 1 and 2, GoodServe with its label-free default predictor
+    (the running history). Before confident placement it lost to least-request at
+    scale 2 on seeds 0, 2 and 4: long generations predicted short went to weak GPUs."""
+    workload = poisson_workload(20.0, 60.0, mixed_contents(500, seed=seed), seed=seed)
     spec = ReplaySpec(
         load_cluster_config(PAPER_CLUSTER),
         (PolicyKind.GOODSERVE, PolicyKind.LEAST_REQUEST, PolicyKind.ROUND_ROBIN),
-        (2.0,), seed=3,
+        (1.0, 2.0), seed=seed,
     )
-    met = {cell.policy: cell.summary["met"] for cell in run_replay(spec, workload)}
-    assert met["goodserve"] > met["least-request"]
-    assert met["goodserve"] > met["round-robin"]
+    met = {(cell.policy, cell.slo_scale): cell.summary["met"]
+           for cell in run_replay(spec, workload)}
+    for scale in (1.0, 2.0):
+        assert met["goodserve", scale] > met["least-request", scale], (scale, met)
+        assert met["goodserve", scale] > met["round-robin", scale], (scale, met)

@@ -111,7 +111,7 @@ def test_routing_knobs_reach_the_policy_and_the_report(tmp_path) -> None:
             "--policies", "goodserve-admission", "--slo-scales", "3", "--out", str(out),
             "--headroom", reserve, "--migration-margin", "0.25",
             "--migration-cost-quantile", "0.75", "--reservation-quantile", "0.8",
-            "--stall-factor", "0.5", "--no-progress",
+            "--stall-factor", "0.5", "--confidence-quantile", "0.75", "--no-progress",
         )
         assert result.exit_code == 0, result.output
         (row,) = list(csv.DictReader((out / "summary.csv").open()))
@@ -120,6 +120,7 @@ def test_routing_knobs_reach_the_policy_and_the_report(tmp_path) -> None:
         assert f"- headroom: {float(reserve):g}" in report and "- migration_margin: 0.25" in report
         assert "- migration_cost_quantile: 0.75" in report
         assert "- reservation_quantile: 0.8" in report and "- stall_factor: 0.5" in report
+        assert "- confidence_quantile: 0.75" in report
     assert rejected["1000"] == 60 and rejected["0"] < 60
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.goodput_experiments import SCALES, SEED_POLICIES, seeds_report
+from benchmarks.goodput_experiments import SCALES, SEED_POLICIES, main, seeds_report
 from benchmarks.replay import RunOutcome
 
 pytestmark = pytest.mark.unit
@@ -47,3 +47,12 @@ def test_placement_rows_count_first_placements_and_met_by_output_tercile():
     assert {r["band_cuts"] for r in rows} == {"100/900"}
     assert table == {("h800-0", "short"): (2, 2), ("a40-0", "mid"): (2, 1),
                      ("h800-0", "long"): (1, 0), ("-", "long"): (1, 0)}
+
+
+@pytest.mark.parametrize("flag, value, knob", [
+    ("--stall-factor", "-1", "stall_factor"), ("--headroom", "-0.5", "headroom"),
+    ("--confidence-quantile", "0.3", "confidence_quantile"),
+])
+def test_bad_knobs_get_a_one_line_error_before_any_work(flag, value, knob, capsys):
+    assert main([flag, value, "--trace", "/nonexistent"]) == 2
+    assert capsys.readouterr().out.strip().startswith(f"error: {knob} must be")

@@ -24,7 +24,7 @@ from app.routing.goodserve import (
     reserve_strongest,
     score_instances,
 )
-from app.routing.length import RunningHistoryLength, TrueLength
+from app.routing.length import PredictorLength, RunningHistoryLength, TrueLength
 from app.routing.registry import PolicyKind, RoutingOptions, build_routing
 from app.routing.status import InstanceEstimate, StatusEstimator, catalog_prior
 from app.routing.view import ClusterView, FinishReport
@@ -123,6 +123,74 @@ def test_latency_estimate_is_paper_equation_2():
 def test_capability_ranks_by_unloaded_speed():
     caps = {g: capability_s_per_token(s) for g, s in SPECS.items()}
     assert caps["H800"] < caps["A800"] < caps["A40"]
+
+
+# ---- confident placement --------------------------------------------------------
+def bimodal_history() -> RunningHistoryLength:
+    """Finished lengths: six short chats (50 tokens) and four long generations (600)."""
+    length = RunningHistoryLength()
+    for n in [50] * 6 + [600] * 4:
+        length.observe_length(n)
+    return length
+
+
+def test_running_history_gives_a_confident_conditional_quantile():
+    length, request = bimodal_history(), make_request(10.0)
+    assert length.predict_total(request, 0) == 50  # the median sits in the short mode
+    assert length.confident_output(request, 0.5) == 50
+    assert length.confident_output(request, 0.9) == 600
+    assert length.conditional_quantile(60, 0.5) == 600  # past 60 tokens: long mode only
+    assert length.conditional_quantile(700, 0.9) == 701  # outlived all: about to end
+    assert RunningHistoryLength().confident_output(request, 0.9) == 256  # nothing seen yet
+    assert TrueLength().confident_output(request, 0.9) is None  # no spread to offer
+
+
+def test_a_trained_predictors_confident_length_comes_from_its_finished_errors():
+    from predictor.base import PredictionInput
+    from predictor.history import HistoryPredictor
+
+    history = HistoryPredictor().fit([PredictionInput("p")] * 3, [100, 100, 100])
+    length = PredictorLength(history)
+    request = make_request(10.0, out=100)  # predicted 100 tokens at arrival
+    finished = [50 + 2 * i for i in range(100)]  # true / predicted from 0.5 to 2.48
+    for n in finished[:-1]:
+        length.on_finish(FinishReport(request, "A40", n, 0.1, 1.0), 1.0)
+    assert length.confident_output(request, 0.9) is None  # 99 finished: not yet trusted
+    length.on_finish(FinishReport(request, "A40", finished[-1], 0.1, 1.0), 1.0)
+    assert length.confident_output(request, 0.9) == pytest.approx(100 * 2.28)
+    assert length.confident_output(request, 0.5) == pytest.approx(100 * 1.48)
+    assert length.confident_output(replace(request, num_generated_tokens=5), 0.9) is None
+
+
+def confident_policy(quantile: float) -> JustEnoughPolicy:
+    status = StatusEstimator(alpha=1.0)
+    set_speed(status, "H800", 0.01)
+    set_speed(status, "A40", 0.04)
+    return JustEnoughPolicy(status, bimodal_history(),
+                            JustEnoughConfig(headroom=0.0, confidence_quantile=quantile))
+
+
+def test_just_enough_places_by_the_confident_length_when_an_instance_meets_it():
+    cluster = make_cluster(make_view("H800"), make_view("A40"))
+    # 50 tokens fit the A40 in 10 s (~2.1 s), 600 only the H800 (~6.1 s; A40 ~24 s)
+    assert confident_policy(0.5).choose(make_request(10.0, rid="a"), cluster, 0.0) == "A40"
+    assert confident_policy(0.9).choose(make_request(10.0, rid="b"), cluster, 0.0) == "H800"
+
+
+def test_point_estimate_places_when_no_instance_meets_the_confident_length():
+    policy = confident_policy(0.9)
+    cluster = make_cluster(make_view("H800"), make_view("A40"))
+    # 600 tokens miss 3 s everywhere; 50 tokens still fit the A40 (~2.1 s)
+    assert policy.choose(make_request(3.0), cluster, 0.0) == "A40"
+    assert policy.budgets.shortest_stall_s("A40") == pytest.approx(0.9, abs=0.05)
+
+
+def test_confidence_quantile_reaches_goodserve_but_not_slo_pack():
+    options = RoutingOptions(confidence_quantile=0.75)
+    assert build_routing(PolicyKind.GOODSERVE, options).policy.config.confidence_quantile == 0.75
+    assert build_routing(PolicyKind.SLO_PACK, options).policy.config.confidence_quantile == 0.5
+    with pytest.raises(ValueError, match="confidence_quantile"):
+        JustEnoughConfig(confidence_quantile=0.4)
 
 
 # ---- just-enough --------------------------------------------------------------
