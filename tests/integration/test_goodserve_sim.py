@@ -2,28 +2,15 @@
 
 from __future__ import annotations
 
-import random
-from pathlib import Path
-
 import pytest
+import typer
 
 from app.config import load_cluster_config
 from app.routing.registry import PolicyKind
-from app.workload import Content, poisson_workload
+from benchmarks.bimodal_goodput import PAPER_CLUSTER, bimodal_workload
 from benchmarks.replay import ReplaySpec, run_replay
 
 pytestmark = pytest.mark.integration
-
-PAPER_CLUSTER = Path(__file__).resolve().parents[2] / "configs" / "paper-4gpu.yaml"
-
-
-def mixed_contents(n: int, seed: int) -> list[Content]:
-    """Short chats and long generations: deadlines (scale x solo time) differ widely."""
-    rng = random.Random(seed)
-    return [
-        Content(rng.randint(100, 2000), rng.choice([rng.randint(20, 120), rng.randint(400, 900)]))
-        for _ in range(n)
-    ]
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -31,7 +18,7 @@ def test_goodserve_meets_more_deadlines_than_load_balancers(seed):
     """Every seed, SLO scales 1 and 2, GoodServe with its label-free default predictor
     (the running history). Before confident placement it lost to least-request at
     scale 2 on seeds 0, 2 and 4: long generations predicted short went to weak GPUs."""
-    workload = poisson_workload(20.0, 60.0, mixed_contents(500, seed=seed), seed=seed)
+    workload = bimodal_workload(20.0, 60.0, seed)
     spec = ReplaySpec(
         load_cluster_config(PAPER_CLUSTER),
         (PolicyKind.GOODSERVE, PolicyKind.LEAST_REQUEST, PolicyKind.ROUND_ROBIN),
@@ -42,3 +29,20 @@ def test_goodserve_meets_more_deadlines_than_load_balancers(seed):
     for scale in (1.0, 2.0):
         assert met["goodserve", scale] > met["least-request", scale], (scale, met)
         assert met["goodserve", scale] > met["round-robin", scale], (scale, met)
+
+
+def test_bimodal_benchmark_prints_met_requests_per_seed():
+    from typer.testing import CliRunner
+
+    from benchmarks.bimodal_goodput import main
+
+    app = typer.Typer()
+    app.command()(main)
+    result = CliRunner().invoke(app, ["--seeds", "0,1", "--slo-scales", "2",
+                                      "--policies", "least-request", "--duration", "10"])
+    assert result.exit_code == 0, result.output
+    (row,) = [line for line in result.output.splitlines() if line.startswith("| least")]
+    counts = row.split("|")[3].split(" / ")
+    assert len(counts) == 2 and all(0 < int(c) <= 200 for c in counts)
+    bad = CliRunner().invoke(app, ["--policies", "nope", "--duration", "10"])
+    assert bad.exit_code != 0 and "unknown policy 'nope'" in bad.output
