@@ -485,6 +485,7 @@ class JustEnoughPolicy(RoutingPolicy):
         self.budgets.remove(report.request.request_id)
 
     def on_drop(self, request: RouteRequest, now: float) -> None:
+        self.length.on_drop(request, now)
         self.budgets.remove(request.request_id)
 
 
@@ -590,6 +591,7 @@ class SloWatchdog(Watchdog):
         if not watched:
             return moves
         estimate = self.status.estimate(source, now, joining=0)
+        self.length.on_progress({a.request.request_id: a.num_generated_tokens for a in watched})
         totals = self.length.predict_totals(
             [a.request for a in watched], [a.num_generated_tokens for a in watched]
         )

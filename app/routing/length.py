@@ -14,7 +14,7 @@ from __future__ import annotations
 import bisect
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 from app.routing.base import StepListener
@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from predictor.base import Predictor
 
 DEFAULT_OUTPUT_TOKENS = 256  # before any request has finished
+# the running history's confident length is recomputed after this many finishes
+CONFIDENT_REFRESH_FINISHES = 10
 MIN_CALIBRATION_SAMPLES = 100  # finished requests before a predictor's spread is trusted
 
 
@@ -58,6 +60,9 @@ class OutputLengthEstimator(StepListener, ABC):
         """Batched `predict_total` (the watchdog re-predicts a whole instance at once)."""
         return [self.predict_total(r, n) for r, n in zip(requests, num_generated, strict=True)]
 
+    def on_progress(self, req_to_num_generated: Mapping[str, int]) -> None:
+        """How far running requests have got (the watchdog reports at each check)."""
+
 
 class TrueLength(OutputLengthEstimator):
     """Oracle: the request's real output length (needs the substrate to reveal it)."""
@@ -74,7 +79,13 @@ class TrueLength(OutputLengthEstimator):
 
 
 class RunningHistoryLength(OutputLengthEstimator):
-    """Median of recently finished lengths above `num_generated` (no labels needed)."""
+    """Median of recently finished lengths above `num_generated` (no labels needed).
+
+    The confident (high-quantile) length also counts the running requests, as lengths
+    known to exceed what they have generated so far (Kaplan-Meier): finished lengths
+    alone are biased short while long generations are still running - the first
+    half-minute of a run, or after a shift to longer outputs.
+    """
 
     def __init__(self, window_size: int = 2000, default_tokens: int = DEFAULT_OUTPUT_TOKENS):
         if window_size < 1:
@@ -82,6 +93,10 @@ class RunningHistoryLength(OutputLengthEstimator):
         self.default_tokens = default_tokens
         self._window: deque[int] = deque(maxlen=window_size)
         self._sorted: list[int] = []
+        self._req_to_num_generated: dict[str, int] = {}  # running, as last reported
+        self._num_finished = 0
+        # (num_generated, quantile) -> confident length, kept for CONFIDENT_REFRESH_FINISHES
+        self._confident: dict[tuple[int, float], float] = {}
 
     def observe_length(self, num_tokens: int) -> None:
         if len(self._window) == self._window.maxlen:
@@ -92,12 +107,34 @@ class RunningHistoryLength(OutputLengthEstimator):
 
     def on_finish(self, report: FinishReport, now: float) -> None:
         self.observe_length(report.num_output_tokens)
+        self._req_to_num_generated.pop(report.request.request_id, None)
+        self._num_finished += 1
+        if self._num_finished % CONFIDENT_REFRESH_FINISHES == 0:
+            self._confident.clear()
+
+    def on_drop(self, request: RouteRequest, now: float) -> None:
+        self._req_to_num_generated.pop(request.request_id, None)
+
+    def on_progress(self, req_to_num_generated: Mapping[str, int]) -> None:
+        self._req_to_num_generated.update(req_to_num_generated)
+        excess = len(self._req_to_num_generated) - (self._window.maxlen or 0)
+        if excess > 0:  # requests never reported finished or dropped: oldest first
+            for request_id in list(self._req_to_num_generated)[:excess]:
+                del self._req_to_num_generated[request_id]
 
     def predict_total(self, request: RouteRequest, num_generated: int = 0) -> float:
         return self.conditional_quantile(num_generated, 0.5)
 
     def confident_output(self, request: RouteRequest, quantile: float) -> float | None:
-        return self.conditional_quantile(request.num_generated_tokens, quantile)
+        num_generated = request.num_generated_tokens
+        start = bisect.bisect_right(self._sorted, num_generated)
+        if start == len(self._sorted):  # nothing finished above: no spread to go on
+            return self.conditional_quantile(num_generated, quantile)
+        key = (num_generated, quantile)
+        if key not in self._confident:
+            censored = sorted(n for n in self._req_to_num_generated.values() if n > num_generated)
+            self._confident[key] = survival_quantile(self._sorted[start:], censored, quantile)
+        return self._confident[key]
 
     def conditional_quantile(self, num_generated: int, quantile: float) -> float:
         """The `quantile` of recently finished lengths longer than `num_generated`."""
@@ -108,6 +145,27 @@ class RunningHistoryLength(OutputLengthEstimator):
         if longer == 0:  # outlived everything seen: assume it is about to end
             return float(num_generated + 1)
         return float(self._sorted[start + min(int(quantile * longer), longer - 1)])
+
+
+def survival_quantile(finished: Sequence[int], censored: Sequence[int], quantile: float) -> float:
+    """The `quantile` of a length distribution seen as `finished` lengths and
+    `censored` lower bounds (requests still running), by the Kaplan-Meier estimate;
+    both sorted ascending, `finished` not empty. When the censored tail keeps the
+    survival above 1 - quantile, the longest value seen (a lower bound)."""
+    at_risk = len(finished) + len(censored)
+    survival, cut, i = 1.0, 0, 0
+    while i < len(finished):
+        length = finished[i]
+        while cut < len(censored) and censored[cut] < length:  # left the risk set
+            cut += 1
+            at_risk -= 1
+        ended = bisect.bisect_right(finished, length, lo=i) - i
+        survival *= 1.0 - ended / at_risk
+        at_risk -= ended
+        i += ended
+        if survival <= 1.0 - quantile:
+            return float(length)
+    return float(max(finished[-1], censored[-1] if censored else 0))
 
 
 class PredictorLength(OutputLengthEstimator):

@@ -24,7 +24,12 @@ from app.routing.goodserve import (
     reserve_strongest,
     score_instances,
 )
-from app.routing.length import PredictorLength, RunningHistoryLength, TrueLength
+from app.routing.length import (
+    PredictorLength,
+    RunningHistoryLength,
+    TrueLength,
+    survival_quantile,
+)
 from app.routing.registry import PolicyKind, RoutingOptions, build_routing
 from app.routing.status import InstanceEstimate, StatusEstimator, catalog_prior
 from app.routing.view import ClusterView, FinishReport
@@ -143,6 +148,35 @@ def test_running_history_gives_a_confident_conditional_quantile():
     assert length.conditional_quantile(700, 0.9) == 701  # outlived all: about to end
     assert RunningHistoryLength().confident_output(request, 0.9) == 256  # nothing seen yet
     assert TrueLength().confident_output(request, 0.9) is None  # no spread to offer
+
+
+def test_survival_quantile_counts_running_requests_as_at_least_their_progress():
+    assert survival_quantile([10, 10, 10, 100], [], 0.75) == 10  # no censoring: empirical
+    # three requests still running past 50 tokens: 10 no longer covers three quarters
+    assert survival_quantile([10, 10, 10, 100], [50, 50, 50], 0.75) == 100
+    assert survival_quantile([10, 10, 10, 100], [50, 50, 50], 0.25) == 10
+    assert survival_quantile([10], [50, 60], 0.9) == 60  # censored tail: longest seen
+
+
+def test_confident_history_length_sees_long_generations_still_running():
+    """Warm-up: only short chats have finished, four long generations are running.
+    Their progress, reported by the watchdog, lifts the confident length; the median
+    still comes from finished lengths alone."""
+    length, request = RunningHistoryLength(), make_request(10.0)
+    for n in [50] * 6:
+        length.observe_length(n)
+    dog = SloWatchdog(StatusEstimator(alpha=1.0), length, config=JustEnoughConfig())
+    running = [ActiveRequest(make_request(60.0, rid=f"long{i}"), "A40", 200 + i, True)
+               for i in range(4)]
+    dog.check("A40", running, make_cluster(make_view("A40")), 1.0)
+    assert length.confident_output(request, 0.9) == 203  # at least that long, 4 in 10
+    assert length.predict_total(request, 0) == 50
+    fresh = RunningHistoryLength()
+    for n in [50] * 6:
+        fresh.observe_length(n)
+    fresh.on_progress({"long0": 200})
+    fresh.on_drop(make_request(60.0, rid="long0"), 1.0)  # forgotten: nothing left running
+    assert fresh.confident_output(request, 0.9) == 50
 
 
 def test_a_trained_predictors_confident_length_comes_from_its_finished_errors():
