@@ -469,6 +469,8 @@ class JustEnoughPolicy(RoutingPolicy):
     ) -> tuple[Candidate | None, list[Candidate]]:
         """Just-enough by the confident length, when it says more than the point
         estimate `output`: (None, []) when there is none or no instance qualifies."""
+        if self.config.confidence_quantile <= 0.5:  # off: the point estimate alone
+            return None, []
         confident = self.length.confident_output(request, self.config.confidence_quantile)
         if confident is None or bounded_output(request, confident) <= output:
             return None, []

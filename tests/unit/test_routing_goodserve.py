@@ -211,6 +211,16 @@ def test_just_enough_places_by_the_confident_length_when_an_instance_meets_it():
     assert confident_policy(0.9).choose(make_request(10.0, rid="b"), cluster, 0.0) == "H800"
 
 
+def test_confidence_half_is_the_point_estimate_alone():
+    """With long generations running, even the history's censored median says 700
+    tokens; 0.5 still means the point estimate (50 tokens fit the A40)."""
+    policy = confident_policy(0.5)
+    policy.length.on_progress({f"long{i}": 700 for i in range(20)})
+    assert policy.length.confident_output(make_request(10.0), 0.5) == 700
+    cluster = make_cluster(make_view("H800"), make_view("A40"))
+    assert policy.choose(make_request(10.0), cluster, 0.0) == "A40"
+
+
 def test_point_estimate_places_when_no_instance_meets_the_confident_length():
     policy = confident_policy(0.9)
     cluster = make_cluster(make_view("H800"), make_view("A40"))
