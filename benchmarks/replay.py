@@ -273,6 +273,9 @@ def write_records_parquet(path: Path, outcomes: Sequence[RunOutcome]) -> None:
     pq.write_table(pa.Table.from_pylist(rows), path)
 
 
+PLOT_MARKERS = "os^vDP*X<>"
+
+
 def write_plots(out: Path, outcomes: Sequence[RunOutcome]) -> list[Path]:
     """goodput.png and slo_violation.png: one line per policy vs SLO scale."""
     import matplotlib
@@ -281,19 +284,23 @@ def write_plots(out: Path, outcomes: Sequence[RunOutcome]) -> list[Path]:
     import matplotlib.pyplot as plt
 
     paths = []
+    policies = list(dict.fromkeys(o.policy for o in outcomes))
+    # one colour and marker per policy: the default cycle repeats after ten lines
+    colours = plt.get_cmap("tab20").colors
     for metric, label, name in (
         ("goodput_rps", "goodput (req/s within SLO)", "goodput.png"),
         ("slo_violation_ratio", "SLO violation ratio", "slo_violation.png"),
     ):
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        for policy in dict.fromkeys(o.policy for o in outcomes):
+        fig, ax = plt.subplots(figsize=(6.5, 3.5))
+        for i, policy in enumerate(policies):
             cells = [o for o in outcomes if o.policy == policy]
             ax.plot([o.slo_scale for o in cells], [o.summary[metric] for o in cells],
-                    marker="o", label=policy)
+                    marker=PLOT_MARKERS[i % len(PLOT_MARKERS)],
+                    color=colours[(2 * i) % 20 + (i // 10) % 2], label=policy)
         ax.set_xlabel("SLO scale")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
         fig.tight_layout()
         fig.savefig(out / name, dpi=120)
         plt.close(fig)
