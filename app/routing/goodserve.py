@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
@@ -22,6 +22,7 @@ from app.hardware import InstanceSpec
 from app.routing.base import ActiveRequest, Reject, RouteDecision, RoutingPolicy, Watchdog
 from app.routing.budgets import SlackBudgets
 from app.routing.length import OutputLengthEstimator, bounded_output
+from app.routing.quantiles import nearest_rank_quantile
 from app.routing.status import InstanceEstimate, StatusEstimator
 from app.routing.view import (
     ClusterView,
@@ -408,12 +409,6 @@ class RecentAdmissions:
         return nearest_rank_quantile(latencies, q) if latencies else math.inf
 
 
-def nearest_rank_quantile(values: Collection[float], q: float) -> float:
-    """The q-quantile of `values` at the nearest rank below (one of the values)."""
-    ordered = sorted(values)
-    return ordered[int(q * (len(ordered) - 1))]
-
-
 class JustEnoughPolicy(RoutingPolicy):
     """GoodServe's router: just-enough among instances that meet the deadline.
 
@@ -472,9 +467,12 @@ class JustEnoughPolicy(RoutingPolicy):
         if self.config.confidence_quantile <= 0.5:  # off: the point estimate alone
             return None, []
         confident = self.length.confident_output(request, self.config.confidence_quantile)
-        if confident is None or bounded_output(request, confident) <= output:
+        if confident is None:
             return None, []
-        return self.placer.place(request, holding, view, bounded_output(request, confident), now)
+        confident = bounded_output(request, confident)
+        if confident <= output:
+            return None, []
+        return self.placer.place(request, holding, view, confident, now)
 
     def on_step(self, instance_id: InstanceId, report: StepReport, now: float) -> None:
         self.status.on_step(instance_id, report, now)

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 from app.routing.base import StepListener
+from app.routing.quantiles import nearest_rank_quantile, survival_quantile
 from app.routing.view import FinishReport, RouteRequest
 
 if TYPE_CHECKING:
@@ -147,27 +148,6 @@ class RunningHistoryLength(OutputLengthEstimator):
         return float(self._sorted[start + min(int(quantile * longer), longer - 1)])
 
 
-def survival_quantile(finished: Sequence[int], censored: Sequence[int], quantile: float) -> float:
-    """The `quantile` of a length distribution seen as `finished` lengths and
-    `censored` lower bounds (requests still running), by the Kaplan-Meier estimate;
-    both sorted ascending, `finished` not empty. When the censored tail keeps the
-    survival above 1 - quantile, the longest value seen (a lower bound)."""
-    at_risk = len(finished) + len(censored)
-    survival, cut, i = 1.0, 0, 0
-    while i < len(finished):
-        length = finished[i]
-        while cut < len(censored) and censored[cut] < length:  # left the risk set
-            cut += 1
-            at_risk -= 1
-        ended = bisect.bisect_right(finished, length, lo=i) - i
-        survival *= 1.0 - ended / at_risk
-        at_risk -= ended
-        i += ended
-        if survival <= 1.0 - quantile:
-            return float(length)
-    return float(max(finished[-1], censored[-1] if censored else 0))
-
-
 class PredictorLength(OutputLengthEstimator):
     """Any trained `Predictor` (MoE, MLP, history, ...) behind the routing interface.
 
@@ -189,8 +169,7 @@ class PredictorLength(OutputLengthEstimator):
             return None
         key = (self._num_finished, quantile)
         if self._ratio_quantile[0] != key:
-            ordered = sorted(self._ratios)
-            self._ratio_quantile = (key, ordered[int(quantile * (len(ordered) - 1))])
+            self._ratio_quantile = (key, nearest_rank_quantile(self._ratios, quantile))
         return self.expected_output(request) * self._ratio_quantile[1]
 
     def expected_output(self, request: RouteRequest) -> float:

@@ -28,8 +28,8 @@ from app.routing.length import (
     PredictorLength,
     RunningHistoryLength,
     TrueLength,
-    survival_quantile,
 )
+from app.routing.quantiles import survival_quantile
 from app.routing.registry import PolicyKind, RoutingOptions, build_routing
 from app.routing.status import InstanceEstimate, StatusEstimator, catalog_prior
 from app.routing.view import ClusterView, FinishReport
