@@ -13,6 +13,9 @@ Experiments, each written as summary.csv + PNG + report.md under --out:
 - seeds/     GoodServe, its no-migration ablation, the oracle and every baseline on
              several workload seeds (other prompt draws for the same arrivals), with
              mean, spread and per-seed ratios (seeds.md)
+- migration/ GoodServe with and without migration on the seeds' workloads, outcomes
+             paired by request: what the moves did directly vs the rest of the run
+             (effect.md, benchmarks/migration_effect.py)
 - results.md all tables in one page
 Usage: python -m benchmarks.goodput_experiments --out results/goodput [--quick]
 """
@@ -30,7 +33,15 @@ from app.routing.goodserve import JustEnoughConfig
 from app.routing.length import PredictorLength
 from app.routing.registry import POLICY_REGISTRY, PolicyKind, RoutingOptions
 from app.workload import Workload, load_prompts, load_trace, trace_workload
-from benchmarks.replay import ReplaySpec, RunOutcome, attach_predictions, run_replay, write_outputs
+from benchmarks.migration_effect import MigrationEffect, paired_effect, write_effects
+from benchmarks.replay import (
+    ReplaySpec,
+    RunOutcome,
+    attach_predictions,
+    run_replay,
+    write_outputs,
+    write_summary_csv,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data"
@@ -50,9 +61,10 @@ MOONCAKE = "mooncake_conversation_trace.jsonl"
 TARGET_MET_MAX = 0.80
 LLAMA_RATES = "120,140,160,170,180,190,200,220,240"
 QWEN_RATES = "40,60,80,100,110,120,130,140,160,180"
-EXPERIMENTS = ("e2e", "qwen", "ablation", "tau", "predictors", "seeds")
+EXPERIMENTS = ("e2e", "qwen", "ablation", "tau", "predictors", "seeds", "migration")
 SEED_POLICIES = (PolicyKind.GOODSERVE, PolicyKind.GOODSERVE_NO_MIGRATION, PolicyKind.ORACLE,
                  *BASELINES)
+MIGRATION_POLICIES = (PolicyKind.GOODSERVE, PolicyKind.GOODSERVE_NO_MIGRATION)
 PREDICTORS = ("moe", "mlp", "history_task", "history")  # llm_embedding needs a local encoder
 MOE_EXPERTS = (4, 9, 16)
 
@@ -172,17 +184,29 @@ def predictor_cells(
 
 
 def seed_cells(
-    setup: Setup, cluster: Path, rate: float, duration_s: float, seeds: list[int]
+    setup: Setup, cluster: Path, rate: float, duration_s: float, seeds: list[int],
+    policies: tuple[PolicyKind, ...] = SEED_POLICIES,
 ) -> list[RunOutcome]:
-    """SEED_POLICIES at every scale on one workload per seed; labels carry the seed."""
+    """`policies` at every scale on one workload per seed; labels carry the seed."""
     cells = []
     for seed in seeds:
         seeded = replace(setup, seed=seed, routing=replace(setup.routing, seed=seed))
         workload = make_workload(seeded, rate, duration_s)
-        for cell in run(seeded, cluster, SEED_POLICIES, SCALES, workload):
+        for cell in run(seeded, cluster, policies, SCALES, workload):
             cells.append(cell.renamed(f"{cell.policy} seed={seed}"))
         print(f"seed {seed}: {len(workload)} requests done")
     return cells
+
+
+def migration_effects(
+    cells: list[RunOutcome], seeds: list[int]
+) -> dict[tuple[int, float], MigrationEffect]:
+    """(seed, scale) -> GoodServe vs its no-migration ablation, paired by request."""
+    by_label = {(c.policy, c.slo_scale): c.records for c in cells}
+    on, off = PolicyKind.GOODSERVE.value, PolicyKind.GOODSERVE_NO_MIGRATION.value
+    return {(seed, scale): paired_effect(by_label[f"{on} seed={seed}", scale],
+                                         by_label[f"{off} seed={seed}", scale])
+            for seed in seeds for scale in SCALES}
 
 
 def seeds_report(cells: list[RunOutcome], seeds: list[int]) -> str:
@@ -333,6 +357,13 @@ def run_all(setup: Setup, args: argparse.Namespace, duration: float) -> int:
         experiment("seeds", args.out, {**row, "seeds": args.seeds}, cells)
         (args.out / "seeds" / "seeds.md").write_text(seeds_report(cells, seeds) + "\n")
         sections.append((f"Workload seeds {args.seeds}", cells, SCALES))
+    if "migration" in wanted:
+        seeds = [int(x) for x in args.seeds.split(",")]
+        cells = seed_cells(setup, paper, rate, duration, seeds, MIGRATION_POLICIES)
+        write_effects(args.out / "migration", migration_effects(cells, seeds), duration)
+        write_summary_csv(args.out / "migration" / "summary.csv", cells)
+        print(f"wrote {args.out / 'migration'}")
+        sections.append((f"With and without migration, seeds {args.seeds}", cells, SCALES))
     lines = ["# GoodServe goodput experiments (simulator)", "",
              *[f"- {k}: {v}" for k, v in row.items()], ""]
     for title, cells, scales in sections:

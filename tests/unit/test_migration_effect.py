@@ -1,0 +1,70 @@
+"""Pairing GoodServe's runs with and without migration request by request."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.sim.records import RequestOutcome, RequestRecord
+from benchmarks.goodput_experiments import SCALES, migration_effects
+from benchmarks.migration_effect import effect_report, paired_effect, write_effects
+from benchmarks.replay import RunOutcome
+
+pytestmark = pytest.mark.unit
+
+
+def record(rid: str, met: bool, moves: int = 0) -> RequestRecord:
+    outcome = RequestOutcome.MET if met else RequestOutcome.VIOLATED
+    return RequestRecord(rid, 0.0, 1.0, 1.0, 10, 20, num_migrations=moves, outcome=outcome)
+
+
+# request id -> (met with migration, moves, met without migration)
+RUNS = {
+    "rescued": (True, 1, False), "lost": (False, 1, True), "unneeded": (True, 2, True),
+    "hopeless": (False, 1, False), "gained": (True, 0, False), "dropped-a": (False, 0, True),
+    "dropped-b": (False, 0, True), "steady": (True, 0, True), "missed": (False, 0, False),
+}
+
+
+def runs() -> tuple[list[RequestRecord], list[RequestRecord]]:
+    with_migration = [record(rid, on, moves) for rid, (on, moves, _) in RUNS.items()]
+    without = [record(rid, off) for rid, (_, _, off) in reversed(RUNS.items())]
+    return with_migration, without
+
+
+def test_paired_effect_splits_the_difference_into_moved_and_unmoved_requests():
+    effect = paired_effect(*runs())
+    assert (effect.num_requests, effect.num_moved) == (9, 4)
+    assert (effect.rescued, effect.lost, effect.unneeded, effect.moved_missed_both) == (
+        1, 1, 1, 1)
+    assert (effect.unmoved_gained, effect.unmoved_lost) == (1, 2)
+    assert (effect.met_with, effect.met_without) == (4, 5)
+    assert (effect.direct, effect.indirect, effect.total) == (0, -1, -1)
+    assert effect.direct + effect.indirect == effect.total
+
+
+def test_paired_effect_refuses_runs_of_different_requests():
+    with_migration, without = runs()
+    with pytest.raises(ValueError, match="same requests"):
+        paired_effect(with_migration, without[1:])
+    with pytest.raises(ValueError, match="same requests"):
+        paired_effect(with_migration, [*without[1:], record("other", True)])
+    with pytest.raises(ValueError, match="same requests"):
+        paired_effect([*with_migration, with_migration[0]], [*without, without[0]])
+
+
+def test_effects_pair_each_seed_and_scale_and_report_means(tmp_path):
+    with_migration, without = runs()
+    cells = [RunOutcome(f"{policy} seed={seed}", scale, {}, tuple(records))
+             for seed in (0, 1) for scale in SCALES
+             for policy, records in (("goodserve", with_migration),
+                                     ("goodserve-no-migration", without))]
+    effects = migration_effects(cells, [0, 1])
+    assert set(effects) == {(seed, scale) for seed in (0, 1) for scale in SCALES}
+    assert effects[1, 2.0] == paired_effect(with_migration, without)
+    report = effect_report(effects, duration_s=10.0)
+    # moved 4, rescued 1, lost 1, unneeded 1, direct 0, indirect -1/10 s, total -1/10 s
+    assert "| 2 | 4 | 1.0 | 1.0 | 1.0 | +0.00 | -0.10 | -0.10 | 0 of 2 |" in report
+    write_effects(tmp_path, effects, 10.0)
+    rows = (tmp_path / "effect.csv").read_text().splitlines()
+    assert len(rows) == 1 + 2 * len(SCALES) and rows[0].startswith("seed,slo_scale,")
+    assert (tmp_path / "effect.png").stat().st_size > 0
