@@ -1,19 +1,21 @@
 """What migration does, request by request (issue 4's "removing migration lowers goodput").
 
 GoodServe and its no-migration ablation replay the same workload. Their goodput
-difference mixes two things: the requests the watchdog moved (rescued, or lost by
-the move) and every other request, whose fate changes because one different decision
-reorders the rest of the run (a moved request frees one instance and loads another).
-On this simulator the second part is hundreds of requests either way, so one run's
-difference says little about migration itself. Pairing the two runs' outcomes by
-request id separates them:
+difference mixes two things: what the watchdog's moves did to the requests it moved,
+and everything else - one different decision reorders the rest of the run, so other
+requests meet or miss, and even first placements differ (about a fifth of them at 190
+req/s). On this simulator that second part is hundreds of requests either way, so one
+run's difference says little about migration itself. Pairing the two runs' outcomes
+by request id separates them. A moved request compares like with like only when the
+other run placed it on the same instance first:
 
-- direct  = rescued - lost: moved requests that met only with the move, minus those
-            that met only without it;
-- indirect = unmoved requests that met only with migration on, minus the reverse;
-- total = direct + indirect = met with - met without.
-Moves of requests that met in both runs ("unneeded") cost their target capacity; that
-cost shows up in the indirect part.
+- direct = rescued - lost, over those like-for-like moves: met only with the move,
+  minus met only without it;
+- indirect = everything else: requests never moved, and moved requests that the other
+  run placed elsewhere to begin with;
+- total = direct + indirect = met with migration - met without.
+Moves of requests that would have met anyway ("unneeded") cost their target
+capacity; that cost lands in the indirect part.
 """
 
 from __future__ import annotations
@@ -31,12 +33,12 @@ class MigrationEffect:
 
     num_requests: int
     num_moved: int  # requests the watchdog moved at least once
-    rescued: int  # moved; met with migration, missed without
-    lost: int  # moved; missed with migration, met without
-    unneeded: int  # moved; met in both runs
-    moved_missed_both: int  # moved; missed in both runs
-    unmoved_gained: int  # not moved; met only with migration on
-    unmoved_lost: int  # not moved; met only with migration off
+    num_placed_elsewhere: int  # moved, but first placed elsewhere in the other run
+    # moved, same first instance in both runs:
+    rescued: int  # met with migration, missed without
+    lost: int  # missed with migration, met without
+    unneeded: int  # met in both runs
+    moved_missed_both: int  # missed in both runs
     met_with: int
     met_without: int
 
@@ -46,7 +48,7 @@ class MigrationEffect:
 
     @property
     def indirect(self) -> int:
-        return self.unmoved_gained - self.unmoved_lost
+        return self.total - self.direct
 
     @property
     def total(self) -> int:
@@ -61,6 +63,10 @@ def _met(record: RequestRecord) -> bool:
     return record.outcome == RequestOutcome.MET
 
 
+def _first_instance(record: RequestRecord) -> str | None:
+    return record.instance_ids[0] if record.instance_ids else None
+
+
 def paired_effect(
     with_migration: Sequence[RequestRecord], without_migration: Sequence[RequestRecord]
 ) -> MigrationEffect:
@@ -70,20 +76,19 @@ def paired_effect(
     if not len(ids) == len(with_migration) == len(others) == len(without_migration) or (
             ids != set(others)):
         raise ValueError("the two runs must hold the same requests, each once")
-    counts = dict.fromkeys(("rescued", "lost", "unneeded", "moved_missed_both",
-                            "unmoved_gained", "unmoved_lost"), 0)
-    num_moved = 0
-    for record in with_migration:
-        met_on, met_off = _met(record), _met(others[record.request_id])
-        if record.num_migrations:
-            num_moved += 1
-            key = {(True, False): "rescued", (False, True): "lost",
-                   (True, True): "unneeded", (False, False): "moved_missed_both"}
-            counts[key[met_on, met_off]] += 1
-        elif met_on != met_off:
-            counts["unmoved_gained" if met_on else "unmoved_lost"] += 1
+    counts = dict.fromkeys(("rescued", "lost", "unneeded", "moved_missed_both"), 0)
+    key = {(True, False): "rescued", (False, True): "lost",
+           (True, True): "unneeded", (False, False): "moved_missed_both"}
+    moved = [r for r in with_migration if r.num_migrations]
+    placed_elsewhere = 0
+    for record in moved:
+        other = others[record.request_id]
+        if _first_instance(record) != _first_instance(other):
+            placed_elsewhere += 1
+            continue
+        counts[key[_met(record), _met(other)]] += 1
     return MigrationEffect(
-        num_requests=len(ids), num_moved=num_moved,
+        num_requests=len(ids), num_moved=len(moved), num_placed_elsewhere=placed_elsewhere,
         met_with=sum(map(_met, with_migration)), met_without=sum(map(_met, without_migration)),
         **counts,
     )
@@ -102,9 +107,9 @@ def effect_report(effects: EffectTable, duration_s: float) -> str:
         f"Migration's effect on goodput, paired by request (req/s = requests / "
         f"{duration_s:g} s window), mean over seeds {','.join(map(str, seeds))}",
         "",
-        "| SLO scale | moved | rescued | lost | unneeded | direct | indirect | total "
-        "| seeds with direct > 0 |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| SLO scale | moved | like for like | rescued | lost | unneeded | missed anyway "
+        "| direct | indirect | total | seeds with direct > 0 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for scale in scales:
         cells = [effects[seed, scale] for seed in seeds]
@@ -114,9 +119,11 @@ def effect_report(effects: EffectTable, duration_s: float) -> str:
 
         positive = sum(c.direct > 0 for c in cells)
         lines.append(
-            f"| {scale:g} | {mean([c.num_moved for c in cells]):.0f} "
+            f"| {scale:g} | {mean([c.num_moved for c in cells]):.1f} "
+            f"| {mean([c.num_moved - c.num_placed_elsewhere for c in cells]):.1f} "
             f"| {mean([c.rescued for c in cells]):.1f} | {mean([c.lost for c in cells]):.1f} "
             f"| {mean([c.unneeded for c in cells]):.1f} "
+            f"| {mean([c.moved_missed_both for c in cells]):.1f} "
             f"| {mean([c.direct for c in cells]) / duration_s:+.2f} "
             f"| {mean([c.indirect for c in cells]) / duration_s:+.2f} "
             f"| {mean([c.total for c in cells]) / duration_s:+.2f} "

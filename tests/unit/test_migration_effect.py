@@ -12,34 +12,40 @@ from benchmarks.replay import RunOutcome
 pytestmark = pytest.mark.unit
 
 
-def record(rid: str, met: bool, moves: int = 0) -> RequestRecord:
+def record(rid: str, met: bool, moves: int = 0, first: str = "A40") -> RequestRecord:
     outcome = RequestOutcome.MET if met else RequestOutcome.VIOLATED
-    return RequestRecord(rid, 0.0, 1.0, 1.0, 10, 20, num_migrations=moves, outcome=outcome)
+    instances = [first, "H800"] if moves else [first]
+    return RequestRecord(rid, 0.0, 1.0, 1.0, 10, 20, num_migrations=moves, outcome=outcome,
+                         instance_ids=instances)
 
 
-# request id -> (met with migration, moves, met without migration)
+# request id -> (met with migration, moves, met without migration, first instance there)
 RUNS = {
-    "rescued": (True, 1, False), "lost": (False, 1, True), "unneeded": (True, 2, True),
-    "hopeless": (False, 1, False), "gained": (True, 0, False), "dropped-a": (False, 0, True),
-    "dropped-b": (False, 0, True), "steady": (True, 0, True), "missed": (False, 0, False),
+    "rescued": (True, 1, False, "A40"), "lost": (False, 1, True, "A40"),
+    "unneeded": (True, 2, True, "A40"), "hopeless": (False, 1, False, "A40"),
+    "elsewhere-a": (True, 1, False, "H800"), "elsewhere-b": (False, 1, True, "A800"),
+    "elsewhere-c": (False, 1, True, "A800"), "gained": (True, 0, False, "A40"),
+    "dropped": (False, 0, True, "A40"), "steady": (True, 0, True, "A40"),
+    "missed": (False, 0, False, "A40"),
 }
 
 
 def runs() -> tuple[list[RequestRecord], list[RequestRecord]]:
-    with_migration = [record(rid, on, moves) for rid, (on, moves, _) in RUNS.items()]
-    without = [record(rid, off) for rid, (_, _, off) in reversed(RUNS.items())]
+    with_migration = [record(rid, on, moves) for rid, (on, moves, _, _) in RUNS.items()]
+    without = [record(rid, off, first=first)
+               for rid, (_, _, off, first) in reversed(RUNS.items())]
     return with_migration, without
 
 
-def test_paired_effect_splits_the_difference_into_moved_and_unmoved_requests():
+def test_paired_effect_compares_moved_requests_only_like_for_like():
     effect = paired_effect(*runs())
-    assert (effect.num_requests, effect.num_moved) == (9, 4)
+    assert (effect.num_requests, effect.num_moved, effect.num_placed_elsewhere) == (11, 7, 3)
+    # the moved requests first placed on the same instance in both runs
     assert (effect.rescued, effect.lost, effect.unneeded, effect.moved_missed_both) == (
         1, 1, 1, 1)
-    assert (effect.unmoved_gained, effect.unmoved_lost) == (1, 2)
-    assert (effect.met_with, effect.met_without) == (4, 5)
+    assert (effect.met_with, effect.met_without) == (5, 6)
+    # direct 1 - 1; indirect: placed elsewhere +1 -2, never moved +1 -1
     assert (effect.direct, effect.indirect, effect.total) == (0, -1, -1)
-    assert effect.direct + effect.indirect == effect.total
 
 
 def test_paired_effect_refuses_runs_of_different_requests():
@@ -62,8 +68,9 @@ def test_effects_pair_each_seed_and_scale_and_report_means(tmp_path):
     assert set(effects) == {(seed, scale) for seed in (0, 1) for scale in SCALES}
     assert effects[1, 2.0] == paired_effect(with_migration, without)
     report = effect_report(effects, duration_s=10.0)
-    # moved 4, rescued 1, lost 1, unneeded 1, direct 0, indirect -1/10 s, total -1/10 s
-    assert "| 2 | 4 | 1.0 | 1.0 | 1.0 | +0.00 | -0.10 | -0.10 | 0 of 2 |" in report
+    # moved 7, 4 like for like: rescued, lost, unneeded, missed anyway 1 each; direct 0,
+    # indirect and total -1 request / 10 s
+    assert "| 2 | 7.0 | 4.0 | 1.0 | 1.0 | 1.0 | 1.0 | +0.00 | -0.10 | -0.10 | 0 of 2 |" in report
     write_effects(tmp_path, effects, 10.0)
     rows = (tmp_path / "effect.csv").read_text().splitlines()
     assert len(rows) == 1 + 2 * len(SCALES) and rows[0].startswith("seed,slo_scale,")
