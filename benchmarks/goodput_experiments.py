@@ -33,7 +33,7 @@ from app.routing.goodserve import JustEnoughConfig
 from app.routing.length import PredictorLength
 from app.routing.registry import POLICY_REGISTRY, PolicyKind, RoutingOptions
 from app.workload import Workload, load_prompts, load_trace, trace_workload
-from benchmarks.migration_effect import MigrationEffect, paired_effect, write_effects
+from benchmarks.migration_effect import EffectTable, paired_effect, write_effects
 from benchmarks.replay import (
     ReplaySpec,
     RunOutcome,
@@ -65,6 +65,7 @@ EXPERIMENTS = ("e2e", "qwen", "ablation", "tau", "predictors", "seeds", "migrati
 SEED_POLICIES = (PolicyKind.GOODSERVE, PolicyKind.GOODSERVE_NO_MIGRATION, PolicyKind.ORACLE,
                  *BASELINES)
 MIGRATION_POLICIES = (PolicyKind.GOODSERVE, PolicyKind.GOODSERVE_NO_MIGRATION)
+MIGRATION_NAMES = frozenset(k.value for k in MIGRATION_POLICIES)
 PREDICTORS = ("moe", "mlp", "history_task", "history")  # llm_embedding needs a local encoder
 MOE_EXPERTS = (4, 9, 16)
 
@@ -198,9 +199,7 @@ def seed_cells(
     return cells
 
 
-def migration_effects(
-    cells: list[RunOutcome], seeds: list[int]
-) -> dict[tuple[int, float], MigrationEffect]:
+def migration_effects(cells: list[RunOutcome], seeds: list[int]) -> EffectTable:
     """(seed, scale) -> GoodServe vs its no-migration ablation, paired by request."""
     by_label = {(c.policy, c.slo_scale): c.records for c in cells}
     on, off = PolicyKind.GOODSERVE.value, PolicyKind.GOODSERVE_NO_MIGRATION.value
@@ -351,16 +350,19 @@ def run_all(setup: Setup, args: argparse.Namespace, duration: float) -> int:
         experiment("predictors", args.out, row, cells)
         sections.append(("GoodServe with each predictor (scale 2; paper Figs. 8, 10a)",
                          cells, (2.0,)))
+    seeds = [int(x) for x in args.seeds.split(",")]
+    seeded_cells: list[RunOutcome] = []
     if "seeds" in wanted:
-        seeds = [int(x) for x in args.seeds.split(",")]
-        cells = seed_cells(setup, paper, rate, duration, seeds)
-        experiment("seeds", args.out, {**row, "seeds": args.seeds}, cells)
-        (args.out / "seeds" / "seeds.md").write_text(seeds_report(cells, seeds) + "\n")
-        sections.append((f"Workload seeds {args.seeds}", cells, SCALES))
-    if "migration" in wanted:
-        seeds = [int(x) for x in args.seeds.split(",")]
-        cells = seed_cells(setup, paper, rate, duration, seeds, MIGRATION_POLICIES)
-        write_effects(args.out / "migration", migration_effects(cells, seeds), duration)
+        seeded_cells = seed_cells(setup, paper, rate, duration, seeds)
+        experiment("seeds", args.out, {**row, "seeds": args.seeds}, seeded_cells)
+        (args.out / "seeds" / "seeds.md").write_text(seeds_report(seeded_cells, seeds) + "\n")
+        sections.append((f"Workload seeds {args.seeds}", seeded_cells, SCALES))
+    if "migration" in wanted:  # the seeds' runs hold both policies when they were made
+        cells = seeded_cells or seed_cells(setup, paper, rate, duration, seeds,
+                                           MIGRATION_POLICIES)
+        cells = [c for c in cells if c.policy.split(" seed=")[0] in MIGRATION_NAMES]
+        write_effects(args.out / "migration", migration_effects(cells, seeds), duration,
+                      {**row, "seeds": args.seeds})
         write_summary_csv(args.out / "migration" / "summary.csv", cells)
         print(f"wrote {args.out / 'migration'}")
         sections.append((f"With and without migration, seeds {args.seeds}", cells, SCALES))

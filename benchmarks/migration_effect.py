@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from app.sim.records import RequestOutcome, RequestRecord
 
@@ -132,8 +133,11 @@ def effect_report(effects: EffectTable, duration_s: float) -> str:
     return "\n".join(lines)
 
 
-def write_effects(out: Path, effects: EffectTable, duration_s: float) -> None:
-    """effect.csv (one row per seed and scale), effect.md and effect.png under `out`."""
+def write_effects(
+    out: Path, effects: EffectTable, duration_s: float, setup: Mapping[str, Any] | None = None
+) -> None:
+    """effect.csv (one row per seed and scale), effect.md (the `setup` lines, then the
+    table) and effect.png under `out`."""
     import csv
 
     out.mkdir(parents=True, exist_ok=True)
@@ -143,7 +147,10 @@ def write_effects(out: Path, effects: EffectTable, duration_s: float) -> None:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    (out / "effect.md").write_text(effect_report(effects, duration_s) + "\n")
+    header = [f"- {key}: {value}" for key, value in (setup or {}).items()]
+    (out / "effect.md").write_text(
+        "\n".join([*header, *([""] if header else []), effect_report(effects, duration_s)])
+        + "\n")
     plot_effects(out / "effect.png", effects, duration_s)
 
 

@@ -71,7 +71,8 @@ def test_effects_pair_each_seed_and_scale_and_report_means(tmp_path):
     # moved 7, 4 like for like: rescued, lost, unneeded, missed anyway 1 each; direct 0,
     # indirect and total -1 request / 10 s
     assert "| 2 | 7.0 | 4.0 | 1.0 | 1.0 | 1.0 | 1.0 | +0.00 | -0.10 | -0.10 | 0 of 2 |" in report
-    write_effects(tmp_path, effects, 10.0)
+    write_effects(tmp_path, effects, 10.0, {"rate_rps": 190.0})
+    assert (tmp_path / "effect.md").read_text().startswith("- rate_rps: 190.0\n\n")
     rows = (tmp_path / "effect.csv").read_text().splitlines()
     assert len(rows) == 1 + 2 * len(SCALES) and rows[0].startswith("seed,slo_scale,")
     assert (tmp_path / "effect.png").stat().st_size > 0
