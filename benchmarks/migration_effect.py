@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from app.sim.records import RequestOutcome, RequestRecord
+from benchmarks.replay import write_rows_csv
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,10 @@ def paired_effect(
 EffectTable = Mapping[tuple[int, float], MigrationEffect]
 
 
+def _mean(values: Sequence[int]) -> float:
+    return sum(values) / len(values)
+
+
 def effect_report(effects: EffectTable, duration_s: float) -> str:
     """Markdown: per scale, the mean over seeds of each part (req/s) and the seeds on
     which the direct effect is positive."""
@@ -114,20 +119,16 @@ def effect_report(effects: EffectTable, duration_s: float) -> str:
     ]
     for scale in scales:
         cells = [effects[seed, scale] for seed in seeds]
-
-        def mean(values: list[int]) -> float:
-            return sum(values) / len(values)
-
         positive = sum(c.direct > 0 for c in cells)
         lines.append(
-            f"| {scale:g} | {mean([c.num_moved for c in cells]):.1f} "
-            f"| {mean([c.num_moved - c.num_placed_elsewhere for c in cells]):.1f} "
-            f"| {mean([c.rescued for c in cells]):.1f} | {mean([c.lost for c in cells]):.1f} "
-            f"| {mean([c.unneeded for c in cells]):.1f} "
-            f"| {mean([c.moved_missed_both for c in cells]):.1f} "
-            f"| {mean([c.direct for c in cells]) / duration_s:+.2f} "
-            f"| {mean([c.indirect for c in cells]) / duration_s:+.2f} "
-            f"| {mean([c.total for c in cells]) / duration_s:+.2f} "
+            f"| {scale:g} | {_mean([c.num_moved for c in cells]):.1f} "
+            f"| {_mean([c.num_moved - c.num_placed_elsewhere for c in cells]):.1f} "
+            f"| {_mean([c.rescued for c in cells]):.1f} | {_mean([c.lost for c in cells]):.1f} "
+            f"| {_mean([c.unneeded for c in cells]):.1f} "
+            f"| {_mean([c.moved_missed_both for c in cells]):.1f} "
+            f"| {_mean([c.direct for c in cells]) / duration_s:+.2f} "
+            f"| {_mean([c.indirect for c in cells]) / duration_s:+.2f} "
+            f"| {_mean([c.total for c in cells]) / duration_s:+.2f} "
             f"| {positive} of {len(cells)} |"
         )
     return "\n".join(lines)
@@ -138,15 +139,10 @@ def write_effects(
 ) -> None:
     """effect.csv (one row per seed and scale), effect.md (the `setup` lines, then the
     table) and effect.png under `out`."""
-    import csv
-
     out.mkdir(parents=True, exist_ok=True)
     rows = [{"seed": seed, "slo_scale": scale, **effect.as_row()}
             for (seed, scale), effect in sorted(effects.items())]
-    with (out / "effect.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows_csv(out / "effect.csv", rows, list(rows[0]))
     header = [f"- {key}: {value}" for key, value in (setup or {}).items()]
     (out / "effect.md").write_text(
         "\n".join([*header, *([""] if header else []), effect_report(effects, duration_s)])
