@@ -16,10 +16,19 @@ other run placed it on the same instance first:
 - total = direct + indirect = met with migration - met without.
 Moves of requests that would have met anyway ("unneeded") cost their target
 capacity; that cost lands in the indirect part.
+
+Pooling runs: `python -m benchmarks.migration_effect EFFECT_CSV... [--out pooled.md]`
+merges the effect.csv files of several runs (other seeds) and reports, per SLO scale,
+the mean direct and total effect with a 95% Student-t interval over seeds - the total
+is the plain with/without goodput difference, whose sign one seed cannot settle.
 """
 
 from __future__ import annotations
 
+import argparse
+import csv
+import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -138,15 +147,17 @@ def write_effects(
     out: Path, effects: EffectTable, duration_s: float, setup: Mapping[str, Any] | None = None
 ) -> None:
     """effect.csv (one row per seed and scale), effect.md (the `setup` lines, then the
-    table) and effect.png under `out`."""
+    tables) and effect.png under `out`."""
     out.mkdir(parents=True, exist_ok=True)
     rows = [{"seed": seed, "slo_scale": scale, **effect.as_row()}
             for (seed, scale), effect in sorted(effects.items())]
     write_rows_csv(out / "effect.csv", rows, list(rows[0]))
     header = [f"- {key}: {value}" for key, value in (setup or {}).items()]
+    interval = ["", "Mean over seeds with its 95% interval (total = the plain with/without "
+                "goodput difference):", "", pooled_report(effects, duration_s)]
     (out / "effect.md").write_text(
-        "\n".join([*header, *([""] if header else []), effect_report(effects, duration_s)])
-        + "\n")
+        "\n".join([*header, *([""] if header else []), effect_report(effects, duration_s),
+                   *interval]) + "\n")
     plot_effects(out / "effect.png", effects, duration_s)
 
 
@@ -176,3 +187,75 @@ def plot_effects(path: Path, effects: EffectTable, duration_s: float) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def read_effects(paths: Sequence[Path]) -> dict[tuple[int, float], MigrationEffect]:
+    """The effect.csv files `write_effects` wrote, merged (a seed and scale may appear
+    in one file only)."""
+    fields = [f for f in MigrationEffect.__dataclass_fields__]
+    effects: dict[tuple[int, float], MigrationEffect] = {}
+    for path in paths:
+        with path.open() as f:
+            for row in csv.DictReader(f):
+                key = int(row["seed"]), float(row["slo_scale"])
+                if key in effects:
+                    raise ValueError(f"{path}: seed {key[0]} at scale {key[1]:g} "
+                                     "is in an earlier file too")
+                effects[key] = MigrationEffect(**{name: int(row[name]) for name in fields})
+    return effects
+
+
+def mean_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:
+    """(mean, half-width of the two-sided Student-t interval); inf with one value."""
+    from scipy.stats import t
+
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, math.inf
+    sem = statistics.stdev(values) / math.sqrt(len(values))
+    return mean, float(t.ppf(0.5 + confidence / 2, len(values) - 1)) * sem
+
+
+def pooled_report(effects: EffectTable, duration_s: float) -> str:
+    """Markdown: per scale, the direct and total effect (req/s) as mean [95% interval]
+    over seeds, the total relative to goodput without migration, and the seeds on
+    which the total is positive."""
+    scales = sorted({scale for _, scale in effects})
+    lines = ["| SLO scale | seeds | direct (req/s) | total (req/s) | total / without "
+             "| seeds with total > 0 |", "|---|---|---|---|---|---|"]
+    for scale in scales:
+        cells = [e for (_, s), e in sorted(effects.items()) if s == scale]
+        parts = []
+        for values in ([c.direct for c in cells], [c.total for c in cells]):
+            mean, half = mean_interval([v / duration_s for v in values])
+            parts.append(f"{mean:+.2f} [{mean - half:+.2f}, {mean + half:+.2f}]")
+        relative = sum(c.total for c in cells) / sum(c.met_without for c in cells)
+        lines.append(f"| {scale:g} | {len(cells)} | {parts[0]} | {parts[1]} "
+                     f"| {relative:+.1%} | {sum(c.total > 0 for c in cells)} of {len(cells)} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="pool effect.csv files over seeds")
+    parser.add_argument("effects", type=Path, nargs="+", help="effect.csv files")
+    parser.add_argument("--duration", type=float, default=60.0, help="arrival window, s")
+    parser.add_argument("--out", type=Path, help="also write the table here")
+    args = parser.parse_args(argv)
+    missing = [str(p) for p in args.effects if not p.is_file()]
+    if missing:
+        print(f"error: no such file: {', '.join(missing)}")
+        return 2
+    try:
+        report = pooled_report(read_effects(args.effects), args.duration)
+    except (KeyError, ValueError) as error:
+        print(f"error: {error}")
+        return 2
+    print(report)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(report + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
