@@ -18,11 +18,14 @@ Experiments, each written as summary.csv + PNG + report.md under --out:
              (effect.md, benchmarks/migration_effect.py)
 - results.md all tables in one page
 Usage: python -m benchmarks.goodput_experiments --out results/goodput [--quick]
+Pooling `seeds` runs made separately (other seeds): --pool A/seeds/summary.csv
+B/seeds/summary.csv --out DIR writes DIR/seeds.md over all their seeds, running nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import time
 from dataclasses import dataclass, replace
@@ -199,6 +202,44 @@ def seed_cells(
     return cells
 
 
+def read_seed_cells(paths: list[Path]) -> tuple[list[RunOutcome], list[int]]:
+    """The cells of `seeds` runs' summary.csv files (labels "policy seed=N") and their
+    seeds; a label and scale may appear in one file only."""
+    cells: dict[tuple[str, float], RunOutcome] = {}
+    for path in paths:
+        with path.open() as f:
+            for row in csv.DictReader(f):
+                key = row["policy"], float(row["slo_scale"])
+                if " seed=" not in key[0]:
+                    raise ValueError(f"{path}: {key[0]!r} is not a seeds run's label")
+                if key in cells:
+                    raise ValueError(f"{path}: {key[0]} at scale {key[1]:g} is in an "
+                                     "earlier file too")
+                cells[key] = RunOutcome(key[0], key[1],
+                                        {**row, "goodput_rps": float(row["goodput_rps"])}, ())
+    seeds = sorted({int(label.split(" seed=")[1]) for label, _ in cells})
+    return list(cells.values()), seeds
+
+
+def pool_seeds(paths: list[Path], out: Path) -> int:
+    """Write out/seeds.md over every seed of the given summary.csv files."""
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        print(f"error: no such file: {', '.join(missing)}")
+        return 2
+    try:
+        cells, seeds = read_seed_cells(paths)
+        report = seeds_report(cells, seeds)
+    except (KeyError, ValueError) as error:
+        print(f"error: cannot pool {', '.join(map(str, paths))}: {error!r}")
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "seeds.md").write_text(f"Seeds {','.join(map(str, seeds))}\n\n{report}\n")
+    print(report)
+    print(f"wrote {out / 'seeds.md'}")
+    return 0
+
+
 def migration_effects(cells: list[RunOutcome], seeds: list[int]) -> EffectTable:
     """(seed, scale) -> GoodServe vs its no-migration ablation, paired by request."""
     by_label = {(c.policy, c.slo_scale): c.records for c in cells}
@@ -276,7 +317,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--seeds", default="0,1,2,3", help="workload seeds of `seeds`")
     parser.add_argument("--quick", action="store_true", help="short window, fewer cells")
+    parser.add_argument("--pool", type=Path, nargs="+", metavar="SUMMARY_CSV",
+                        help="pool these seeds runs' summary.csv into --out/seeds.md "
+                        "(runs nothing)")
     args = parser.parse_args(argv)
+    if args.pool:
+        return pool_seeds(args.pool, args.out)
     try:  # the knobs' own checks, before minutes of data loading and training
         JustEnoughConfig(headroom=args.headroom, stall_factor=args.stall_factor,
                          confidence_quantile=args.confidence_quantile)

@@ -56,3 +56,24 @@ def test_placement_rows_count_first_placements_and_met_by_output_tercile():
 def test_bad_knobs_get_a_one_line_error_before_any_work(flag, value, knob, capsys):
     assert main([flag, value, "--trace", "/nonexistent"]) == 2
     assert capsys.readouterr().out.strip().startswith(f"error: {knob} must be")
+
+
+def test_seeds_runs_pool_from_their_summary_files(tmp_path, capsys):
+    from benchmarks.replay import write_summary_csv
+
+    for seed in (3, 7):
+        cells = [RunOutcome(f"{kind.value} seed={seed}", scale,
+                            {"policy": f"{kind.value} seed={seed}", "slo_scale": scale,
+                             "goodput_rps": 100.0 + seed if kind.value == "goodserve" else 50.0},
+                            ()) for kind in SEED_POLICIES for scale in SCALES]
+        write_summary_csv(tmp_path / f"s{seed}.csv", cells)
+    paths = [str(tmp_path / "s3.csv"), str(tmp_path / "s7.csv")]
+    assert main(["--pool", *paths, "--out", str(tmp_path / "pooled")]) == 0
+    pooled = (tmp_path / "pooled" / "seeds.md").read_text()
+    assert pooled.startswith("Seeds 3,7\n")
+    assert "| goodserve | 105.0 [103.0, 107.0]" in pooled
+    assert "| 7 | 2.14 (" in pooled  # 107 / 50
+    assert main(["--pool", paths[0], paths[0], "--out", str(tmp_path / "twice")]) == 2
+    assert main(["--pool", str(tmp_path / "none.csv")]) == 2
+    errors = [line for line in capsys.readouterr().out.splitlines() if "error" in line]
+    assert len(errors) == 2 and all(line.startswith("error: ") for line in errors)
