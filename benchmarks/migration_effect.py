@@ -30,7 +30,7 @@ import csv
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -192,7 +192,7 @@ def plot_effects(path: Path, effects: EffectTable, duration_s: float) -> None:
 def read_effects(paths: Sequence[Path]) -> dict[tuple[int, float], MigrationEffect]:
     """The effect.csv files `write_effects` wrote, merged (a seed and scale may appear
     in one file only)."""
-    fields = [f for f in MigrationEffect.__dataclass_fields__]
+    names = [field.name for field in fields(MigrationEffect)]
     effects: dict[tuple[int, float], MigrationEffect] = {}
     for path in paths:
         with path.open() as f:
@@ -201,7 +201,7 @@ def read_effects(paths: Sequence[Path]) -> dict[tuple[int, float], MigrationEffe
                 if key in effects:
                     raise ValueError(f"{path}: seed {key[0]} at scale {key[1]:g} "
                                      "is in an earlier file too")
-                effects[key] = MigrationEffect(**{name: int(row[name]) for name in fields})
+                effects[key] = MigrationEffect(**{name: int(row[name]) for name in names})
     return effects
 
 
