@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -87,17 +88,24 @@ class Setup:
 
 def held_out_prompts(prompts: Path, out: Path, seed: int) -> tuple[Path, Path]:
     """Split prompt_lengths.jsonl by prompt_id into train/test JSONL files under `out`
-    (a cache outside the repository: the shared data is never copied into it)."""
+    (a cache outside the repository: the shared data is never copied into it).
+
+    Each file is written under a private name and renamed into place, so a second
+    experiment process starting meanwhile reads a whole split, never a half-written
+    one (two processes on the same cache once read an empty test file)."""
     out.mkdir(parents=True, exist_ok=True)
     from predictor.data import load_records, split_by_prompt_id
 
     train, test = split_by_prompt_id(load_records(prompts), 0.2, seed)
     test_ids = {r.prompt_id for r in test}
     paths = out / "prompts-train.jsonl", out / "prompts-test.jsonl"
-    with paths[0].open("w") as f_train, paths[1].open("w") as f_test:
+    staged = tuple(p.with_name(f".{p.name}.{os.getpid()}") for p in paths)
+    with staged[0].open("w") as f_train, staged[1].open("w") as f_test:
         for line in prompts.read_text().splitlines():
             row = json.loads(line)
             (f_test if row["prompt_id"] in test_ids else f_train).write(line + "\n")
+    for tmp, path in zip(staged, paths, strict=True):
+        os.replace(tmp, path)
     print(f"prompts: {len(train)} train rows, {len(test)} held-out rows")
     return paths
 

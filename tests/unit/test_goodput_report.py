@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from benchmarks.goodput_experiments import SCALES, SEED_POLICIES, main, seeds_report
@@ -77,3 +79,21 @@ def test_seeds_runs_pool_from_their_summary_files(tmp_path, capsys):
     assert main(["--pool", str(tmp_path / "none.csv")]) == 2
     errors = [line for line in capsys.readouterr().out.splitlines() if "error" in line]
     assert len(errors) == 2 and all(line.startswith("error: ") for line in errors)
+
+
+def test_held_out_split_is_renamed_into_place_whole(tmp_path):
+    from benchmarks.goodput_experiments import held_out_prompts
+
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [{"prompt_id": f"p{i // 2}", "source": "test", "task": "chat",
+             "model": "m", "prompt_tokens": 5, "output_tokens": 10 + i,
+             "prompt": f"text {i}"} for i in range(40)]
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    cache = tmp_path / "cache"
+    train, test = held_out_prompts(prompts, cache, seed=0)
+    train_ids = {json.loads(line)["prompt_id"] for line in train.read_text().splitlines()}
+    test_ids = {json.loads(line)["prompt_id"] for line in test.read_text().splitlines()}
+    assert train_ids and test_ids and not train_ids & test_ids
+    assert len(train.read_text().splitlines()) + len(test.read_text().splitlines()) == 40
+    assert sorted(p.name for p in cache.iterdir()) == ["prompts-test.jsonl",
+                                                       "prompts-train.jsonl"]
