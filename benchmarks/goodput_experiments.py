@@ -25,7 +25,6 @@ B/seeds/summary.csv --out DIR writes DIR/seeds.md over all their seeds, running 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import time
@@ -42,6 +41,7 @@ from benchmarks.replay import (
     ReplaySpec,
     RunOutcome,
     attach_predictions,
+    read_keyed_rows,
     run_replay,
     write_outputs,
     write_summary_csv,
@@ -212,29 +212,20 @@ def seed_cells(
 
 def read_seed_cells(paths: list[Path]) -> tuple[list[RunOutcome], list[int]]:
     """The cells of `seeds` runs' summary.csv files (labels "policy seed=N") and their
-    seeds; a label and scale may appear in one file only."""
-    cells: dict[tuple[str, float], RunOutcome] = {}
-    for path in paths:
-        with path.open() as f:
-            for row in csv.DictReader(f):
-                key = row["policy"], float(row["slo_scale"])
-                if " seed=" not in key[0]:
-                    raise ValueError(f"{path}: {key[0]!r} is not a seeds run's label")
-                if key in cells:
-                    raise ValueError(f"{path}: {key[0]} at scale {key[1]:g} is in an "
-                                     "earlier file too")
-                cells[key] = RunOutcome(key[0], key[1],
-                                        {**row, "goodput_rps": float(row["goodput_rps"])}, ())
-    seeds = sorted({int(label.split(" seed=")[1]) for label, _ in cells})
-    return list(cells.values()), seeds
+    seeds; a label and scale may appear once only."""
+    rows = read_keyed_rows(paths, lambda row: (row["policy"], float(row["slo_scale"])),
+                           lambda key: f"{key[0]} at scale {key[1]:g}")
+    unseeded = sorted({label for label, _ in rows if " seed=" not in label})
+    if unseeded:
+        raise ValueError(f"not seeds runs' labels: {', '.join(unseeded)}")
+    cells = [RunOutcome(label, scale, {**row, "goodput_rps": float(row["goodput_rps"])}, ())
+             for (label, scale), row in rows.items()]
+    seeds = sorted({int(label.split(" seed=")[1]) for label, _ in rows})
+    return cells, seeds
 
 
 def pool_seeds(paths: list[Path], out: Path) -> int:
     """Write out/seeds.md over every seed of the given summary.csv files."""
-    missing = [str(p) for p in paths if not p.is_file()]
-    if missing:
-        print(f"error: no such file: {', '.join(missing)}")
-        return 2
     try:
         cells, seeds = read_seed_cells(paths)
         report = seeds_report(cells, seeds)

@@ -26,7 +26,6 @@ is the plain with/without goodput difference, whose sign one seed cannot settle.
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import statistics
 from collections.abc import Mapping, Sequence
@@ -35,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from app.sim.records import RequestOutcome, RequestRecord
-from benchmarks.replay import write_rows_csv
+from benchmarks.replay import read_keyed_rows, write_rows_csv
 
 
 @dataclass(frozen=True)
@@ -191,18 +190,12 @@ def plot_effects(path: Path, effects: EffectTable, duration_s: float) -> None:
 
 def read_effects(paths: Sequence[Path]) -> dict[tuple[int, float], MigrationEffect]:
     """The effect.csv files `write_effects` wrote, merged (a seed and scale may appear
-    in one file only)."""
+    once only)."""
     names = [field.name for field in fields(MigrationEffect)]
-    effects: dict[tuple[int, float], MigrationEffect] = {}
-    for path in paths:
-        with path.open() as f:
-            for row in csv.DictReader(f):
-                key = int(row["seed"]), float(row["slo_scale"])
-                if key in effects:
-                    raise ValueError(f"{path}: seed {key[0]} at scale {key[1]:g} "
-                                     "is in an earlier file too")
-                effects[key] = MigrationEffect(**{name: int(row[name]) for name in names})
-    return effects
+    rows = read_keyed_rows(paths, lambda row: (int(row["seed"]), float(row["slo_scale"])),
+                           lambda key: f"seed {key[0]} at scale {key[1]:g}")
+    return {key: MigrationEffect(**{name: int(row[name]) for name in names})
+            for key, row in rows.items()}
 
 
 def mean_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:
@@ -241,10 +234,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=60.0, help="arrival window, s")
     parser.add_argument("--out", type=Path, help="also write the table here")
     args = parser.parse_args(argv)
-    missing = [str(p) for p in args.effects if not p.is_file()]
-    if missing:
-        print(f"error: no such file: {', '.join(missing)}")
-        return 2
     try:
         report = pooled_report(read_effects(args.effects), args.duration)
     except (KeyError, ValueError) as error:

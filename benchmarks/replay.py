@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import typer
 
@@ -217,6 +217,30 @@ def write_rows_csv(path: Path, rows: Sequence[dict[str, Any]], fieldnames: list[
         writer = csv.DictWriter(f, fieldnames=fieldnames)
         writer.writeheader()
         writer.writerows(rows)
+
+
+Key = TypeVar("Key")
+
+
+def read_keyed_rows(
+    paths: Sequence[Path],
+    key: Callable[[dict[str, str]], Key],
+    describe: Callable[[Key], str],
+) -> dict[Key, dict[str, str]]:
+    """The rows of CSV files (as `write_rows_csv` wrote them) by `key`, merged across
+    files: pooling runs made separately. ValueError for a missing file or a key seen
+    twice (`describe` names it)."""
+    rows: dict[Key, dict[str, str]] = {}
+    for path in paths:
+        if not path.is_file():
+            raise ValueError(f"{path}: no such file")
+        with path.open() as f:
+            for row in csv.DictReader(f):
+                row_key = key(row)
+                if row_key in rows:
+                    raise ValueError(f"{path}: {describe(row_key)} appears more than once")
+                rows[row_key] = row
+    return rows
 
 
 def write_summary_csv(path: Path, outcomes: Sequence[RunOutcome]) -> None:
