@@ -34,7 +34,12 @@ from pathlib import Path
 from app.config import load_cluster_config
 from app.routing.goodserve import JustEnoughConfig
 from app.routing.length import PredictorLength
-from app.routing.registry import POLICY_REGISTRY, PolicyKind, RoutingOptions
+from app.routing.registry import (
+    POLICY_REGISTRY,
+    PolicyKind,
+    RoutingOptions,
+    stall_factor_label,
+)
 from app.workload import Workload, load_prompts, load_trace, trace_workload
 from benchmarks.migration_effect import EffectTable, paired_effect, write_effects
 from benchmarks.replay import (
@@ -210,11 +215,24 @@ def seed_cells(
     return cells
 
 
-def read_seed_cells(paths: list[Path]) -> tuple[list[RunOutcome], list[int]]:
+def read_seed_cells(
+    paths: list[Path], overrides: list[Path] | None = None
+) -> tuple[list[RunOutcome], list[int]]:
     """The cells of `seeds` runs' summary.csv files (labels "policy seed=N") and their
-    seeds; a label and scale may appear once only."""
-    rows = read_keyed_rows(paths, lambda row: (row["policy"], float(row["slo_scale"])),
-                           lambda key: f"{key[0]} at scale {key[1]:g}")
+    seeds; a label and scale may appear once only. `overrides` (e.g. the summary.csv of
+    a `migration` run with another setting) replace cells of the same label and scale:
+    rerun the policies a change touches, pool them with the rest."""
+    def seed_rows(files: list[Path]) -> dict[tuple[str, float], dict[str, str]]:
+        return read_keyed_rows(files, lambda row: (row["policy"], float(row["slo_scale"])),
+                               lambda key: f"{key[0]} at scale {key[1]:g}")
+
+    rows = seed_rows(paths)
+    replacements = seed_rows(overrides or [])
+    unmatched = sorted(f"{label} at scale {scale:g}" for label, scale in replacements
+                       if (label, scale) not in rows)
+    if unmatched:
+        raise ValueError(f"overrides match no pooled cell: {', '.join(unmatched)}")
+    rows.update(replacements)
     unseeded = sorted({label for label, _ in rows if " seed=" not in label})
     if unseeded:
         raise ValueError(f"not seeds runs' labels: {', '.join(unseeded)}")
@@ -224,16 +242,20 @@ def read_seed_cells(paths: list[Path]) -> tuple[list[RunOutcome], list[int]]:
     return cells, seeds
 
 
-def pool_seeds(paths: list[Path], out: Path) -> int:
+def pool_seeds(paths: list[Path], out: Path, overrides: list[Path] | None = None) -> int:
     """Write out/seeds.md over every seed of the given summary.csv files."""
     try:
-        cells, seeds = read_seed_cells(paths)
+        cells, seeds = read_seed_cells(paths, overrides)
         report = seeds_report(cells, seeds)
     except (KeyError, ValueError) as error:
         print(f"error: cannot pool {', '.join(map(str, paths))}: {error!r}")
         return 2
     out.mkdir(parents=True, exist_ok=True)
-    (out / "seeds.md").write_text(f"Seeds {','.join(map(str, seeds))}\n\n{report}\n")
+    sources = [f"- pooled: {', '.join(map(str, paths))}"]
+    if overrides:
+        sources.append(f"- cells replaced from: {', '.join(map(str, overrides))}")
+    (out / "seeds.md").write_text(
+        f"Seeds {','.join(map(str, seeds))}\n\n" + "\n".join(sources) + f"\n\n{report}\n")
     print(report)
     print(f"wrote {out / 'seeds.md'}")
     return 0
@@ -308,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--headroom", type=float, default=RoutingOptions().headroom)
     parser.add_argument("--stall-factor", type=float, default=RoutingOptions().stall_factor,
                         help="share of a new request's prefill estimate charged against "
-                        "admitted requests' slack")
+                        "admitted requests' slack (default: per length estimator, "
+                        f"{stall_factor_label(None)})")
     parser.add_argument("--confidence-quantile", type=float,
                         default=RoutingOptions().confidence_quantile,
                         help="just-enough places by this quantile of the predicted length "
@@ -319,12 +342,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pool", type=Path, nargs="+", metavar="SUMMARY_CSV",
                         help="pool these seeds runs' summary.csv into --out/seeds.md "
                         "(runs nothing)")
+    parser.add_argument("--override", type=Path, nargs="+", metavar="SUMMARY_CSV",
+                        help="with --pool: cells of these summary.csv files (e.g. a "
+                        "`migration` run at another setting) replace the pooled ones")
     args = parser.parse_args(argv)
+    if args.override and not args.pool:
+        print("error: --override needs --pool")
+        return 2
     if args.pool:
-        return pool_seeds(args.pool, args.out)
+        return pool_seeds(args.pool, args.out, args.override)
     try:  # the knobs' own checks, before minutes of data loading and training
-        JustEnoughConfig(headroom=args.headroom, stall_factor=args.stall_factor,
-                         confidence_quantile=args.confidence_quantile)
+        explicit = {} if args.stall_factor is None else {"stall_factor": args.stall_factor}
+        JustEnoughConfig(headroom=args.headroom, confidence_quantile=args.confidence_quantile,
+                         **explicit)
     except ValueError as error:
         print(f"error: {error}")
         return 2
@@ -356,7 +386,7 @@ def run_all(setup: Setup, args: argparse.Namespace, duration: float) -> int:
     workload = make_workload(setup, rate, duration)
     row = {"rate_rps": rate, "requests": len(workload), "duration_s": duration,
            "seed": setup.seed, "headroom": setup.routing.headroom,
-           "stall_factor": setup.routing.stall_factor,
+           "stall_factor": stall_factor_label(setup.routing.stall_factor),
            "confidence_quantile": setup.routing.confidence_quantile,
            "prompts": "held-out 20% of prompt_lengths.jsonl by prompt_id",
            "predictor": str(setup.predictor_dir)}

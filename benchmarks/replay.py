@@ -27,6 +27,7 @@ from app.routing.registry import (
     PolicyKind,
     RoutingOptions,
     build_routing,
+    stall_factor_label,
 )
 from app.serving.config import routing_knobs
 from app.sim.metrics import summarize
@@ -427,8 +428,9 @@ def replay(
                             "quantile of recent arrivals' SLOs (1: no reservation)")
     ] = RoutingOptions.reservation_quantile,
     stall_factor: Annotated[
-        float, typer.Option(min=0.0, help="share of a new request's prefill estimate "
-                            "charged against admitted requests' slack (do-no-harm check)")
+        float | None, typer.Option(min=0.0, help="share of a new request's prefill estimate "
+                                   "charged against admitted requests' slack (do-no-harm "
+                                   "check); default: 0.5 with --predictor, else 1.0")
     ] = RoutingOptions.stall_factor,
     confidence_quantile: Annotated[
         float, typer.Option(min=0.5, max=1.0, help="just-enough places by this quantile of "
@@ -474,6 +476,7 @@ def replay(
         "arrivals": arrivals.value, "rate_rps": rate, "requests": len(workload),
         "duration_s": workload.duration_s, "seed": seed, "slo_reference": slo_reference_gpu,
         "predictor": predictor or "running history", **routing_knobs(spec.routing),
+        "stall_factor": stall_factor_label(spec.routing.stall_factor),
     }
     write_outputs(out, setup, outcomes)
     typer.echo(f"wrote {out}/summary.csv, requests.parquet, placement.csv, goodput.png, "

@@ -23,10 +23,13 @@ from app.routing.goodserve import (
     DEFAULT_BUDGET_REFRESH_ITERATIONS,
     DEFAULT_MIGRATION_COST_QUANTILE,
     DEFAULT_MIGRATION_MARGIN,
+    DEFAULT_STALL_FACTOR,
+    TRAINED_PREDICTOR_STALL_FACTOR,
     JustEnoughConfig,
     JustEnoughPolicy,
     JustEnoughVariant,
     make_goodserve,
+    stall_factor_for,
 )
 from app.routing.length import OutputLengthEstimator, RunningHistoryLength, TrueLength
 from app.routing.load_aware import LlumnixBalancer, LlumnixPolicy, LowestTpmPolicy
@@ -88,8 +91,10 @@ class RoutingOptions:
     # stranding strongest instances take requests within this quantile of recent SLO
     # spans (1: no reservation)
     reservation_quantile: float = JustEnoughConfig.reservation_quantile
-    # share of a newcomer's prefill estimate charged against admitted requests' slack
-    stall_factor: float = JustEnoughConfig.stall_factor
+    # share of a newcomer's prefill estimate charged against admitted requests' slack;
+    # None: what suits the length estimator (`stall_factor_for`: 0.5 for a trained
+    # predictor, 1.0 for exact or label-free lengths)
+    stall_factor: float | None = None
     # just-enough places by this quantile of the predicted length first, when the
     # estimator knows its spread (0.5: the point estimate alone)
     confidence_quantile: float = JustEnoughConfig.confidence_quantile
@@ -98,6 +103,14 @@ class RoutingOptions:
 
     def goodserve_length(self) -> OutputLengthEstimator:
         return self.length_factory() if self.length_factory else RunningHistoryLength()
+
+
+def stall_factor_label(stall_factor: float | None) -> str:
+    """How reports name the stall factor; None is chosen per length estimator."""
+    if stall_factor is not None:
+        return f"{stall_factor:g}"
+    return (f"{TRAINED_PREDICTOR_STALL_FACTOR:g} with a trained predictor, "
+            f"{DEFAULT_STALL_FACTOR:g} with exact or label-free lengths")
 
 
 @dataclass(frozen=True)
@@ -124,7 +137,9 @@ def _goodserve(
         migration_cost_quantile=options.migration_cost_quantile,
         config=JustEnoughConfig(headroom=options.headroom,
                                 reservation_quantile=options.reservation_quantile,
-                                stall_factor=options.stall_factor,
+                                stall_factor=(stall_factor_for(length)
+                                              if options.stall_factor is None
+                                              else options.stall_factor),
                                 confidence_quantile=options.confidence_quantile, **config),
     )
     return RoutingStack(policy, watchdog)

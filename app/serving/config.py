@@ -28,6 +28,7 @@ from app.routing.goodserve import (
     DEFAULT_MIGRATION_MARGIN,
     DEFAULT_RESERVATION_QUANTILE,
     DEFAULT_STALL_FACTOR,
+    TRAINED_PREDICTOR_STALL_FACTOR,
 )
 from app.routing.registry import SIM_ONLY, PolicyKind, RoutingOptions
 
@@ -53,10 +54,12 @@ class RoutingConfig(Frozen):
         DEFAULT_RESERVATION_QUANTILE, ge=0, le=1,
         description="when the strongest instances strand requests they take only those "
         "whose SLO is within this quantile of recent arrivals' SLOs; 1 = no reservation")
-    stall_factor: float = Field(
-        DEFAULT_STALL_FACTOR, ge=0,
+    stall_factor: float | None = Field(
+        None, ge=0,
         description="share of a new request's prefill estimate charged against admitted "
-        "requests' slack by the do-no-harm check; 0 = no check")
+        "requests' slack by the do-no-harm check; 0 = no check; None = "
+        f"{TRAINED_PREDICTOR_STALL_FACTOR} with a trained predictor (predictor_dir), "
+        f"{DEFAULT_STALL_FACTOR} with the running history")
     confidence_quantile: float = Field(
         DEFAULT_CONFIDENCE_QUANTILE, ge=0.5, le=1,
         description="just-enough places by this quantile of the predicted length first, "

@@ -77,8 +77,24 @@ def test_seeds_runs_pool_from_their_summary_files(tmp_path, capsys):
     assert "| 7 | 2.14 (" in pooled  # 107 / 50
     assert main(["--pool", paths[0], paths[0], "--out", str(tmp_path / "twice")]) == 2
     assert main(["--pool", str(tmp_path / "none.csv")]) == 2
+    # a rerun of goodserve on seed 7 replaces its cells, nothing else
+    rerun = [RunOutcome("goodserve seed=7", scale, {"policy": "goodserve seed=7",
+                        "slo_scale": scale, "goodput_rps": 120.0}, ()) for scale in SCALES]
+    write_summary_csv(tmp_path / "rerun.csv", rerun)
+    overridden = tmp_path / "overridden"
+    assert main(["--pool", *paths, "--override", str(tmp_path / "rerun.csv"),
+                 "--out", str(overridden)]) == 0
+    text = (overridden / "seeds.md").read_text()
+    assert "| goodserve | 111.5 [103.0, 120.0]" in text and "rerun.csv" in text
+    assert "| 7 | 2.40 (" in text  # 120 / 50
+    stray = [RunOutcome("goodserve seed=9", 1.0, {"policy": "goodserve seed=9",
+                        "slo_scale": 1.0, "goodput_rps": 1.0}, ())]
+    write_summary_csv(tmp_path / "stray.csv", stray)
+    assert main(["--pool", *paths, "--override", str(tmp_path / "stray.csv")]) == 2
+    assert main(["--override", str(tmp_path / "rerun.csv")]) == 2
     errors = [line for line in capsys.readouterr().out.splitlines() if "error" in line]
-    assert len(errors) == 2 and all(line.startswith("error: ") for line in errors)
+    assert len(errors) == 4 and all(line.startswith("error: ") for line in errors)
+    assert "goodserve seed=9 at scale 1" in errors[2] and "--pool" in errors[3]
 
 
 def test_held_out_split_is_renamed_into_place_whole(tmp_path):

@@ -11,7 +11,9 @@ from app.engine_types import EngineStatus
 from app.routing.base import ActiveRequest, Reject
 from app.routing.budgets import SlackBudgets
 from app.routing.goodserve import (
+    DEFAULT_STALL_FACTOR,
     MIN_SLO_SAMPLES,
+    TRAINED_PREDICTOR_STALL_FACTOR,
     Candidate,
     JustEnoughConfig,
     JustEnoughPolicy,
@@ -687,9 +689,35 @@ def test_long_prefill_cannot_stall_an_admitted_request_past_its_slack(
 
 
 def test_stall_factor_reaches_the_policy_and_the_watchdog():
-    stack = build_routing(PolicyKind.GOODSERVE, RoutingOptions(stall_factor=0.5))
-    assert stack.policy.config.stall_factor == 0.5
-    assert stack.watchdog.config.stall_factor == 0.5
+    stack = build_routing(PolicyKind.GOODSERVE, RoutingOptions(stall_factor=0.7))
+    assert stack.policy.config.stall_factor == 0.7
+    assert stack.watchdog.config.stall_factor == 0.7
+
+
+def trained_length() -> PredictorLength:
+    from predictor.base import PredictionInput
+    from predictor.history import HistoryPredictor
+
+    return PredictorLength(HistoryPredictor().fit([PredictionInput("p")] * 3, [100] * 3))
+
+
+@pytest.mark.parametrize("kind, trained, expected", [
+    (PolicyKind.GOODSERVE, True, TRAINED_PREDICTOR_STALL_FACTOR),
+    (PolicyKind.GOODSERVE_NO_MIGRATION, True, TRAINED_PREDICTOR_STALL_FACTOR),
+    (PolicyKind.GOODSERVE, False, DEFAULT_STALL_FACTOR),  # running history
+    (PolicyKind.GOODSERVE_HISTORY, True, DEFAULT_STALL_FACTOR),  # the ablation's history
+    (PolicyKind.ORACLE, True, DEFAULT_STALL_FACTOR),  # exact lengths
+])
+def test_stall_factor_defaults_per_length_estimator(kind, trained, expected):
+    """Unset, the charge suits the estimator: lighter for a trained predictor, whose
+    "late" requests are often over-predicted, full for exact or label-free lengths."""
+    assert TRAINED_PREDICTOR_STALL_FACTOR < DEFAULT_STALL_FACTOR
+    options = RoutingOptions(length_factory=trained_length if trained else None)
+    stack = build_routing(kind, options)
+    assert stack.policy.config.stall_factor == expected
+    assert stack.watchdog.config.stall_factor == expected
+    explicit = build_routing(kind, replace(options, stall_factor=0.8))
+    assert explicit.policy.config.stall_factor == explicit.watchdog.config.stall_factor == 0.8
 
 
 def test_stall_factor_must_not_be_negative():

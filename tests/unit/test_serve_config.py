@@ -97,3 +97,25 @@ def test_every_routing_knob_travels_between_options_and_the_serve_config():
     config = ServeConfig(cluster=default_serve_config().cluster,
                          routing=RoutingConfig(**routing_knobs(options)))
     assert routing_options(config, None) == options
+
+
+def test_serve_config_leaves_the_stall_factor_to_the_predictor_unless_set():
+    """Unset, the live router charges what suits its length estimator: the trained
+    predictor's factor with predictor_dir, the full charge with the running history."""
+    from app.routing.goodserve import DEFAULT_STALL_FACTOR, TRAINED_PREDICTOR_STALL_FACTOR
+    from app.routing.registry import build_routing
+    from app.serving.config import RoutingConfig, default_serve_config
+    from app.serving.service import routing_options
+    from predictor.base import PredictionInput
+    from predictor.history import HistoryPredictor
+
+    config = default_serve_config()
+    assert config.routing.stall_factor is None
+    trained = HistoryPredictor().fit([PredictionInput("p")] * 3, [100] * 3)
+    for predictor, expected in ((None, DEFAULT_STALL_FACTOR),
+                                (trained, TRAINED_PREDICTOR_STALL_FACTOR)):
+        stack = build_routing("goodserve", routing_options(config, predictor))
+        assert stack.policy.config.stall_factor == expected
+    pinned = config.model_copy(update={"routing": RoutingConfig(stall_factor=0.8)})
+    pinned_stack = build_routing("goodserve", routing_options(pinned, trained))
+    assert pinned_stack.policy.config.stall_factor == 0.8
