@@ -79,10 +79,10 @@ DEFAULT_RESERVATION_QUANTILE = 0.9
 # workload seeds 0-1; against 1.0 at SLO scales 1 / 1.5 / 2 / 2.5 / 3 it gains
 # +8.3 / +0.6 / +0.0 / +1.2 / +0.2 req/s on seeds 0-5 and +9.6 / -0.3 / -2.2 / -0.5 /
 # +0.4 on held-out seeds 6-11, and only 0.5 keeps GoodServe above slo-pack at scale 1
-# on every seed. With exact lengths (the oracle) "estimated late"
-# means late and 0.5 floods the H800 (seed 0, scale 1: 23.9 against 90.5 req/s); the
-# label-free running history loses 5% at scale 3 with it (README, "stall factor").
-# So the factor defaults per estimator: `stall_factor_for` (RoutingOptions: None).
+# on every seed. With exact lengths (the oracle) "estimated late" means late and 0.5
+# floods the H800 (seed 0, scale 1: 23.9 against 90.5 req/s); the label-free running
+# history loses 5% at scale 3 with it (README, "stall factor"). So the registry picks
+# the factor per estimator (`stall_factor_for`) unless RoutingOptions pins one.
 DEFAULT_STALL_FACTOR = 1.0  # exact or label-free lengths
 TRAINED_PREDICTOR_STALL_FACTOR = 0.5  # a trained predictor (`PredictorLength`)
 # Just-enough first places a request by a confident length - this quantile of the
