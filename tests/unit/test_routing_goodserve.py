@@ -32,7 +32,12 @@ from app.routing.length import (
     TrueLength,
 )
 from app.routing.quantiles import survival_quantile
-from app.routing.registry import PolicyKind, RoutingOptions, build_routing
+from app.routing.registry import (
+    PolicyKind,
+    RoutingOptions,
+    build_routing,
+    stall_factor_label,
+)
 from app.routing.status import InstanceEstimate, StatusEstimator, catalog_prior
 from app.routing.view import ClusterView, FinishReport
 from tests.unit.routing_utils import SPECS, make_cluster, make_request, make_view
@@ -718,6 +723,13 @@ def test_stall_factor_defaults_per_length_estimator(kind, trained, expected):
     assert stack.watchdog.config.stall_factor == expected
     explicit = build_routing(kind, replace(options, stall_factor=0.8))
     assert explicit.policy.config.stall_factor == explicit.watchdog.config.stall_factor == 0.8
+
+
+def test_reports_name_the_stall_factor_they_ran_with():
+    assert stall_factor_label(0.7) == "0.7"
+    assert stall_factor_label(None) == (
+        f"{TRAINED_PREDICTOR_STALL_FACTOR:g} with a trained predictor, "
+        f"{DEFAULT_STALL_FACTOR:g} with exact or label-free lengths")
 
 
 def test_stall_factor_must_not_be_negative():
