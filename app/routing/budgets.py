@@ -9,13 +9,14 @@ and watchdog.
 The slowdown of the batch a newcomer joins is not budgeted: decode is memory-bound,
 one more request slows a step by well under 1%, and a per-token budget only ever
 tripped on requests that the pessimistic estimate already had behind - it closed
-instances to arrivals that would have met (README, "do-no-harm budgets").
+instances to arrivals that would have met (docs/goodserve-routing.md, "do-no-harm
+budgets").
 
 The prefill compared here is L_in x p_g, and p_g is measured over whole iterations
 (the decode step included), 12-31x a prompt token's marginal cost on a busy
 instance: in practice this check is an admission throttle, and with the marginal
 cost instead it stops throttling and late requests flood the strongest instance
-(README, "What the stall check really measures").
+(docs/goodserve-routing.md, "What the stall check really measures").
 """
 
 from __future__ import annotations

@@ -53,9 +53,10 @@ DEFAULT_BUDGET_REFRESH_ITERATIONS = 10
 # move that costs the target more than the typical arrival it displaces loses on
 # average. Only contended targets are gated (`RecentAdmissions.contended`): at light
 # load a gate everywhere blocked the moves that rescue under-predicted requests. 190
-# req/s, six workload seeds (README, "migration cost gate"): GoodServe vs no migration
-# +0.2 / -1.7 / +0.7 / -1.0 / +2.7 req/s at SLO scales 1 / 1.5 / 2 / 2.5 / 3; without the
-# gate (margin 1) migration cost 4.0 / 1.3 / 3.0 / 0.2 req/s at scales 1-2.5.
+# req/s, six workload seeds (docs/goodserve-routing.md, "migration cost gate"):
+# GoodServe vs no migration +0.2 / -1.7 / +0.7 / -1.0 / +2.7 req/s at SLO scales 1 /
+# 1.5 / 2 / 2.5 / 3; without the gate (margin 1) migration cost 4.0 / 1.3 / 3.0 / 0.2
+# req/s at scales 1-2.5.
 DEFAULT_MIGRATION_COST_QUANTILE = 0.5
 RECENT_ADMISSIONS_WINDOW = 200
 
@@ -66,8 +67,9 @@ RECENT_ADMISSIONS_WINDOW = 200
 # meet nowhere else rather than to the loosest, which hold it longest (an SLO is
 # usually set in proportion to the work asked for). 190 req/s, six workload seeds, SLO
 # scales 1 / 1.5 / 2 / 2.5 / 3: +17.5 / +9.2 / +3.3 / +4.3 / +0.7 req/s over the policy
-# without it (README, "strongest-GPU reservation"); picked from 0.8 / 0.9 / 0.95 on
-# seeds 0-1: lower quantiles lose at scale 2, where the loose requests could still meet.
+# without it (docs/goodserve-routing.md, "strongest-GPU reservation"); picked from 0.8
+# / 0.9 / 0.95 on seeds 0-1: lower quantiles lose at scale 2, where the loose requests
+# could still meet.
 DEFAULT_RESERVATION_QUANTILE = 0.9
 # The do-no-harm check charges a newcomer's whole prefill estimate against the smallest
 # admitted slack. The estimate overstates the real stall (p_g is measured over whole
@@ -81,8 +83,9 @@ DEFAULT_RESERVATION_QUANTILE = 0.9
 # +0.4 on held-out seeds 6-11, and only 0.5 keeps GoodServe above slo-pack at scale 1
 # on every seed. With exact lengths (the oracle) "estimated late" means late and 0.5
 # floods the H800 (seed 0, scale 1: 23.9 against 90.5 req/s); the label-free running
-# history loses 5% at scale 3 with it (README, "stall factor"). So the registry picks
-# the factor per estimator (`stall_factor_for`) unless RoutingOptions pins one.
+# history loses 5% at scale 3 with it (docs/goodserve-routing.md, "stall factor"). So
+# the registry picks the factor per estimator (`stall_factor_for`) unless RoutingOptions
+# pins one.
 DEFAULT_STALL_FACTOR = 1.0  # exact or label-free lengths
 TRAINED_PREDICTOR_STALL_FACTOR = 0.5  # a trained predictor (`PredictorLength`)
 # Just-enough first places a request by a confident length - this quantile of the
