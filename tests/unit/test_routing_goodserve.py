@@ -631,7 +631,7 @@ def test_late_request_avoids_instances_whose_admitted_requests_its_prefill_would
 def test_an_instance_is_not_closed_for_the_slowdown_a_newcomer_adds():
     """Decode is memory-bound: joining a batch slows it by well under 1%. Only the
     newcomer's prefill is budgeted; a per-token budget closed instances to arrivals
-    that would have met (README, "do-no-harm budgets")."""
+    that would have met (docs/goodserve-routing.md, "do-no-harm budgets")."""
     policy = policy_with_speeds(H800=0.01, A800=0.015, A40=0.04)
     cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
     # tight: A40 takes 8.1 s of its 8.2 s, 0.1 s of slack
