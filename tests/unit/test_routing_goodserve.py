@@ -186,12 +186,16 @@ def test_confident_history_length_sees_long_generations_still_running():
     assert fresh.confident_output(request, 0.9) == 50
 
 
-def test_a_trained_predictors_confident_length_comes_from_its_finished_errors():
+def trained_length() -> PredictorLength:
+    """A trained predictor that says 100 tokens for anything."""
     from predictor.base import PredictionInput
     from predictor.history import HistoryPredictor
 
-    history = HistoryPredictor().fit([PredictionInput("p")] * 3, [100, 100, 100])
-    length = PredictorLength(history)
+    return PredictorLength(HistoryPredictor().fit([PredictionInput("p")] * 3, [100] * 3))
+
+
+def test_a_trained_predictors_confident_length_comes_from_its_finished_errors():
+    length = trained_length()
     request = make_request(10.0, out=100)  # predicted 100 tokens at arrival
     finished = [50 + 2 * i for i in range(100)]  # true / predicted from 0.5 to 2.48
     for n in finished[:-1]:
@@ -697,13 +701,6 @@ def test_stall_factor_reaches_the_policy_and_the_watchdog():
     stack = build_routing(PolicyKind.GOODSERVE, RoutingOptions(stall_factor=0.7))
     assert stack.policy.config.stall_factor == 0.7
     assert stack.watchdog.config.stall_factor == 0.7
-
-
-def trained_length() -> PredictorLength:
-    from predictor.base import PredictionInput
-    from predictor.history import HistoryPredictor
-
-    return PredictorLength(HistoryPredictor().fit([PredictionInput("p")] * 3, [100] * 3))
 
 
 @pytest.mark.parametrize("kind, trained, expected", [
