@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from app.config import EngineRole
 from app.hardware import make_instance
 from app.routing.view import ClusterView, InstanceView, RouteRequest
+
+if TYPE_CHECKING:
+    from predictor.base import Predictor
 
 SPECS = {g: make_instance(g, "llama-3.1-8b") for g in ("H800", "A800", "A40")}
 
@@ -38,3 +43,12 @@ def make_request(
 ) -> RouteRequest:
     return RouteRequest(rid, 0.0, slo_s, prompt, predicted_output_tokens=out,
                         true_output_tokens=out, **kw)
+
+
+def fixed_length_predictor(tokens: int = 100) -> Predictor:
+    """A trained predictor (history over three identical answers) that always says
+    `tokens`: what routing sees from a saved predictor directory."""
+    from predictor.base import PredictionInput
+    from predictor.history import HistoryPredictor
+
+    return HistoryPredictor().fit([PredictionInput("p")] * 3, [tokens] * 3)

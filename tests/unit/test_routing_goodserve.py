@@ -40,7 +40,13 @@ from app.routing.registry import (
 )
 from app.routing.status import InstanceEstimate, StatusEstimator, catalog_prior
 from app.routing.view import ClusterView, FinishReport
-from tests.unit.routing_utils import SPECS, make_cluster, make_request, make_view
+from tests.unit.routing_utils import (
+    SPECS,
+    fixed_length_predictor,
+    make_cluster,
+    make_request,
+    make_view,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -188,10 +194,7 @@ def test_confident_history_length_sees_long_generations_still_running():
 
 def trained_length() -> PredictorLength:
     """A trained predictor that says 100 tokens for anything."""
-    from predictor.base import PredictionInput
-    from predictor.history import HistoryPredictor
-
-    return PredictorLength(HistoryPredictor().fit([PredictionInput("p")] * 3, [100] * 3))
+    return PredictorLength(fixed_length_predictor(100))
 
 
 def test_a_trained_predictors_confident_length_comes_from_its_finished_errors():

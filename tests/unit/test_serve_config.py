@@ -106,12 +106,11 @@ def test_serve_config_leaves_the_stall_factor_to_the_predictor_unless_set():
     from app.routing.registry import build_routing
     from app.serving.config import RoutingConfig, default_serve_config
     from app.serving.service import routing_options
-    from predictor.base import PredictionInput
-    from predictor.history import HistoryPredictor
+    from tests.unit.routing_utils import fixed_length_predictor
 
     config = default_serve_config()
     assert config.routing.stall_factor is None
-    trained = HistoryPredictor().fit([PredictionInput("p")] * 3, [100] * 3)
+    trained = fixed_length_predictor()
     for predictor, expected in ((None, DEFAULT_STALL_FACTOR),
                                 (trained, TRAINED_PREDICTOR_STALL_FACTOR)):
         stack = build_routing("goodserve", routing_options(config, predictor))
