@@ -430,7 +430,7 @@ def replay(
     stall_factor: Annotated[
         float | None, typer.Option(min=0.0, help="share of a new request's prefill estimate "
                                    "charged against admitted requests' slack (do-no-harm "
-                                   "check); default: 0.5 with --predictor, else 1.0")
+                                   f"check); default: {stall_factor_label(None)}")
     ] = RoutingOptions.stall_factor,
     confidence_quantile: Annotated[
         float, typer.Option(min=0.5, max=1.0, help="just-enough places by this quantile of "
