@@ -2,6 +2,7 @@
 
     python -m benchmarks.bimodal_goodput [--seeds 0,1,2,3,4] [--slo-scales 1,2,3]
         [--policies goodserve,least-request,...] [--confidence-quantile 0.9]
+        [--no-fast-while-cold]
 
 configs/paper-4gpu.yaml, Poisson arrivals at --rate for --duration seconds, prompts of
 100-2000 tokens, outputs either a chat (20-120 tokens) or a generation (400-900), half
@@ -46,7 +47,7 @@ def bimodal_workload(rate: float, duration_s: float, seed: int) -> Workload:
 
 def met_by_seed(
     seeds: list[int], policies: str, scales: str, rate: float, duration_s: float,
-    confidence_quantile: float,
+    confidence_quantile: float, fast_while_cold: bool = True,
 ) -> dict[tuple[str, float], list[int]]:
     """(policy, SLO scale) -> met requests, one entry per seed."""
     met: dict[tuple[str, float], list[int]] = {}
@@ -54,7 +55,8 @@ def met_by_seed(
         spec = ReplaySpec(load_cluster_config(PAPER_CLUSTER), parse_policies(policies),
                           parse_scales(scales), seed=seed,
                           routing=RoutingOptions(seed=seed,
-                                                 confidence_quantile=confidence_quantile))
+                                                 confidence_quantile=confidence_quantile,
+                                                 fast_while_cold=fast_while_cold))
         for cell in run_replay(spec, bimodal_workload(rate, duration_s, seed)):
             met.setdefault((cell.policy, cell.slo_scale), []).append(cell.summary["met"])
     return met
@@ -71,16 +73,20 @@ def main(
         float, typer.Option(min=0.5, max=1.0, help="GoodServe's confident-placement "
                             "quantile (0.5: the point estimate alone)")
     ] = RoutingOptions.confidence_quantile,
+    fast_while_cold: Annotated[
+        bool, typer.Option(help="while the running history is cold, place on the fastest "
+                           "instance with capacity to spare instead of the weakest")
+    ] = RoutingOptions.fast_while_cold,
 ) -> None:
     try:
         seed_list = [int(s) for s in seeds.split(",")]
         started = time.perf_counter()
         met = met_by_seed(seed_list, policies, slo_scales, rate, duration,
-                          confidence_quantile)
+                          confidence_quantile, fast_while_cold)
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
     print(f"paper-4gpu, {rate:g} req/s for {duration:g} s, bimodal lengths, seeds {seeds}, "
-          f"confidence_quantile {confidence_quantile:g} "
+          f"confidence_quantile {confidence_quantile:g}, fast_while_cold {fast_while_cold} "
           f"({time.perf_counter() - started:.0f} s)")
     print("| policy | SLO scale | met per seed |\n|---|---|---|")
     for (policy, scale), counts in met.items():

@@ -223,6 +223,30 @@ def pick_just_enough(
     return min(feasible, key=lambda c: (-c.capability_s_per_token, c.slack_s, c.instance_id))
 
 
+def pick_while_cold(
+    candidates: Sequence[Candidate],
+    variant: JustEnoughVariant,
+    headroom: float,
+    admissions: RecentAdmissions,
+) -> Candidate | None:
+    """Just-enough while the length estimator is cold (`OutputLengthEstimator.warm`):
+    the fastest feasible instance with capacity to spare, else the variant's pick.
+
+    A cold estimate is a lower bound, so a long request looks short and the weakest
+    feasible GPU is where it misses; on a fast instance the same error costs least,
+    and one that has not turned an arrival away lately displaces nobody. Bimodal
+    workload, five seeds, 20 req/s, met at SLO scales 1 / 2 / 3: 2,259 / 4,414 / 5,533
+    against 2,264 / 4,160 / 5,106 with the weakest pick throughout; the fastest
+    feasible instance regardless of contention floods the H800 at scale 1 (1,855)
+    (docs/goodserve-routing.md, "cold start").
+    """
+    spare = [c for c in candidates
+             if c.feasible(headroom) and not admissions.contended(c.instance_id)]
+    if spare:
+        return min(spare, key=lambda c: (c.latency_s, c.instance_id))
+    return pick_just_enough(candidates, variant, headroom)
+
+
 def fallback(candidates: Sequence[Candidate]) -> Candidate:
     """Best effort when no instance can meet the deadline: the minimum T among the
     instances that can take the request without breaking an admitted request's
@@ -285,6 +309,9 @@ class JustEnoughConfig:
     # knows its spread; the point estimate only when that finds no instance
     # (0.5 = the point estimate alone)
     confidence_quantile: float = DEFAULT_CONFIDENCE_QUANTILE
+    # while the length estimator is cold (its lengths are lower bounds), take the
+    # fastest feasible instance with capacity to spare (`pick_while_cold`)
+    fast_while_cold: bool = True
 
     def __post_init__(self) -> None:
         if self.headroom < 0:
@@ -317,8 +344,10 @@ class JustEnoughPlacer:
         view: ClusterView,
         output_tokens: float,
         now: float,
+        cold: bool = False,
     ) -> tuple[Candidate | None, list[Candidate]]:
-        """(the chosen candidate or None, every scored candidate)."""
+        """(the chosen candidate or None, every scored candidate); `cold`: the length
+        estimate is a lower bound (`pick_while_cold`)."""
         guard = self.budgets if self.config.protect_admitted else None
         candidates = reserve_strongest(
             request,
@@ -326,7 +355,11 @@ class JustEnoughPlacer:
                             self.config.stall_factor),
             view, self.admissions, self.config.reservation_quantile,
         )
-        chosen = pick_just_enough(candidates, self.config.variant, self.config.headroom)
+        if cold:
+            chosen = pick_while_cold(candidates, self.config.variant, self.config.headroom,
+                                     self.admissions)
+        else:
+            chosen = pick_just_enough(candidates, self.config.variant, self.config.headroom)
         if chosen is not None:
             self._admit(request, chosen)
         return chosen, candidates
@@ -455,9 +488,11 @@ class JustEnoughPolicy(RoutingPolicy):
         if not holding:
             return Reject(f"no instance can hold {request.num_context_tokens} tokens")
         output = bounded_output(request, self.length.expected_output(request))
-        chosen, candidates = self._place_confidently(request, holding, view, output, now)
+        cold = self.config.fast_while_cold and not self.length.warm(
+            self.config.confidence_quantile)
+        chosen, candidates = self._place_confidently(request, holding, view, output, now, cold)
         if chosen is None:
-            chosen, candidates = self.placer.place(request, holding, view, output, now)
+            chosen, candidates = self.placer.place(request, holding, view, output, now, cold)
         self.admissions.record_arrival(request, candidates, self.config.headroom)
         if chosen is not None:
             self.admissions.record(chosen.instance_id, chosen.latency_s)
@@ -477,6 +512,7 @@ class JustEnoughPolicy(RoutingPolicy):
         view: ClusterView,
         output: float,
         now: float,
+        cold: bool,
     ) -> tuple[Candidate | None, list[Candidate]]:
         """Just-enough by the confident length, when it says more than the point
         estimate `output`: (None, []) when there is none or no instance qualifies."""
@@ -488,7 +524,7 @@ class JustEnoughPolicy(RoutingPolicy):
         confident = bounded_output(request, confident)
         if confident <= output:
             return None, []
-        return self.placer.place(request, holding, view, confident, now)
+        return self.placer.place(request, holding, view, confident, now, cold)
 
     def on_step(self, instance_id: InstanceId, report: StepReport, now: float) -> None:
         self.status.on_step(instance_id, report, now)

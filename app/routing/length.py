@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 from app.routing.base import StepListener
-from app.routing.quantiles import nearest_rank_quantile, survival_quantile
+from app.routing.quantiles import kaplan_meier_quantile, nearest_rank_quantile
 from app.routing.view import FinishReport, RouteRequest
 
 if TYPE_CHECKING:
@@ -54,6 +54,13 @@ class OutputLengthEstimator(StepListener, ABC):
         estimator knows the spread of its errors; None when it does not (then routing
         has only the point estimate)."""
         return None
+
+    def warm(self, quantile: float) -> bool:
+        """Whether its lengths at arrival rest on evidence up to `quantile`. Trained
+        and exact estimators start warm; a label-free history is cold while its
+        finished lengths do not reach that quantile (at start-up, or after a shift to
+        longer outputs, the long requests are still running)."""
+        return True
 
     def predict_totals(
         self, requests: Sequence[RouteRequest], num_generated: Sequence[int]
@@ -96,8 +103,9 @@ class RunningHistoryLength(OutputLengthEstimator):
         self._sorted: list[int] = []
         self._req_to_num_generated: dict[str, int] = {}  # running, as last reported
         self._num_finished = 0
-        # (num_generated, quantile) -> confident length, kept for CONFIDENT_REFRESH_FINISHES
-        self._confident: dict[tuple[int, float], float] = {}
+        # (num_generated, quantile) -> (confident length, whether finished lengths reach
+        # it), kept for CONFIDENT_REFRESH_FINISHES
+        self._confident: dict[tuple[int, float], tuple[float, bool]] = {}
 
     def observe_length(self, num_tokens: int) -> None:
         if len(self._window) == self._window.maxlen:
@@ -127,14 +135,25 @@ class RunningHistoryLength(OutputLengthEstimator):
         return self.conditional_quantile(num_generated, 0.5)
 
     def confident_output(self, request: RouteRequest, quantile: float) -> float | None:
-        num_generated = request.num_generated_tokens
+        return self._confident_total(request.num_generated_tokens, quantile)[0]
+
+    def warm(self, quantile: float) -> bool:
+        return self._confident_total(0, quantile)[1]
+
+    def _confident_total(self, num_generated: int, quantile: float) -> tuple[float, bool]:
+        """(the Kaplan-Meier `quantile` of totals above `num_generated`, whether the
+        finished lengths reach it); when they do not, the longest length seen, a
+        lower bound. Cached until CONFIDENT_REFRESH_FINISHES more requests finish."""
         start = bisect.bisect_right(self._sorted, num_generated)
         if start == len(self._sorted):  # nothing finished above: no spread to go on
-            return self.conditional_quantile(num_generated, quantile)
+            return self.conditional_quantile(num_generated, quantile), False
         key = (num_generated, quantile)
         if key not in self._confident:
+            finished = self._sorted[start:]
             censored = sorted(n for n in self._req_to_num_generated.values() if n > num_generated)
-            self._confident[key] = survival_quantile(self._sorted[start:], censored, quantile)
+            total = kaplan_meier_quantile(finished, censored, quantile)
+            self._confident[key] = (total, True) if total is not None else (
+                float(max(finished[-1], censored[-1] if censored else 0)), False)
         return self._confident[key]
 
     def conditional_quantile(self, num_generated: int, quantile: float) -> float:

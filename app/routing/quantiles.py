@@ -12,11 +12,13 @@ def nearest_rank_quantile(values: Collection[float], q: float) -> float:
     return ordered[int(q * (len(ordered) - 1))]
 
 
-def survival_quantile(finished: Sequence[int], censored: Sequence[int], quantile: float) -> float:
+def kaplan_meier_quantile(
+    finished: Sequence[int], censored: Sequence[int], quantile: float
+) -> float | None:
     """The `quantile` of a length distribution seen as `finished` lengths and
     `censored` lower bounds (requests still running), by the Kaplan-Meier estimate;
-    both sorted ascending, `finished` not empty. When the censored tail keeps the
-    survival above 1 - quantile, the longest value seen (a lower bound)."""
+    both sorted ascending. None when the finished lengths do not reach it: the
+    censored tail keeps the survival above 1 - quantile."""
     at_risk = len(finished) + len(censored)
     survival, cut, i = 1.0, 0, 0
     while i < len(finished):
@@ -30,4 +32,4 @@ def survival_quantile(finished: Sequence[int], censored: Sequence[int], quantile
         i += ended
         if survival <= 1.0 - quantile:
             return float(length)
-    return float(max(finished[-1], censored[-1] if censored else 0))
+    return None

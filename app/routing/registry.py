@@ -98,6 +98,9 @@ class RoutingOptions:
     # just-enough places by this quantile of the predicted length first, when the
     # estimator knows its spread (0.5: the point estimate alone)
     confidence_quantile: float = JustEnoughConfig.confidence_quantile
+    # while a label-free length history is cold, the fastest instance with capacity to
+    # spare instead of the weakest (`pick_while_cold`)
+    fast_while_cold: bool = JustEnoughConfig.fast_while_cold
     # GoodServe's output-length predictor (e.g. the MoE); None -> running history
     length_factory: Callable[[], OutputLengthEstimator] | None = None
 
@@ -140,7 +143,8 @@ def _goodserve(
                                 stall_factor=(stall_factor_for(length)
                                               if options.stall_factor is None
                                               else options.stall_factor),
-                                confidence_quantile=options.confidence_quantile, **config),
+                                confidence_quantile=options.confidence_quantile,
+                                fast_while_cold=options.fast_while_cold, **config),
     )
     return RoutingStack(policy, watchdog)
 
@@ -157,7 +161,7 @@ def _slo_pack(options: RoutingOptions) -> RoutingStack:
     status = StatusEstimator(options.alpha)
     config = JustEnoughConfig(
         variant=JustEnoughVariant.LEAST_SLACK, headroom=0.0, protect_admitted=False,
-        reservation_quantile=1.0, confidence_quantile=0.5,
+        reservation_quantile=1.0, confidence_quantile=0.5, fast_while_cold=False,
     )
     return RoutingStack(JustEnoughPolicy(status, RunningHistoryLength(), config))
 

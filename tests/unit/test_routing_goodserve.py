@@ -31,7 +31,7 @@ from app.routing.length import (
     RunningHistoryLength,
     TrueLength,
 )
-from app.routing.quantiles import survival_quantile
+from app.routing.quantiles import kaplan_meier_quantile
 from app.routing.registry import (
     PolicyKind,
     RoutingOptions,
@@ -163,12 +163,13 @@ def test_running_history_gives_a_confident_conditional_quantile():
     assert TrueLength().confident_output(request, 0.9) is None  # no spread to offer
 
 
-def test_survival_quantile_counts_running_requests_as_at_least_their_progress():
-    assert survival_quantile([10, 10, 10, 100], [], 0.75) == 10  # no censoring: empirical
+def test_kaplan_meier_quantile_counts_running_requests_as_at_least_their_progress():
+    assert kaplan_meier_quantile([10, 10, 10, 100], [], 0.75) == 10  # no censoring: empirical
     # three requests still running past 50 tokens: 10 no longer covers three quarters
-    assert survival_quantile([10, 10, 10, 100], [50, 50, 50], 0.75) == 100
-    assert survival_quantile([10, 10, 10, 100], [50, 50, 50], 0.25) == 10
-    assert survival_quantile([10], [50, 60], 0.9) == 60  # censored tail: longest seen
+    assert kaplan_meier_quantile([10, 10, 10, 100], [50, 50, 50], 0.75) == 100
+    assert kaplan_meier_quantile([10, 10, 10, 100], [50, 50, 50], 0.25) == 10
+    assert kaplan_meier_quantile([10], [50, 60], 0.9) is None  # censored tail: not reached
+    assert kaplan_meier_quantile([], [50], 0.5) is None
 
 
 def test_confident_history_length_sees_long_generations_still_running():
@@ -183,13 +184,20 @@ def test_confident_history_length_sees_long_generations_still_running():
                for i in range(4)]
     dog.check("A40", running, make_cluster(make_view("A40")), 1.0)
     assert length.confident_output(request, 0.9) == 203  # at least that long, 4 in 10
+    assert not length.warm(0.9) and length.warm(0.5)  # the 0.9 quantile is not reached yet
     assert length.predict_total(request, 0) == 50
     fresh = RunningHistoryLength()
     for n in [50] * 6:
         fresh.observe_length(n)
     fresh.on_progress({"long0": 200})
     fresh.on_drop(make_request(60.0, rid="long0"), 1.0)  # forgotten: nothing left running
-    assert fresh.confident_output(request, 0.9) == 50
+    assert fresh.confident_output(request, 0.9) == 50 and fresh.warm(0.9)
+
+
+def test_only_a_label_free_history_starts_cold():
+    assert not RunningHistoryLength().warm(0.9)  # nothing finished yet
+    assert TrueLength().warm(0.9)
+    assert trained_length().warm(0.9)  # trained offline, calibrated or not
 
 
 def trained_length() -> PredictorLength:
@@ -210,12 +218,13 @@ def test_a_trained_predictors_confident_length_comes_from_its_finished_errors():
     assert length.confident_output(replace(request, num_generated_tokens=5), 0.9) is None
 
 
-def confident_policy(quantile: float) -> JustEnoughPolicy:
+def confident_policy(quantile: float, fast_while_cold: bool = True) -> JustEnoughPolicy:
     status = StatusEstimator(alpha=1.0)
     set_speed(status, "H800", 0.01)
     set_speed(status, "A40", 0.04)
     return JustEnoughPolicy(status, bimodal_history(),
-                            JustEnoughConfig(headroom=0.0, confidence_quantile=quantile))
+                            JustEnoughConfig(headroom=0.0, confidence_quantile=quantile,
+                                             fast_while_cold=fast_while_cold))
 
 
 def test_just_enough_places_by_the_confident_length_when_an_instance_meets_it():
@@ -227,12 +236,32 @@ def test_just_enough_places_by_the_confident_length_when_an_instance_meets_it():
 
 def test_confidence_half_is_the_point_estimate_alone():
     """With long generations running, even the history's censored median says 700
-    tokens; 0.5 still means the point estimate (50 tokens fit the A40)."""
-    policy = confident_policy(0.5)
+    tokens; 0.5 still means the point estimate (50 tokens fit the A40; that the history
+    is cold then is the next test's concern)."""
+    policy = confident_policy(0.5, fast_while_cold=False)
     policy.length.on_progress({f"long{i}": 700 for i in range(20)})
     assert policy.length.confident_output(make_request(10.0), 0.5) == 700
     cluster = make_cluster(make_view("H800"), make_view("A40"))
     assert policy.choose(make_request(10.0), cluster, 0.0) == "A40"
+
+
+def test_a_cold_history_places_on_the_fastest_instance_with_capacity_to_spare():
+    """Long generations still running keep the history cold: its 50-token estimate is a
+    lower bound, so the H800 takes what the A40 would when warm - unless the H800 has
+    lately turned arrivals away, when the weakest feasible instance is back."""
+    cluster = make_cluster(make_view("H800"), make_view("A40"))
+    warm = confident_policy(0.9)
+    assert warm.length.warm(0.9)
+    assert warm.choose(make_request(3.0, rid="short"), cluster, 0.0) == "A40"
+    policy = confident_policy(0.9)
+    policy.length.on_progress({f"long{i}": 700 for i in range(20)})
+    assert not policy.length.warm(0.9)
+    assert policy.choose(make_request(3.0, rid="cold"), cluster, 0.0) == "H800"
+    policy.admissions.record_arrival(make_request(3.0), [turned_away("H800")], headroom=0.0)
+    assert policy.choose(make_request(3.0, rid="contended"), cluster, 0.0) == "A40"
+    unset = confident_policy(0.9, fast_while_cold=False)
+    unset.length.on_progress({f"long{i}": 700 for i in range(20)})
+    assert unset.choose(make_request(3.0, rid="cold"), cluster, 0.0) == "A40"
 
 
 def test_point_estimate_places_when_no_instance_meets_the_confident_length():
@@ -247,6 +276,11 @@ def test_confidence_quantile_reaches_goodserve_but_not_slo_pack():
     options = RoutingOptions(confidence_quantile=0.75)
     assert build_routing(PolicyKind.GOODSERVE, options).policy.config.confidence_quantile == 0.75
     assert build_routing(PolicyKind.SLO_PACK, options).policy.config.confidence_quantile == 0.5
+    # the cold-start rule is GoodServe's, not the baseline's
+    assert build_routing(PolicyKind.GOODSERVE, options).policy.config.fast_while_cold
+    assert not build_routing(PolicyKind.SLO_PACK, options).policy.config.fast_while_cold
+    off = RoutingOptions(fast_while_cold=False)
+    assert not build_routing(PolicyKind.GOODSERVE, off).policy.config.fast_while_cold
     with pytest.raises(ValueError, match="confidence_quantile"):
         JustEnoughConfig(confidence_quantile=0.4)
 
