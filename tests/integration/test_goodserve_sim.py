@@ -15,20 +15,25 @@ pytestmark = pytest.mark.integration
 
 @pytest.mark.parametrize("seed", range(5))
 def test_goodserve_meets_more_deadlines_than_load_balancers(seed):
-    """Every seed, SLO scales 1 and 2, GoodServe with its label-free default predictor
+    """Every seed, SLO scales 1-3, GoodServe with its label-free default predictor
     (the running history). Before confident placement it lost to least-request at
-    scale 2 on seeds 0, 2 and 4: long generations predicted short went to weak GPUs."""
+    scale 2 on seeds 0, 2 and 4: long generations predicted short went to weak GPUs.
+    Before the cold-start rule (`pick_while_cold`) it lost to preble at scale 3 on
+    seeds 0-3: in the first ~15 s the history, with no long generation
+    finished yet, called them short and just-enough sent them to the A40."""
     workload = bimodal_workload(20.0, 60.0, seed)
     spec = ReplaySpec(
         load_cluster_config(PAPER_CLUSTER),
-        (PolicyKind.GOODSERVE, PolicyKind.LEAST_REQUEST, PolicyKind.ROUND_ROBIN),
-        (1.0, 2.0), seed=seed,
+        (PolicyKind.GOODSERVE, PolicyKind.LEAST_REQUEST, PolicyKind.ROUND_ROBIN,
+         PolicyKind.PREBLE),
+        (1.0, 2.0, 3.0), seed=seed,
     )
     met = {(cell.policy, cell.slo_scale): cell.summary["met"]
            for cell in run_replay(spec, workload)}
-    for scale in (1.0, 2.0):
+    for scale in (1.0, 2.0, 3.0):
         assert met["goodserve", scale] > met["least-request", scale], (scale, met)
         assert met["goodserve", scale] > met["round-robin", scale], (scale, met)
+    assert met["goodserve", 3.0] > met["preble", 3.0], met
 
 
 def test_bimodal_benchmark_prints_met_requests_per_seed():
