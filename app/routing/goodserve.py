@@ -235,7 +235,7 @@ def pick_while_cold(
     A cold estimate is a lower bound, so a long request looks short and the weakest
     feasible GPU is where it misses; on a fast instance the same error costs least,
     and one that has not turned an arrival away lately displaces nobody. Bimodal
-    workload, five seeds, 20 req/s, met at SLO scales 1 / 2 / 3: 2,259 / 4,414 / 5,533
+    workload, five seeds, 20 req/s, met at SLO scales 1 / 2 / 3: 2,249 / 4,380 / 5,537
     against 2,264 / 4,160 / 5,106 with the weakest pick throughout; the fastest
     feasible instance regardless of contention floods the H800 at scale 1 (1,855)
     (docs/goodserve-routing.md, "cold start").
