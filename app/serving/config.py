@@ -65,6 +65,10 @@ class RoutingConfig(Frozen):
         description="just-enough places by this quantile of the predicted length first, "
         "when the length estimator knows its spread (the running history does); "
         "0.5 = the point estimate alone")
+    fast_while_cold: bool = Field(
+        RoutingOptions.fast_while_cold, description="while the running history is cold (its finished lengths do "
+        "not reach confidence_quantile yet, e.g. right after start-up), place on the "
+        "fastest feasible instance with capacity to spare instead of the weakest")
     seed: int = 0
     predictor_dir: str | None = Field(
         None, description="trained predictor directory (`goodserve predictor train`); "

@@ -89,11 +89,12 @@ def test_every_routing_knob_travels_between_options_and_the_serve_config():
     assert set(ROUTING_KNOBS) == {"seed", "tau_iterations", "alpha", "headroom",
                                   "migration_margin", "budget_refresh_iterations",
                                   "migration_cost_quantile", "reservation_quantile",
-                                  "stall_factor", "confidence_quantile"}
+                                  "stall_factor", "confidence_quantile", "fast_while_cold"}
     options = RoutingOptions(seed=7, tau_iterations=30, alpha=0.4, headroom=0.1,
                              migration_margin=2.5, budget_refresh_iterations=5,
                              migration_cost_quantile=0.9, reservation_quantile=0.8,
-                             stall_factor=0.5, confidence_quantile=0.75)
+                             stall_factor=0.5, confidence_quantile=0.75,
+                             fast_while_cold=False)
     config = ServeConfig(cluster=default_serve_config().cluster,
                          routing=RoutingConfig(**routing_knobs(options)))
     assert routing_options(config, None) == options
