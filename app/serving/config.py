@@ -66,8 +66,9 @@ class RoutingConfig(Frozen):
         "when the length estimator knows its spread (the running history does); "
         "0.5 = the point estimate alone")
     fast_while_cold: bool = Field(
-        RoutingOptions.fast_while_cold, description="while the running history is cold (its finished lengths do "
-        "not reach confidence_quantile yet, e.g. right after start-up), place on the "
+        RoutingOptions.fast_while_cold,
+        description="while the running history is cold (its finished lengths do not "
+        "reach confidence_quantile yet, e.g. right after start-up), place on the "
         "fastest feasible instance with capacity to spare instead of the weakest")
     seed: int = 0
     predictor_dir: str | None = Field(
