@@ -515,7 +515,13 @@ class JustEnoughPolicy(RoutingPolicy):
         cold: bool,
     ) -> tuple[Candidate | None, list[Candidate]]:
         """Just-enough by the confident length, when it says more than the point
-        estimate `output`: (None, []) when there is none or no instance qualifies."""
+        estimate `output`: (None, []) when there is none or no instance qualifies.
+        While the estimator is cold, a request with max_tokens is placed by that cap
+        (whatever the quantile): its worst case is known, so the weakest instance that
+        meets it is safe."""
+        if cold and request.max_output_tokens is not None:
+            worst_case = float(request.max_output_tokens)
+            return self.placer.place(request, holding, view, worst_case, now)
         if self.config.confidence_quantile <= 0.5:  # off: the point estimate alone
             return None, []
         confident = self.length.confident_output(request, self.config.confidence_quantile)

@@ -257,6 +257,13 @@ def test_a_cold_history_places_on_the_fastest_instance_with_capacity_to_spare():
     policy.length.on_progress({f"long{i}": 700 for i in range(20)})
     assert not policy.length.warm(0.9)
     assert policy.choose(make_request(3.0, rid="cold"), cluster, 0.0) == "H800"
+    # max_tokens bounds the length: the cap is a safe estimate, placed weakest-first
+    capped = make_request(3.0, rid="capped", max_output_tokens=50)
+    assert policy.choose(capped, cluster, 0.0) == "A40"
+    point_only = confident_policy(0.5)  # even with point estimates alone
+    point_only.length.on_progress({f"long{i}": 700 for i in range(20)})
+    assert point_only.choose(make_request(3.0, rid="cold"), cluster, 0.0) == "H800"
+    assert point_only.choose(capped, cluster, 0.0) == "A40"
     policy.admissions.record_arrival(make_request(3.0), [turned_away("H800")], headroom=0.0)
     assert policy.choose(make_request(3.0, rid="contended"), cluster, 0.0) == "A40"
     unset = confident_policy(0.9, fast_while_cold=False)
