@@ -47,7 +47,7 @@ def bimodal_workload(rate: float, duration_s: float, seed: int) -> Workload:
 
 def met_by_seed(
     seeds: list[int], policies: str, scales: str, rate: float, duration_s: float,
-    confidence_quantile: float, fast_while_cold: bool = True,
+    confidence_quantile: float, fast_while_cold: bool,
 ) -> dict[tuple[str, float], list[int]]:
     """(policy, SLO scale) -> met requests, one entry per seed."""
     met: dict[tuple[str, float], list[int]] = {}
