@@ -52,7 +52,9 @@ class SchedulerConfig(Frozen):
     num_kv_blocks: int | None = Field(
         None, gt=0, description="KV capacity; default derives from GPU memory"
     )
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = Field(
+        True, description="reuse KV blocks of a shared prompt prefix (LRU prefix cache)"
+    )
 
 
 class EngineConfig(Frozen):
@@ -60,10 +62,18 @@ class EngineConfig(Frozen):
 
     gpu_type: str = Field(description="catalog name, e.g. H800, A40, cpu")
     model: str = Field("llama-3.1-8b", description="catalog model name for the hardware model")
-    tp: int = Field(1, gt=0)
-    role: EngineRole = EngineRole.UNIFIED
-    backend: EngineBackend = EngineBackend.SIM
-    scheduler: SchedulerConfig = SchedulerConfig()
+    tp: int = Field(1, gt=0, description="tensor-parallel degree: GPUs per engine")
+    role: EngineRole = Field(
+        EngineRole.UNIFIED, description="unified serves whole requests; prefill / decode are "
+        "the two pools of disaggregated mode"
+    )
+    backend: EngineBackend = Field(
+        EngineBackend.SIM, description="vllm runs a real vLLM engine; sim models it with the "
+        "hardware model"
+    )
+    scheduler: SchedulerConfig = Field(
+        SchedulerConfig(), description="continuous-batching limits of this engine"
+    )
     time_scale: float = Field(
         1.0, gt=0, description="sim backend: wall seconds per simulated second"
     )
@@ -115,16 +125,19 @@ class EngineConfig(Frozen):
 class InstanceGroup(Frozen):
     """`count` identical engines."""
 
-    count: int = Field(1, gt=0)
-    engine: EngineConfig
+    count: int = Field(1, gt=0, description="number of identical engines in the group")
+    engine: EngineConfig = Field(description="the engine every member of the group runs")
 
 
 class ClusterConfig(Frozen):
     """The fleet: groups of engines, possibly heterogeneous."""
 
-    name: str = "cluster"
-    mode: Literal["unified", "disaggregated"] = "unified"
-    groups: list[InstanceGroup]
+    name: str = Field("cluster", description="label used in logs and reports")
+    mode: Literal["unified", "disaggregated"] = Field(
+        "unified", description="unified engines, or prefill and decode pools (simulator only "
+        "for now)"
+    )
+    groups: list[InstanceGroup] = Field(description="the engine groups that make the fleet")
     kv_link_gbps: float = Field(
         25.0, gt=0, description="disaggregated mode: P->D KV transfer bandwidth, GB/s"
     )

@@ -103,9 +103,10 @@ def routing_knobs(source: RoutingConfig | RoutingOptions) -> dict[str, Any]:
 class ServeConfig(Frozen):
     """The served model's cluster and how the router treats requests."""
 
-    cluster: ClusterConfig
+    cluster: ClusterConfig = Field(description="the engines the router serves over")
     model_name: str = Field("goodserve", description="the `model` clients must send")
-    routing: RoutingConfig = RoutingConfig()
+    routing: RoutingConfig = Field(
+        RoutingConfig(), description="the routing policy and its knobs")
     default_slo_s: float | None = Field(
         None, gt=0, description="deadline for requests that send no slo_s; None = best effort"
     )
@@ -113,8 +114,9 @@ class ServeConfig(Frozen):
         None, description="local tokenizer directory; default: the vLLM engines' model_path"
     )
     poll_interval_s: float = Field(0.1, gt=0, description="engine status poll period")
-    num_router_replicas: int = Field(1, ge=1)
-    http_port: int = Field(8000, ge=1, le=65535)
+    num_router_replicas: int = Field(
+        1, ge=1, description="router deployment replicas (Ray Serve); each routes its share")
+    http_port: int = Field(8000, ge=1, le=65535, description="HTTP port of the OpenAI API")
 
     @model_validator(mode="after")
     def _one_model(self) -> ServeConfig:
