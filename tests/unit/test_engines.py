@@ -1,0 +1,171 @@
+"""Engine backends without Ray: the sim backend, the vLLM stats recorder, the prefix
+index, and the status estimator learning p_g from what engines report."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from app.config import EngineBackend, EngineConfig
+from app.engine_types import EngineRequest, EngineStatus, PrefillTotals, SamplingSpec
+from app.engines.base import make_backend
+from app.engines.prefix import PrefixCache, prefix_block_hashes
+from app.engines.sim import SimBackend
+from app.engines.vllm import VllmStatsRecorder
+from app.routing.status import StatusEstimator
+from app.routing.view import StepReport
+from tests.unit.routing_utils import make_view
+
+pytestmark = pytest.mark.unit
+
+SIM_CONFIG = EngineConfig(gpu_type="A800", backend=EngineBackend.SIM, time_scale=0.01)
+
+
+def request(rid: str, prompt: int = 100, max_tokens: int = 8) -> EngineRequest:
+    return EngineRequest(rid, list(range(1, prompt + 1)), SamplingSpec(max_tokens=max_tokens))
+
+
+def make_status(prefill: PrefillTotals, engine_id: str = "A40", running: int = 1) -> EngineStatus:
+    return EngineStatus(engine_id, engine_id, "unified", 0, running, (), (), 0, 10, 0,
+                        prefill=prefill)
+
+
+# ---- prefix index ------------------------------------------------------------------
+def test_block_hashes_are_chained_so_equal_hash_means_equal_prefix():
+    a = prefix_block_hashes(list(range(48)))
+    b = prefix_block_hashes(list(range(16)) + [999] + list(range(17, 48)))
+    assert len(a) == 3 and len(prefix_block_hashes(list(range(47)))) == 2  # full blocks only
+    assert a[0] == b[0] and a[1] != b[1] and a[2] != b[2]  # a change poisons what follows
+
+
+def test_prefix_cache_peek_leaves_lru_order_and_match_refreshes_it():
+    cache = PrefixCache(capacity_tokens=32)
+    cache.insert([1, 2], block_size=16)
+    assert cache.peek([1, 2, 3]) == 2
+    cache.insert([3], block_size=16)  # evicts the least recently used: 1
+    assert 1 not in cache and cache.peek([2, 3]) == 2
+    assert cache.match([2]) == 1  # touches 2, so 3 is now the oldest
+    cache.insert([4], block_size=16)
+    assert 3 not in cache and 2 in cache and cache.num_cached_tokens == 32
+
+
+# ---- sim backend ---------------------------------------------------------------------
+async def _collect(backend: SimBackend, req: EngineRequest) -> list:
+    return [ev async for batch in backend.generate(req) for ev in batch]
+
+
+def test_make_backend_picks_the_configured_backend():
+    assert isinstance(make_backend("e0", SIM_CONFIG), SimBackend)
+
+
+def test_sim_backend_streams_and_counts_its_prefill_work():
+    async def run():
+        backend = SimBackend("e0", SIM_CONFIG)
+        try:
+            events = await _collect(backend, request("r1", prompt=100, max_tokens=8))
+            return events, backend.status()
+        finally:
+            await backend.shutdown()
+
+    events, status = asyncio.run(run())
+    assert [e.index for e in events] == list(range(8)) and events[-1].finish_reason == "length"
+    assert status.num_finished == 1 and status.num_iterations == 8
+    assert status.prefill.num_iterations == 1 and status.prefill.num_tokens == 100
+    assert status.prefill.busy_s == status.recent_iteration_s[0] > 0  # the first step
+
+
+def test_sim_backend_abort_ends_the_stream():
+    async def run():
+        backend = SimBackend("e0", SIM_CONFIG)
+        try:
+            task = asyncio.ensure_future(_collect(backend, request("long", max_tokens=5000)))
+            await asyncio.sleep(0.05)
+            assert await backend.abort("long")
+            events = await asyncio.wait_for(task, 5.0)
+            return events, await backend.abort("long"), backend.status()
+        finally:
+            await backend.shutdown()
+
+    events, again, status = asyncio.run(run())
+    assert 0 < len(events) < 5000 and not again
+    assert status.num_running == 0 and status.num_waiting == 0
+
+
+# ---- vLLM stats recorder (fed what vLLM's stat loggers receive) ----------------------
+def iteration(computed: int = 0, ttfts: tuple = (), itls: tuple = ()) -> SimpleNamespace:
+    return SimpleNamespace(
+        prompt_token_stats=SimpleNamespace(computed=computed),
+        time_to_first_tokens_iter=list(ttfts),
+        inter_token_latencies_iter=list(itls),
+        finished_requests=[],
+    )
+
+
+def test_vllm_recorder_counts_prefill_work_with_the_shortest_wait_as_duration():
+    recorder = VllmStatsRecorder()
+    recorder.record(None, iteration(computed=200, ttfts=(0.05,)))  # idle engine, one prompt
+    recorder.record(None, iteration(itls=(0.01, 0.01)))  # decode only: no prefill
+    recorder.record(None, iteration(computed=100, ttfts=(0.5,), itls=(0.02, 0.03)))  # mixed
+    recorder.record(None, None)  # a step without outputs (e.g. a prefill chunk)
+    assert recorder.prefill == PrefillTotals(2, 300, pytest.approx(0.07))
+    assert recorder.num_iterations == 2  # decode latencies: iterations with ITLs
+
+
+# ---- estimator: p_g from the status type ----------------------------------------------
+def test_polled_prefill_counters_move_p_g_from_the_prior_to_the_measured_rate():
+    estimator = StatusEstimator(alpha=0.2)
+    view = make_view("A40", running=1)
+    prior = estimator.estimate(view).prefill_s_per_token
+    measured = 3 * prior
+    estimator.on_status(make_status(PrefillTotals()), 0.0)
+    assert estimator.estimate(view).prefill_s_per_token == prior
+    for k in range(1, 30):  # one 500-token prefill iteration between polls
+        estimator.on_status(make_status(PrefillTotals(k, 500 * k, 500 * k * measured)), k)
+    assert estimator.estimate(view).prefill_s_per_token == pytest.approx(measured)
+
+
+def test_a_repeated_report_adds_nothing_and_a_restart_is_not_negative_work():
+    estimator = StatusEstimator(alpha=0.5)
+    view = make_view("A40", running=1)
+    estimator.on_status(make_status(PrefillTotals(2, 1000, 0.2)), 0.0)
+    first = estimator.estimate(view).prefill_s_per_token
+    estimator.on_status(make_status(PrefillTotals(2, 1000, 0.2)), 1.0)
+    estimator.on_status(make_status(PrefillTotals(0, 0, 0.0)), 2.0)  # engine restarted
+    assert estimator.estimate(view).prefill_s_per_token == first == pytest.approx(2e-4)
+
+
+def _step(duration_s: float, num_prefill: int, totals: PrefillTotals) -> StepReport:
+    return StepReport("A40", 0.0, duration_s, num_prefill, 0, make_status(totals))
+
+
+def test_polled_counters_learn_the_same_p_g_as_per_iteration_step_reports():
+    """Parity: the live path (counters polled every few iterations) ends where the
+    simulator's path (one step report per iteration) does."""
+    steps = [(0.010, 100), (0.030, 400), (0.020, 200), (0.050, 900), (0.012, 120), (0.040, 500)]
+    stepped, polled = StatusEstimator(alpha=0.3), StatusEstimator(alpha=0.3)
+    totals = PrefillTotals()
+    for i, (duration_s, tokens) in enumerate(steps):
+        totals = totals.add(duration_s, tokens)
+        stepped.on_step("A40", _step(duration_s, tokens, totals), float(i))
+        polled.on_status(make_status(totals), float(i))
+    view = make_view("A40", running=1)
+    assert polled.estimate(view).prefill_s_per_token == pytest.approx(
+        stepped.estimate(view).prefill_s_per_token, rel=1e-9
+    )
+
+
+def test_one_poll_over_identical_iterations_weighs_them_like_that_many_steps():
+    stepped, polled = StatusEstimator(alpha=0.2), StatusEstimator(alpha=0.2)
+    for estimator in (stepped, polled):  # same starting point: one 1 ms/token step
+        estimator.observe_iteration("A40", 0.1, 100, 0, 0.0)
+    stepped.on_status(make_status(PrefillTotals()), 0.0)
+    polled.on_status(make_status(PrefillTotals()), 0.0)
+    for _ in range(5):
+        stepped.observe_iteration("A40", 0.4, 200, 0, 1.0)
+    polled.on_status(make_status(PrefillTotals(5, 1000, 2.0)), 1.0)
+    view = make_view("A40", running=1)
+    assert polled.estimate(view).prefill_s_per_token == pytest.approx(
+        stepped.estimate(view).prefill_s_per_token, rel=1e-9
+    )
