@@ -1,4 +1,4 @@
-"""What migration does, request by request (issue 4's "removing migration lowers goodput").
+"""What migration does, request by request (the routing target "removing migration lowers goodput").
 
 GoodServe and its no-migration ablation replay the same workload. Their goodput
 difference mixes two things: what the watchdog's moves did to the requests it moved,
