@@ -23,9 +23,11 @@ from typing import Annotated
 import typer
 
 from app.config import load_cluster_config
+from app.routing.goodserve import GoodServeConfig
 from app.routing.registry import RoutingOptions
 from app.workload import Content, Workload, poisson_workload
 from benchmarks.replay import ReplaySpec, parse_policies, run_replay
+from benchmarks.routing_cli import knob_options
 from benchmarks.slo import parse_scales
 
 PAPER_CLUSTER = Path(__file__).resolve().parents[1] / "configs" / "paper-4gpu.yaml"
@@ -47,21 +49,20 @@ def bimodal_workload(rate: float, duration_s: float, seed: int) -> Workload:
 
 def met_by_seed(
     seeds: list[int], policies: str, scales: str, rate: float, duration_s: float,
-    confidence_quantile: float, fast_while_cold: bool,
+    goodserve: GoodServeConfig,
 ) -> dict[tuple[str, float], list[int]]:
     """(policy, SLO scale) -> met requests, one entry per seed."""
     met: dict[tuple[str, float], list[int]] = {}
     for seed in seeds:
         spec = ReplaySpec(load_cluster_config(PAPER_CLUSTER), parse_policies(policies),
                           parse_scales(scales), seed=seed,
-                          routing=RoutingOptions(seed=seed,
-                                                 confidence_quantile=confidence_quantile,
-                                                 fast_while_cold=fast_while_cold))
+                          routing=RoutingOptions(seed, goodserve))
         for cell in run_replay(spec, bimodal_workload(rate, duration_s, seed)):
             met.setdefault((cell.policy, cell.slo_scale), []).append(cell.summary["met"])
     return met
 
 
+@knob_options
 def main(
     seeds: Annotated[str, typer.Option(help="workload seeds, comma-separated")] = "0,1,2,3,4",
     slo_scales: Annotated[str, typer.Option(help="SLO scales")] = "1,2,3",
@@ -69,24 +70,17 @@ def main(
         "goodserve,least-request,round-robin"),
     rate: Annotated[float, typer.Option(min=0.1, help="arrivals per second")] = 20.0,
     duration: Annotated[float, typer.Option(min=1.0, help="arrival window, s")] = 60.0,
-    confidence_quantile: Annotated[
-        float, typer.Option(min=0.5, max=1.0, help="GoodServe's confident-placement "
-                            "quantile (0.5: the point estimate alone)")
-    ] = RoutingOptions.confidence_quantile,
-    fast_while_cold: Annotated[
-        bool, typer.Option(help="while the running history is cold, place on the fastest "
-                           "instance with capacity to spare instead of the weakest")
-    ] = RoutingOptions.fast_while_cold,
+    goodserve: GoodServeConfig = GoodServeConfig(),
 ) -> None:
     try:
         seed_list = [int(s) for s in seeds.split(",")]
         started = time.perf_counter()
-        met = met_by_seed(seed_list, policies, slo_scales, rate, duration,
-                          confidence_quantile, fast_while_cold)
+        met = met_by_seed(seed_list, policies, slo_scales, rate, duration, goodserve)
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
     print(f"paper-4gpu, {rate:g} req/s for {duration:g} s, bimodal lengths, seeds {seeds}, "
-          f"confidence_quantile {confidence_quantile:g}, fast_while_cold {fast_while_cold} "
+          f"confidence_quantile {goodserve.confidence_quantile:g}, fast_while_cold "
+          f"{goodserve.fast_while_cold} "
           f"({time.perf_counter() - started:.0f} s)")
     print("| policy | SLO scale | met per seed |\n|---|---|---|")
     for (policy, scale), counts in met.items():

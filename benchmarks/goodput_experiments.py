@@ -32,13 +32,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from app.config import load_cluster_config
-from app.routing.goodserve import JustEnoughConfig
+from app.routing.goodserve import goodserve_knobs, stall_factor_label
 from app.routing.length import PredictorLength
 from app.routing.registry import (
     POLICY_REGISTRY,
     PolicyKind,
     RoutingOptions,
-    stall_factor_label,
 )
 from app.workload import Workload, load_prompts, load_trace, trace_workload
 from benchmarks.migration_effect import EffectTable, paired_effect, write_effects
@@ -51,6 +50,7 @@ from benchmarks.replay import (
     write_outputs,
     write_summary_csv,
 )
+from benchmarks.routing_cli import add_knob_arguments, knobs_from_args
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data"
@@ -327,15 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--experiments", default=",".join(EXPERIMENTS),
                         help=f"subset of {','.join(EXPERIMENTS)}")
     parser.add_argument("--duration", type=float, default=300.0, help="arrival window, s")
-    parser.add_argument("--headroom", type=float, default=RoutingOptions().headroom)
-    parser.add_argument("--stall-factor", type=float, default=RoutingOptions().stall_factor,
-                        help="share of a new request's prefill estimate charged against "
-                        "admitted requests' slack (default: per length estimator, "
-                        f"{stall_factor_label(None)})")
-    parser.add_argument("--confidence-quantile", type=float,
-                        default=RoutingOptions().confidence_quantile,
-                        help="just-enough places by this quantile of the predicted length "
-                        "first (0.5: the point estimate alone)")
+    add_knob_arguments(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--seeds", default="0,1,2,3", help="workload seeds of `seeds`")
     parser.add_argument("--quick", action="store_true", help="short window, fewer cells")
@@ -352,9 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.pool:
         return pool_seeds(args.pool, args.out, args.override)
     try:  # the knobs' own checks, before minutes of data loading and training
-        explicit = {} if args.stall_factor is None else {"stall_factor": args.stall_factor}
-        JustEnoughConfig(headroom=args.headroom, confidence_quantile=args.confidence_quantile,
-                         **explicit)
+        knobs = knobs_from_args(args)
     except ValueError as error:
         print(f"error: {error}")
         return 2
@@ -369,11 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     from predictor.registry import load_predictor
 
     # a fresh load per run: predictors learn online (observe), runs must not share that
-    routing = RoutingOptions(seed=args.seed, headroom=args.headroom,
-                             stall_factor=args.stall_factor,
-                             confidence_quantile=args.confidence_quantile,
-                             length_factory=lambda: PredictorLength(
-                                 load_predictor(predictor_dir, "moe")))
+    routing = RoutingOptions(args.seed, knobs, lambda: PredictorLength(
+        load_predictor(predictor_dir, "moe")))
     duration = 60.0 if args.quick else args.duration
     setup = Setup(args.trace, test_path, predictor_dir, duration, args.seed, routing)
     return run_all(setup, args, duration)
@@ -385,9 +372,8 @@ def run_all(setup: Setup, args: argparse.Namespace, duration: float) -> int:
     rate = args.rate or choose_rate(setup, paper, rates, args.out)
     workload = make_workload(setup, rate, duration)
     row = {"rate_rps": rate, "requests": len(workload), "duration_s": duration,
-           "seed": setup.seed, "headroom": setup.routing.headroom,
-           "stall_factor": stall_factor_label(setup.routing.stall_factor),
-           "confidence_quantile": setup.routing.confidence_quantile,
+           "seed": setup.seed, **goodserve_knobs(setup.routing.goodserve),
+           "stall_factor": stall_factor_label(setup.routing.goodserve.stall_factor),
            "prompts": "held-out 20% of prompt_lengths.jsonl by prompt_id",
            "predictor": str(setup.predictor_dir)}
     wanted = set(args.experiments.split(","))
@@ -415,7 +401,8 @@ def run_all(setup: Setup, args: argparse.Namespace, duration: float) -> int:
     if "tau" in wanted:
         tau_cells = []
         for tau in TAUS:
-            routing = replace(setup.routing, tau_iterations=tau)
+            knobs = setup.routing.goodserve.model_copy(update={"tau_iterations": tau})
+            routing = replace(setup.routing, goodserve=knobs)
             for cell in run(setup, paper, (PolicyKind.GOODSERVE,), (2.0,), workload, routing):
                 tau_cells.append(cell.renamed(f"goodserve tau={tau}"))
         experiment("tau", args.out, row, tau_cells)

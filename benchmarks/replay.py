@@ -20,6 +20,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 
 from app.config import ClusterConfig, EngineRole, load_cluster_config
+from app.routing.goodserve import GoodServeConfig, goodserve_knobs, stall_factor_label
 from app.routing.length import OutputLengthEstimator, PredictorLength
 from app.routing.registry import (
     POLICY_REGISTRY,
@@ -27,9 +28,7 @@ from app.routing.registry import (
     PolicyKind,
     RoutingOptions,
     build_routing,
-    stall_factor_label,
 )
-from app.serving.config import routing_knobs
 from app.sim.metrics import summarize
 from app.sim.records import RequestOutcome, RequestRecord
 from app.sim.simulator import SimResult, Simulator
@@ -40,6 +39,7 @@ from app.workload import (
     poisson_workload,
     trace_workload,
 )
+from benchmarks.routing_cli import knob_options
 from benchmarks.slo import (
     DEFAULT_REFERENCE_GPU,
     assign_slos,
@@ -379,6 +379,7 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(code=2)
 
 
+@knob_options
 def replay(
     cluster: Annotated[Path, typer.Option(help="cluster YAML (top-level key `cluster`)")],
     out: Annotated[Path, typer.Option(help="output directory")],
@@ -405,38 +406,7 @@ def replay(
         typer.Option(help="directory from `goodserve predictor train`: GoodServe uses its "
                      "MoE (default: a running history of finished lengths)"),
     ] = None,
-    tau: Annotated[int, typer.Option(min=1, help="watchdog period, iterations")] = 50,
-    alpha: Annotated[float, typer.Option(min=0.0, max=1.0, help="status EMA weight")] = 0.2,
-    headroom: Annotated[
-        float, typer.Option(min=0.0, help="just-enough slack reserve, fraction of T")
-    ] = RoutingOptions.headroom,
-    migration_margin: Annotated[
-        float, typer.Option(min=0.0, help="watchdog moves requests late by more than this "
-                            "fraction of their time left")
-    ] = RoutingOptions.migration_margin,
-    budget_refresh: Annotated[
-        int, typer.Option(min=1, help="refresh admitted requests' budgets every this many "
-                          "iterations (moves stay every --tau)")
-    ] = RoutingOptions.budget_refresh_iterations,
-    migration_cost_quantile: Annotated[
-        float, typer.Option(min=0.0, max=1.0, help="a move may cost its target up to this "
-                            "quantile of recent arrivals' estimated latency there (1: no limit)")
-    ] = RoutingOptions.migration_cost_quantile,
-    reservation_quantile: Annotated[
-        float, typer.Option(min=0.0, max=1.0, help="when the strongest instances strand "
-                            "requests they take only those whose SLO is within this "
-                            "quantile of recent arrivals' SLOs (1: no reservation)")
-    ] = RoutingOptions.reservation_quantile,
-    stall_factor: Annotated[
-        float | None, typer.Option(min=0.0, help="share of a new request's prefill estimate "
-                                   "charged against admitted requests' slack (do-no-harm "
-                                   f"check); default: {stall_factor_label(None)}")
-    ] = RoutingOptions.stall_factor,
-    confidence_quantile: Annotated[
-        float, typer.Option(min=0.5, max=1.0, help="just-enough places by this quantile of "
-                            "the predicted length first, when the estimator knows its "
-                            "spread (0.5: the point estimate alone)")
-    ] = RoutingOptions.confidence_quantile,
+    goodserve: GoodServeConfig = GoodServeConfig(),
 ) -> None:
     """Replay a trace against routing policies and SLO scales; write results to --out."""
     try:
@@ -448,14 +418,7 @@ def replay(
             reference_gpu=slo_reference_gpu,
             max_drain_s=max_drain,
             rescore=rescore,
-            routing=RoutingOptions(seed=seed, tau_iterations=tau, alpha=alpha,
-                                   headroom=headroom, migration_margin=migration_margin,
-                                   budget_refresh_iterations=budget_refresh,
-                                   migration_cost_quantile=migration_cost_quantile,
-                                   reservation_quantile=reservation_quantile,
-                                   stall_factor=stall_factor,
-                                   confidence_quantile=confidence_quantile,
-                                   length_factory=_length_factory(predictor)),
+            routing=RoutingOptions(seed, goodserve, _length_factory(predictor)),
         )
         workload = build_workload(
             arrivals=arrivals, trace=trace, prompts=prompts, rate=rate,
@@ -475,8 +438,8 @@ def replay(
         "model": cluster_model(spec.cluster), "trace": trace, "prompts": prompts,
         "arrivals": arrivals.value, "rate_rps": rate, "requests": len(workload),
         "duration_s": workload.duration_s, "seed": seed, "slo_reference": slo_reference_gpu,
-        "predictor": predictor or "running history", **routing_knobs(spec.routing),
-        "stall_factor": stall_factor_label(spec.routing.stall_factor),
+        "predictor": predictor or "running history", **goodserve_knobs(goodserve),
+        "stall_factor": stall_factor_label(goodserve.stall_factor),
     }
     write_outputs(out, setup, outcomes)
     typer.echo(f"wrote {out}/summary.csv, requests.parquet, placement.csv, goodput.png, "
@@ -545,7 +508,7 @@ def run_live_replay(
     try:
         for kind in spec.policies:
             config = serve_config_for(
-                base, kind.value, **{**routing_knobs(spec.routing), "seed": spec.seed},
+                base, kind.value, **goodserve_knobs(spec.routing.goodserve), seed=spec.seed,
                 predictor_dir=None if predictor_dir is None else str(predictor_dir))
             for scale in spec.slo_scales:
                 cell = assign_slos(workload, solo_s, scale)

@@ -20,16 +20,10 @@ from app.routing.baselines import (
 )
 from app.routing.cache_aware import PreblePolicy, PrefixCachePolicy
 from app.routing.goodserve import (
-    DEFAULT_BUDGET_REFRESH_ITERATIONS,
-    DEFAULT_MIGRATION_COST_QUANTILE,
-    DEFAULT_MIGRATION_MARGIN,
-    DEFAULT_STALL_FACTOR,
-    TRAINED_PREDICTOR_STALL_FACTOR,
-    JustEnoughConfig,
+    GoodServeConfig,
     JustEnoughPolicy,
     JustEnoughVariant,
     make_goodserve,
-    stall_factor_for,
 )
 from app.routing.length import OutputLengthEstimator, RunningHistoryLength, TrueLength
 from app.routing.load_aware import LlumnixBalancer, LlumnixPolicy, LowestTpmPolicy
@@ -76,44 +70,17 @@ ABLATIONS = frozenset({
 
 @dataclass(frozen=True)
 class RoutingOptions:
-    """Knobs shared by every builder; each builder reads the ones it needs."""
+    """What every builder may read: the seed, GoodServe's knobs (the baselines that
+    share a knob - Llumnix's period tau, slo-pack's EMA alpha - read it there too) and
+    GoodServe's length estimator."""
 
     seed: int = 0
-    tau_iterations: int = 50  # watchdog period, in iterations of an instance
-    alpha: float = 0.2  # EMA weight of the status estimator
-    headroom: float = JustEnoughConfig.headroom  # just-enough slack reserve, fraction of T
-    # the watchdog moves requests late by more than this fraction of their time left
-    migration_margin: float = DEFAULT_MIGRATION_MARGIN
-    # admitted requests' budgets are refreshed this often (iterations), moves every tau
-    budget_refresh_iterations: int = DEFAULT_BUDGET_REFRESH_ITERATIONS
-    # a move may cost its target up to this quantile of recent arrivals' T (1: no limit)
-    migration_cost_quantile: float = DEFAULT_MIGRATION_COST_QUANTILE
-    # stranding strongest instances take requests within this quantile of recent SLO
-    # spans (1: no reservation)
-    reservation_quantile: float = JustEnoughConfig.reservation_quantile
-    # share of a newcomer's prefill estimate charged against admitted requests' slack;
-    # None: what suits the length estimator (`stall_factor_for`: 0.5 for a trained
-    # predictor, 1.0 for exact or label-free lengths)
-    stall_factor: float | None = None
-    # just-enough places by this quantile of the predicted length first, when the
-    # estimator knows its spread (0.5: the point estimate alone)
-    confidence_quantile: float = JustEnoughConfig.confidence_quantile
-    # while a label-free length history is cold, the fastest instance with capacity to
-    # spare instead of the weakest (`pick_while_cold`)
-    fast_while_cold: bool = JustEnoughConfig.fast_while_cold
+    goodserve: GoodServeConfig = GoodServeConfig()
     # GoodServe's output-length predictor (e.g. the MoE); None -> running history
     length_factory: Callable[[], OutputLengthEstimator] | None = None
 
     def goodserve_length(self) -> OutputLengthEstimator:
         return self.length_factory() if self.length_factory else RunningHistoryLength()
-
-
-def stall_factor_label(stall_factor: float | None) -> str:
-    """How reports name the stall factor; None is chosen per length estimator."""
-    if stall_factor is not None:
-        return f"{stall_factor:g}"
-    return (f"{TRAINED_PREDICTOR_STALL_FACTOR:g} with a trained predictor, "
-            f"{DEFAULT_STALL_FACTOR:g} with exact or label-free lengths")
 
 
 @dataclass(frozen=True)
@@ -128,40 +95,26 @@ Builder = Callable[[RoutingOptions], RoutingStack]
 
 
 def _goodserve(
-    options: RoutingOptions,
-    length: OutputLengthEstimator,
-    migration: bool = True,
-    **config: Any,
+    options: RoutingOptions, length: OutputLengthEstimator, **overrides: Any
 ) -> RoutingStack:
-    policy, watchdog = make_goodserve(
-        length, alpha=options.alpha, tau_iterations=options.tau_iterations, migration=migration,
-        migration_margin=options.migration_margin,
-        budget_refresh_iterations=options.budget_refresh_iterations,
-        migration_cost_quantile=options.migration_cost_quantile,
-        config=JustEnoughConfig(headroom=options.headroom,
-                                reservation_quantile=options.reservation_quantile,
-                                stall_factor=(stall_factor_for(length)
-                                              if options.stall_factor is None
-                                              else options.stall_factor),
-                                confidence_quantile=options.confidence_quantile,
-                                fast_while_cold=options.fast_while_cold, **config),
-    )
-    return RoutingStack(policy, watchdog)
+    """GoodServe with the options' knobs, less any the variant fixes (`overrides`)."""
+    config = options.goodserve.model_copy(update=overrides)
+    return RoutingStack(*make_goodserve(length, config))
 
 
 def _oracle(options: RoutingOptions) -> RoutingStack:
-    """Just-enough with the true output length and undelayed speeds (alpha = 1)."""
-    oracle_options = options
-    return _goodserve(oracle_options, TrueLength())
+    """Just-enough given the true output length; every knob as configured."""
+    return _goodserve(options, TrueLength())
 
 
 def _slo_pack(options: RoutingOptions) -> RoutingStack:
     """AIBrix slo-pack-load / llm-d least-headroom: same latency estimate, history
     predictor, pack onto the feasible instance with the least headroom; no migration."""
-    status = StatusEstimator(options.alpha)
-    config = JustEnoughConfig(
-        variant=JustEnoughVariant.LEAST_SLACK, headroom=0.0, protect_admitted=False,
-        reservation_quantile=1.0, confidence_quantile=0.5, fast_while_cold=False,
+    status = StatusEstimator(options.goodserve.alpha)
+    config = GoodServeConfig(
+        alpha=options.goodserve.alpha, variant=JustEnoughVariant.LEAST_SLACK, headroom=0.0,
+        protect_admitted=False, reservation_quantile=1.0, confidence_quantile=0.5,
+        fast_while_cold=False, stall_factor=1.0,
     )
     return RoutingStack(JustEnoughPolicy(status, RunningHistoryLength(), config))
 
@@ -189,9 +142,9 @@ class PolicyRegistry:
             raise ValueError(f"policy {key.value!r} is not registered")
         return self._builders[key](options or RoutingOptions())
 
-    def get(self, kind: PolicyKind | str, **options: Any) -> RoutingPolicy:
-        """Just the policy (for substrates without migration)."""
-        return self.build(kind, RoutingOptions(**options)).policy
+    def get(self, kind: PolicyKind | str, seed: int = 0) -> RoutingPolicy:
+        """Just the policy, at the default knobs (for substrates without migration)."""
+        return self.build(kind, RoutingOptions(seed=seed)).policy
 
 
 POLICY_REGISTRY = PolicyRegistry()
@@ -206,11 +159,11 @@ for _kind, _builder in {
     PolicyKind.LOWEST_TPM: _seeded(LowestTpmPolicy),
     PolicyKind.PREBLE: _seeded(PreblePolicy),
     PolicyKind.LLUMNIX: lambda o: RoutingStack(
-        LlumnixPolicy(seed=o.seed), LlumnixBalancer(o.tau_iterations)
+        LlumnixPolicy(seed=o.seed), LlumnixBalancer(o.goodserve.tau_iterations)
     ),
     PolicyKind.SLO_PACK: _slo_pack,
     PolicyKind.GOODSERVE_NO_MIGRATION: lambda o: _goodserve(
-        o, o.goodserve_length(), migration=False
+        o, o.goodserve_length(), max_migrations_per_request=0
     ),
     PolicyKind.GOODSERVE_HISTORY: lambda o: _goodserve(o, RunningHistoryLength()),
     PolicyKind.GOODSERVE_LEAST_SLACK: lambda o: _goodserve(
@@ -223,8 +176,8 @@ for _kind, _builder in {
     POLICY_REGISTRY.register(_kind, _builder)
 
 
-def make_policy(kind: PolicyKind | str, **options: Any) -> RoutingPolicy:
-    return POLICY_REGISTRY.get(kind, **options)
+def make_policy(kind: PolicyKind | str, seed: int = 0) -> RoutingPolicy:
+    return POLICY_REGISTRY.get(kind, seed)
 
 
 def build_routing(kind: PolicyKind | str, options: RoutingOptions | None = None) -> RoutingStack:

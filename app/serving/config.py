@@ -6,9 +6,8 @@ is also a serve config) plus optional routing, SLO and router settings.
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
@@ -21,56 +20,17 @@ from app.config import (
     SchedulerConfig,
     load_yaml_model,
 )
-from app.routing.goodserve import (
-    DEFAULT_BUDGET_REFRESH_ITERATIONS,
-    DEFAULT_CONFIDENCE_QUANTILE,
-    DEFAULT_MIGRATION_COST_QUANTILE,
-    DEFAULT_MIGRATION_MARGIN,
-    DEFAULT_RESERVATION_QUANTILE,
-    DEFAULT_STALL_FACTOR,
-    TRAINED_PREDICTOR_STALL_FACTOR,
-)
+from app.routing.goodserve import GoodServeConfig
+from app.routing.length import OutputLengthEstimator
 from app.routing.registry import SIM_ONLY, PolicyKind, RoutingOptions
 
 
-class RoutingConfig(Frozen):
-    """Which policy routes, with GoodServe's knobs (see app/routing/registry.py)."""
+class RoutingConfig(GoodServeConfig):
+    """Which policy routes, GoodServe's knobs (every field of `GoodServeConfig`, at
+    this level of the YAML) and its length predictor."""
 
     policy: str = Field("goodserve", description="a policy name from `goodserve replay`")
-    tau_iterations: int = Field(50, ge=1, description="watchdog period, engine iterations")
-    alpha: float = Field(0.2, gt=0, le=1, description="EMA weight of the status estimator")
-    headroom: float = Field(0.5, ge=0, description="just-enough slack reserve, fraction of T")
-    migration_margin: float = Field(
-        DEFAULT_MIGRATION_MARGIN, ge=0,
-        description="watchdog moves requests late by more than this fraction of time left")
-    budget_refresh_iterations: int = Field(
-        DEFAULT_BUDGET_REFRESH_ITERATIONS, ge=1,
-        description="admitted requests' budgets are refreshed this often (engine iterations)")
-    migration_cost_quantile: float = Field(
-        DEFAULT_MIGRATION_COST_QUANTILE, ge=0, le=1,
-        description="a move may cost its target up to this quantile of the estimated "
-        "latency of the new requests recently placed there; 1 = no limit")
-    reservation_quantile: float = Field(
-        DEFAULT_RESERVATION_QUANTILE, ge=0, le=1,
-        description="when the strongest instances strand requests they take only those "
-        "whose SLO is within this quantile of recent arrivals' SLOs; 1 = no reservation")
-    stall_factor: float | None = Field(
-        None, ge=0,
-        description="share of a new request's prefill estimate charged against admitted "
-        "requests' slack by the do-no-harm check; 0 = no check; None = "
-        f"{TRAINED_PREDICTOR_STALL_FACTOR} with a trained predictor (predictor_dir), "
-        f"{DEFAULT_STALL_FACTOR} with the running history")
-    confidence_quantile: float = Field(
-        DEFAULT_CONFIDENCE_QUANTILE, ge=0.5, le=1,
-        description="just-enough places by this quantile of the predicted length first, "
-        "when the length estimator knows its spread (the running history does); "
-        "0.5 = the point estimate alone")
-    fast_while_cold: bool = Field(
-        RoutingOptions.fast_while_cold,
-        description="while the running history is cold (its finished lengths do not "
-        "reach confidence_quantile yet, e.g. right after start-up), place on the "
-        "fastest feasible instance with capacity to spare instead of the weakest")
-    seed: int = 0
+    seed: int = Field(0, description="seed of the policies that draw at random")
     predictor_dir: str | None = Field(
         None, description="trained predictor directory (`goodserve predictor train`); "
         "None = running history of finished lengths"
@@ -86,18 +46,18 @@ class RoutingConfig(Frozen):
                 f"{kind.value} needs true output lengths; it runs in the simulator only")
         return kind.value
 
+    @property
+    def goodserve(self) -> GoodServeConfig:
+        """The knobs alone, as the policy builders take them."""
+        return GoodServeConfig(**{name: getattr(self, name)
+                                  for name in GoodServeConfig.model_fields})
 
-# knobs the serve config and the registry's RoutingOptions share, read by name both ways,
-# so a knob added to both reaches the live router from every caller
-ROUTING_KNOBS = tuple(
-    name for name in RoutingConfig.model_fields
-    if name in {f.name for f in dataclasses.fields(RoutingOptions)}
-)
-
-
-def routing_knobs(source: RoutingConfig | RoutingOptions) -> dict[str, Any]:
-    """The shared knobs of a serve config's routing section or of RoutingOptions."""
-    return {name: getattr(source, name) for name in ROUTING_KNOBS}
+    def routing_options(
+        self, length_factory: Callable[[], OutputLengthEstimator] | None = None
+    ) -> RoutingOptions:
+        """The registry's options for this section (GoodServe's estimator from
+        `length_factory`, else the running history)."""
+        return RoutingOptions(self.seed, self.goodserve, length_factory)
 
 
 class ServeConfig(Frozen):

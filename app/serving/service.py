@@ -32,7 +32,7 @@ from app.serving.api import (
     sse,
     usage,
 )
-from app.serving.config import ServeConfig, routing_knobs
+from app.serving.config import ServeConfig
 from app.serving.router import (
     EngineClient,
     EngineLost,
@@ -87,13 +87,12 @@ def make_predict(predictor: Predictor | None) -> tuple[Predict | None, Callable[
 
 def routing_options(config: ServeConfig, predictor: Predictor | None) -> RoutingOptions:
     """The registry's options; the watchdog re-predicts with the same predictor object."""
-    r = config.routing
     factory = None
     if predictor is not None:
         from app.routing.length import PredictorLength
 
         factory = lambda: PredictorLength(predictor)  # noqa: E731
-    return RoutingOptions(**routing_knobs(r), length_factory=factory)
+    return config.routing.routing_options(factory)
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,9 @@ from app.routing.base import ActiveRequest, Reject
 from app.routing.budgets import SlackBudgets
 from app.routing.goodserve import (
     DEFAULT_STALL_FACTOR,
-    MIN_SLO_SAMPLES,
     TRAINED_PREDICTOR_STALL_FACTOR,
     Candidate,
-    JustEnoughConfig,
+    GoodServeConfig,
     JustEnoughPolicy,
     JustEnoughVariant,
     RecentAdmissions,
@@ -23,21 +22,17 @@ from app.routing.goodserve import (
     capability_s_per_token,
     estimate_latency_s,
     make_goodserve,
-    reserve_strongest,
-    score_instances,
+    stall_factor_label,
 )
+from app.routing.goodserve.latency import score_instances
+from app.routing.goodserve.placer import reserve_strongest
 from app.routing.length import (
     PredictorLength,
     RunningHistoryLength,
     TrueLength,
 )
 from app.routing.quantiles import kaplan_meier_quantile
-from app.routing.registry import (
-    PolicyKind,
-    RoutingOptions,
-    build_routing,
-    stall_factor_label,
-)
+from app.routing.registry import PolicyKind, RoutingOptions, build_routing
 from app.routing.status import InstanceEstimate, StatusEstimator, catalog_prior
 from app.routing.view import ClusterView, FinishReport
 from tests.unit.routing_utils import (
@@ -179,7 +174,7 @@ def test_confident_history_length_sees_long_generations_still_running():
     length, request = RunningHistoryLength(), make_request(10.0)
     for n in [50] * 6:
         length.observe_length(n)
-    dog = SloWatchdog(StatusEstimator(alpha=1.0), length, config=JustEnoughConfig())
+    dog = SloWatchdog(StatusEstimator(alpha=1.0), length)
     running = [ActiveRequest(make_request(60.0, rid=f"long{i}"), "A40", 200 + i, True)
                for i in range(4)]
     dog.check("A40", running, make_cluster(make_view("A40")), 1.0)
@@ -223,7 +218,7 @@ def confident_policy(quantile: float, fast_while_cold: bool = True) -> JustEnoug
     set_speed(status, "H800", 0.01)
     set_speed(status, "A40", 0.04)
     return JustEnoughPolicy(status, bimodal_history(),
-                            JustEnoughConfig(headroom=0.0, confidence_quantile=quantile,
+                            GoodServeConfig(headroom=0.0, confidence_quantile=quantile,
                                              fast_while_cold=fast_while_cold))
 
 
@@ -280,16 +275,16 @@ def test_point_estimate_places_when_no_instance_meets_the_confident_length():
 
 
 def test_confidence_quantile_reaches_goodserve_but_not_slo_pack():
-    options = RoutingOptions(confidence_quantile=0.75)
+    options = RoutingOptions(goodserve=GoodServeConfig(confidence_quantile=0.75))
     assert build_routing(PolicyKind.GOODSERVE, options).policy.config.confidence_quantile == 0.75
     assert build_routing(PolicyKind.SLO_PACK, options).policy.config.confidence_quantile == 0.5
     # the cold-start rule is GoodServe's, not the baseline's
     assert build_routing(PolicyKind.GOODSERVE, options).policy.config.fast_while_cold
     assert not build_routing(PolicyKind.SLO_PACK, options).policy.config.fast_while_cold
-    off = RoutingOptions(fast_while_cold=False)
+    off = RoutingOptions(goodserve=GoodServeConfig(fast_while_cold=False))
     assert not build_routing(PolicyKind.GOODSERVE, off).policy.config.fast_while_cold
     with pytest.raises(ValueError, match="confidence_quantile"):
-        JustEnoughConfig(confidence_quantile=0.4)
+        GoodServeConfig(confidence_quantile=0.4)
 
 
 # ---- just-enough --------------------------------------------------------------
@@ -297,7 +292,8 @@ def policy_with_speeds(variant=JustEnoughVariant.WEAKEST, admission=False, **dec
     status = StatusEstimator(alpha=1.0)
     for gpu, d in decode_s.items():
         set_speed(status, gpu, d)
-    return JustEnoughPolicy(status, TrueLength(), JustEnoughConfig(variant, 0.0, admission))
+    config = GoodServeConfig(variant=variant, headroom=0.0, admission_control=admission)
+    return JustEnoughPolicy(status, TrueLength(), config)
 
 
 def test_just_enough_picks_weakest_instance_that_meets_the_deadline():
@@ -370,8 +366,9 @@ def make_watchdog(**decode_s) -> SloWatchdog:
     status = StatusEstimator(alpha=1.0)
     for gpu, d in decode_s.items():
         set_speed(status, gpu, d)
-    return SloWatchdog(status, TrueLength(), tau_iterations=50,
-                       config=JustEnoughConfig(headroom=0.0))
+    # budgets refreshed at each move check (every tau), as these tests count in taus
+    return SloWatchdog(status, TrueLength(),
+                       GoodServeConfig(headroom=0.0, budget_refresh_iterations=50))
 
 
 def active(slo_s: float, generated: int, out: int = 400, gpu: str = "A40") -> ActiveRequest:
@@ -392,14 +389,14 @@ def test_migration_margin_moves_only_clearly_late_requests():
     """A40 needs 12 s for the 300 tokens left: 2 s late with 10 s left is within a 0.5
     margin (stays, unprotected); 6 s late with 6 s left is not (moves)."""
     dog = make_watchdog(H800=0.01, A800=0.015, A40=0.04)
-    dog.migration_margin = 0.5
+    dog.config = dog.config.model_copy(update={"migration_margin": 0.5})
     cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
     dog.budgets.admit("A40", "r", 1.0)
     assert dog.check("A40", [active(14.0, 100)], cluster, 4.0) == {}
     assert len(dog.budgets) == 0  # barely late: no longer protected
     assert dog.check("A40", [active(10.0, 100)], cluster, 4.0) == {"r": "A800"}
     with pytest.raises(ValueError, match="migration_margin"):
-        SloWatchdog(StatusEstimator(), TrueLength(), migration_margin=-0.1)
+        GoodServeConfig(migration_margin=-0.1)
 
 
 def test_watchdog_keeps_request_when_no_stronger_instance_can_make_it():
@@ -417,15 +414,15 @@ def test_watchdog_never_moves_from_the_strongest_or_twice():
 
 
 def test_recent_admissions_keep_a_window_per_instance():
-    admissions = RecentAdmissions(window=3)
+    admissions = RecentAdmissions(GoodServeConfig(admissions_window=3))
     assert admissions.quantile_s("A800", 0.5) == math.inf  # nothing placed there yet
     for latency in (9.0, 1.0, 2.0, 3.0):  # the 9.0 falls out of the window
         admissions.record("A800", latency)
     assert admissions.quantile_s("A800", 0.5) == 2.0
     assert admissions.quantile_s("A800", 1.0) == 3.0
     assert admissions.quantile_s("A40", 0.0) == math.inf
-    with pytest.raises(ValueError, match="window"):
-        RecentAdmissions(window=0)
+    with pytest.raises(ValueError, match="admissions_window"):
+        GoodServeConfig(admissions_window=0)
 
 
 def turned_away(instance_id: str) -> Candidate:
@@ -435,7 +432,7 @@ def turned_away(instance_id: str) -> Candidate:
 
 
 def test_recent_admissions_know_which_instances_turned_arrivals_away():
-    admissions = RecentAdmissions(window=2)
+    admissions = RecentAdmissions(GoodServeConfig(admissions_window=2))
     arrival = make_request(10.0)
     admissions.record_arrival(arrival, [turned_away("H800")], headroom=0.5)
     assert admissions.contended("H800") and not admissions.contended("A40")
@@ -447,7 +444,7 @@ def test_recent_admissions_know_which_instances_turned_arrivals_away():
 
 
 def test_an_instance_strands_an_arrival_only_when_nothing_else_could_take_it():
-    admissions = RecentAdmissions(window=2)
+    admissions = RecentAdmissions(GoodServeConfig(admissions_window=2))
     arrival = make_request(10.0)
     room_elsewhere = Candidate("A800", latency_s=1.0, slack_s=5.0, capability_s_per_token=0.02,
                                has_memory_room=True)
@@ -465,15 +462,16 @@ def test_an_instance_strands_an_arrival_only_when_nothing_else_could_take_it():
 
 
 def test_slo_span_quantile_waits_for_enough_arrivals():
-    admissions = RecentAdmissions(slo_window=200)
-    for span in range(1, MIN_SLO_SAMPLES):
+    admissions = RecentAdmissions(GoodServeConfig(slo_window=200))
+    min_samples = GoodServeConfig().min_slo_samples
+    for span in range(1, min_samples):
         admissions.record_arrival(make_request(float(span)), [], headroom=0.0)
     assert admissions.slo_span_quantile_s(0.9) == math.inf
-    admissions.record_arrival(make_request(float(MIN_SLO_SAMPLES)), [], headroom=0.0)
+    admissions.record_arrival(make_request(float(min_samples)), [], headroom=0.0)
     admissions.record_arrival(make_request(math.inf), [], headroom=0.0)  # no deadline: not a span
-    assert admissions.slo_span_quantile_s(0.9) == pytest.approx(0.9 * MIN_SLO_SAMPLES, abs=1)
-    with pytest.raises(ValueError, match="windows"):
-        RecentAdmissions(slo_window=0)
+    assert admissions.slo_span_quantile_s(0.9) == pytest.approx(0.9 * min_samples, abs=1)
+    with pytest.raises(ValueError, match="slo_window"):
+        GoodServeConfig(slo_window=0)
 
 
 def stranding_h800_after_spans(admissions: RecentAdmissions) -> None:
@@ -494,11 +492,11 @@ def test_stranding_strongest_instance_is_reserved_for_tighter_slos():
     assert policy.choose(loose, cluster, 0.0) == "A800"  # best effort elsewhere
     assert policy.choose(tight, cluster, 0.0) == "H800"
     unreserved = JustEnoughPolicy(policy.status, TrueLength(),
-                                  JustEnoughConfig(headroom=0.0, reservation_quantile=1.0))
+                                  GoodServeConfig(headroom=0.0, reservation_quantile=1.0))
     stranding_h800_after_spans(unreserved.admissions)
     assert unreserved.choose(loose, cluster, 0.0) == "H800"
     with pytest.raises(ValueError, match="reservation_quantile"):
-        JustEnoughConfig(reservation_quantile=1.5)
+        GoodServeConfig(reservation_quantile=1.5)
 
 
 def test_reserve_marks_only_the_pools_strongest_instances():
@@ -509,7 +507,7 @@ def test_reserve_marks_only_the_pools_strongest_instances():
     assert admissions.stranding("A800")
     cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
     scored = score_instances(make_request(95.0), cluster.instances, cluster, policy.status,
-                             200, 0.0)
+                             200, 0.0, None, 1.0)
     reserved = {c.instance_id for c in reserve_strongest(
         make_request(95.0), scored, cluster, admissions, 0.9) if c.reserved}
     assert reserved == {"H800"}  # the A800 strands too, but it is not the strongest
@@ -523,14 +521,14 @@ def test_reserve_marks_only_the_pools_strongest_instances():
 
 
 def test_watchdog_does_not_move_a_loose_request_onto_a_reserved_instance():
-    policy, dog = make_goodserve(TrueLength(), config=JustEnoughConfig(headroom=0.0))
+    policy, dog = make_goodserve(TrueLength(), GoodServeConfig(headroom=0.0))
     for gpu, d in {"H800": 0.01, "A800": 0.015, "A40": 0.04}.items():
         set_speed(policy.status, gpu, d)
     moving_a800 = replace(make_view("A800"), num_iterations=50)  # a tau has passed
     cluster = make_cluster(make_view("H800"), moving_a800, make_view("A40"))
     late_on_a800 = ActiveRequest(make_request(95.0, out=9000), "A800", 0, is_running=True)
     assert dog.check("A800", [late_on_a800], cluster, 0.0) == {"r": "H800"}
-    policy, dog = make_goodserve(TrueLength(), config=JustEnoughConfig(headroom=0.0))
+    policy, dog = make_goodserve(TrueLength(), GoodServeConfig(headroom=0.0))
     for gpu, d in {"H800": 0.01, "A800": 0.015, "A40": 0.04}.items():
         set_speed(policy.status, gpu, d)
     stranding_h800_after_spans(dog.admissions)
@@ -544,7 +542,7 @@ def test_move_may_cost_a_contended_target_no_more_than_a_typical_arrival():
     def dog_after_arrivals(latency_s: float, quantile: float, contended: bool = True
                            ) -> SloWatchdog:
         dog = make_watchdog(H800=0.01, A800=0.015, A40=0.04)
-        dog.migration_cost_quantile = quantile
+        dog.config = dog.config.model_copy(update={"migration_cost_quantile": quantile})
         for _ in range(5):
             dog.admissions.record("A800", latency_s)
             dog.admissions.record("H800", latency_s)
@@ -564,11 +562,11 @@ def test_move_may_cost_a_contended_target_no_more_than_a_typical_arrival():
     assert dog_after_arrivals(1.0, 0.5, contended=False).check(  # capacity to spare
         "A40", [active(10.0, 100)], cluster, 4.0) == {"r": "A800"}
     with pytest.raises(ValueError, match="migration_cost_quantile"):
-        SloWatchdog(StatusEstimator(), TrueLength(), migration_cost_quantile=1.5)
+        GoodServeConfig(migration_cost_quantile=1.5)
 
 
 def test_policy_records_what_its_placements_cost_for_the_watchdog():
-    policy, dog = make_goodserve(TrueLength(), config=JustEnoughConfig(headroom=0.0))
+    policy, dog = make_goodserve(TrueLength(), GoodServeConfig(headroom=0.0))
     assert dog.admissions is policy.admissions
     set_speed(policy.status, "H800", 0.01)
     cluster = make_cluster(make_view("H800"))
@@ -582,8 +580,8 @@ def test_policy_records_what_its_placements_cost_for_the_watchdog():
 def test_budgets_refresh_every_check_but_moves_wait_for_tau():
     """tau 50, refresh 20: checks every gcd = 10 iterations, moves on every 5th check."""
     dog = make_watchdog(H800=0.01, A800=0.015, A40=0.04)
-    dog = SloWatchdog(dog.status, TrueLength(), tau_iterations=50,
-                      config=JustEnoughConfig(headroom=0.0), budget_refresh_iterations=20)
+    dog = SloWatchdog(dog.status, TrueLength(), GoodServeConfig(
+        headroom=0.0, tau_iterations=50, budget_refresh_iterations=20))
     assert dog.check_period_iterations == 10
 
     def at(iterations: int) -> ClusterView:
@@ -600,17 +598,18 @@ def test_budgets_refresh_every_check_but_moves_wait_for_tau():
     # a poller that sees several periods at once still moves at the next tau boundary
     assert dog.check("A40", [active(10.0, 100)], at(130), 4.0) == {"r": "A800"}
     with pytest.raises(ValueError, match="budget_refresh_iterations"):
-        SloWatchdog(StatusEstimator(), TrueLength(), budget_refresh_iterations=0)
+        GoodServeConfig(budget_refresh_iterations=0)
     _, default = make_goodserve(RunningHistoryLength())
     assert (default.tau_iterations, default.check_period_iterations) == (50, 10)
 
 
 def test_make_goodserve_shares_estimators_and_ablates_migration():
-    policy, dog = make_goodserve(RunningHistoryLength(), tau_iterations=25)
+    policy, dog = make_goodserve(RunningHistoryLength(), GoodServeConfig(tau_iterations=25))
     assert dog.status is policy.status and dog.length is policy.length
+    assert dog.budgets is policy.budgets and dog.admissions is policy.admissions
     assert dog.tau_iterations == 25
-    _, watching = make_goodserve(RunningHistoryLength(), migration=False)
-    assert watching.max_migrations_per_request == 0  # budgets kept current, nobody moved
+    stack = build_routing(PolicyKind.GOODSERVE_NO_MIGRATION)
+    assert stack.watchdog.config.max_migrations_per_request == 0  # budgets kept, nobody moved
 
 
 def test_watchdog_refreshes_budgets_from_progress_and_drops_late_requests():
@@ -623,8 +622,8 @@ def test_watchdog_refreshes_budgets_from_progress_and_drops_late_requests():
     assert dog.check("A40", [active(17.0, 100)], cluster, 14.0) == {}
     assert dog.budgets.shortest_stall_s("A40") == math.inf
     # without migration the watchdog keeps budgets but never moves anyone
-    still = SloWatchdog(dog.status, TrueLength(), max_migrations_per_request=0,
-                        config=JustEnoughConfig(headroom=0.0))
+    still = SloWatchdog(dog.status, TrueLength(), GoodServeConfig(
+        headroom=0.0, budget_refresh_iterations=50, max_migrations_per_request=0))
     assert still.check("A40", [active(10.0, 100)], cluster, 4.0) == {}
 
 
@@ -703,7 +702,7 @@ def test_best_effort_placement_with_time_to_spare_is_protected():
     for gpu, d in (("H800", 0.01), ("A800", 0.015), ("A40", 0.04)):
         set_speed(status, gpu, d)
     cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
-    policy = JustEnoughPolicy(status, TrueLength(), JustEnoughConfig(headroom=0.5))
+    policy = JustEnoughPolicy(status, TrueLength(), GoodServeConfig(headroom=0.5))
     # 2.5 s: H800 makes it (2.1 s) but not with half of T in reserve (3.15 s) -> best effort
     assert policy.choose(make_request(2.5, rid="edge"), cluster, 0.0) == "H800"
     assert policy.budgets.shortest_stall_s("H800") < math.inf
@@ -725,7 +724,7 @@ def test_long_prefill_cannot_stall_an_admitted_request_past_its_slack(
     status = StatusEstimator(alpha=1.0)
     for gpu, d in (("H800", 0.01), ("A800", 0.015)):
         set_speed(status, gpu, d)
-    config = JustEnoughConfig(headroom=0.0, stall_factor=factor)
+    config = GoodServeConfig(headroom=0.0, stall_factor=factor)
     policy = JustEnoughPolicy(status, TrueLength(), config)
     cluster = make_cluster(make_view("H800"), make_view("A800"))
     # edge: H800 takes 0.1 s prefill + 2 s decode of its 2.4 s -> 0.3 s of slack to spare
@@ -742,7 +741,8 @@ def test_long_prefill_cannot_stall_an_admitted_request_past_its_slack(
 
 
 def test_stall_factor_reaches_the_policy_and_the_watchdog():
-    stack = build_routing(PolicyKind.GOODSERVE, RoutingOptions(stall_factor=0.7))
+    options = RoutingOptions(goodserve=GoodServeConfig(stall_factor=0.7))
+    stack = build_routing(PolicyKind.GOODSERVE, options)
     assert stack.policy.config.stall_factor == 0.7
     assert stack.watchdog.config.stall_factor == 0.7
 
@@ -762,7 +762,7 @@ def test_stall_factor_defaults_per_length_estimator(kind, trained, expected):
     stack = build_routing(kind, options)
     assert stack.policy.config.stall_factor == expected
     assert stack.watchdog.config.stall_factor == expected
-    explicit = build_routing(kind, replace(options, stall_factor=0.8))
+    explicit = build_routing(kind, replace(options, goodserve=GoodServeConfig(stall_factor=0.8)))
     assert explicit.policy.config.stall_factor == explicit.watchdog.config.stall_factor == 0.8
 
 
@@ -775,7 +775,7 @@ def test_reports_name_the_stall_factor_they_ran_with():
 
 def test_stall_factor_must_not_be_negative():
     with pytest.raises(ValueError, match="stall_factor"):
-        JustEnoughConfig(stall_factor=-0.5)
+        GoodServeConfig(stall_factor=-0.5)
 
 
 def test_headroom_keeps_slack_in_reserve():
@@ -783,10 +783,10 @@ def test_headroom_keeps_slack_in_reserve():
     for gpu, d in (("H800", 0.01), ("A800", 0.015), ("A40", 0.04)):
         set_speed(status, gpu, d)
     cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
-    tight = JustEnoughPolicy(status, TrueLength(), JustEnoughConfig(headroom=0.0))
-    spare = JustEnoughPolicy(status, TrueLength(), JustEnoughConfig(headroom=0.5))
+    tight = JustEnoughPolicy(status, TrueLength(), GoodServeConfig(headroom=0.0))
+    spare = JustEnoughPolicy(status, TrueLength(), GoodServeConfig(headroom=0.5))
     # A40 needs 8.1 s: feasible for a 9 s SLO, but not with 50% of T in reserve (12.15 s)
     assert tight.choose(make_request(9.0, rid="a"), cluster, 0.0) == "A40"
     assert spare.choose(make_request(9.0, rid="b"), cluster, 0.0) == "A800"
     with pytest.raises(ValueError, match="headroom"):
-        JustEnoughConfig(headroom=-0.1)
+        GoodServeConfig(headroom=-0.1)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from app.routing.goodserve import GoodServeConfig
 from app.serving.config import ServeConfig, load_serve_config
 
 pytestmark = pytest.mark.unit
@@ -74,29 +75,19 @@ def test_cluster_yaml_node_types_can_host_the_gpu_serve_config():
     assert all(need[name] <= capacity.get(name, 0) for name in need), (need, capacity)
 
 
-def test_every_routing_knob_travels_between_options_and_the_serve_config():
-    """The live replay builds a serve config from RoutingOptions and the service builds
-    RoutingOptions back from it: non-default knobs must survive the round trip."""
+def test_the_live_replay_carries_every_knob_into_the_serve_config():
+    """`replay --backend live` builds a serve config from the replay's options and the
+    service builds the options back from it: non-default knobs survive the trip."""
+    from app.routing.goodserve import goodserve_knobs
     from app.routing.registry import RoutingOptions
-    from app.serving.config import (
-        ROUTING_KNOBS,
-        RoutingConfig,
-        default_serve_config,
-        routing_knobs,
-    )
+    from app.serving.config import default_serve_config
     from app.serving.service import routing_options
+    from benchmarks.live_replay import serve_config_for
+    from tests.unit.test_routing_knobs import non_default_knobs
 
-    assert set(ROUTING_KNOBS) == {"seed", "tau_iterations", "alpha", "headroom",
-                                  "migration_margin", "budget_refresh_iterations",
-                                  "migration_cost_quantile", "reservation_quantile",
-                                  "stall_factor", "confidence_quantile", "fast_while_cold"}
-    options = RoutingOptions(seed=7, tau_iterations=30, alpha=0.4, headroom=0.1,
-                             migration_margin=2.5, budget_refresh_iterations=5,
-                             migration_cost_quantile=0.9, reservation_quantile=0.8,
-                             stall_factor=0.5, confidence_quantile=0.75,
-                             fast_while_cold=False)
-    config = ServeConfig(cluster=default_serve_config().cluster,
-                         routing=RoutingConfig(**routing_knobs(options)))
+    options = RoutingOptions(7, GoodServeConfig(**non_default_knobs()))
+    config = serve_config_for(default_serve_config(), "goodserve",
+                              **goodserve_knobs(options.goodserve), seed=options.seed)
     assert routing_options(config, None) == options
 
 

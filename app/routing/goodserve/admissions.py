@@ -1,0 +1,94 @@
+"""Recent-admission statistics: what arrivals cost each instance and whether it had
+to turn any away. They are the yardstick for what a migration may take from its
+target (`migration_cost_quantile`) and for when the strongest instances reserve
+themselves for tight deadlines (`reservation_quantile`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+
+from app.routing.goodserve.config import GoodServeConfig
+from app.routing.goodserve.latency import Candidate
+from app.routing.quantiles import nearest_rank_quantile
+from app.routing.view import InstanceId, RouteRequest
+
+
+class RecentAdmissions:
+    """What recent arrivals cost each instance and whether it had to turn any away:
+    the yardstick for what a migration may take there, and for when the strongest
+    instances reserve themselves.
+
+    Per instance, the estimated latency T of the last `admissions_window` new
+    requests placed on it with room to spare; and whether, within the last
+    `admissions_window` arrivals, it turned
+    away one that would have met its deadline there - contended: it has arrivals a
+    move could displace - and whether it did so for lack of capacity (memory or an
+    admitted request's budget) when the arrival had no feasible instance at all -
+    stranding (a reservation's own refusals do not count, or it would feed itself).
+    Across instances, the SLO spans of the last `slo_window` arrivals.
+    """
+
+    def __init__(self, config: GoodServeConfig = GoodServeConfig()) -> None:
+        self.window = config.admissions_window
+        self.min_slo_samples = config.min_slo_samples
+        self._latencies: dict[InstanceId, deque[float]] = {}
+        self._num_arrivals = 0
+        self._last_turned_away: dict[InstanceId, int] = {}  # arrival number
+        self._last_stranded: dict[InstanceId, int] = {}  # arrival number
+        self._last_any_stranded: int | None = None
+        self._slo_spans: deque[float] = deque(maxlen=config.slo_window)
+        self._span_quantile: tuple[tuple[int, float], float] = ((-1, 0.0), math.inf)
+
+    def record_arrival(
+        self, request: RouteRequest, candidates: Sequence[Candidate], headroom: float
+    ) -> None:
+        """A new request was scored against `candidates`."""
+        self._num_arrivals += 1
+        if request.has_deadline:
+            self._slo_spans.append(request.slo_s)
+        turned_away = [c for c in candidates if c.meets_deadline(headroom) and not c.admissible()]
+        if not turned_away:
+            return
+        stranded = not any(c.meets_deadline(headroom) and c.harmless() for c in candidates)
+        for c in turned_away:
+            self._last_turned_away[c.instance_id] = self._num_arrivals
+            if stranded and not c.harmless():  # for lack of capacity, not by reservation
+                self._last_stranded[c.instance_id] = self._num_arrivals
+                self._last_any_stranded = self._num_arrivals
+
+    def record(self, instance_id: InstanceId, latency_s: float) -> None:
+        """A new request was placed on `instance_id` with estimated latency T."""
+        latencies = self._latencies.get(instance_id)
+        if latencies is None:
+            latencies = self._latencies[instance_id] = deque(maxlen=self.window)
+        latencies.append(latency_s)
+
+    def contended(self, instance_id: InstanceId) -> bool:
+        return self._within_window(self._last_turned_away.get(instance_id))
+
+    def stranding(self, instance_id: InstanceId) -> bool:
+        return self._within_window(self._last_stranded.get(instance_id))
+
+    def any_stranding(self) -> bool:
+        return self._within_window(self._last_any_stranded)
+
+    def _within_window(self, arrival_number: int | None) -> bool:
+        return arrival_number is not None and self._num_arrivals - arrival_number < self.window
+
+    def slo_span_quantile_s(self, q: float) -> float:
+        """The q-quantile (nearest rank below) of recent arrivals' SLO spans; inf while
+        fewer than `min_slo_samples` were seen."""
+        if len(self._slo_spans) < self.min_slo_samples:
+            return math.inf
+        key = (self._num_arrivals, q)  # the spans change only with arrivals
+        if self._span_quantile[0] != key:
+            self._span_quantile = (key, nearest_rank_quantile(self._slo_spans, q))
+        return self._span_quantile[1]
+
+    def quantile_s(self, instance_id: InstanceId, q: float) -> float:
+        """The q-quantile (nearest rank below) of recent T; inf before any admission."""
+        latencies = self._latencies.get(instance_id)
+        return nearest_rank_quantile(latencies, q) if latencies else math.inf

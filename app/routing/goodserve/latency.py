@@ -1,0 +1,116 @@
+"""Latency estimate and scoring (paper Eq. 2): T(r,g) = q_g + (L_in - H_rg) p_g + L_out_hat d_g.
+
+Every instance is scored for a request as a `Candidate`: its T, the slack left at the
+deadline, its unloaded speed (the capability just-enough ranks by), and what the
+do-no-harm check needs (the stall its prefill charges, the smallest stall an admitted
+request tolerates there). Scoring reads state and changes none.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from app.hardware import InstanceSpec
+from app.routing.budgets import SlackBudgets
+from app.routing.status import InstanceEstimate, StatusEstimator
+from app.routing.view import ClusterView, InstanceId, InstanceView, RouteRequest
+
+
+def capability_s_per_token(spec: InstanceSpec) -> float:
+    """Unloaded decode time per token: larger = weaker. Load never changes the rank."""
+    return spec.unloaded_decode_s_per_token
+
+
+def estimate_latency_s(
+    request: RouteRequest, estimate: InstanceEstimate, prefix_hit_tokens: int, output_tokens: float
+) -> float:
+    """T(r,g): queue + prefill of the uncached context + decode of the remaining output."""
+    prefill = prefill_time_s(request, estimate, prefix_hit_tokens)
+    return latency_with_prefill_s(request, estimate, prefill, output_tokens)
+
+
+def latency_with_prefill_s(
+    request: RouteRequest, estimate: InstanceEstimate, prefill_s: float, output_tokens: float
+) -> float:
+    """T(r,g) given its prefill term (the scorer needs that term on its own too)."""
+    remaining = max(output_tokens - request.num_generated_tokens, 1.0)
+    return estimate.queue_delay_s + prefill_s + remaining * estimate.decode_s_per_token
+
+
+def prefill_time_s(
+    request: RouteRequest, estimate: InstanceEstimate, prefix_hit_tokens: int
+) -> float:
+    """Prefill of the uncached context (prompt + generated ids when resumed)."""
+    return max(request.num_context_tokens - prefix_hit_tokens, 1) * estimate.prefill_s_per_token
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One instance scored for one request."""
+
+    instance_id: InstanceId
+    latency_s: float  # T(r,g)
+    slack_s: float  # deadline - (now + T)
+    capability_s_per_token: float
+    has_memory_room: bool
+    # what its prefill charges against admitted requests' slack (stall_factor x estimate)
+    stall_s: float = 0.0
+    shortest_stall_s: float = math.inf  # smallest stall an admitted request tolerates
+    reserved: bool = False  # kept for tighter deadlines (`reserve_strongest`)
+
+    def feasible(self, headroom: float = 0.0) -> bool:
+        """Meets the deadline with `headroom` x T to spare and may take the request."""
+        return self.meets_deadline(headroom) and self.admissible()
+
+    def admissible(self) -> bool:
+        """Harmless and not reserved for tighter deadlines."""
+        return not self.reserved and self.harmless()
+
+    def meets_deadline(self, headroom: float = 0.0) -> bool:
+        """Finishes with `headroom` x T to spare, whatever it does to the others.
+
+        The reserve applies to the new request's own estimate only: the admitted
+        requests' budgets already hold the slack they had when they were placed.
+        """
+        return self.slack_s >= headroom * self.latency_s
+
+    def harmless(self) -> bool:
+        """Has KV room and its prefill does not stall the instance past what its
+        admitted requests tolerate (their slack)."""
+        return self.has_memory_room and self.stall_s <= self.shortest_stall_s
+
+
+def score_instances(
+    request: RouteRequest,
+    instances: Sequence[InstanceView],
+    view: ClusterView,
+    status: StatusEstimator,
+    output_tokens: float,
+    now: float,
+    budgets: SlackBudgets | None,
+    stall_factor: float,
+) -> list[Candidate]:
+    """T(r,g), slack, memory room and admitted budgets per instance for `request` (O(M));
+    the stall its prefill charges is `stall_factor` x the prefill estimate; without
+    `budgets` nothing is protected."""
+    scored = []
+    for inst in instances:
+        hit = view.prefix_hit_tokens(inst.instance_id, request)
+        estimate = status.estimate(inst, now)
+        prefill = prefill_time_s(request, estimate, hit)
+        latency = latency_with_prefill_s(request, estimate, prefill, output_tokens)
+        iid = inst.instance_id
+        scored.append(Candidate(
+            instance_id=inst.instance_id,
+            latency_s=latency,
+            slack_s=request.deadline_s - (now + latency),
+            capability_s_per_token=capability_s_per_token(inst.spec),
+            has_memory_room=inst.kv_free_tokens >= request.num_context_tokens - hit,
+            stall_s=stall_factor * prefill,
+            shortest_stall_s=budgets.shortest_stall_s(iid) if budgets else math.inf,
+        ))
+    return scored
+
+

@@ -1,0 +1,165 @@
+"""GoodServe's SLO watchdog: keeps admitted requests' budgets current and moves the
+requests that would miss their deadline to a stronger instance, by token IDs."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+from app.routing.base import ActiveRequest, Watchdog
+from app.routing.budgets import SlackBudgets
+from app.routing.goodserve.admissions import RecentAdmissions
+from app.routing.goodserve.config import GoodServeConfig
+from app.routing.goodserve.latency import Candidate, capability_s_per_token
+from app.routing.goodserve.placer import JustEnoughPlacer
+from app.routing.length import OutputLengthEstimator, bounded_output
+from app.routing.status import InstanceEstimate, StatusEstimator
+from app.routing.view import ClusterView, FinishReport, InstanceId, InstanceView, RouteRequest
+
+
+class SloWatchdog(Watchdog):
+    """Every `budget_refresh_iterations`: refresh the budgets of an instance's
+    requests; every tau iterations also migrate those that would miss their deadline.
+
+    Expected finish of an active request = now + (queue delay if still waiting) +
+    re-predicted remaining tokens x d_g of its instance. A request on track gets its
+    budget (slack) recomputed from its progress and re-predicted length (a budget
+    fixed at admission forgets the slack a request gains by running ahead). One that
+    would miss moves to the just-enough choice among *stronger* instances whose
+    estimate (re-prefill of prompt + generated ids, then the remaining decode) still
+    meets the deadline, at most `max_migrations_per_request` times; if it stays, it
+    loses its protection (it would close the instance to requests that can make it).
+
+    Two additions gate a move. `migration_margin` moves only requests whose expected
+    lateness exceeds that fraction of their time left. The migration cost gate
+    (`migration_cost_quantile`) refuses moves to a contended target (one that
+    recently turned away an arrival) whose T there exceeds that quantile of the T of
+    the new requests recently placed there: one saved request must not displace
+    more than one typical arrival.
+
+    The substrate calls `check` every gcd(tau, refresh) iterations; moves happen when
+    the instance has done another tau iterations since the last move check; between
+    them a late request only loses its budget.
+    """
+
+    def __init__(
+        self,
+        status: StatusEstimator,
+        length: OutputLengthEstimator,
+        config: GoodServeConfig = GoodServeConfig(),
+        budgets: SlackBudgets | None = None,
+        admissions: RecentAdmissions | None = None,
+    ) -> None:
+        super().__init__(config.tau_iterations)
+        self.config = config.for_length(length)
+        self._check_period = math.gcd(config.tau_iterations, config.budget_refresh_iterations)
+        self._move_epochs: dict[InstanceId, int] = {}  # num_iterations // tau at last move
+        self.status = status
+        self.length = length
+        self.budgets = budgets if budgets is not None else SlackBudgets()
+        self.admissions = admissions if admissions is not None else RecentAdmissions(config)
+        self.placer = JustEnoughPlacer(status, self.config, self.budgets, self.admissions)
+        self.needs_true_output_length = length.needs_true_output_length
+        self.req_to_num_migrations: dict[str, int] = {}
+
+    @property
+    def check_period_iterations(self) -> int:
+        return self._check_period
+
+    def _crossed_tau(self, source: InstanceView) -> bool:
+        """True once per tau iterations of `source` (by its iteration count, so a
+        poller that sees several check periods at once still moves on time)."""
+        epoch = source.num_iterations // self.tau_iterations
+        if epoch <= self._move_epochs.get(source.instance_id, 0):
+            return False
+        self._move_epochs[source.instance_id] = epoch
+        return True
+
+    def time_left_s(self, active: ActiveRequest, estimate: InstanceEstimate, now: float) -> float:
+        """Time until the deadline, less the queue delay still ahead of a waiting request."""
+        waiting = 0.0 if active.is_running else estimate.queue_delay_s
+        return active.request.deadline_s - now - waiting
+
+    def check(
+        self,
+        instance_id: InstanceId,
+        active: Sequence[ActiveRequest],
+        view: ClusterView,
+        now: float,
+    ) -> Mapping[str, InstanceId]:
+        source = view.get(instance_id)
+        may_move = self._check_period == self.tau_iterations or self._crossed_tau(source)
+        source_capability = capability_s_per_token(source.spec)
+        stronger = [
+            v for v in view.instances if capability_s_per_token(v.spec) < source_capability
+        ]
+        watched = [a for a in active if a.request.has_deadline]
+        moves: dict[str, InstanceId] = {}
+        if not watched:
+            return moves
+        estimate = self.status.estimate(source, now, joining=0)
+        self.length.on_progress({a.request.request_id: a.num_generated_tokens for a in watched})
+        totals = self.length.predict_totals(
+            [a.request for a in watched], [a.num_generated_tokens for a in watched]
+        )
+        for item, predicted in zip(watched, totals, strict=True):
+            total = bounded_output(item.request, predicted)
+            rid = item.request.request_id
+            remaining = max(total - item.num_generated_tokens, 1.0)
+            time_left = self.time_left_s(item, estimate, now)
+            late_s = remaining * estimate.decode_s_per_token - time_left
+            if late_s <= 0:  # on track: what it can afford now is its budget
+                self.budgets.admit(instance_id, rid, -late_s)
+                continue
+            target = None
+            if may_move and stronger and late_s > self.config.migration_margin * max(
+                    time_left, 0.0):
+                target = self._target(item, total, stronger, view, now)
+            if target is None:  # it stays, unprotected
+                self.budgets.remove(rid)
+                continue
+            self.placer.admit(item.request, target)
+            moves[rid] = target.instance_id
+            self.req_to_num_migrations[rid] = self.req_to_num_migrations.get(rid, 0) + 1
+        return moves
+
+    def on_finish(self, report: FinishReport, now: float) -> None:
+        self.req_to_num_migrations.pop(report.request.request_id, None)
+
+    def on_drop(self, request: RouteRequest, now: float) -> None:
+        self.req_to_num_migrations.pop(request.request_id, None)
+
+    def _target(
+        self,
+        item: ActiveRequest,
+        total: float,
+        stronger: Sequence[InstanceView],
+        view: ClusterView,
+        now: float,
+    ) -> Candidate | None:
+        """The just-enough choice among stronger instances for the resumed request,
+        if it has a move left and the move is affordable there."""
+        if self.req_to_num_migrations.get(item.request.request_id, 0) >= (
+            self.config.max_migrations_per_request
+        ):
+            return None
+        resumed = _as_resumed(item.request, item.num_generated_tokens)
+        holding = [v for v in stronger if v.can_hold(resumed.num_context_tokens)]
+        chosen, _ = self.placer.place(resumed, holding, view, total, now)
+        if chosen is None or not self._affordable(chosen):
+            return None
+        return chosen
+
+    def _affordable(self, target: Candidate) -> bool:
+        """The target has capacity to spare, or the move costs it no more than its
+        typical recent arrival."""
+        quantile = self.config.migration_cost_quantile
+        if quantile >= 1.0 or not self.admissions.contended(target.instance_id):
+            return True
+        return target.latency_s <= self.admissions.quantile_s(target.instance_id, quantile)
+
+
+def _as_resumed(request: RouteRequest, num_generated: int) -> RouteRequest:
+    """The request as a migration target sees it: prompt + generated ids to re-prefill."""
+    return replace(request, num_generated_tokens=num_generated)

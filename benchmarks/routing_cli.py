@@ -1,0 +1,116 @@
+"""Command-line options for GoodServe's knobs, generated from `GoodServeConfig`.
+
+Each field of the config becomes one option (`--headroom`, `--fast-while-cold /
+--no-fast-while-cold`, ...) with the field's description and bounds as its help, for
+the typer commands (`knob_options`) and the argparse scripts (`add_knob_arguments`);
+values are checked by the config itself, so a bad one fails with the config's message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import inspect
+from collections.abc import Callable
+from enum import Enum
+from typing import Annotated, Any, TypeVar, get_args
+
+import typer
+from pydantic import ValidationError
+from pydantic.fields import FieldInfo
+
+from app.routing.goodserve import GoodServeConfig
+
+# shorter spellings kept for the knobs the commands had before they were generated
+ALIASES = {"tau_iterations": "--tau", "budget_refresh_iterations": "--budget-refresh"}
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def bounds_text(info: FieldInfo) -> str:
+    """The field's bounds as help text, e.g. ">= 0, <= 1"."""
+    parts = []
+    for meta in info.metadata:
+        for attr, symbol in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+            value = getattr(meta, attr, None)
+            if value is not None:
+                parts.append(f"{symbol} {value:g}")
+    return ", ".join(parts)
+
+
+def help_text(info: FieldInfo) -> str:
+    bounds = bounds_text(info)
+    return f"{info.description} ({bounds})" if bounds else str(info.description)
+
+
+def knob_config(values: dict[str, Any]) -> GoodServeConfig:
+    """A config from option values; ValueError with one line naming the bad knob."""
+    try:
+        return GoodServeConfig(**values)
+    except ValidationError as error:
+        first = error.errors()[0]
+        name = flag(str(first["loc"][0])) if first["loc"] else "routing"
+        raise ValueError(f"{name}: {first['msg']}") from None
+
+
+def _typer_parameter(name: str, info: FieldInfo) -> inspect.Parameter:
+    decls = [flag(name)]
+    if info.annotation is bool:
+        decls = [f"{flag(name)}/--no-{name.replace('_', '-')}"]
+    if name in ALIASES:
+        decls.append(ALIASES[name])
+    option = typer.Option(*decls, help=help_text(info), rich_help_panel="GoodServe knobs")
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=info.default,
+                             annotation=Annotated[info.annotation, option])
+
+
+def knob_options(func: F) -> F:
+    """Give a typer command one option per knob; it receives them as `goodserve`, a
+    `GoodServeConfig` (a bad value exits 2 with one line, like the command's own)."""
+    own = inspect.signature(func, eval_str=True)
+    knobs = [_typer_parameter(n, i) for n, i in GoodServeConfig.model_fields.items()]
+    params = [p for p in own.parameters.values() if p.name != "goodserve"] + knobs
+
+    @functools.wraps(func)
+    def wrapper(**kwargs: Any) -> Any:
+        values = {name: kwargs.pop(name) for name in GoodServeConfig.model_fields}
+        try:
+            config = knob_config(values)
+        except ValueError as error:
+            typer.echo(f"error: {error}", err=True)
+            raise typer.Exit(2) from None
+        return func(**kwargs, goodserve=config)
+
+    wrapper.__signature__ = own.replace(parameters=params)  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {p.name: p.annotation for p in params}
+    return wrapper  # type: ignore[return-value]
+
+
+def add_knob_arguments(parser: argparse.ArgumentParser) -> None:
+    """One argparse option per knob, defaulting to the config's default."""
+    group = parser.add_argument_group("GoodServe knobs")
+    for name, info in GoodServeConfig.model_fields.items():
+        names = [flag(name)] + ([ALIASES[name]] if name in ALIASES else [])
+        if info.annotation is bool:
+            group.add_argument(*names, dest=name, action=argparse.BooleanOptionalAction,
+                               default=info.default, help=help_text(info))
+            continue
+        group.add_argument(*names, dest=name, type=_argparse_type(info.annotation),
+                           default=info.default, help=help_text(info))
+
+
+def knobs_from_args(args: argparse.Namespace) -> GoodServeConfig:
+    """The config the parsed knob options describe (ValueError on a bad value)."""
+    return knob_config({name: getattr(args, name) for name in GoodServeConfig.model_fields})
+
+
+def _argparse_type(annotation: Any) -> Callable[[str], Any]:
+    """float for `float | None`, the enum itself for an enum, else the type."""
+    if isinstance(annotation, type) and issubclass(annotation, Enum):
+        return annotation
+    options = [a for a in get_args(annotation) if a is not type(None)]
+    return options[0] if options else annotation
