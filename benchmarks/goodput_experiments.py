@@ -1,4 +1,4 @@
-"""GoodServe goodput experiments in the simulator (issue 4 / paper Figs. 6-10).
+"""GoodServe goodput experiments in the simulator (paper Figs. 6-10).
 
 Setup: Mooncake conversation-trace arrivals time-scaled to a rate, request content
 from held-out prompts of prompt_lengths.jsonl (split by prompt_id: the MoE
