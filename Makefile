@@ -1,5 +1,16 @@
 # GoodServe on Ray. `make install` builds .venv from nothing; `make test` and
 # `make run` install first, so each is a single command on a fresh machine.
+#
+# Test layers: every test carries exactly one marker, the name of its directory under
+# tests/ (tests/conftest.py refuses to collect any other test):
+#   make test-unit         unit: fast, no Ray, no server (under a minute on 2 cores)
+#   make test-slow         slow: benchmark-sized runs without Ray (a few minutes)
+#   make test-integration  integration: Ray or a real server, simulated engines
+#   make test-e2e          e2e: Ray Serve + vLLM CPU engines on a tiny local model
+#   make test              all four layers
+# Tests run in a shuffled order so that none can lean on another; pytest-randomly prints
+# the seed in the header. Replay an order with PYTEST_ARGS=--randomly-seed=N, or run in
+# file order with PYTEST_ARGS="-p no:randomly".
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -8,8 +19,10 @@ PY := $(VENV)/bin/python
 TORCH_INDEX ?=
 PIP_INDEX_ARGS := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+PYTEST := $(PY) -m pytest -p no:cacheprovider $(PYTEST_ARGS)
 
-.PHONY: install run test test-unit test-integration test-e2e lint clean
+.PHONY: install run test test-unit test-slow test-integration test-e2e lint clean
 
 install: $(STAMP)
 
@@ -25,16 +38,19 @@ run: install
 	$(VENV)/bin/goodserve demo
 
 test: install
-	$(PY) -m pytest -m "unit or integration or e2e" -p no:cacheprovider
+	$(PYTEST) -m "unit or slow or integration or e2e"
 
 test-unit: install
-	$(PY) -m pytest -m unit -p no:cacheprovider
+	$(PYTEST) -m unit
+
+test-slow: install
+	$(PYTEST) -m slow
 
 test-integration: install
-	$(PY) -m pytest -m integration -p no:cacheprovider
+	$(PYTEST) -m integration
 
 test-e2e: install
-	$(PY) -m pytest -m e2e -p no:cacheprovider
+	$(PYTEST) -m e2e
 
 lint: install
 	$(VENV)/bin/ruff check app deployments predictor benchmarks tests

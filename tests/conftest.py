@@ -1,20 +1,64 @@
-"""Shared fixtures: one Ray instance, one tiny model and one vLLM engine per session.
+"""Test layers, and shared fixtures: one Ray, one tiny model and one vLLM engine per session.
 
+Every test belongs to exactly one layer, named by its marker and by its directory:
+`unit` (fast, no Ray, no server), `slow` (benchmark-sized, no Ray), `integration` (Ray
+or a real server, simulated engines) and `e2e` (Ray Serve + vLLM CPU engines).
 Engines take ~20-40 s to start on 2 cores, so every e2e test reuses them.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
+
+LAYERS = ("unit", "slow", "integration", "e2e")
+RAY_FREE_LAYERS = ("unit", "slow")
+TESTS_DIR = Path(__file__).resolve().parent
 
 SHARED_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 # every GPU kind a test may pin to, declared on the one local node
 LOCAL_GPU_RESOURCES = {
     f"gpu_type:{g}": 8.0 for g in ("H800", "A800", "A40", "V100", "H100", "A100", "cpu")
 }
+
+
+def layer_error(item: pytest.Item) -> str | None:
+    """Why `item` is not in exactly one layer, matching its directory; None when it is."""
+    layers = sorted({m.name for m in item.iter_markers() if m.name in LAYERS})
+    if len(layers) != 1:
+        return f"has layer markers {layers}; it needs exactly one of {list(LAYERS)}"
+    (layer,) = layers
+    directory = item.path.resolve().relative_to(TESTS_DIR).parts[0]
+    if directory != layer:
+        return f"is marked {layer!r} but lives under tests/{directory}"
+    if layer in RAY_FREE_LAYERS and "ray_session" in item.fixturenames:
+        return f"uses Ray, so it is 'integration' or 'e2e', not {layer!r}"
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: an unmarked test must not hide
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    errors = [f"{item.nodeid} {error}" for item in items if (error := layer_error(item))]
+    if errors:
+        raise pytest.UsageError("tests outside the layers:\n  " + "\n  ".join(errors))
+
+
+def ray_is_running() -> bool:
+    ray = sys.modules.get("ray")  # never import Ray just to ask
+    return ray is not None and ray.is_initialized()
+
+
+@pytest.fixture(autouse=True)
+def ray_free_layers_stay_ray_free(request: pytest.FixtureRequest):
+    """A unit or slow test that leaves Ray running started it: it belongs to integration."""
+    was_running = ray_is_running()
+    yield
+    layer = next((m.name for m in request.node.iter_markers() if m.name in LAYERS), None)
+    if layer in RAY_FREE_LAYERS and not was_running and ray_is_running():
+        pytest.fail(f"a {layer!r} test started Ray: mark it 'integration'")
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ from app.routing.registry import PolicyKind
 from benchmarks.bimodal_goodput import PAPER_CLUSTER, bimodal_workload
 from benchmarks.replay import ReplaySpec, run_replay
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("seed", range(5))

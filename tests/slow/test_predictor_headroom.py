@@ -13,7 +13,7 @@ from benchmarks import predictor_headroom
 from predictor.synthetic import make_synthetic_records
 from tests.unit.torch_utils import build_tiny_encoder
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.slow
 
 
 def write_synthetic_prompts(path: Path) -> list[str]:

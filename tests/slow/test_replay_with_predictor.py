@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from app.cli import cli
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.slow
 
 PAPER_CLUSTER = Path(__file__).resolve().parents[2] / "configs" / "paper-4gpu.yaml"
 

@@ -20,7 +20,7 @@ from app.sim.simulator import Simulator
 from app.sim.toy import geometric_lengths, single_server_setup
 from app.workload import Content, Workload, make_workload, poisson_arrivals
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.unit
 
 MEAN_SERVICE_S = 1.0
 SECONDS_PER_TOKEN = 1e-3

@@ -15,7 +15,7 @@ from app.cli import cli
 from app.config import load_cluster_config
 from benchmarks.replay import Arrivals, ReplaySpec, build_workload, parse_policies, run_replay
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[1].parent
 PAPER_CLUSTER = REPO / "configs" / "paper-4gpu.yaml"
