@@ -191,9 +191,10 @@ async def run_vllm(
         outcome = prefill_outcome(estimator, final, backend.status().prefill)
     finally:
         await backend.shutdown()
-    prior_p = config.instance.unloaded_prefill_s_per_token
+    totals = outcome.engine_totals  # queue wait = TTFT - prefill at the engine's mean speed
+    engine_p = totals.busy_s / max(totals.num_tokens, 1)
     return [
-        EstimatePoint(arrival, est.queue_delay_s, max(first - num_prompt * prior_p, 0.0),
+        EstimatePoint(arrival, est.queue_delay_s, max(first - num_prompt * engine_p, 0.0),
                       est.decode_s_per_token, tpot, num_prompt, est.prefill_s_per_token, first)
         for (arrival, est, num_prompt), (first, tpot) in zip(marks, results, strict=True)
     ], outcome

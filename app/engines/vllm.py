@@ -27,9 +27,8 @@ class VllmStatsRecorder:
     """vLLM stat logger sink that keeps the latest black-box figures for status().
 
     Decode speed comes from vLLM's own inter-token latencies (what a running request
-    waits per token, prefill interference included); queue waits are added by the
-    backend at each request's first token. Prefill work is counted per iteration
-    that finished a prompt (see `record`).
+    waits per token, prefill interference included); prefill work and queue waits
+    come from the iterations that finished prompts (see `record`).
     """
 
     def __init__(self) -> None:
@@ -70,7 +69,8 @@ class VllmStatsRecorder:
         produced. Its duration is not reported as such, but every request that got a
         token in it waited at least that long: a decoding one since the previous
         iteration ended (engine-core timestamps), a new one since it arrived. The
-        smallest of those waits is the iteration's duration (plus transport).
+        smallest of those waits is the iteration's duration (plus transport); a new
+        request's time to first token beyond it is its queue wait.
         """
         if scheduler_stats is not None:
             self.num_running = scheduler_stats.num_running_reqs
@@ -82,10 +82,14 @@ class VllmStatsRecorder:
         if itls:
             self.recent_iteration_s.append(sum(itls) / len(itls))
             self.num_iterations += 1
-        num_prompt_tokens = iteration_stats.prompt_token_stats.computed
-        if num_prompt_tokens > 0:
-            duration_s = min(itls + iteration_stats.time_to_first_tokens_iter)
-            self.prefill = self.prefill.add(duration_s, num_prompt_tokens)
+        ttfts = iteration_stats.time_to_first_tokens_iter
+        if ttfts:
+            duration_s = min(itls + ttfts)
+            for ttft_s in ttfts:
+                self.add_queue_wait(max(ttft_s - duration_s, 0.0))
+            num_prompt_tokens = iteration_stats.prompt_token_stats.computed
+            if num_prompt_tokens > 0:
+                self.prefill = self.prefill.add(duration_s, num_prompt_tokens)
         self.num_finished += len(iteration_stats.finished_requests)
 
     def add_queue_wait(self, wait_s: float) -> None:
@@ -154,13 +158,10 @@ class VllmBackend(EngineBackendBase):
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids) + resume)
         index = len(resume)
         self._active_req_ids.add(request.request_id)
-        submitted_s = time.time()
         try:
             async for output in self.engine.generate(prompt, params, request.request_id):
                 completion = output.outputs[0]
                 wall = time.time()
-                if index == len(resume) and completion.token_ids:
-                    self._record_queue_wait(wall - submitted_s, len(prompt["prompt_token_ids"]))
                 batch = []
                 for pos, token in enumerate(completion.token_ids):
                     last = output.finished and pos == len(completion.token_ids) - 1
@@ -172,11 +173,6 @@ class VllmBackend(EngineBackendBase):
         finally:
             self._active_req_ids.discard(request.request_id)
             self._prefix.insert(prefix_block_hashes(request.prompt_token_ids), PREFIX_BLOCK_SIZE)
-
-    def _record_queue_wait(self, ttft_s: float, num_prompt_tokens: int) -> None:
-        """Queue wait ~ time to first token minus the profiled prefill time of the prompt."""
-        prefill_s = num_prompt_tokens * self.config.instance.unloaded_prefill_s_per_token
-        self._stats.add_queue_wait(max(ttft_s - prefill_s, 0.0))
 
     async def abort(self, request_id: str) -> bool:
         if self.engine is None or request_id not in self._active_req_ids:

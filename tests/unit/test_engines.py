@@ -111,6 +111,9 @@ def test_vllm_recorder_counts_prefill_work_with_the_shortest_wait_as_duration():
     recorder.record(None, None)  # a step without outputs (e.g. a prefill chunk)
     assert recorder.prefill == PrefillTotals(2, 300, pytest.approx(0.07))
     assert recorder.num_iterations == 2  # decode latencies: iterations with ITLs
+    # queue wait: time to first token beyond the iteration that computed the prompt
+    assert recorder.recent_queue_wait_s == pytest.approx([0.0, 0.48])
+    assert recorder.num_queue_wait_samples == 2
 
 
 # ---- estimator: p_g from the status type ----------------------------------------------
