@@ -41,16 +41,16 @@ test: install
 	$(PYTEST) -m "unit or slow or integration or e2e"
 
 test-unit: install
-	$(PYTEST) -m unit
+	$(PYTEST) -m unit tests/unit
 
 test-slow: install
-	$(PYTEST) -m slow
+	$(PYTEST) -m slow tests/slow
 
 test-integration: install
-	$(PYTEST) -m integration
+	$(PYTEST) -m integration tests/integration
 
 test-e2e: install
-	$(PYTEST) -m e2e
+	$(PYTEST) -m e2e tests/e2e
 
 lint: install
 	$(VENV)/bin/ruff check app deployments predictor benchmarks tests

@@ -46,6 +46,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         raise pytest.UsageError("tests outside the layers:\n  " + "\n  ".join(errors))
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Every test, and the module fixtures it sets up, starts with torch on one thread.
+
+    Code under test may set the count for the process (the predictor CLIs and benchmarks
+    do); unreset, the next test's timing would depend on which test ran before it.
+    """
+    torch = sys.modules.get("torch")  # imported by the modules that train
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
 def ray_is_running() -> bool:
     ray = sys.modules.get("ray")  # never import Ray just to ask
     return ray is not None and ray.is_initialized()
