@@ -12,55 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from app.config import ClusterConfig, EngineConfig, InstanceGroup, SchedulerConfig
-from app.serving.config import RoutingConfig, ServeConfig
+from tests.integration.conftest import WEAKEST, post
 
 pytestmark = pytest.mark.integration
-
-GPU_SETUP = (("H800", 1), ("A800", 1), ("A40", 1), ("V100", 2))
-WEAKEST = "live-A40-2"  # largest unloaded time per token of the four
-STRONGEST = "live-H800-0"
-
-
-@pytest.fixture(scope="module")
-def live_url(ray_session):
-    from ray import serve
-
-    from deployments.router import build_app, free_port
-
-    groups = [InstanceGroup(engine=EngineConfig(gpu_type=g, tp=tp,
-                                                scheduler=SchedulerConfig(max_num_seqs=32)))
-              for g, tp in GPU_SETUP]
-    config = ServeConfig(cluster=ClusterConfig(name="live", groups=groups),
-                         # point estimates only (confidence 0.5): the migration test
-                         # needs a request placed by its under-predicted length
-                         routing=RoutingConfig(tau_iterations=10, migration_margin=0.0,
-                                               confidence_quantile=0.5))
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(config), name="live-sim", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    from deployments.cluster import shutdown_shared_engines
-
-    shutdown_shared_engines(config.cluster)
-
-
-def post(url: str, path: str, **body) -> httpx.Response:
-    payload = {"model": "goodserve", "prompt": "route me " * 50, "max_tokens": 8} | body
-    return httpx.post(url + path, json=payload, timeout=120)
-
-
-def test_just_enough_live_weak_gpu_for_loose_deadlines_strong_for_tight(live_url):
-    """On the idle cluster 100 tokens take ~3.6 s on the A40 and ~0.9 s on the H800.
-    First in the module on purpose: with no finished request yet the history
-    predictor's default (256) capped by max_tokens gives the true 100 tokens, and the
-    loose request's 100 then make the history right for the tight one."""
-    loose = post(live_url, "/v1/completions", max_tokens=100, slo_s=20.0).json()
-    tight = post(live_url, "/v1/completions", max_tokens=100, slo_s=2.0).json()
-    assert loose["goodserve"]["instance_ids"] == [WEAKEST]
-    assert tight["goodserve"]["instance_ids"] == [STRONGEST]
-    assert loose["goodserve"]["met_deadline"] and tight["goodserve"]["met_deadline"]
 
 
 def test_completion_is_openai_shaped_and_reports_where_it_ran(live_url):
@@ -98,7 +52,7 @@ def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(live_url):
 
 def test_watchdog_migrates_a_request_that_outgrows_its_prediction(live_url):
     """The router's history predictor sees six 4-token and five 60-token outputs (plus
-    the few short and 100-token ones of earlier tests), so it predicts <= 12 tokens for
+    the few short ones of any test that ran before), so it predicts <= 12 tokens for
     a new request and 60 once one has passed 12. A 60-token
     request with a 1.5 s deadline therefore starts on the weakest GPU (4 tokens fit
     anywhere) and, at its first watchdog check (tau = 10 iterations), is at risk there
