@@ -245,7 +245,7 @@ class StatusEstimator(StepListener):
         counted: an engine that leaves requests waiting runs a full batch (slots or
         KV), and the wait is q_g's part of T (Little's law on the queue). Counting
         them as well made weak instances look slower than they ran under a steady
-        queue (190 req/s, scale 2 goodput: 153.4 with, 162.2 without).
+        queue (docs/goodserve-routing.md, "decode batch growth").
         """
         measured = state.decode_batch.value or 1.0
         upcoming = view.num_running + joining
