@@ -352,6 +352,21 @@ def test_no_memory_room_makes_instance_infeasible():
     assert policy.choose(make_request(20.0), cluster, 0.0) == "H800"
 
 
+def test_placing_is_a_pure_probe_and_only_the_acted_on_choice_is_admitted():
+    """`place` may be asked any number of times (confident length, point estimate, the
+    watchdog's targets) without leaving budgets behind; the policy admits once."""
+    policy = policy_with_speeds(H800=0.01, A40=0.04)
+    cluster = make_cluster(make_view("H800"), make_view("A40"))
+    request = make_request(20.0, prompt=200, out=100, rid="probe")
+    for _ in range(3):
+        chosen, _ = policy.placer.place(request, cluster.instances, cluster, 100, 0.0)
+        assert chosen is not None and chosen.instance_id == "A40"
+        assert len(policy.budgets) == 0
+    assert policy.choose(request, cluster, 0.0) == "A40"
+    assert len(policy.budgets) == 1
+    assert policy.budgets.shortest_stall_s("A40") == pytest.approx(chosen.slack_s)
+
+
 def test_policy_forwards_finishes_to_the_length_estimator():
     length = RunningHistoryLength()
     policy = JustEnoughPolicy(StatusEstimator(), length)
