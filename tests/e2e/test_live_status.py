@@ -43,7 +43,11 @@ async def _serve_one(router: LiveRouter, i: int) -> float:
 
 def test_router_p_g_moves_from_its_prior_to_the_engines_prefill_time(vllm_engine):
     """The router is told the engine is a V100, so its prior p_g is ~1000x too fast for
-    a CPU; after a few prompts p_g must match what the engine measured instead."""
+    a CPU; after a few prompts p_g must match what the engine measured instead.
+
+    The engine is shared with other tests, so the router's first poll may already
+    carry earlier prefill work (which it rightly learns from); the prior is therefore
+    the catalog's figure, not a reading taken after the first poll."""
     handle = EngineHandle(vllm_engine.engine_id,
                           vllm_engine.config.model_copy(update={"gpu_type": "V100"}),
                           vllm_engine.actor)
@@ -55,16 +59,15 @@ def test_router_p_g_moves_from_its_prior_to_the_engines_prefill_time(vllm_engine
         await router.start()
         try:
             before = ray.get(handle.actor.status.remote()).prefill
-            prior = learned_p_g(router, estimator, handle.engine_id)
             client_per_token = [await _serve_one(router, i) for i in range(NUM_REQUESTS)]
             await router.poll_once()
             work = ray.get(handle.actor.status.remote()).prefill.since(before)
-            return prior, learned_p_g(router, estimator, handle.engine_id), work, client_per_token
+            return learned_p_g(router, estimator, handle.engine_id), work, client_per_token
         finally:
             router.close()
 
-    prior, learned, work, client_per_token = asyncio.run(run())
-    assert prior == handle.config.instance.unloaded_prefill_s_per_token
+    prior = handle.config.instance.unloaded_prefill_s_per_token
+    learned, work, client_per_token = asyncio.run(run())
     assert work.num_iterations >= NUM_REQUESTS // 2 and work.num_tokens >= PROMPT_LEN
     measured = work.busy_s / work.num_tokens
     # the engine's own figure is bounded by what a client sees (TTFT includes transport)
