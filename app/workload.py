@@ -1,7 +1,8 @@
 """Workloads: trace loaders, arrival processes and request content.
 
 A workload is two independent choices zipped together: *when* requests arrive
-(a time-scaled, windowed trace, or Poisson) and *what* they are (the trace's own
+(a time-scaled, windowed trace, or a synthetic process: Poisson, a bursty Gamma
+renewal process, or batches of simultaneous arrivals) and *what* they are (the trace's own
 lengths and prefix blocks, or real prompts with real output lengths). Loaders
 fail with a ValueError naming the file, line and field, never a bare KeyError.
 """
@@ -14,8 +15,11 @@ import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from app.engines.prefix import prefix_block_hashes
 from app.routing.view import RouteRequest
@@ -45,7 +49,7 @@ class WorkloadRequest:
         return self.arrival_s + self.slo_s
 
     def route_request(self, reveal_true_length: bool = False) -> RouteRequest:
-        """What a routing policy sees of this request (the oracle also sees its length)."""
+        """What a routing policy sees of this request (exact-length policies also see its length)."""
         return RouteRequest(
             request_id=self.request_id,
             arrival_s=self.arrival_s,
@@ -296,14 +300,111 @@ def scale_and_window(
 
 def poisson_arrivals(rate: float, duration_s: float, seed: int) -> list[float]:
     """Arrival times of a Poisson process on [0, duration_s)."""
-    if rate <= 0 or duration_s <= 0:
-        raise ValueError(f"Poisson arrivals need rate and duration > 0, got {rate}, {duration_s}")
+    _check_rate(rate, duration_s, "Poisson")
     rng = random.Random(seed)
     times, t = [], rng.expovariate(rate)
     while t < duration_s:
         times.append(t)
         t += rng.expovariate(rate)
     return times
+
+
+def gamma_arrivals(rate: float, duration_s: float, cv: float, seed: int) -> list[float]:
+    """Arrival times of a Gamma renewal process on [0, duration_s): i.i.d. gaps with mean
+    1/rate and coefficient of variation `cv` (1 = Poisson; above 1, bursts of nearly
+    simultaneous arrivals separated by long lulls)."""
+    _check_rate(rate, duration_s, "Gamma")
+    if cv <= 0:
+        raise ValueError(f"burstiness (coefficient of variation) must be > 0, got {cv}")
+    shape = 1.0 / cv**2
+    rng = np.random.default_rng(seed)
+    chunk = max(int(rate * duration_s * 1.2), 16)
+    times: list[float] = []
+    t = 0.0
+    while True:
+        gaps = rng.gamma(shape, 1.0 / (rate * shape), size=chunk)
+        stamps = t + np.cumsum(gaps)
+        inside = stamps[stamps < duration_s]
+        times.extend(inside.tolist())
+        if len(inside) < chunk:
+            return times
+        t = float(stamps[-1])
+
+
+class BurstDistribution(StrEnum):
+    """How many requests arrive together in a batch arrival process."""
+
+    FIXED = "fixed"  # always the mean (rounded)
+    GEOMETRIC = "geometric"  # 1, 2, ... with P(n) = p (1-p)^(n-1), mean 1/p
+    UNIFORM = "uniform"  # uniform on 1 .. 2 mean - 1
+
+
+def burst_sizes(distribution: BurstDistribution, mean: float, n: int,
+                rng: np.random.Generator) -> np.ndarray:
+    """`n` burst sizes (each >= 1) with the given mean."""
+    if mean < 1:
+        raise ValueError(f"mean burst size must be >= 1, got {mean}")
+    if distribution == BurstDistribution.FIXED:
+        return np.full(n, max(round(mean), 1))
+    if distribution == BurstDistribution.GEOMETRIC:
+        return rng.geometric(1.0 / mean, size=n)
+    return rng.integers(1, max(round(2 * mean - 1), 1) + 1, size=n)
+
+
+def batch_arrivals(
+    rate: float, duration_s: float, mean_burst: float, distribution: BurstDistribution,
+    seed: int,
+) -> list[float]:
+    """Arrival times on [0, duration_s) in bursts of simultaneous requests (an agent
+    fanning out tool calls): burst epochs are Poisson at rate / `mean_burst`, each burst
+    brings a size drawn from `distribution`, so the request rate is `rate` on average."""
+    _check_rate(rate, duration_s, "batch")
+    rng = np.random.default_rng(seed)
+    epochs = poisson_arrivals(rate / mean_burst, duration_s, seed)
+    sizes = burst_sizes(distribution, mean_burst, len(epochs), rng)
+    return [t for t, size in zip(epochs, sizes, strict=True) for _ in range(int(size))]
+
+
+def _check_rate(rate: float, duration_s: float, process: str) -> None:
+    if rate <= 0 or duration_s <= 0:
+        raise ValueError(f"{process} arrivals need rate and duration > 0, got {rate}, {duration_s}")
+
+
+class Arrivals(StrEnum):
+    TRACE = "trace"  # the trace's timestamps, time-scaled to the rate
+    POISSON = "poisson"  # Poisson at the rate for the duration
+    GAMMA = "gamma"  # Gamma renewal at the rate, coefficient of variation = burstiness
+    BATCH = "batch"  # bursts of simultaneous arrivals, sizes from a distribution
+
+
+@dataclass(frozen=True)
+class SyntheticArrivals:
+    """A synthetic arrival process at `rate` req/s for `duration_s` (not the trace's)."""
+
+    kind: Arrivals
+    rate: float
+    duration_s: float
+    burstiness: float = 1.0  # Gamma: coefficient of variation of the gaps
+    mean_burst: float = 16.0  # batch: mean requests per burst
+    burst_distribution: BurstDistribution = BurstDistribution.GEOMETRIC
+
+    def times(self, seed: int) -> list[float]:
+        if self.kind == Arrivals.POISSON:
+            return poisson_arrivals(self.rate, self.duration_s, seed)
+        if self.kind == Arrivals.GAMMA:
+            return gamma_arrivals(self.rate, self.duration_s, self.burstiness, seed)
+        if self.kind == Arrivals.BATCH:
+            return batch_arrivals(self.rate, self.duration_s, self.mean_burst,
+                                  self.burst_distribution, seed)
+        raise ValueError(f"{self.kind.value} arrivals are not synthetic")
+
+    @property
+    def label(self) -> str:
+        if self.kind == Arrivals.GAMMA:
+            return f"gamma-cv{self.burstiness:g}"
+        if self.kind == Arrivals.BATCH:
+            return f"batch-{self.burst_distribution.value}{self.mean_burst:g}"
+        return self.kind.value
 
 
 # ---- assembling -----------------------------------------------------------------
@@ -366,11 +467,22 @@ def trace_workload(
     return make_workload([r.arrival_s for r in kept], contents, window, name)
 
 
+def synthetic_workload(
+    arrivals: SyntheticArrivals, pool: Sequence[Content], *, seed: int = 0,
+    name: str | None = None,
+) -> Workload:
+    """Synthetic arrivals, content sampled from `pool` (seed + 1: the same draws
+    whatever the process)."""
+    times = arrivals.times(seed)
+    if not times:
+        raise ValueError(f"no arrivals: rate {arrivals.rate}/s over {arrivals.duration_s} s")
+    contents = sample_contents(pool, len(times), seed + 1)
+    return make_workload(times, contents, arrivals.duration_s, name or arrivals.label)
+
+
 def poisson_workload(
     rate: float, duration_s: float, pool: Sequence[Content], *, seed: int = 0, name: str = "poisson"
 ) -> Workload:
     """Poisson arrivals at `rate` for `duration_s`, content sampled from `pool`."""
-    times = poisson_arrivals(rate, duration_s, seed)
-    if not times:
-        raise ValueError(f"no arrivals: rate {rate}/s over {duration_s} s")
-    return make_workload(times, sample_contents(pool, len(times), seed + 1), duration_s, name)
+    return synthetic_workload(SyntheticArrivals(Arrivals.POISSON, rate, duration_s), pool,
+                              seed=seed, name=name)

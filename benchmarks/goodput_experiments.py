@@ -10,7 +10,7 @@ Experiments, each written as summary.csv + PNG + report.md under --out:
 - e2e-qwen/  the same on configs/paper-4gpu-qwen14b.yaml, at its own rate (rate-qwen/)
 - ablation/  GoodServe without migration / with the history predictor / least-slack
 - tau/       watchdog period tau in {10, 25, 50, 100, 200} at scale 2
-- seeds/     GoodServe, its no-migration ablation, the oracle and every baseline on
+- seeds/     GoodServe, its no-migration ablation, its exact-length variant and every baseline on
              several workload seeds (other prompt draws for the same arrivals), with
              mean, spread and per-seed ratios (seeds.md)
 - migration/ GoodServe with and without migration on the seeds' workloads, outcomes
@@ -71,7 +71,7 @@ TARGET_MET_MAX = 0.80
 LLAMA_RATES = "120,140,160,170,180,190,200,220,240"
 QWEN_RATES = "40,60,80,100,110,120,130,140,160,180"
 EXPERIMENTS = ("e2e", "qwen", "ablation", "tau", "predictors", "seeds", "migration")
-SEED_POLICIES = (PolicyKind.GOODSERVE, PolicyKind.GOODSERVE_NO_MIGRATION, PolicyKind.ORACLE,
+SEED_POLICIES = (PolicyKind.GOODSERVE, PolicyKind.GOODSERVE_NO_MIGRATION, PolicyKind.GOODSERVE_EXACT,
                  *BASELINES)
 MIGRATION_POLICIES = (PolicyKind.GOODSERVE, PolicyKind.GOODSERVE_NO_MIGRATION)
 MIGRATION_NAMES = frozenset(k.value for k in MIGRATION_POLICIES)
@@ -287,7 +287,7 @@ def seeds_report(cells: list[RunOutcome], seeds: list[int]) -> str:
     baselines = [k.value for k in BASELINES]
     for title, others in (("best baseline", baselines),
                           ("no migration", [PolicyKind.GOODSERVE_NO_MIGRATION.value]),
-                          ("oracle", [PolicyKind.ORACLE.value])):
+                          ("exact lengths", [PolicyKind.GOODSERVE_EXACT.value])):
         lines += ["", f"GoodServe / {title}, per seed", "", header.replace("policy", "seed"),
                   "|---|" + "---|" * len(SCALES)]
         for seed in seeds:

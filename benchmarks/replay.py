@@ -33,10 +33,13 @@ from app.sim.metrics import summarize
 from app.sim.records import RequestOutcome, RequestRecord
 from app.sim.simulator import SimResult, Simulator
 from app.workload import (
+    Arrivals,
+    BurstDistribution,
+    SyntheticArrivals,
     Workload,
     load_prompts,
     load_trace,
-    poisson_workload,
+    synthetic_workload,
     trace_workload,
 )
 from benchmarks.routing_cli import knob_options
@@ -54,11 +57,6 @@ PREFILL_POLICY = PolicyKind.LEAST_REQUEST  # disaggregated clusters: the policie
 class Backend(StrEnum):
     SIM = "sim"
     LIVE = "live"
-
-
-class Arrivals(StrEnum):
-    TRACE = "trace"  # the trace's timestamps, time-scaled to --rate
-    POISSON = "poisson"  # Poisson at --rate for --duration
 
 
 @dataclass(frozen=True)
@@ -114,8 +112,12 @@ def build_workload(
     duration_s: float | None,
     max_requests: int | None,
     seed: int,
+    burstiness: float = 1.0,
+    mean_burst: float = 16.0,
+    burst_distribution: BurstDistribution = BurstDistribution.GEOMETRIC,
 ) -> Workload:
-    """Arrivals from the trace or Poisson; content from --prompts or the trace's lengths."""
+    """Arrivals from the trace or a synthetic process; content from --prompts or the
+    trace's lengths."""
     rows = load_trace(trace) if trace is not None else None
     prompt_rows = load_prompts(prompts) if prompts is not None else None
     if arrivals == Arrivals.TRACE:
@@ -126,14 +128,17 @@ def build_workload(
             prompts=prompt_rows, seed=seed, name=trace.name,
         )
     if rate is None or duration_s is None:
-        raise ValueError("--arrivals poisson needs --rate and --duration")
+        raise ValueError(f"--arrivals {arrivals.value} needs --rate and --duration")
     if prompt_rows is not None:
         pool = [p.content() for p in prompt_rows]
     elif rows is not None:
         pool = [r.content for r in rows]
     else:
-        raise ValueError("--arrivals poisson needs --prompts or --trace for request content")
-    workload = poisson_workload(rate, duration_s, pool, seed=seed)
+        raise ValueError(
+            f"--arrivals {arrivals.value} needs --prompts or --trace for request content")
+    process = SyntheticArrivals(arrivals, rate, duration_s, burstiness, mean_burst,
+                                burst_distribution)
+    workload = synthetic_workload(process, pool, seed=seed)
     if max_requests is not None:
         workload = workload.with_requests(workload.requests[:max_requests])
     return workload
@@ -388,7 +393,17 @@ def replay(
     policies: Annotated[str, typer.Option(help="comma-separated names, or 'all'")] = "all",
     slo_scales: Annotated[str, typer.Option(help="comma-separated")] = "1,1.5,2,2.5,3",
     backend: Annotated[Backend, typer.Option(help="sim | live")] = Backend.SIM,
-    arrivals: Annotated[Arrivals, typer.Option(help="trace | poisson")] = Arrivals.TRACE,
+    arrivals: Annotated[
+        Arrivals, typer.Option(help="trace | poisson | gamma | batch")] = Arrivals.TRACE,
+    burstiness: Annotated[
+        float, typer.Option(help="gamma: coefficient of variation of inter-arrival gaps "
+                            "(1 = Poisson)")] = 1.0,
+    burst_size: Annotated[
+        float, typer.Option(help="batch: mean requests per burst of simultaneous arrivals")
+    ] = 16.0,
+    burst_distribution: Annotated[
+        BurstDistribution, typer.Option(help="batch: fixed | geometric | uniform burst sizes")
+    ] = BurstDistribution.GEOMETRIC,
     rate: Annotated[float | None, typer.Option(help="target arrival rate, req/s")] = None,
     duration: Annotated[float | None, typer.Option(help="arrival window, seconds")] = None,
     max_requests: Annotated[int | None, typer.Option(help="keep the first N requests")] = None,
@@ -423,6 +438,7 @@ def replay(
         workload = build_workload(
             arrivals=arrivals, trace=trace, prompts=prompts, rate=rate,
             duration_s=duration, max_requests=max_requests, seed=seed,
+            burstiness=burstiness, mean_burst=burst_size, burst_distribution=burst_distribution,
         )
         if predictor is not None:
             workload = attach_predictions(workload, spec.routing.length_factory())
@@ -436,7 +452,8 @@ def replay(
         "backend": backend.value, "cluster": f"{cluster} ({spec.cluster.name})",
         "instances": ", ".join(e.instance.name for e in spec.cluster.engines()),
         "model": cluster_model(spec.cluster), "trace": trace, "prompts": prompts,
-        "arrivals": arrivals.value, "rate_rps": rate, "requests": len(workload),
+        "arrivals": workload.name if arrivals != Arrivals.TRACE else arrivals.value,
+        "rate_rps": rate, "requests": len(workload),
         "duration_s": workload.duration_s, "seed": seed, "slo_reference": slo_reference_gpu,
         "predictor": predictor or "running history", **goodserve_knobs(goodserve),
         "stall_factor": stall_factor_label(goodserve.stall_factor),

@@ -6,7 +6,7 @@ total, given it has produced `num_generated` so far?". Three answers:
 - `RunningHistoryLength` is the label-free history baseline a router can always
   run: the conditional median of recently finished lengths (Past-Future style),
   and, since it holds the whole distribution, a confident (high-quantile) total;
-- `TrueLength` is the oracle's (true output length, simulator only).
+- `TrueLength`: the true output length (goodserve-exact-lengths, simulator only).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def bounded_output(request: RouteRequest, total: float) -> float:
 class OutputLengthEstimator(StepListener, ABC):
     """Predicts a request's total output length (tokens, >= num_generated + 1)."""
 
-    needs_true_output_length: ClassVar[bool] = False  # only the oracle's does
+    needs_true_output_length: ClassVar[bool] = False  # only exact lengths do
 
     @abstractmethod
     def predict_total(self, request: RouteRequest, num_generated: int = 0) -> float:
@@ -84,6 +84,10 @@ class TrueLength(OutputLengthEstimator):
 
     def expected_output(self, request: RouteRequest) -> float:
         return self.predict_total(request, request.num_generated_tokens)
+
+    def confident_output(self, request: RouteRequest, quantile: float) -> float | None:
+        """Exact: every quantile of a known length is the length."""
+        return self.expected_output(request)
 
 
 class RunningHistoryLength(OutputLengthEstimator):

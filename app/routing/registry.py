@@ -1,7 +1,7 @@
 """Policy registry keyed by enum: the config or CLI name chooses the implementation.
 
 A name builds a `RoutingStack`: the routing policy plus, for policies that move
-requests (GoodServe, the oracle, Llumnix), the watchdog that shares its state.
+requests (GoodServe and its variants, Llumnix), the watchdog that shares its state.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class PolicyKind(StrEnum):
     """CLI / config names of the routing policies (and GoodServe's ablations)."""
 
     GOODSERVE = "goodserve"
-    ORACLE = "oracle"
+    GOODSERVE_EXACT = "goodserve-exact-lengths"
     RANDOM = "random"
     P2C = "p2c"
     ROUND_ROBIN = "round-robin"
@@ -52,15 +52,19 @@ class PolicyKind(StrEnum):
 
     @classmethod
     def from_str(cls, name: str) -> PolicyKind:
+        key = name.strip().lower()
         try:
-            return cls(name.strip().lower())
+            return cls(RENAMED.get(key, key))
         except ValueError:
             known = ", ".join(k.value for k in cls)
             raise ValueError(f"unknown policy {name!r}; known: {known}") from None
 
 
+# earlier names still accepted on the command line and in configs
+RENAMED = {"oracle": PolicyKind.GOODSERVE_EXACT.value}
+
 # policies that read the true output length: the simulator can reveal it, a live router cannot
-SIM_ONLY = frozenset({PolicyKind.ORACLE})
+SIM_ONLY = frozenset({PolicyKind.GOODSERVE_EXACT})
 
 ABLATIONS = frozenset({
     PolicyKind.GOODSERVE_NO_MIGRATION, PolicyKind.GOODSERVE_HISTORY,
@@ -102,8 +106,9 @@ def _goodserve(
     return RoutingStack(*make_goodserve(length, config))
 
 
-def _oracle(options: RoutingOptions) -> RoutingStack:
-    """Just-enough given the true output length; every knob as configured."""
+def _exact_lengths(options: RoutingOptions) -> RoutingStack:
+    """GoodServe given the true output length (simulator only): every knob as
+    configured, the stall factor resolved for exact lengths."""
     return _goodserve(options, TrueLength())
 
 
@@ -150,7 +155,7 @@ class PolicyRegistry:
 POLICY_REGISTRY = PolicyRegistry()
 for _kind, _builder in {
     PolicyKind.GOODSERVE: lambda o: _goodserve(o, o.goodserve_length()),
-    PolicyKind.ORACLE: _oracle,
+    PolicyKind.GOODSERVE_EXACT: _exact_lengths,
     PolicyKind.RANDOM: _seeded(RandomPolicy),
     PolicyKind.P2C: _seeded(PowerOfTwoPolicy),
     PolicyKind.ROUND_ROBIN: _seeded(RoundRobinPolicy),

@@ -24,7 +24,7 @@ class RouteRequest:
     """A request as a policy sees it.
 
     `true_output_tokens` is filled only for policies that declare
-    `needs_true_output_length` (the oracle); everyone else must rely on
+    `needs_true_output_length` (exact lengths); everyone else must rely on
     `predicted_output_tokens`.
     """
 
@@ -37,7 +37,7 @@ class RouteRequest:
     prompt: str | None = None  # text, for output-length predictors
     task: str | None = None
     predicted_output_tokens: int | None = None
-    true_output_tokens: int | None = None  # oracle only
+    true_output_tokens: int | None = None  # exact lengths only
     num_generated_tokens: int = 0  # > 0 when a migrated request is re-routed
     max_output_tokens: int | None = None  # the client's max_tokens: a hard cap on the output
 

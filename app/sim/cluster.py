@@ -96,7 +96,7 @@ class SimCluster:
         listeners = list({id(x): x for x in present}.values())  # one object may play two parts
         self.step_listeners = [x for x in listeners if overrides(x, "on_step")]
         self.finish_listeners = [x for x in listeners if overrides(x, "on_finish")]
-        self.oracle = any(getattr(x, "needs_true_output_length", False) for x in listeners)
+        self.reveal_lengths = any(getattr(x, "needs_true_output_length", False) for x in listeners)
         self.router_queue: deque[Flight] = deque()
         self.flights: dict[str, Flight] = {}  # request_id -> in-flight state
         self.records: list[RequestRecord] = []
@@ -121,7 +121,7 @@ class SimCluster:
 
     def _new_flight(self, index: int) -> Flight:
         work = self.requests[index]
-        route = work.route_request(reveal_true_length=self.oracle)
+        route = work.route_request(reveal_true_length=self.reveal_lengths)
         record = RequestRecord(
             request_id=work.request_id,
             arrival_s=work.arrival_s,

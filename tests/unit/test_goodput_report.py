@@ -17,7 +17,7 @@ def test_seeds_report_ratios_use_the_best_baseline_of_each_seed_and_scale():
     for seed in (0, 1):
         for kind in SEED_POLICIES:
             goodput = {"goodserve": 120.0 + seed * 10, "slo-pack": 100.0,
-                       "preble": 90.0 + seed * 30, "oracle": 150.0,
+                       "preble": 90.0 + seed * 30, "goodserve-exact-lengths": 150.0,
                        "goodserve-no-migration": 110.0}.get(kind.value, 50.0)
             for scale in SCALES:
                 cells.append(RunOutcome(f"{kind.value} seed={seed}", scale,
@@ -26,7 +26,7 @@ def test_seeds_report_ratios_use_the_best_baseline_of_each_seed_and_scale():
     assert "| goodserve | 125.0 [120.0, 130.0]" in report
     assert "| 0 | 1.20 (slo-pack)" in report  # 120 / 100
     assert "| 1 | 1.08 (preble)" in report  # 130 / 120
-    assert "| 0 | 1.09 |" in report and "| 1 | 0.87 |" in report  # vs no-migration, oracle
+    assert "| 0 | 1.09 |" in report and "| 1 | 0.87 |" in report  # vs no-migration, exact lengths
 
 
 def test_placement_rows_count_first_placements_and_met_by_output_tercile():

@@ -96,8 +96,10 @@ def test_registry_builds_fresh_policies_from_names() -> None:
     assert isinstance(a, PowerOfTwoPolicy) and a is not b
     assert set(POLICY_REGISTRY.kinds(include_ablations=True)) == set(PolicyKind)
     assert PolicyKind.GOODSERVE_NO_MIGRATION not in POLICY_REGISTRY.kinds()
-    with pytest.raises(ValueError, match="unknown policy 'nope'; known: goodserve, oracle, random"):
+    with pytest.raises(ValueError, match="unknown policy 'nope'; known: goodserve, "
+                       "goodserve-exact-lengths, random"):
         make_policy("nope")
+    assert PolicyKind.from_str("oracle") is PolicyKind.GOODSERVE_EXACT  # its earlier name
 
 
 def test_instance_view_from_an_engine_status_report() -> None:

@@ -155,7 +155,7 @@ def test_running_history_gives_a_confident_conditional_quantile():
     assert length.conditional_quantile(60, 0.5) == 600  # past 60 tokens: long mode only
     assert length.conditional_quantile(700, 0.9) == 701  # outlived all: about to end
     assert RunningHistoryLength().confident_output(request, 0.9) == 256  # nothing seen yet
-    assert TrueLength().confident_output(request, 0.9) is None  # no spread to offer
+    assert TrueLength().confident_output(request, 0.1) == 200  # exact: no spread
 
 
 def test_kaplan_meier_quantile_counts_running_requests_as_at_least_their_progress():
@@ -288,11 +288,13 @@ def test_confidence_quantile_reaches_goodserve_but_not_slo_pack():
 
 
 # ---- just-enough --------------------------------------------------------------
-def policy_with_speeds(variant=JustEnoughVariant.WEAKEST, admission=False, **decode_s):
+def policy_with_speeds(variant=JustEnoughVariant.WEAKEST, admission=False, triage=True,
+                       **decode_s):
     status = StatusEstimator(alpha=1.0)
     for gpu, d in decode_s.items():
         set_speed(status, gpu, d)
-    config = GoodServeConfig(variant=variant, headroom=0.0, admission_control=admission)
+    config = GoodServeConfig(variant=variant, headroom=0.0, admission_control=admission,
+                             triage=triage)
     return JustEnoughPolicy(status, TrueLength(), config)
 
 
@@ -322,9 +324,39 @@ def test_least_slack_variant_finishes_closest_to_deadline():
 
 
 def test_no_feasible_instance_falls_back_to_min_latency():
-    policy = policy_with_speeds(H800=0.01, A800=0.015, A40=0.04)
+    policy = policy_with_speeds(H800=0.01, A800=0.015, A40=0.04, triage=False)
     cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
     assert policy.choose(make_request(0.5), cluster, 0.0) == "H800"
+
+
+def test_triage_sends_a_hopeless_request_to_the_most_backlogged_instance():
+    """Late everywhere even with its optimistic length: it goes where it takes least
+    from requests that can still make it (the largest T), not to the fastest."""
+    policy = policy_with_speeds(H800=0.01, A800=0.015, A40=0.04)
+    cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
+    # exact length 200: the H800 needs ~2.1 s; 0.5 s is hopeless -> A40 (~8.1 s)
+    assert policy.choose(make_request(0.5, rid="late"), cluster, 0.0) == "A40"
+    # a backlog on the A800 makes it the sink instead
+    backlogged = make_cluster(make_view("H800"), make_view("A800", running=60),
+                              make_view("A40"))
+    set_speed(policy.status, "A800", 0.5)
+    assert policy.choose(make_request(0.5, rid="late2"), backlogged, 0.0) == "A800"
+
+
+def test_triage_spares_a_request_that_a_short_output_would_still_let_meet():
+    """A trained predictor that has not yet learned its error spread offers no
+    optimistic length, so triage assumes one token: a deadline that one token meets
+    on the H800 is not hopeless, and the request gets the fastest instance."""
+    status = StatusEstimator(alpha=1.0)
+    for gpu, d in (("H800", 0.01), ("A800", 0.015), ("A40", 0.04)):
+        set_speed(status, gpu, d)
+    policy = JustEnoughPolicy(status, PredictorLength(fixed_length_predictor(200)),
+                              GoodServeConfig(headroom=0.0))
+    cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
+    # 200 predicted tokens miss 0.5 s everywhere; 1 token (~0.11 s) meets it on the H800
+    assert policy.choose(make_request(0.5, rid="maybe"), cluster, 0.0) == "H800"
+    # a prompt whose prefill alone overruns the deadline everywhere is hopeless
+    assert policy.choose(make_request(0.5, prompt=60_000, rid="late"), cluster, 0.0) == "A40"
 
 
 def test_admission_control_rejects_early_with_reason():
@@ -674,7 +706,7 @@ def test_slack_budgets_track_the_smallest_admitted_slack():
 
 
 def test_late_request_avoids_instances_whose_admitted_requests_its_prefill_would_stall():
-    policy = policy_with_speeds(H800=0.01, A800=0.015, A40=0.04)
+    policy = policy_with_speeds(H800=0.01, A800=0.015, A40=0.04, triage=False)
     cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
     # tight: H800 needs 2.1 s of its 2.2 s -> 0.1 s of slack
     assert policy.choose(make_request(2.2, rid="tight"), cluster, 0.0) == "H800"
@@ -721,8 +753,8 @@ def test_best_effort_placement_with_time_to_spare_is_protected():
     # 2.5 s: H800 makes it (2.1 s) but not with half of T in reserve (3.15 s) -> best effort
     assert policy.choose(make_request(2.5, rid="edge"), cluster, 0.0) == "H800"
     assert policy.budgets.shortest_stall_s("H800") < math.inf
-    # hopeless everywhere: placed, but nothing to protect
-    assert policy.choose(make_request(0.5, rid="late"), cluster, 0.0) == "H800"
+    # hopeless everywhere: placed (triage: on the most backlogged), nothing to protect
+    assert policy.choose(make_request(0.5, rid="late"), cluster, 0.0) == "A40"
     assert len(policy.budgets) == 1
 
 
@@ -767,7 +799,7 @@ def test_stall_factor_reaches_the_policy_and_the_watchdog():
     (PolicyKind.GOODSERVE_NO_MIGRATION, True, TRAINED_PREDICTOR_STALL_FACTOR),
     (PolicyKind.GOODSERVE, False, DEFAULT_STALL_FACTOR),  # running history
     (PolicyKind.GOODSERVE_HISTORY, True, DEFAULT_STALL_FACTOR),  # the ablation's history
-    (PolicyKind.ORACLE, True, DEFAULT_STALL_FACTOR),  # exact lengths
+    (PolicyKind.GOODSERVE_EXACT, True, DEFAULT_STALL_FACTOR),  # exact lengths
 ])
 def test_stall_factor_defaults_per_length_estimator(kind, trained, expected):
     """Unset, the charge suits the estimator: lighter for a trained predictor, whose

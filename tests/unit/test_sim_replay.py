@@ -50,7 +50,7 @@ def test_replay_writes_summary_records_plots_and_report(tmp_path) -> None:
                    "slo_violation_ratio", "p50_e2e_s", "p99_e2e_s", "migrations", "rejected"):
         assert column in rows[0]
     assert {r["policy"] for r in rows} == {
-        "goodserve", "oracle", "random", "p2c", "round-robin", "least-request", "prefix-cache",
+        "goodserve", "goodserve-exact-lengths", "random", "p2c", "round-robin", "least-request", "prefix-cache",
         "lowest-tpm", "preble", "llumnix", "slo-pack"}
     for policy in ("random", "p2c", "round-robin", "least-request", "preble"):
         met = [int(r["met"]) for r in rows if r["policy"] == policy]
@@ -133,6 +133,10 @@ def test_routing_knobs_reach_the_policy_and_the_report(tmp_path) -> None:
         (["--slo-scales", "1,x"], "bad SLO scale"),
         (["--rate", "0"], "rate must be > 0"),
         (["--arrivals", "poisson"], "needs --rate and --duration"),
+        (["--arrivals", "gamma", "--rate", "2", "--duration", "5", "--burstiness", "0"],
+         "burstiness"),
+        (["--arrivals", "batch", "--rate", "2", "--duration", "5", "--burst-size", "0.5"],
+         "mean burst size"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message) -> None:
@@ -144,6 +148,25 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message) -> None:
     assert result.exit_code == 2
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(("process", "name"), [
+    (["--arrivals", "gamma", "--burstiness", "4"], "gamma-cv4"),
+    (["--arrivals", "batch", "--burst-size", "5", "--burst-distribution", "fixed"],
+     "batch-fixed5"),
+])
+def test_bursty_arrivals_from_the_command_line(tmp_path, process, name) -> None:
+    out = tmp_path / "out"
+    result = invoke(
+        "--trace", str(small_trace(tmp_path / "t.jsonl")), *process, "--rate", "3",
+        "--duration", "20", "--cluster", str(PAPER_CLUSTER), "--policies", "round-robin",
+        "--slo-scales", "2", "--out", str(out), "--no-progress",
+    )
+    assert result.exit_code == 0, result.output
+    assert f"- arrivals: {name}" in (out / "report.md").read_text()
+    requests = pq.read_table(out / "requests.parquet").column("arrival_s").to_pylist()
+    if name.startswith("batch"):  # bursts of exactly five simultaneous arrivals
+        assert len(requests) % 5 == 0 and len(set(requests)) == len(requests) // 5
 
 
 def test_malformed_trace_line_is_reported(tmp_path) -> None:

@@ -5,11 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from app.hardware import make_instance
 from app.workload import (
+    Arrivals,
+    BurstDistribution,
     Content,
+    SyntheticArrivals,
     TraceRow,
     load_azure,
     load_mooncake,
@@ -18,8 +22,12 @@ from app.workload import (
     make_workload,
     native_rate,
     poisson_arrivals,
+    batch_arrivals,
+    burst_sizes,
+    gamma_arrivals,
     poisson_workload,
     sample_contents,
+    synthetic_workload,
     scale_and_window,
     text_block_hashes,
     trace_workload,
@@ -147,6 +155,59 @@ def test_poisson_arrivals_rate_and_determinism() -> None:
     assert times == poisson_arrivals(50.0, 200.0, seed=1) and times == sorted(times)
     workload = poisson_workload(5.0, 10.0, [Content(7, 3)], seed=2)
     assert workload.duration_s == 10.0 and all(r.num_prompt_tokens == 7 for r in workload.requests)
+
+
+def _cv(times: list[float]) -> float:
+    gaps = np.diff(np.asarray(times))
+    return float(gaps.std() / gaps.mean())
+
+
+@pytest.mark.parametrize("cv", [1.0, 4.0, 13.0])
+def test_gamma_arrivals_keep_the_rate_and_reach_the_burstiness(cv: float) -> None:
+    times = gamma_arrivals(50.0, 2000.0, cv, seed=5)
+    assert times == sorted(times) and 0 <= times[0] and times[-1] < 2000.0
+    assert gamma_arrivals(50.0, 2000.0, cv, seed=5) == times  # seeded
+    assert len(times) / 2000.0 == pytest.approx(50.0, rel=0.15 if cv > 4 else 0.05)
+    assert _cv(times) == pytest.approx(cv, rel=0.2)
+
+
+def test_gamma_arrivals_reject_a_bad_burstiness() -> None:
+    with pytest.raises(ValueError, match="burstiness"):
+        gamma_arrivals(10.0, 10.0, 0.0, seed=0)
+
+
+@pytest.mark.parametrize("distribution", list(BurstDistribution))
+def test_batch_arrivals_come_in_simultaneous_bursts_at_the_rate(distribution) -> None:
+    times = batch_arrivals(40.0, 1000.0, 8.0, distribution, seed=3)
+    epochs, sizes = np.unique(times, return_counts=True)
+    assert len(times) / 1000.0 == pytest.approx(40.0, rel=0.1)
+    assert sizes.mean() == pytest.approx(8.0, rel=0.1) and sizes.min() >= 1
+    if distribution == BurstDistribution.FIXED:
+        assert set(sizes) == {8}
+    else:
+        assert sizes.max() > 8
+    assert batch_arrivals(40.0, 1000.0, 8.0, distribution, seed=3) == times
+
+
+def test_burst_sizes_need_a_mean_of_at_least_one() -> None:
+    with pytest.raises(ValueError, match="mean burst size"):
+        burst_sizes(BurstDistribution.GEOMETRIC, 0.5, 3, np.random.default_rng(0))
+
+
+def test_synthetic_workload_names_its_process_and_shares_content_draws() -> None:
+    pool = [Content(10 + k, 5) for k in range(50)]
+    gamma = synthetic_workload(SyntheticArrivals(Arrivals.GAMMA, 20.0, 30.0, burstiness=4.0),
+                               pool, seed=2)
+    batch = synthetic_workload(SyntheticArrivals(Arrivals.BATCH, 20.0, 30.0, mean_burst=4.0),
+                               pool, seed=2)
+    assert gamma.name == "gamma-cv4" and batch.name == "batch-geometric4"
+    assert gamma.duration_s == 30.0
+    first = min(len(gamma), len(batch))
+    # content draws depend on the seed only, not on the arrival process
+    assert [r.num_prompt_tokens for r in gamma.requests[:first]] == \
+        [r.num_prompt_tokens for r in batch.requests[:first]] or first == 0
+    with pytest.raises(ValueError, match="not synthetic"):
+        SyntheticArrivals(Arrivals.TRACE, 1.0, 1.0).times(0)
 
 
 def test_sample_contents_cycles_a_seeded_permutation() -> None:

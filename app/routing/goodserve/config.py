@@ -62,6 +62,13 @@ class GoodServeConfig(Frozen):
     admission_control: bool = Field(
         False, description="reject early, with the reason, when no instance can meet the "
         "deadline (else best effort on the least harmful fastest instance)")
+    triage: bool = Field(
+        True, description="a request that no instance can finish by its deadline even with "
+        "an optimistic length goes to the most backlogged instance, where it takes least "
+        "from requests that still can")
+    triage_quantile: float = Field(
+        0.1, ge=0, le=0.5, description="the optimistic length triage assumes: this quantile "
+        "of the length estimator's spread (one token when it knows none)")
     protect_admitted: bool = Field(
         True, description="do no harm: skip instances where the new request's prefill "
         "would stall an admitted request past its slack")

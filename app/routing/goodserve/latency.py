@@ -55,6 +55,9 @@ class Candidate:
     slack_s: float  # deadline - (now + T)
     capability_s_per_token: float
     has_memory_room: bool
+    # T were the output as short as the length estimator's optimistic bound
+    # (`triage_quantile`): a request late by this bound everywhere is hopeless
+    latency_floor_s: float = 0.0
     # what its prefill charges against admitted requests' slack (stall_factor x estimate)
     stall_s: float = 0.0
     shortest_stall_s: float = math.inf  # smallest stall an admitted request tolerates
@@ -76,6 +79,10 @@ class Candidate:
         """
         return self.slack_s >= headroom * self.latency_s
 
+    def could_meet_deadline(self) -> bool:
+        """Would meet the deadline were its output as short as the optimistic bound."""
+        return self.slack_s + self.latency_s - self.latency_floor_s >= 0
+
     def harmless(self) -> bool:
         """Has KV room and its prefill does not stall the instance past what its
         admitted requests tolerate (their slack)."""
@@ -91,16 +98,18 @@ def score_instances(
     now: float,
     budgets: SlackBudgets | None,
     stall_factor: float,
+    floor_output_tokens: float = 1.0,
 ) -> list[Candidate]:
     """T(r,g), slack, memory room and admitted budgets per instance for `request` (O(M));
     the stall its prefill charges is `stall_factor` x the prefill estimate; without
-    `budgets` nothing is protected."""
+    `budgets` nothing is protected. The latency floor is T at `floor_output_tokens`."""
     scored = []
     for inst in instances:
         hit = view.prefix_hit_tokens(inst.instance_id, request)
         estimate = status.estimate(inst, now)
         prefill = prefill_time_s(request, estimate, hit)
         latency = latency_with_prefill_s(request, estimate, prefill, output_tokens)
+        floor = latency_with_prefill_s(request, estimate, prefill, floor_output_tokens)
         iid = inst.instance_id
         scored.append(Candidate(
             instance_id=inst.instance_id,
@@ -108,6 +117,7 @@ def score_instances(
             slack_s=request.deadline_s - (now + latency),
             capability_s_per_token=capability_s_per_token(inst.spec),
             has_memory_room=inst.kv_free_tokens >= request.num_context_tokens - hit,
+            latency_floor_s=floor,
             stall_s=stall_factor * prefill,
             shortest_stall_s=budgets.shortest_stall_s(iid) if budgets else math.inf,
         ))

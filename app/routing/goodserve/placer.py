@@ -58,14 +58,34 @@ def pick_while_cold(
     return pick_just_enough(candidates, variant, headroom)
 
 
-def fallback(candidates: Sequence[Candidate]) -> Candidate:
-    """Best effort when no instance can meet the deadline: the minimum T among the
-    instances that can take the request without breaking an admitted request's
-    budget and are not reserved (all of them when none can). Plain min-T would herd
-    every late request onto the fastest instance and make the requests already there
-    late too."""
+def fallback(candidates: Sequence[Candidate], triage: bool) -> Candidate:
+    """Best effort when no instance meets the deadline with headroom.
+
+    First the just-enough pick among instances that meet it with none to spare. Else,
+    with `triage`, a hopeless request (late everywhere even with its optimistic
+    length) goes to `triage_sink`. Else the minimum T among the instances that can
+    take the request without breaking an admitted request's budget and are not
+    reserved (all of them when none can): plain min-T would herd every late request
+    onto the fastest instance and make the requests already there late too.
+    """
+    meeting = [c for c in candidates if c.feasible(headroom=0.0)]
+    if meeting:
+        return pick_just_enough(meeting, JustEnoughVariant.WEAKEST)
+    if triage and not any(c.could_meet_deadline() for c in candidates):
+        return triage_sink(candidates)
     admissible = [c for c in candidates if c.admissible()] or candidates
     return min(admissible, key=lambda c: (c.latency_s, c.instance_id))
+
+
+def triage_sink(candidates: Sequence[Candidate]) -> Candidate:
+    """Where a hopeless request takes the least from requests that can still meet their
+    deadlines (project addition, "triage"): the instance with the largest T, already
+    the most backlogged, among those it does no harm to and with KV room. A burst's
+    hopeless part piles up there instead of queueing ahead of the feasible requests
+    on every instance, as min-T placement spreads it."""
+    room = [c for c in candidates if c.has_memory_room]
+    pool = [c for c in room if c.admissible()] or room or list(candidates)
+    return max(pool, key=lambda c: (c.latency_s, c.instance_id))
 
 
 def reserve_strongest(
@@ -114,12 +134,14 @@ class JustEnoughPlacer:
         output_tokens: float,
         now: float,
         cold: bool = False,
+        floor_output_tokens: float = 1.0,
     ) -> tuple[Candidate | None, list[Candidate]]:
         """(the chosen candidate or None, every scored candidate); `cold`: the length
-        estimate is a lower bound (`pick_while_cold`)."""
+        estimate is a lower bound (`pick_while_cold`); `floor_output_tokens`: the
+        optimistic length the candidates' latency floors assume."""
         guard = self.budgets if self.config.protect_admitted else None
         scored = score_instances(request, instances, view, self.status, output_tokens, now,
-                                 guard, self.config.charged_stall_factor)
+                                 guard, self.config.charged_stall_factor, floor_output_tokens)
         candidates = reserve_strongest(request, scored, view, self.admissions,
                                        self.config.reservation_quantile)
         if cold:

@@ -59,7 +59,8 @@ class JustEnoughPolicy(RoutingPolicy):
             self.config.confidence_quantile)
         chosen, candidates = self._place_confidently(request, holding, view, output, now, cold)
         if chosen is None:
-            chosen, candidates = self.placer.place(request, holding, view, output, now, cold)
+            chosen, candidates = self.placer.place(request, holding, view, output, now, cold,
+                                                   self._optimistic_output(request, output))
         self.admissions.record_arrival(request, candidates, self.config.headroom)
         if chosen is not None:
             self.admissions.record(chosen.instance_id, chosen.latency_s)
@@ -70,7 +71,7 @@ class JustEnoughPolicy(RoutingPolicy):
                 f"for {request.deadline_s - now:.2f} s left"
             )
         else:
-            chosen = fallback(candidates)
+            chosen = fallback(candidates, self.config.triage)
         self.placer.admit(request, chosen)
         return chosen.instance_id
 
@@ -100,6 +101,16 @@ class JustEnoughPolicy(RoutingPolicy):
         if confident <= output:
             return None, []
         return self.placer.place(request, holding, view, confident, now, cold)
+
+    def _optimistic_output(self, request: RouteRequest, output: float) -> float:
+        """The output length triage assumes before calling a request hopeless: the
+        estimator's `triage_quantile` when it knows its spread, else one more token."""
+        if not self.config.triage:
+            return output
+        low = self.length.confident_output(request, self.config.triage_quantile)
+        if low is None:
+            return float(request.num_generated_tokens + 1)
+        return min(bounded_output(request, low), output)
 
     def on_step(self, instance_id: InstanceId, report: StepReport, now: float) -> None:
         self.status.on_step(instance_id, report, now)
