@@ -49,7 +49,7 @@ class WorkloadRequest:
         return self.arrival_s + self.slo_s
 
     def route_request(self, reveal_true_length: bool = False) -> RouteRequest:
-        """What a routing policy sees of this request (exact-length policies also see its length)."""
+        """What a routing policy sees of this request (exact-length policies: its length too)."""
         return RouteRequest(
             request_id=self.request_id,
             arrival_s=self.arrival_s,

@@ -53,7 +53,7 @@ class RoutingPolicy(StepListener, ABC):
     """Picks an instance for each request.
 
     Class attributes tell the substrate what the policy needs, so it can skip work:
-    `needs_true_output_length` fills `RouteRequest.true_output_tokens` (GoodServe with exact lengths only);
+    `needs_true_output_length` fills `RouteRequest.true_output_tokens` (exact lengths only);
     `deadline_aware = False` promises the decisions ignore deadlines, which lets the
     replay harness score one run at several SLO scales.
     """

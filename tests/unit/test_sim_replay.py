@@ -50,7 +50,8 @@ def test_replay_writes_summary_records_plots_and_report(tmp_path) -> None:
                    "slo_violation_ratio", "p50_e2e_s", "p99_e2e_s", "migrations", "rejected"):
         assert column in rows[0]
     assert {r["policy"] for r in rows} == {
-        "goodserve", "goodserve-exact-lengths", "random", "p2c", "round-robin", "least-request", "prefix-cache",
+        "goodserve", "goodserve-exact-lengths", "random", "p2c", "round-robin", "least-request",
+        "prefix-cache",
         "lowest-tpm", "preble", "llumnix", "slo-pack"}
     for policy in ("random", "p2c", "round-robin", "least-request", "preble"):
         met = [int(r["met"]) for r in rows if r["policy"] == policy]

@@ -1,0 +1,303 @@
+"""Robustness matrix (simulator): GoodServe against every baseline and against itself
+with exact lengths, across arrival processes, rates, SLO scales and seeds.
+
+Setup: configs/paper-4gpu.yaml; request content from the held-out 20% of
+prompt_lengths.jsonl (split by prompt_id), the MoE (K=9) trained on the other 80%;
+SLO = scale x solo time on an A800. Arrival processes: Poisson, the Mooncake
+conversation trace time-scaled to the rate, Gamma renewal with CV 4 and 13, and
+batches of simultaneous arrivals (geometric sizes, mean 16). Every (process, rate,
+seed) workload runs every policy at every scale; cells.csv keeps each run, so an
+interrupted matrix resumes where it stopped (--resume).
+
+Writes under --out: cells.csv (one row per process, rate, seed, policy, scale),
+matrix.csv and matrix.md (per process, rate and scale: GoodServe / best baseline and
+exact lengths / GoodServe, mean and range over seeds) and matrix.png (both ratios as
+heat maps).
+Usage: python -m benchmarks.robustness [--seeds 2,3,4] [--rates 100,190] [--jobs 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from app.config import load_cluster_config
+from app.routing.goodserve import GoodServeConfig
+from app.routing.length import PredictorLength
+from app.routing.registry import PolicyKind, RoutingOptions
+from app.workload import (
+    Arrivals,
+    BurstDistribution,
+    SyntheticArrivals,
+    Workload,
+    load_prompts,
+    load_trace,
+    synthetic_workload,
+    trace_workload,
+)
+from benchmarks.goodput_experiments import (
+    BASELINES,
+    DATA,
+    MOONCAKE,
+    REPO,
+    held_out_prompts,
+    train_moe,
+)
+from benchmarks.replay import ReplaySpec, attach_predictions, run_replay
+
+SCALES = (1.0, 1.5, 2.0, 3.0)
+PROCESSES = ("poisson", "mooncake", "gamma-cv4", "gamma-cv13", "batch")
+POLICIES = (PolicyKind.GOODSERVE, PolicyKind.GOODSERVE_EXACT, *BASELINES)
+CELL_FIELDS = ["process", "rate_rps", "seed", "policy", "slo_scale", "requests", "met",
+               "goodput_rps"]
+PROCESS_SPECS = {
+    "poisson": dict(kind=Arrivals.POISSON),
+    "gamma-cv4": dict(kind=Arrivals.GAMMA, burstiness=4.0),
+    "gamma-cv13": dict(kind=Arrivals.GAMMA, burstiness=13.0),
+    "batch": dict(kind=Arrivals.BATCH, mean_burst=16.0,
+                  burst_distribution=BurstDistribution.GEOMETRIC),
+}
+
+
+@dataclass(frozen=True)
+class MatrixSetup:
+    """What every worker needs to build and run one workload."""
+
+    prompts: Path  # held-out content
+    predictor_dir: Path
+    trace: Path
+    duration_s: float
+    cluster: Path
+
+
+def build_workload(setup: MatrixSetup, process: str, rate: float, seed: int) -> Workload:
+    prompts = load_prompts(setup.prompts)
+    if process == "mooncake":
+        return trace_workload(load_trace(setup.trace), rate=rate, duration_s=setup.duration_s,
+                              prompts=prompts, seed=seed, name="mooncake")
+    arrivals = SyntheticArrivals(rate=rate, duration_s=setup.duration_s,
+                                 **PROCESS_SPECS[process])
+    return synthetic_workload(arrivals, [p.content() for p in prompts], seed=seed)
+
+
+def run_workload(setup: MatrixSetup, process: str, rate: float, seed: int) -> list[dict]:
+    """Every policy at every scale on one (process, rate, seed) workload."""
+    from predictor.registry import load_predictor
+
+    routing = RoutingOptions(seed, GoodServeConfig(), lambda: PredictorLength(
+        load_predictor(setup.predictor_dir, "moe")))
+    workload = attach_predictions(build_workload(setup, process, rate, seed),
+                                  routing.length_factory())
+    spec = ReplaySpec(load_cluster_config(setup.cluster), POLICIES, SCALES, seed=seed,
+                      routing=routing)
+    return [
+        {"process": process, "rate_rps": rate, "seed": seed, "policy": cell.policy,
+         "slo_scale": cell.slo_scale, "requests": cell.summary["requests"],
+         "met": cell.summary["met"], "goodput_rps": cell.summary["goodput_rps"]}
+        for cell in run_replay(spec, workload)
+    ]
+
+
+def read_cells(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with path.open() as f:
+        return [{**row, "rate_rps": float(row["rate_rps"]), "seed": int(row["seed"]),
+                 "slo_scale": float(row["slo_scale"]), "goodput_rps": float(row["goodput_rps"])}
+                for row in csv.DictReader(f)]
+
+
+def append_cells(path: Path, rows: Sequence[dict]) -> None:
+    new = not path.exists()
+    with path.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CELL_FIELDS)
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)
+
+
+@dataclass(frozen=True)
+class MatrixCell:
+    """One (process, rate, scale) cell over its seeds."""
+
+    process: str
+    rate_rps: float
+    slo_scale: float
+    seeds: tuple[int, ...]
+    vs_best: tuple[float, ...]  # GoodServe / best baseline, per seed
+    best: tuple[str, ...]  # the best baseline, per seed
+    exact_vs_goodserve: tuple[float, ...]  # exact lengths / GoodServe, per seed
+    goodserve_rps: float  # mean over seeds
+
+
+def _ratio(a: float, b: float) -> float:
+    if b == 0:
+        return math.inf if a > 0 else 1.0
+    return a / b
+
+
+def matrix(cells: Sequence[dict]) -> list[MatrixCell]:
+    goodput = {(c["process"], c["rate_rps"], c["seed"], c["policy"], c["slo_scale"]):
+               c["goodput_rps"] for c in cells}
+    baselines = [k.value for k in BASELINES]
+    keys = sorted({(c["process"], c["rate_rps"], c["slo_scale"]) for c in cells},
+                  key=lambda k: (PROCESSES.index(k[0]) if k[0] in PROCESSES else 99, k[1], k[2]))
+    out = []
+    for process, rate, scale in keys:
+        seeds = sorted({c["seed"] for c in cells if (c["process"], c["rate_rps"],
+                                                      c["slo_scale"]) == (process, rate, scale)})
+        vs_best, best, exact = [], [], []
+        for seed in seeds:
+            ours = goodput[process, rate, seed, PolicyKind.GOODSERVE.value, scale]
+            name = max(baselines, key=lambda n: goodput.get((process, rate, seed, n, scale), 0))
+            vs_best.append(_ratio(ours, goodput[process, rate, seed, name, scale]))
+            best.append(name)
+            exact.append(_ratio(goodput[process, rate, seed, PolicyKind.GOODSERVE_EXACT.value,
+                                        scale], ours))
+        mean_ours = sum(goodput[process, rate, s, PolicyKind.GOODSERVE.value, scale]
+                        for s in seeds) / len(seeds)
+        out.append(MatrixCell(process, rate, scale, tuple(seeds), tuple(vs_best), tuple(best),
+                              tuple(exact), mean_ours))
+    return out
+
+
+def _summary(values: Sequence[float]) -> str:
+    mean = sum(values) / len(values)
+    if len(values) == 1:
+        return f"{mean:.2f}"
+    return f"{mean:.2f} [{min(values):.2f}, {max(values):.2f}]"
+
+
+def write_matrix(out: Path, rows: Sequence[MatrixCell]) -> None:
+    with (out / "matrix.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["process", "rate_rps", "slo_scale", "seeds", "goodserve_rps",
+                         "vs_best_mean", "vs_best_min", "vs_best_max", "best_baselines",
+                         "exact_vs_goodserve_mean", "exact_vs_goodserve_min",
+                         "exact_vs_goodserve_max"])
+        for r in rows:
+            writer.writerow([r.process, r.rate_rps, r.slo_scale, " ".join(map(str, r.seeds)),
+                             f"{r.goodserve_rps:.2f}",
+                             *(f"{x:.3f}" for x in (sum(r.vs_best) / len(r.vs_best),
+                                                    min(r.vs_best), max(r.vs_best))),
+                             " ".join(sorted(set(r.best))),
+                             *(f"{x:.3f}" for x in (
+                                 sum(r.exact_vs_goodserve) / len(r.exact_vs_goodserve),
+                                 min(r.exact_vs_goodserve), max(r.exact_vs_goodserve)))])
+    scales = sorted({r.slo_scale for r in rows})
+    lines = ["# Robustness matrix (simulator, paper-4gpu)", "",
+             "Per cell: mean [min, max] over seeds. GoodServe / best baseline (the best "
+             "baseline of each seed, named below the table), then exact lengths / GoodServe.",
+             ""]
+    for title, pick in (("GoodServe / best baseline", lambda r: r.vs_best),
+                        ("GoodServe with exact lengths / GoodServe (MoE)",
+                         lambda r: r.exact_vs_goodserve)):
+        lines += [f"## {title}", "", "| process | rate | " +
+                  " | ".join(f"scale {s:g}" for s in scales) + " |",
+                  "|---|---|" + "---|" * len(scales)]
+        for process, rate in dict.fromkeys((r.process, r.rate_rps) for r in rows):
+            by_scale = {r.slo_scale: r for r in rows if (r.process, r.rate_rps) == (process, rate)}
+            cells = [_summary(pick(by_scale[s])) if s in by_scale else "" for s in scales]
+            lines.append(f"| {process} | {rate:g} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += ["## Best baseline per cell", "", "| process | rate | scale | best baselines "
+              "(per seed) | GoodServe req/s |", "|---|---|---|---|---|"]
+    lines += [f"| {r.process} | {r.rate_rps:g} | {r.slo_scale:g} | {', '.join(r.best)} | "
+              f"{r.goodserve_rps:.1f} |" for r in rows]
+    (out / "matrix.md").write_text("\n".join(lines) + "\n")
+    write_heatmap(out / "matrix.png", rows, scales)
+
+
+def write_heatmap(path: Path, rows: Sequence[MatrixCell], scales: Sequence[float]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    labels = list(dict.fromkeys((r.process, r.rate_rps) for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 0.5 * len(labels) + 2))
+    for ax, (title, pick) in zip(axes, (
+            ("GoodServe / best baseline", lambda r: r.vs_best),
+            ("exact lengths / GoodServe", lambda r: r.exact_vs_goodserve)), strict=True):
+        grid = np.full((len(labels), len(scales)), np.nan)
+        for r in rows:
+            values = [min(v, 10.0) for v in pick(r)]
+            grid[labels.index((r.process, r.rate_rps)), scales.index(r.slo_scale)] = (
+                sum(values) / len(values))
+        image = ax.imshow(np.log2(grid), cmap="RdYlGn", vmin=-1, vmax=1, aspect="auto")
+        for (i, j), value in np.ndenumerate(grid):
+            if not np.isnan(value):
+                ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(len(scales)), [f"{s:g}" for s in scales])
+        ax.set_yticks(range(len(labels)), [f"{p} @ {r:g}" for p, r in labels])
+        ax.set_xlabel("SLO scale")
+        ax.set_title(title)
+        fig.colorbar(image, ax=ax, label="log2 ratio")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=REPO / "results" / "robustness")
+    parser.add_argument("--trace", type=Path, default=DATA / "traces" / MOONCAKE)
+    parser.add_argument("--prompts", type=Path, default=DATA / "prompts/prompt_lengths.jsonl")
+    parser.add_argument("--predictor", type=Path, help="trained predictor dir (else train one)")
+    parser.add_argument("--processes", default=",".join(PROCESSES))
+    parser.add_argument("--rates", default="100,190")
+    parser.add_argument("--seeds", default="2,3,4",
+                        help="workload seeds (seed 1 was used while choosing the policy)")
+    parser.add_argument("--duration", type=float, default=60.0, help="arrival window, s")
+    parser.add_argument("--jobs", type=int, default=2, help="workloads simulated at once")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep --out/cells.csv and run only the missing workloads")
+    parser.add_argument("--report-only", action="store_true",
+                        help="rewrite matrix.* from --out/cells.csv, running nothing")
+    args = parser.parse_args(argv)
+    processes = [p.strip() for p in args.processes.split(",") if p.strip()]
+    unknown = [p for p in processes if p not in PROCESSES]
+    if unknown:
+        print(f"error: unknown process {unknown[0]!r}; known: {', '.join(PROCESSES)}")
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    cells_path = args.out / "cells.csv"
+    if args.report_only:
+        write_matrix(args.out, matrix(read_cells(cells_path)))
+        print(f"wrote {args.out / 'matrix.md'}")
+        return 0
+    if not args.trace.exists() or not args.prompts.exists():
+        print(f"error: data not found ({args.trace}, {args.prompts})")
+        return 2
+    if not args.resume and cells_path.exists():
+        cells_path.unlink()
+    split_dir = Path.home() / ".cache" / "goodserve" / "prompt-split-seed0"
+    train_path, test_path = held_out_prompts(args.prompts, split_dir, 0)
+    predictor_dir = args.predictor or split_dir / "predictors"
+    if not (predictor_dir / "moe").exists():
+        train_moe(train_path, predictor_dir, 0)
+    setup = MatrixSetup(test_path, predictor_dir, args.trace, args.duration,
+                        REPO / "configs" / "paper-4gpu.yaml")
+    done = {(c["process"], c["rate_rps"], c["seed"]) for c in read_cells(cells_path)}
+    # seed-major: an interrupted run leaves whole seeds behind it
+    todo = [(p, float(r), int(s)) for s in args.seeds.split(",") for r in args.rates.split(",")
+            for p in processes if (p, float(r), int(s)) not in done]
+    with ProcessPoolExecutor(args.jobs) as pool:
+        futures = [pool.submit(run_workload, setup, *job) for job in todo]
+        for future in tqdm(futures, desc="workloads", unit="workload"):
+            append_cells(cells_path, future.result())
+    write_matrix(args.out, matrix(read_cells(cells_path)))
+    print(f"wrote {args.out / 'cells.csv'}, matrix.csv, matrix.md, matrix.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
