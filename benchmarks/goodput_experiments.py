@@ -71,8 +71,8 @@ TARGET_MET_MAX = 0.80
 LLAMA_RATES = "120,140,160,170,180,190,200,220,240"
 QWEN_RATES = "40,60,80,100,110,120,130,140,160,180"
 EXPERIMENTS = ("e2e", "qwen", "ablation", "tau", "predictors", "seeds", "migration")
-SEED_POLICIES = (PolicyKind.GOODSERVE, PolicyKind.GOODSERVE_NO_MIGRATION, PolicyKind.GOODSERVE_EXACT,
-                 *BASELINES)
+SEED_POLICIES = (PolicyKind.GOODSERVE, PolicyKind.GOODSERVE_NO_MIGRATION,
+                 PolicyKind.GOODSERVE_EXACT, *BASELINES)
 MIGRATION_POLICIES = (PolicyKind.GOODSERVE, PolicyKind.GOODSERVE_NO_MIGRATION)
 MIGRATION_NAMES = frozenset(k.value for k in MIGRATION_POLICIES)
 PREDICTORS = ("moe", "mlp", "history_task", "history")  # llm_embedding needs a local encoder
