@@ -57,9 +57,14 @@ def knob_config(values: dict[str, Any]) -> GoodServeConfig:
         raise ValueError(f"{name}: {first['msg']}") from None
 
 
+def is_flag(annotation: Any) -> bool:
+    """A yes/no knob (`bool`, or `bool | None` where None leaves the choice to GoodServe)."""
+    return annotation is bool or set(get_args(annotation)) == {bool, type(None)}
+
+
 def _typer_parameter(name: str, info: FieldInfo) -> inspect.Parameter:
     decls = [flag(name)]
-    if info.annotation is bool:
+    if is_flag(info.annotation):
         decls = [f"{flag(name)}/--no-{name.replace('_', '-')}"]
     if name in ALIASES:
         decls.append(ALIASES[name])
@@ -95,7 +100,7 @@ def add_knob_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("GoodServe knobs")
     for name, info in GoodServeConfig.model_fields.items():
         names = [flag(name)] + ([ALIASES[name]] if name in ALIASES else [])
-        if info.annotation is bool:
+        if is_flag(info.annotation):
             group.add_argument(*names, dest=name, action=argparse.BooleanOptionalAction,
                                default=info.default, help=help_text(info))
             continue

@@ -837,3 +837,20 @@ def test_headroom_keeps_slack_in_reserve():
     assert spare.choose(make_request(9.0, rid="b"), cluster, 0.0) == "A800"
     with pytest.raises(ValueError, match="headroom"):
         GoodServeConfig(headroom=-0.1)
+
+
+@pytest.mark.parametrize("kind, trained, expected", [
+    (PolicyKind.GOODSERVE, True, True),  # a trained predictor
+    (PolicyKind.GOODSERVE_EXACT, True, True),  # exact lengths
+    (PolicyKind.GOODSERVE, False, False),  # the label-free running history
+    (PolicyKind.GOODSERVE_HISTORY, True, False),
+])
+def test_triage_defaults_per_length_estimator(kind, trained, expected):
+    """Unset, triage is on where "late even with an optimistic length" is trustworthy
+    and off with the label-free history, whose pessimism under steady overload made
+    the most backlogged instance a sink that filled every instance in turn."""
+    options = RoutingOptions(length_factory=trained_length if trained else None)
+    stack = build_routing(kind, options)
+    assert stack.policy.config.triage is expected and stack.watchdog.config.triage is expected
+    forced = build_routing(kind, replace(options, goodserve=GoodServeConfig(triage=True)))
+    assert forced.policy.config.triage is True

@@ -21,7 +21,7 @@ from app.routing.goodserve import GoodServeConfig, SloWatchdog
 from app.routing.registry import RoutingStack
 from app.serving.config import load_serve_config
 from app.serving.service import CompletionService
-from benchmarks.routing_cli import add_knob_arguments, flag, knobs_from_args
+from benchmarks.routing_cli import add_knob_arguments, flag, is_flag, knobs_from_args
 from tests.unit.test_live_router import ScriptedEngine
 
 pytestmark = pytest.mark.unit
@@ -36,8 +36,8 @@ def other_value(name: str, info: FieldInfo) -> Any:
         return not default
     if isinstance(default, Enum):
         return next(m for m in type(default) if m != default)
-    if default is None:
-        return 0.7
+    if default is None:  # the choice left to GoodServe: force one
+        return True if is_flag(info.annotation) else 0.7
     upper = next((m.le for m in info.metadata if getattr(m, "le", None) is not None), None)
     step = 3 if isinstance(default, int) else 0.05
     if upper is not None and default + step > upper:

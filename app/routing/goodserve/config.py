@@ -15,7 +15,7 @@ from enum import StrEnum
 from pydantic import ConfigDict, Field
 
 from app.config import Frozen
-from app.routing.length import OutputLengthEstimator, PredictorLength
+from app.routing.length import OutputLengthEstimator, PredictorLength, RunningHistoryLength
 
 # The stall factor's default depends on the length estimator's errors: a trained
 # predictor over-predicts the requests it calls late, exact and label-free lengths do
@@ -62,10 +62,12 @@ class GoodServeConfig(Frozen):
     admission_control: bool = Field(
         False, description="reject early, with the reason, when no instance can meet the "
         "deadline (else best effort on the least harmful fastest instance)")
-    triage: bool = Field(
-        True, description="a request that no instance can finish by its deadline even with "
+    triage: bool | None = Field(
+        None, description="a request that no instance can finish by its deadline even with "
         "an optimistic length goes to the most backlogged instance, where it takes least "
-        "from requests that still can")
+        "from requests that still can; None = on with a trained predictor or exact "
+        "lengths, off with the label-free history (whose pessimistic estimates under "
+        "steady overload would triage requests that can still meet)")
     triage_quantile: float = Field(
         0.1, ge=0, le=0.5, description="the optimistic length triage assumes: this quantile "
         "of the length estimator's spread (one token when it knows none)")
@@ -108,10 +110,14 @@ class GoodServeConfig(Frozen):
         "quantile of the T of the new requests recently placed there; 1 = no limit")
 
     def for_length(self, length: OutputLengthEstimator) -> GoodServeConfig:
-        """This config with the stall factor resolved for `length` when left to it."""
-        if self.stall_factor is not None:
-            return self
-        return self.model_copy(update={"stall_factor": stall_factor_for(length)})
+        """This config with the stall factor and triage resolved for `length` where
+        left to it."""
+        update: dict[str, object] = {}
+        if self.stall_factor is None:
+            update["stall_factor"] = stall_factor_for(length)
+        if self.triage is None:
+            update["triage"] = not isinstance(length, RunningHistoryLength)
+        return self.model_copy(update=update) if update else self
 
     @property
     def charged_stall_factor(self) -> float:
