@@ -314,12 +314,17 @@ def markdown_table(cells: list[RunOutcome], scales: tuple[float, ...]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=REPO / "results" / "goodput")
+def add_data_arguments(parser: argparse.ArgumentParser) -> None:
+    """--trace, --prompts and --predictor, defaulting to the optional data location."""
     parser.add_argument("--trace", type=Path, default=DATA / "traces" / MOONCAKE)
     parser.add_argument("--prompts", type=Path, default=DATA / "prompts/prompt_lengths.jsonl")
     parser.add_argument("--predictor", type=Path, help="trained predictor dir (else train one)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=REPO / "results" / "goodput")
+    add_data_arguments(parser)
     parser.add_argument("--rate", type=float, help="fixed rate (else chosen by the sweep)")
     parser.add_argument("--rates", default=LLAMA_RATES)
     parser.add_argument("--qwen-rate", type=float, help="fixed Qwen rate (else its own sweep)")

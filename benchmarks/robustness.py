@@ -44,9 +44,8 @@ from app.workload import (
 )
 from benchmarks.goodput_experiments import (
     BASELINES,
-    DATA,
-    MOONCAKE,
     REPO,
+    add_data_arguments,
     held_out_prompts,
     train_moe,
 )
@@ -249,9 +248,7 @@ def write_heatmap(path: Path, rows: Sequence[MatrixCell], scales: Sequence[float
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=REPO / "results" / "robustness")
-    parser.add_argument("--trace", type=Path, default=DATA / "traces" / MOONCAKE)
-    parser.add_argument("--prompts", type=Path, default=DATA / "prompts/prompt_lengths.jsonl")
-    parser.add_argument("--predictor", type=Path, help="trained predictor dir (else train one)")
+    add_data_arguments(parser)
     parser.add_argument("--processes", default=",".join(PROCESSES))
     parser.add_argument("--rates", default="100,190")
     parser.add_argument("--seeds", default="2,3,4",
