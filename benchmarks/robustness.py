@@ -86,15 +86,19 @@ def build_workload(setup: MatrixSetup, process: str, rate: float, seed: int) -> 
     return synthetic_workload(arrivals, [p.content() for p in prompts], seed=seed)
 
 
-def run_workload(setup: MatrixSetup, process: str, rate: float, seed: int) -> list[dict]:
-    """Every policy at every scale on one (process, rate, seed) workload."""
+WorkloadKey = tuple[str, float, int]  # (process, rate, seed)
+
+
+def run_workload(setup: MatrixSetup, process: str, rate: float, seed: int,
+                 policies: Sequence[PolicyKind] = POLICIES) -> list[dict]:
+    """`policies` at every scale on one (process, rate, seed) workload."""
     from predictor.registry import load_predictor
 
     routing = RoutingOptions(seed, GoodServeConfig(), lambda: PredictorLength(
         load_predictor(setup.predictor_dir, "moe")))
     workload = attach_predictions(build_workload(setup, process, rate, seed),
                                   routing.length_factory())
-    spec = ReplaySpec(load_cluster_config(setup.cluster), POLICIES, SCALES, seed=seed,
+    spec = ReplaySpec(load_cluster_config(setup.cluster), tuple(policies), SCALES, seed=seed,
                       routing=routing)
     return [
         {"process": process, "rate_rps": rate, "seed": seed, "policy": cell.policy,
@@ -120,6 +124,27 @@ def append_cells(path: Path, rows: Sequence[dict]) -> None:
         if new:
             writer.writeheader()
         writer.writerows(rows)
+
+
+def missing_runs(
+    cells: Sequence[dict], workloads: Sequence[WorkloadKey], policies: Sequence[PolicyKind]
+) -> list[tuple[WorkloadKey, tuple[PolicyKind, ...]]]:
+    """Per workload, the policies `cells` has no row for (workloads with none left out)."""
+    have = {(c["process"], c["rate_rps"], c["seed"], c["policy"]) for c in cells}
+    todo = []
+    for workload in workloads:
+        missing = tuple(k for k in policies if (*workload, k.value) not in have)
+        if missing:
+            todo.append((workload, missing))
+    return todo
+
+
+def without_runs(cells: Sequence[dict], workloads: Sequence[WorkloadKey],
+                 policies: Sequence[PolicyKind]) -> list[dict]:
+    """`cells` less the rows of `policies` on `workloads` (to run them again)."""
+    drop = {(*w, k.value) for w in workloads for k in policies}
+    return [c for c in cells
+            if (c["process"], c["rate_rps"], c["seed"], c["policy"]) not in drop]
 
 
 @dataclass(frozen=True)
@@ -257,6 +282,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="workloads simulated at once")
     parser.add_argument("--resume", action="store_true",
                         help="keep --out/cells.csv and run only the missing workloads")
+    parser.add_argument("--policies", default=",".join(k.value for k in POLICIES),
+                        help="policies to run (the report needs goodserve, exact lengths "
+                        "and every baseline)")
+    parser.add_argument("--rerun", action="store_true",
+                        help="keep --out/cells.csv but run --policies again on the chosen "
+                        "workloads, replacing their rows (after a policy change)")
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite matrix.* from --out/cells.csv, running nothing")
     args = parser.parse_args(argv)
@@ -265,6 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"error: unknown process {unknown[0]!r}; known: {', '.join(PROCESSES)}")
         return 2
+    names = [p.strip() for p in args.policies.split(",") if p.strip()]
+    known = {k.value: k for k in POLICIES}
+    if bad := [n for n in names if n not in known]:
+        print(f"error: unknown policy {bad[0]!r}; known: {', '.join(known)}")
+        return 2
+    policies = [known[n] for n in names]
     args.out.mkdir(parents=True, exist_ok=True)
     cells_path = args.out / "cells.csv"
     if args.report_only:
@@ -274,8 +311,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.trace.exists() or not args.prompts.exists():
         print(f"error: data not found ({args.trace}, {args.prompts})")
         return 2
-    if not args.resume and cells_path.exists():
-        cells_path.unlink()
+    workloads = [(p, float(r), int(s)) for s in args.seeds.split(",")
+                 for r in args.rates.split(",") for p in processes]  # seed-major
+    cells = read_cells(cells_path) if args.resume or args.rerun else []
+    if args.rerun:
+        cells = without_runs(cells, workloads, policies)
+    cells_path.unlink(missing_ok=True)
+    append_cells(cells_path, cells)
     split_dir = Path.home() / ".cache" / "goodserve" / "prompt-split-seed0"
     train_path, test_path = held_out_prompts(args.prompts, split_dir, 0)
     predictor_dir = args.predictor or split_dir / "predictors"
@@ -283,12 +325,11 @@ def main(argv: list[str] | None = None) -> int:
         train_moe(train_path, predictor_dir, 0)
     setup = MatrixSetup(test_path, predictor_dir, args.trace, args.duration,
                         REPO / "configs" / "paper-4gpu.yaml")
-    done = {(c["process"], c["rate_rps"], c["seed"]) for c in read_cells(cells_path)}
     # seed-major: an interrupted run leaves whole seeds behind it
-    todo = [(p, float(r), int(s)) for s in args.seeds.split(",") for r in args.rates.split(",")
-            for p in processes if (p, float(r), int(s)) not in done]
+    todo = missing_runs(cells, workloads, policies)
     with ProcessPoolExecutor(args.jobs) as pool:
-        futures = [pool.submit(run_workload, setup, *job) for job in todo]
+        futures = [pool.submit(run_workload, setup, *workload, missing)
+                   for workload, missing in todo]
         for future in tqdm(futures, desc="workloads", unit="workload"):
             append_cells(cells_path, future.result())
     write_matrix(args.out, matrix(read_cells(cells_path)))

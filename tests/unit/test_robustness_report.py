@@ -7,10 +7,13 @@ import pytest
 from app.routing.registry import PolicyKind
 from benchmarks.robustness import (
     BASELINES,
+    POLICIES,
     append_cells,
     main,
     matrix,
+    missing_runs,
     read_cells,
+    without_runs,
 )
 
 pytestmark = pytest.mark.unit
@@ -61,3 +64,20 @@ def test_cells_resume_and_the_report_is_written(tmp_path):
 def test_an_unknown_process_is_one_line(capsys):
     assert main(["--processes", "poisson,nope", "--report-only"]) == 2
     assert "unknown process 'nope'" in capsys.readouterr().out
+
+
+def test_a_rerun_replaces_only_the_chosen_policies_on_the_chosen_workloads():
+    cells = [*cells_for("poisson", 2, 30.0, 30.0, ("preble", 20.0)),
+             *cells_for("poisson", 3, 30.0, 30.0, ("preble", 20.0))]
+    chosen = [PolicyKind.GOODSERVE, PolicyKind.GOODSERVE_EXACT]
+    assert missing_runs(cells, [("poisson", 190.0, 2), ("batch", 190.0, 2)], POLICIES) == [
+        (("batch", 190.0, 2), POLICIES)]
+    kept = without_runs(cells, [("poisson", 190.0, 2)], chosen)
+    assert len(kept) == len(cells) - 4  # two policies x two scales
+    assert missing_runs(kept, [("poisson", 190.0, 2), ("poisson", 190.0, 3)], POLICIES) == [
+        (("poisson", 190.0, 2), tuple(chosen))]
+
+
+def test_an_unknown_policy_is_one_line(capsys):
+    assert main(["--policies", "goodserve,nope", "--report-only"]) == 2
+    assert "unknown policy 'nope'" in capsys.readouterr().out

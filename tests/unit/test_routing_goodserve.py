@@ -508,6 +508,23 @@ def test_an_instance_strands_an_arrival_only_when_nothing_else_could_take_it():
     assert admissions.contended("H800") and not admissions.stranding("H800")
 
 
+def test_stranding_counts_arrivals_that_could_meet_their_deadline_only_without_headroom():
+    """In overload nothing meets with headroom; an arrival the strongest instance turns
+    away for lack of capacity, though it would meet there with none, is still stranded
+    (else the reservation switches off when the pool is most contended)."""
+    admissions = RecentAdmissions(GoodServeConfig(admissions_window=2))
+    arrival = make_request(10.0)
+    at_the_edge = replace(turned_away("H800"), slack_s=0.2)  # meets, but not with 0.5 x T
+    admissions.record_arrival(arrival, [at_the_edge], headroom=0.5)
+    assert admissions.stranding("H800") and admissions.any_stranding()
+    assert not admissions.contended("H800")  # no move could meet with headroom there
+    harmless_edge = Candidate("A800", latency_s=1.0, slack_s=0.2, capability_s_per_token=0.02,
+                              has_memory_room=True)  # fallback's first step takes it there
+    admissions.record_arrival(arrival, [at_the_edge, harmless_edge], headroom=0.5)
+    admissions.record_arrival(arrival, [at_the_edge, harmless_edge], headroom=0.5)
+    assert not admissions.stranding("H800")
+
+
 def test_slo_span_quantile_waits_for_enough_arrivals():
     admissions = RecentAdmissions(GoodServeConfig(slo_window=200))
     min_samples = GoodServeConfig().min_slo_samples

@@ -24,10 +24,12 @@ class RecentAdmissions:
     Per instance, the estimated latency T of the last `admissions_window` new
     requests placed on it with room to spare; and whether, within the last
     `admissions_window` arrivals, it turned
-    away one that would have met its deadline there - contended: it has arrivals a
-    move could displace - and whether it did so for lack of capacity (memory or an
-    admitted request's budget) when the arrival had no feasible instance at all -
-    stranding (a reservation's own refusals do not count, or it would feed itself).
+    away one that would have met its deadline there with the headroom - contended: it
+    has arrivals a move could displace - and whether it turned away for lack of
+    capacity (memory or an admitted request's budget) one that would have met its
+    deadline there with no headroom, when no instance could take it and meet it at
+    all - stranding (a reservation's own refusals do not count, or it would feed
+    itself).
     Across instances, the SLO spans of the last `slo_window` arrivals.
     """
 
@@ -49,13 +51,16 @@ class RecentAdmissions:
         self._num_arrivals += 1
         if request.has_deadline:
             self._slo_spans.append(request.slo_s)
-        turned_away = [c for c in candidates if c.meets_deadline(headroom) and not c.admissible()]
-        if not turned_away:
+        for c in candidates:
+            if c.meets_deadline(headroom) and not c.admissible():
+                self._last_turned_away[c.instance_id] = self._num_arrivals
+        # stranding asks whether the deadline could be met at all, so no headroom: with
+        # it, an overloaded pool where nothing meets with headroom would never count as
+        # stranding, and the reservation would switch off exactly when it is needed
+        if any(c.meets_deadline() and c.harmless() for c in candidates):
             return
-        stranded = not any(c.meets_deadline(headroom) and c.harmless() for c in candidates)
-        for c in turned_away:
-            self._last_turned_away[c.instance_id] = self._num_arrivals
-            if stranded and not c.harmless():  # for lack of capacity, not by reservation
+        for c in candidates:
+            if c.meets_deadline() and not c.harmless():  # lack of capacity, not reservation
                 self._last_stranded[c.instance_id] = self._num_arrivals
                 self._last_any_stranded = self._num_arrivals
 
