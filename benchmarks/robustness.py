@@ -173,10 +173,15 @@ def matrix(cells: Sequence[dict]) -> list[MatrixCell]:
     baselines = [k.value for k in BASELINES]
     keys = sorted({(c["process"], c["rate_rps"], c["slo_scale"]) for c in cells},
                   key=lambda k: (PROCESSES.index(k[0]) if k[0] in PROCESSES else 99, k[1], k[2]))
+    needed = [PolicyKind.GOODSERVE.value, PolicyKind.GOODSERVE_EXACT.value, *baselines]
     out = []
     for process, rate, scale in keys:
-        seeds = sorted({c["seed"] for c in cells if (c["process"], c["rate_rps"],
-                                                      c["slo_scale"]) == (process, rate, scale)})
+        # only seeds with every policy (a workload still being run again is left out)
+        seeds = sorted({c["seed"] for c in cells
+                        if (c["process"], c["rate_rps"], c["slo_scale"]) == (process, rate, scale)
+                        and all((process, rate, c["seed"], n, scale) in goodput for n in needed)})
+        if not seeds:
+            continue
         vs_best, best, exact = [], [], []
         for seed in seeds:
             ours = goodput[process, rate, seed, PolicyKind.GOODSERVE.value, scale]

@@ -76,6 +76,7 @@ def test_a_rerun_replaces_only_the_chosen_policies_on_the_chosen_workloads():
     assert len(kept) == len(cells) - 4  # two policies x two scales
     assert missing_runs(kept, [("poisson", 190.0, 2), ("poisson", 190.0, 3)], POLICIES) == [
         (("poisson", 190.0, 2), tuple(chosen))]
+    assert [r.seeds for r in matrix(kept)] == [(3,), (3,)]  # seed 2 is incomplete meanwhile
 
 
 def test_an_unknown_policy_is_one_line(capsys):
