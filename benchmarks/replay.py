@@ -19,7 +19,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
-from app.config import ClusterConfig, EngineRole, load_cluster_config
+from app.config import ClusterConfig, load_cluster_config
 from app.routing.goodserve import GoodServeConfig, goodserve_knobs, stall_factor_label
 from app.routing.length import OutputLengthEstimator, PredictorLength
 from app.routing.registry import (
@@ -50,8 +50,6 @@ from benchmarks.slo import (
     reference_instance,
     solo_latencies_s,
 )
-
-PREFILL_POLICY = PolicyKind.LEAST_REQUEST  # disaggregated clusters: the policies pick decode
 
 
 class Backend(StrEnum):
@@ -148,11 +146,8 @@ def _simulate(
     spec: ReplaySpec, kind: PolicyKind, workload: Workload, progress: Callable[[int], None] | None
 ) -> SimResult:
     stack = build_routing(kind, spec.routing)
-    prefill_policy = None
-    if any(e.role == EngineRole.PREFILL for e in spec.cluster.engines()):
-        prefill_policy = POLICY_REGISTRY.get(PREFILL_POLICY, seed=spec.seed)
     sim = Simulator.from_config(
-        spec.cluster, stack.policy, prefill_policy=prefill_policy, watchdog=stack.watchdog,
+        spec.cluster, stack.policy, watchdog=stack.watchdog,
         max_drain_s=spec.max_drain_s, seed=spec.seed,
     )
     return sim.run(workload, progress=progress)

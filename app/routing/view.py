@@ -40,6 +40,9 @@ class RouteRequest:
     true_output_tokens: int | None = None  # exact lengths only
     num_generated_tokens: int = 0  # > 0 when a migrated request is re-routed
     max_output_tokens: int | None = None  # the client's max_tokens: a hard cap on the output
+    # disaggregated decode: when the prompt's KV is expected on the decode instance
+    # (prefill finished, transfer done); that instance then computes no prefill
+    kv_ready_s: float | None = None
 
     @property
     def slo_s(self) -> float:

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 
 from app.config import EngineRole
 from app.engine_types import RequestStatus, TokenEvent
+from app.kv_link import KvLink
 from app.routing.base import ActiveRequest, Reject, RoutingPolicy, StepListener, Watchdog
-from app.routing.view import ClusterView, FinishReport, RouteRequest, StepReport
+from app.routing.disaggregated import DisaggregatedPlacer, LeastTtftPolicy
+from app.routing.view import FinishReport, InstanceId, RouteRequest, StepReport
 from app.sim.engine_core import ScheduledStep, SimSequence
 from app.sim.events import (
     ArrivalEvent,
@@ -23,7 +25,7 @@ from app.sim.events import (
     StepEndEvent,
     StepStartEvent,
 )
-from app.sim.instance import InstanceSetup, KvLink, Pool, SimInstance
+from app.sim.instance import InstanceSetup, Pool, SimInstance
 from app.sim.records import RequestOutcome, RequestRecord
 from app.workload import WorkloadRequest
 
@@ -73,7 +75,7 @@ class SimCluster:
         requests: Sequence[WorkloadRequest],
         policy: RoutingPolicy,
         *,
-        prefill_policy: RoutingPolicy | None,
+        prefill_policy: LeastTtftPolicy | None,
         watchdog: Watchdog | None,
         kv_link_gbps: float,
         max_ongoing_requests: int | None,
@@ -84,12 +86,13 @@ class SimCluster:
         self.entry_role = EngineRole.PREFILL if self.disaggregated else EngineRole.UNIFIED
         self.serve_role = EngineRole.DECODE if self.disaggregated else EngineRole.UNIFIED
         if self.disaggregated and prefill_policy is None:
-            raise ValueError("disaggregated mode needs a prefill policy")
+            prefill_policy = LeastTtftPolicy()
         self.requests = requests
         self.policy = policy
-        self.entry_policy = prefill_policy if self.disaggregated else policy
         self.watchdog = watchdog
         self.link = KvLink(kv_link_gbps)
+        self.pd_placer = (DisaggregatedPlacer(prefill_policy, policy, self.link)
+                          if self.disaggregated and prefill_policy is not None else None)
         self.max_ongoing_requests = max_ongoing_requests
         self.seed = seed
         present = (x for x in (policy, prefill_policy, watchdog) if x is not None)
@@ -142,27 +145,33 @@ class SimCluster:
         view = pool.snapshot(now, self.max_ongoing_requests)
         if not view.instances:
             return None
-        target = self._decide(self.entry_policy, pool, flight, view, now)
-        if target is None:
+        if not self.disaggregated:
+            decision = self.policy.choose(flight.route, view, now)
+            target = self._target(pool, flight, decision, type(self.policy).__name__)
+            return [] if target is None else self._admit(flight, target, now)
+        assert self.pd_placer is not None
+        decode_pool = self.pools[EngineRole.DECODE]
+        placement = self.pd_placer.place(flight.route, view, decode_pool.snapshot(now), now)
+        if isinstance(placement, Reject):
+            self._reject(flight, placement.reason)
             return []
-        if self.disaggregated:
-            decode_pool = self.pools[EngineRole.DECODE]
-            decode = self._decide(self.policy, decode_pool, flight, decode_pool.snapshot(now), now)
-            if decode is None:
-                return []
-            flight.decode_target = decode
-            flight.record.prefill_instance_id = target.instance_id
+        who = type(self.pd_placer).__name__
+        target = self._target(pool, flight, placement.prefill_instance, who)
+        decode = target and self._target(decode_pool, flight, placement.decode_instance, who)
+        if target is None or decode is None:
+            return []
+        flight.decode_target = decode
+        flight.record.prefill_instance_id = target.instance_id
         return self._admit(flight, target, now)
 
-    def _decide(
-        self, policy: RoutingPolicy, pool: Pool, flight: Flight, view: ClusterView, now: float
+    def _target(
+        self, pool: Pool, flight: Flight, decision: InstanceId | Reject, who: str
     ) -> SimInstance | None:
-        """Ask the policy; turns a Reject or a target that cannot hold it into a rejection."""
-        decision = policy.choose(flight.route, view, now)
+        """The decided instance; a Reject or a target that cannot hold it is a rejection."""
         if isinstance(decision, Reject):
             self._reject(flight, decision.reason)
             return None
-        target = pool.lookup(decision, type(policy).__name__)
+        target = pool.lookup(decision, who)
         need = flight.route.num_context_tokens
         if not target.fits(need):
             self._reject(flight, f"{target.instance_id} cannot hold {need} tokens")

@@ -111,27 +111,3 @@ class Pool:
 
     def prefix_blocks(self, instance_id: InstanceId, block_hashes: Sequence[int]) -> int:
         return self.by_id[instance_id].core.prefix_cache.peek(block_hashes)
-
-
-class KvLink:
-    """P->D KV transfer link: one FIFO server, service = bytes / bandwidth.
-
-    With FIFO order and known service times a transfer's completion time is known
-    on enqueue, so the link needs no events of its own.
-    """
-
-    def __init__(self, bandwidth_gbps: float) -> None:
-        if bandwidth_gbps <= 0:
-            raise ValueError(f"KV link bandwidth must be > 0 GB/s, got {bandwidth_gbps}")
-        self.bytes_per_s = bandwidth_gbps * 1e9
-        self.busy_until_s = 0.0
-        self.busy_s = 0.0
-        self.num_transfers = 0
-
-    def enqueue(self, now: float, num_bytes: float) -> float:
-        """Queue a transfer; returns when its last byte arrives."""
-        service_s = num_bytes / self.bytes_per_s
-        self.busy_until_s = max(now, self.busy_until_s) + service_s
-        self.busy_s += service_s
-        self.num_transfers += 1
-        return self.busy_until_s

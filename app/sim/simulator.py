@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from app.config import ClusterConfig
 from app.routing.base import RoutingPolicy, Watchdog
+from app.routing.disaggregated import LeastTtftPolicy
 from app.sim.cluster import SimCluster
 from app.sim.events import ArrivalEvent, Event, heap_key
 from app.sim.instance import InstanceSetup, setups_from_config
@@ -57,7 +58,7 @@ class Simulator:
         instances: Sequence[InstanceSetup],
         policy: RoutingPolicy,
         *,
-        prefill_policy: RoutingPolicy | None = None,
+        prefill_policy: LeastTtftPolicy | None = None,
         watchdog: Watchdog | None = None,
         kv_link_gbps: float = 25.0,
         max_ongoing_requests: int | None = None,
@@ -65,8 +66,9 @@ class Simulator:
         seed: int = 0,
     ) -> None:
         """
-        prefill_policy: disaggregated mode only; picks the prefill instance while
-            `policy` picks the decode instance, both at arrival.
+        prefill_policy: disaggregated mode only; picks the prefill instance (default:
+            least estimated TTFT) while `policy` picks the decode instance on the
+            estimate that includes prefill and KV transfer, both at arrival.
         max_ongoing_requests: per-instance cap (waiting + running) on the entry pool;
             above it requests wait in a FIFO router queue, as in Ray Serve.
         max_drain_s: stop this long after the last arrival; unfinished requests

@@ -10,11 +10,13 @@ import pytest
 
 from app.config import EngineRole, SchedulerConfig
 from app.hardware import make_instance
+from app.kv_link import KvLink
 from app.routing.base import ActiveRequest, Reject, RoutingPolicy, Watchdog
 from app.routing.baselines import LeastRequestPolicy, RandomPolicy
+from app.routing.disaggregated import LeastTtftPolicy
 from app.routing.view import ClusterView, FinishReport, RouteRequest, StepReport
 from app.sim.events import ArrivalEvent, EventKind, StepEndEvent, StepStartEvent, heap_key
-from app.sim.instance import InstanceSetup, KvLink, Pool, SimInstance
+from app.sim.instance import InstanceSetup, Pool, SimInstance
 from app.sim.metrics import summarize
 from app.sim.records import RequestOutcome
 from app.sim.simulator import Simulator
@@ -318,7 +320,7 @@ def test_prefill_decode_pools_transfer_kv_over_the_link() -> None:
     requests = make_requests(6, prompt=8000, output=20, gap_s=0.0) + [
         WorkloadRequest("one", 0.5, 300, 1)]
     result = run(setups, requests, LeastRequestPolicy(seed=1),
-                 prefill_policy=LeastRequestPolicy(seed=2), kv_link_gbps=1.0)
+                 prefill_policy=LeastTtftPolicy(), kv_link_gbps=1.0)
     assert_conserved(result)
     assert result.num_kv_transfers == 6  # the one-token request never leaves prefill
     by_id = {r.request_id: r for r in result.records}

@@ -1,5 +1,8 @@
 """Latency estimate and scoring (paper Eq. 2): T(r,g) = q_g + (L_in - H_rg) p_g + L_out_hat d_g.
 
+On a disaggregated decode instance the prefill term is the wait for the prompt's KV
+(prefill elsewhere + transfer, `RouteRequest.kv_ready_s`) and no prefill compute.
+
 Every instance is scored for a request as a `Candidate`: its T, the slack left at the
 deadline, its unloaded speed (the capability just-enough ranks by), and what the
 do-no-harm check needs (the stall its prefill charges, the smallest stall an admitted
@@ -42,8 +45,16 @@ def latency_with_prefill_s(
 def prefill_time_s(
     request: RouteRequest, estimate: InstanceEstimate, prefix_hit_tokens: int
 ) -> float:
-    """Prefill of the uncached context (prompt + generated ids when resumed)."""
+    """Prefill of the uncached context (prompt + generated ids when resumed); none on
+    a decode instance the prompt's KV is delivered to."""
+    if request.kv_ready_s is not None:
+        return 0.0
     return max(request.num_context_tokens - prefix_hit_tokens, 1) * estimate.prefill_s_per_token
+
+
+def kv_wait_s(request: RouteRequest, now: float) -> float:
+    """Disaggregated decode: time until the prompt's KV arrives (prefill + transfer)."""
+    return 0.0 if request.kv_ready_s is None else max(request.kv_ready_s - now, 0.0)
 
 
 @dataclass(frozen=True)
@@ -104,12 +115,13 @@ def score_instances(
     the stall its prefill charges is `stall_factor` x the prefill estimate; without
     `budgets` nothing is protected. The latency floor is T at `floor_output_tokens`."""
     scored = []
+    wait = kv_wait_s(request, now)
     for inst in instances:
         hit = view.prefix_hit_tokens(inst.instance_id, request)
         estimate = status.estimate(inst, now)
         prefill = prefill_time_s(request, estimate, hit)
-        latency = latency_with_prefill_s(request, estimate, prefill, output_tokens)
-        floor = latency_with_prefill_s(request, estimate, prefill, floor_output_tokens)
+        latency = wait + latency_with_prefill_s(request, estimate, prefill, output_tokens)
+        floor = wait + latency_with_prefill_s(request, estimate, prefill, floor_output_tokens)
         iid = inst.instance_id
         scored.append(Candidate(
             instance_id=inst.instance_id,
