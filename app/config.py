@@ -134,13 +134,24 @@ class ClusterConfig(Frozen):
 
     name: str = Field("cluster", description="label used in logs and reports")
     mode: Literal["unified", "disaggregated"] = Field(
-        "unified", description="unified engines, or prefill and decode pools (simulator only "
-        "for now)"
+        "unified", description="unified engines, or a prefill pool and a decode pool (engine "
+        "roles prefill / decode)"
     )
     groups: list[InstanceGroup] = Field(description="the engine groups that make the fleet")
     kv_link_gbps: float = Field(
         25.0, gt=0, description="disaggregated mode: P->D KV transfer bandwidth, GB/s"
     )
+
+    @model_validator(mode="after")
+    def _roles_match_mode(self) -> ClusterConfig:
+        roles = {e.role for e in self.engines()}
+        if self.mode == "unified" and roles != {EngineRole.UNIFIED}:
+            raise ValueError("mode 'unified' needs every engine's role to be unified, got "
+                             f"{sorted(r.value for r in roles)}; set mode: disaggregated")
+        if self.mode == "disaggregated" and roles != {EngineRole.PREFILL, EngineRole.DECODE}:
+            raise ValueError("mode 'disaggregated' needs prefill and decode engines and no "
+                             f"unified ones, got {sorted(r.value for r in roles)}")
+        return self
 
     def engines(self) -> list[EngineConfig]:
         return [g.engine for g in self.groups for _ in range(g.count)]

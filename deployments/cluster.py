@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import ray
 
-from app.config import ClusterConfig, EngineConfig
+from app.config import ClusterConfig, EngineConfig, EngineRole
 from app.engine_types import EngineRequest, TokenEvent
 from deployments.engine import EngineActor
 
@@ -74,10 +74,13 @@ def launch_engine(engine_id: str, config: EngineConfig, shared: bool = False) ->
 
 
 def engine_ids(cluster: ClusterConfig) -> list[tuple[str, EngineConfig]]:
-    """(id, config) per engine of `cluster`; ids are `<cluster>-<gpu>-<n>`."""
+    """(id, config) per engine of `cluster`; ids are `<cluster>-<gpu>-<n>`, with the role
+    before the GPU in disaggregated mode (`<cluster>-decode-A40-2`)."""
     named = []
     for i, config in enumerate(cluster.engines()):
         tag = config.gpu_type if config.tp == 1 else f"{config.tp}x{config.gpu_type}"
+        if config.role != EngineRole.UNIFIED:
+            tag = f"{config.role.value}-{tag}"
         named.append((f"{cluster.name}-{tag}-{i}", config))
     return named
 

@@ -140,11 +140,14 @@ def render_chat(messages: Sequence[ChatMessage]) -> str:
 class RequestSummary:
     """What the router reports about a finished request (the `goodserve` extension)."""
 
-    instance_ids: tuple[str, ...]
+    instance_ids: tuple[str, ...]  # unified or decode instances, in visit order
     num_migrations: int
     slo_s: float | None
     e2e_s: float
     predicted_output_tokens: int | None
+    prefill_instance: str | None = None  # disaggregated: where the prompt was computed
+    kv_transfer_s: float | None = None  # disaggregated: prefill -> decode KV transfer
+    kv_loaded_tokens: int = 0  # prompt tokens whose KV the decode engine loaded
 
     @property
     def met_deadline(self) -> bool | None:
@@ -158,6 +161,11 @@ class RequestSummary:
             "e2e_s": round(self.e2e_s, 6),
             "met_deadline": self.met_deadline,
             "predicted_output_tokens": self.predicted_output_tokens,
+            "prefill_instance": self.prefill_instance,
+            "decode_instance": self.instance_ids[-1] if self.prefill_instance else None,
+            "kv_transfer_s": (None if self.kv_transfer_s is None
+                              else round(self.kv_transfer_s, 6)),
+            "kv_loaded_tokens": self.kv_loaded_tokens,
         }
 
 

@@ -33,8 +33,10 @@ from app.engine_types import EngineRequest, EngineStatus, SamplingSpec, TokenEve
 from app.engines.prefix import PREFIX_BLOCK_SIZE, PrefixCache, prefix_block_hashes
 from app.hardware import InstanceSpec
 from app.routing.base import ActiveRequest, Reject
+from app.routing.disaggregated import DisaggregatedPlacer, LeastTtftPolicy
 from app.routing.registry import RoutingStack
 from app.routing.view import ClusterView, FinishReport, InstanceId, InstanceView, RouteRequest
+from app.serving.kv_transfer import KvTransport
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +98,13 @@ class Flight:
     num_failovers: int = 0
     is_running: bool = False  # produced a token on its current instance
     move_to: InstanceId | None = None  # set by a migration, taken when the stream ends
+    # disaggregated: where the prompt is computed (None once the decode stage owns it),
+    # the transfer it took and how many prompt tokens the decode engine loaded
+    prefill_instance_id: InstanceId | None = None
+    kv_transfer_s: float | None = None
+    kv_loaded_tokens: int = 0
+    kv_delivered: bool = False  # the next decode submission finds the prompt's KV there
+    prefill_pending: bool = False  # the prefill stage has not ended yet
     first_token_s: float | None = None
     finish_s: float | None = None
     finish_reason: str | None = None
@@ -107,7 +116,14 @@ class Flight:
     @property
     def engine_request_id(self) -> str:
         """Unique per submission: an engine must never see an id twice."""
+        if self.prefill_pending:
+            return f"{self.request_id}:prefill"
         return self.request_id if self.attempt == 0 else f"{self.request_id}@{self.attempt}"
+
+    @property
+    def decode_instance_id(self) -> InstanceId:
+        """Where it decodes (disaggregated) or runs (unified) now or next."""
+        return self.instance_ids[-1]
 
     def engine_request(self) -> EngineRequest:
         return EngineRequest(
@@ -115,7 +131,13 @@ class Flight:
             self.request.prompt_token_ids,
             self.request.sampling,
             resume_token_ids=tuple(self.output_token_ids),
+            kv_transferred=self.kv_delivered,
         )
+
+    def prefill_request(self) -> EngineRequest:
+        """The prefill stage: the prompt and its first token."""
+        return EngineRequest(self.engine_request_id, self.request.prompt_token_ids,
+                             replace(self.request.sampling, max_tokens=1))
 
 
 @dataclass(eq=False)
@@ -203,6 +225,7 @@ class LiveRouter:
         *,
         clock: Callable[[], float] = time.time,
         predict: Predict | None = None,
+        kv_transport: KvTransport | None = None,
         poll_interval_s: float = 0.1,
         status_timeout_s: float = 5.0,
         max_failovers: int = 2,
@@ -210,8 +233,14 @@ class LiveRouter:
         if not clients:
             raise ValueError("the router needs at least one engine")
         roles = {c.config.role for c in clients}
-        if roles != {EngineRole.UNIFIED}:
-            raise ValueError(f"the live router serves unified engines only, got {sorted(roles)}")
+        if roles not in ({EngineRole.UNIFIED}, {EngineRole.PREFILL, EngineRole.DECODE}):
+            raise ValueError("engines must all be unified, or prefill and decode pools; got "
+                             f"{sorted(r.value for r in roles)}")
+        self.disaggregated = EngineRole.PREFILL in roles
+        self.serve_role = EngineRole.DECODE if self.disaggregated else EngineRole.UNIFIED
+        if self.disaggregated and kv_transport is None:
+            raise ValueError("prefill and decode pools need a KV transport")
+        self.kv_transport = kv_transport
         for x in (stack.policy, stack.watchdog):
             if x is not None and x.needs_true_output_length:
                 raise ValueError(f"{type(x).__name__} needs true output lengths (simulator only)")
@@ -220,7 +249,12 @@ class LiveRouter:
             raise ValueError("engine ids must be unique")
         self.policy = stack.policy
         self.watchdog = stack.watchdog
-        present = (x for x in (stack.policy, stack.watchdog) if x is not None)
+        self.pd_placer: DisaggregatedPlacer | None = None
+        prefill_policy: LeastTtftPolicy | None = None
+        if kv_transport is not None and self.disaggregated:
+            prefill_policy = LeastTtftPolicy()
+            self.pd_placer = DisaggregatedPlacer(prefill_policy, stack.policy, kv_transport.link)
+        present = (x for x in (stack.policy, prefill_policy, stack.watchdog) if x is not None)
         self._listeners = list({id(x): x for x in present}.values())
         self.clock = clock
         self.predict = predict
@@ -273,14 +307,18 @@ class LiveRouter:
         self._watch(inst, now)
 
     # ---- views -----------------------------------------------------------------
-    def view(self, now: float, exclude: frozenset[InstanceId] = frozenset()) -> ClusterView:
-        """The healthy instances with their latest reports and their load: this
+    def view(self, now: float, exclude: frozenset[InstanceId] = frozenset(),
+             role: EngineRole | None = None) -> ClusterView:
+        """The healthy instances (of `role`, default the serving role: unified or
+        decode) with their latest reports and their load: this
         router's requests, current at every decision, plus what other router replicas
         had there at the last poll (routing on its own requests alone, each replica
         would see an instance the others fill as idle)."""
+        role = role or self.serve_role
         views = []
         for iid, inst in self.instances.items():
-            if not inst.healthy or inst.status is None or iid in exclude:
+            if (not inst.healthy or inst.status is None or iid in exclude
+                    or inst.client.config.role != role):
                 continue
             sched = inst.client.config.scheduler
             base = InstanceView.from_status(inst.status, inst.spec, sched.block_size,
@@ -327,16 +365,31 @@ class LiveRouter:
             predicted = await self.predict(route)
             route = replace(route, predicted_output_tokens=max(round(predicted), 1))
         try:
-            target = self._choose(route, self.clock())
+            prefill, target = self._place(route, self.clock())
         except RequestRejected:
             self._num_rejected += 1
             raise
-        flight = Flight(request, route, target, [target])
-        self.instances[target].remember_prefix(route.block_hashes)
+        flight = Flight(request, route, prefill or target, [target], prefill_instance_id=prefill,
+                        prefill_pending=prefill is not None)
+        for iid in {prefill or target, target}:
+            self.instances[iid].remember_prefix(route.block_hashes)
         self.flights[request.request_id] = flight
         self._load.add(flight)
         self._num_routed += 1
         return flight
+
+    def _place(self, route: RouteRequest, now: float) -> tuple[InstanceId | None, InstanceId]:
+        """(prefill instance or None when unified, the decode / unified instance)."""
+        if self.pd_placer is None:
+            return None, self._choose(route, now)
+        prefill_view = self.view(now, role=EngineRole.PREFILL)
+        decode_view = self.view(now)
+        if not prefill_view.instances or not decode_view.instances:
+            raise RequestRejected("no healthy prefill or decode instance is available")
+        placement = self.pd_placer.place(route, prefill_view, decode_view, now)
+        if isinstance(placement, Reject):
+            raise RequestRejected(placement.reason)
+        return placement.prefill_instance, placement.decode_instance
 
     def _choose(self, route: RouteRequest, now: float,
                 exclude: frozenset[InstanceId] = frozenset()) -> InstanceId:
@@ -358,6 +411,12 @@ class LiveRouter:
         """The request's tokens (indices from 0, one stream across moves); ends the flight."""
         finished = False
         try:
+            if flight.prefill_pending:
+                async for kept in self._prefill_stage(flight):
+                    yield kept
+                if flight.finish_reason is not None:
+                    finished = True
+                    return
             while True:
                 client = self.instances[flight.instance_id].client
                 self._set_state(flight, is_running=False)
@@ -379,6 +438,46 @@ class LiveRouter:
                     self._fail_over(flight, "stream ended before the last token")
         finally:
             self._end(flight, finished)
+
+    async def _prefill_stage(self, flight: Flight) -> AsyncIterator[list[TokenEvent]]:
+        """Prompt -> first token on the prefill engine, then the prompt's KV to the decode
+        engine. When either fails the decode engine prefills the prompt (by token ids)
+        itself, so the request goes on."""
+        inst = self.instances[flight.instance_id]
+        try:
+            async for batch in inst.client.generate(flight.prefill_request()):
+                kept = self._take(flight, self._first_token_only(flight, batch))
+                if kept:
+                    yield kept
+        except Exception as exc:
+            logger.warning("request %s: prefill on %s failed (%s: %s); its decode engine "
+                           "prefills it", flight.request_id, inst.instance_id,
+                           type(exc).__name__, exc)
+            inst.healthy = False
+        flight.prefill_pending = False
+        self._set_state(flight, instance_id=flight.decode_instance_id, is_running=False)
+        if flight.finish_reason is not None or not flight.output_token_ids:
+            return
+        assert self.kv_transport is not None
+        try:
+            handoff = await self.kv_transport.transfer(
+                flight.route.num_prompt_tokens, inst.spec.model.kv_bytes_per_token, self.clock())
+        except Exception as exc:
+            logger.warning("request %s: KV transfer failed (%s: %s); its decode engine "
+                           "prefills it", flight.request_id, type(exc).__name__, exc)
+            return
+        flight.kv_transfer_s = handoff.transfer_s
+        flight.kv_loaded_tokens = handoff.num_tokens
+        flight.kv_delivered = True
+
+    @staticmethod
+    def _first_token_only(flight: Flight, batch: list[TokenEvent]) -> list[TokenEvent]:
+        """The prefill engine stops at one token by its own max_tokens; that ends the
+        request only when the client asked for one token (an EOS always ends it)."""
+        if flight.request.sampling.max_tokens == 1:
+            return batch
+        return [replace(ev, finish_reason=None) if ev.finish_reason == "length" else ev
+                for ev in batch]
 
     def _take(self, flight: Flight, batch: list[TokenEvent]) -> list[TokenEvent]:
         """Record a batch; tokens cut by our own abort keep their ids but lose the reason.
@@ -414,6 +513,7 @@ class LiveRouter:
         """Point the flight at `target`; `stream` submits it there next (a new engine id)."""
         self.instances[target].remember_prefix(flight.route.block_hashes)
         flight.attempt += 1
+        flight.kv_delivered = False  # the new engine prefills prompt + generated ids
         self._set_state(flight, instance_id=target)
         flight.instance_ids.append(target)
 
@@ -459,7 +559,8 @@ class LiveRouter:
     # ---- migration -------------------------------------------------------------------
     def _watch(self, inst: LiveInstance, now: float) -> None:
         """Run the watchdog when the instance has done another check period."""
-        if self.watchdog is None or inst.status is None:
+        if (self.watchdog is None or inst.status is None
+                or inst.client.config.role != self.serve_role):
             return
         epoch = inst.status.num_iterations // self.watchdog.check_period_iterations
         if epoch <= inst.watched_epoch:
@@ -480,11 +581,12 @@ class LiveRouter:
         """Move a running request by token ids (watchdog or operator); returns the target.
 
         Without `target_id` the policy picks among the other instances. Returns None
-        when the request is not in flight (already finished) or is already moving;
+        when the request is not in flight (already finished), is already moving or is
+        still in its prefill stage;
         raises ValueError for an unknown, unhealthy or unavailable target.
         """
         flight = self.flights.get(request_id)
-        if flight is None or flight.move_to is not None:
+        if flight is None or flight.move_to is not None or flight.prefill_pending:
             return None
         if target_id is None:
             try:

@@ -33,6 +33,7 @@ from app.serving.api import (
     usage,
 )
 from app.serving.config import ServeConfig
+from app.serving.kv_transfer import KvTransport, SimulatedLink
 from app.serving.router import (
     EngineClient,
     EngineLost,
@@ -101,6 +102,13 @@ class JsonReply:
     body: dict[str, Any]
 
 
+def kv_transport(config: ServeConfig) -> KvTransport | None:
+    """How prompts' KV moves between the pools (None for unified engines)."""
+    if config.cluster.mode != "disaggregated":
+        return None
+    return SimulatedLink(config.cluster.kv_link_gbps, config.engine_template.time_scale)
+
+
 class CompletionService:
     """Validates, routes and answers OpenAI completion and chat requests."""
 
@@ -116,7 +124,8 @@ class CompletionService:
         predict, self._close_predictor = make_predict(predictor)
         stack = build_routing(config.routing.policy, routing_options(config, predictor))
         self.router = LiveRouter(clients, stack, predict=predict,
-                                 poll_interval_s=config.poll_interval_s)
+                                 poll_interval_s=config.poll_interval_s,
+                                 kv_transport=kv_transport(config))
         self._ids = itertools.count()
         self._start_lock = asyncio.Lock()
         self._started = False
@@ -243,6 +252,9 @@ class CompletionService:
         end = flight.finish_s if flight.finish_s is not None else self.router.clock()
         return RequestSummary(
             instance_ids=tuple(flight.instance_ids),
+            prefill_instance=flight.prefill_instance_id,
+            kv_transfer_s=flight.kv_transfer_s,
+            kv_loaded_tokens=flight.kv_loaded_tokens,
             num_migrations=flight.num_migrations,
             slo_s=flight.request.slo_s,
             e2e_s=end - flight.request.arrival_s,

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import pytest
 
 from app.config import ClusterConfig, EngineConfig, InstanceGroup, SchedulerConfig
-from app.serving.config import RoutingConfig, ServeConfig
+from app.serving.config import RoutingConfig, ServeConfig, load_serve_config
 
 GPU_SETUP = (("H800", 1), ("A800", 1), ("A40", 1), ("V100", 2))
 WEAKEST = "live-A40-2"  # largest unloaded time per token of the four
@@ -19,10 +22,6 @@ STRONGEST = "live-H800-0"
 def live_url(ray_session):
     """A fresh service per test module: routing state (the history of finished lengths)
     carries from one request to the next, so a module shares it only among its own tests."""
-    from ray import serve
-
-    from deployments.router import build_app, free_port
-
     groups = [InstanceGroup(engine=EngineConfig(gpu_type=g, tp=tp,
                                                 scheduler=SchedulerConfig(max_num_seqs=32)))
               for g, tp in GPU_SETUP]
@@ -31,15 +30,44 @@ def live_url(ray_session):
                          # needs a request placed by its under-predicted length
                          routing=RoutingConfig(tau_iterations=10, migration_margin=0.0,
                                                confidence_quantile=0.5))
+    with running_service(config, "live-sim") as url:
+        yield url
+
+
+@contextmanager
+def running_service(config: ServeConfig, app_name: str) -> Iterator[str]:
+    """The router application of `config` on a free port (its URL), then every engine
+    it started stopped and gone."""
+    from ray import serve
+
+    from deployments.cluster import shutdown_shared_engines
+    from deployments.router import build_app, free_port
+
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(config), name="live-sim", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    from deployments.cluster import shutdown_shared_engines
+    serve.run(build_app(config), name=app_name, route_prefix="/")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        shutdown_shared_engines(config.cluster)
+        wait_until_gone(config.cluster)
 
-    shutdown_shared_engines(config.cluster)
-    wait_until_gone(config.cluster)
+
+PD_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "local-sim-pd.yaml"
+
+
+@contextmanager
+def pd_service(name: str, kv_link_gbps: float = 1.0) -> Iterator[tuple[str, ServeConfig]]:
+    """configs/local-sim-pd.yaml (prefill H800 + A800, decode A40 + 2x V100) served
+    under cluster name `name`, on a slow link so transfers are visible; point estimates
+    only (confidence 0.5)."""
+    base = load_serve_config(PD_CONFIG)
+    cluster = base.cluster.model_copy(update={"name": name, "kv_link_gbps": kv_link_gbps})
+    config = base.model_copy(update={"cluster": cluster,
+                                     "routing": RoutingConfig(confidence_quantile=0.5)})
+    with running_service(config, name) as url:
+        yield url, config
 
 
 def wait_until_gone(cluster: ClusterConfig, timeout_s: float = 60.0) -> None:

@@ -16,12 +16,13 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 
 import pytest
 
-from app.config import ClusterConfig, EngineConfig, InstanceGroup
+from app.config import ClusterConfig, EngineConfig, EngineRole, InstanceGroup
 from app.engine_types import EngineRequest, EngineStatus, SamplingSpec, TokenEvent
 from app.routing.base import ActiveRequest, Watchdog
 from app.routing.registry import RoutingStack, build_routing
 from app.routing.view import ClusterView, InstanceId
 from app.serving.config import ServeConfig
+from app.serving.kv_transfer import KvHandoff, KvTransport, SimulatedLink
 from app.serving.router import (
     EngineClient,
     EngineLost,
@@ -45,8 +46,8 @@ class ScriptedEngine(EngineClient):
     """One token per `step_s`; `fail_at` raises at that output index; abort ends the stream."""
 
     def __init__(self, engine_id: str, gpu_type: str, step_s: float = 0.002,
-                 fail_at: int | None = None) -> None:
-        super().__init__(engine_id, EngineConfig(gpu_type=gpu_type))
+                 fail_at: int | None = None, role: EngineRole = EngineRole.UNIFIED) -> None:
+        super().__init__(engine_id, EngineConfig(gpu_type=gpu_type, role=role))
         self.step_s = step_s
         self.fail_at = fail_at
         self.received: list[EngineRequest] = []
@@ -104,8 +105,10 @@ async def drain(router: LiveRouter, flight) -> list[TokenEvent]:
 
 
 async def started(*engines: EngineClient, policy: str = "goodserve",
-                  stack: RoutingStack | None = None) -> LiveRouter:
-    live = LiveRouter(engines, stack or build_routing(policy), poll_interval_s=3600)
+                  stack: RoutingStack | None = None,
+                  kv_transport: KvTransport | None = None) -> LiveRouter:
+    live = LiveRouter(engines, stack or build_routing(policy), poll_interval_s=3600,
+                      kv_transport=kv_transport)
     await live.start()
     return live
 
@@ -398,3 +401,84 @@ async def test_service_with_a_trained_predictor_predicts_at_arrival(tmp_path):
     assert reply.body["goodserve"]["predicted_output_tokens"] == 50
     assert service.router.policy.length.predictor is service.router.watchdog.length.predictor
     service.close()
+
+
+# ---- disaggregated: prefill and decode pools ---------------------------------------------
+
+
+class BrokenLink(SimulatedLink):
+    async def transfer(self, num_prompt_tokens: int, kv_bytes_per_token: float,
+                       now: float) -> KvHandoff:
+        raise ConnectionError("KV link down")
+
+
+def pd_engines(decode_fail_at: int | None = None, prefill_fail_at: int | None = None):
+    prefill = ScriptedEngine("p", "H800", role=EngineRole.PREFILL, fail_at=prefill_fail_at)
+    decode = ScriptedEngine("d", "A40", role=EngineRole.DECODE, fail_at=decode_fail_at)
+    spare = ScriptedEngine("d2", "A800", role=EngineRole.DECODE)
+    return prefill, decode, spare
+
+
+async def test_prefill_then_decode_with_the_kv_delivered_gives_the_unified_tokens():
+    prefill, decode, spare = pd_engines()
+    link = SimulatedLink(bandwidth_gbps=1.0)
+    router = await started(prefill, decode, spare, policy="round-robin", kv_transport=link)
+    flight = await router.submit(request(max_tokens=12))
+    assert flight.instance_id == "p" and flight.prefill_pending
+    events = await drain(router, flight)
+    assert [e.token_id for e in events] == [token_of(PROMPT, i) for i in range(12)]
+    assert [e.index for e in events] == list(range(12))
+    assert events[-1].finish_reason == "length" and events[0].finish_reason is None
+    (first,) = prefill.received
+    assert first.sampling.max_tokens == 1 and first.request_id == "r1:prefill"
+    target = decode if decode.received else spare
+    (handed,) = target.received
+    assert handed.kv_transferred and list(handed.resume_token_ids) == [token_of(PROMPT, 0)]
+    assert flight.prefill_instance_id == "p" and flight.instance_ids == [target.engine_id]
+    expected_s = len(PROMPT) * prefill.config.instance.model.kv_bytes_per_token / 1e9
+    assert flight.kv_transfer_s == pytest.approx(expected_s, rel=0.05)
+    assert flight.kv_loaded_tokens == len(PROMPT)
+    assert link.link.num_transfers == 1 and not router.flights
+
+
+async def test_a_one_token_request_ends_at_its_prefill():
+    prefill, decode, spare = pd_engines()
+    router = await started(prefill, decode, spare, policy="round-robin",
+                           kv_transport=SimulatedLink(10.0))
+    flight = await router.submit(request(max_tokens=1))
+    events = await drain(router, flight)
+    assert [e.finish_reason for e in events] == ["length"]
+    assert not decode.received and not spare.received and flight.kv_transfer_s is None
+
+
+@pytest.mark.parametrize("failure", ["prefill", "transfer", "decode"])
+async def test_a_failed_stage_continues_by_token_ids_with_the_same_tokens(failure):
+    prefill, decode, spare = pd_engines(prefill_fail_at=0 if failure == "prefill" else None,
+                                        decode_fail_at=5 if failure == "decode" else None)
+    link = BrokenLink(10.0) if failure == "transfer" else SimulatedLink(10.0)
+    stack = build_routing("round-robin")
+    router = await started(prefill, decode, spare, stack=stack, kv_transport=link)
+    flights = [await router.submit(request(f"r{i}", max_tokens=10)) for i in range(2)]
+    on_decode = next(f for f in flights if f.decode_instance_id == "d")
+    events = await drain(router, on_decode)
+    assert [e.token_id for e in events] == [token_of(PROMPT, i) for i in range(10)]
+    first_decode = decode.received[0]
+    if failure == "prefill":  # no first token: the decode engine prefills the prompt
+        assert not first_decode.resume_token_ids and not first_decode.kv_transferred
+    elif failure == "transfer":  # first token streamed, its KV lost: re-prefill prompt + it
+        assert len(first_decode.resume_token_ids) == 1 and not first_decode.kv_transferred
+    else:  # decode engine died mid-stream: another decode instance goes on
+        assert first_decode.kv_transferred
+        moved = spare.received[-1]
+        assert len(moved.resume_token_ids) == 5 and not moved.kv_transferred
+        assert on_decode.instance_ids == ["d", "d2"]
+    await drain(router, next(f for f in flights if f is not on_decode))
+    assert not router.flights
+
+
+def test_engine_roles_must_form_unified_or_prefill_and_decode_pools():
+    prefill, decode, _ = pd_engines()
+    with pytest.raises(ValueError, match="prefill and decode pools need a KV transport"):
+        LiveRouter([prefill, decode], build_routing("round-robin"))
+    with pytest.raises(ValueError, match="must all be unified"):
+        LiveRouter([prefill, ScriptedEngine("u", "A40")], build_routing("round-robin"))
