@@ -6,9 +6,10 @@ except `load_config`, which only reads.
 
 from __future__ import annotations
 
+import tempfile
 from enum import StrEnum
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import (
@@ -57,6 +58,43 @@ class SchedulerConfig(Frozen):
     )
 
 
+class KvConnectorKind(StrEnum):
+    """vLLM KV connectors that move a prompt's KV from a prefill to a decode engine."""
+
+    EXAMPLE = "example"  # ExampleConnector: KV files on a path both engines can read
+    NIXL = "nixl"  # NixlConnector: GPU-to-GPU over NIXL (needs CUDA)
+
+
+class KvConnectorConfig(Frozen):
+    """Disaggregated vLLM engines: how the prompt's KV reaches the decode engine."""
+
+    kind: KvConnectorKind = Field(description="example (shared storage, works on CPU) or nixl")
+    shared_storage_path: str = Field(
+        str(Path(tempfile.gettempdir()) / "goodserve-kv"),
+        description="example: directory both engines (and the router) can read and write")
+    kv_ttl_s: float = Field(
+        120.0, gt=0, description="example: stored KV no decode engine loaded is deleted "
+        "after this long (loaded KV is deleted at once)")
+    kv_buffer_device: str = Field("cuda", description="nixl: where the KV buffers live")
+    side_channel_port: int | None = Field(
+        None, ge=1, le=65535, description="nixl: this engine's handshake port "
+        "(VLLM_NIXL_SIDE_CHANNEL_PORT); unique per engine on a node")
+
+    @field_validator("shared_storage_path")
+    @classmethod
+    def _expand_home(cls, path: str) -> str:
+        return str(Path(path).expanduser())
+
+    def vllm_kv_transfer_config(self) -> dict[str, Any]:
+        """vLLM's `kv_transfer_config` engine argument for this connector."""
+        if self.kind == KvConnectorKind.EXAMPLE:
+            return {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                    "kv_connector_extra_config": {
+                        "shared_storage_path": self.shared_storage_path}}
+        return {"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                "kv_buffer_device": self.kv_buffer_device}
+
+
 class EngineConfig(Frozen):
     """One engine: a model on `tp` GPUs of one kind, with a role and a backend."""
 
@@ -83,6 +121,8 @@ class EngineConfig(Frozen):
     )
     model_path: str | None = Field(None, description="vllm backend: local model directory")
     vllm_kwargs: dict = Field(default_factory=dict, description="extra vLLM engine args")
+    kv_connector: KvConnectorConfig | None = Field(
+        None, description="vllm backend, prefill / decode roles: the KV connector")
 
     @field_validator("model_path")
     @classmethod
@@ -151,6 +191,12 @@ class ClusterConfig(Frozen):
         if self.mode == "disaggregated" and roles != {EngineRole.PREFILL, EngineRole.DECODE}:
             raise ValueError("mode 'disaggregated' needs prefill and decode engines and no "
                              f"unified ones, got {sorted(r.value for r in roles)}")
+        if self.mode == "disaggregated":
+            real = [e for e in self.engines() if e.backend == EngineBackend.VLLM]
+            kinds = {e.kv_connector.kind if e.kv_connector else None for e in real}
+            if real and (None in kinds or len(kinds) > 1):
+                raise ValueError("disaggregated vLLM engines need a kv_connector, the same "
+                                 "kind on every engine")
         return self
 
     def engines(self) -> list[EngineConfig]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any
 
 from app.engines.prefix import prefix_block_hashes
 
@@ -61,6 +62,7 @@ class EngineRequest:
     sampling: SamplingSpec = SamplingSpec()
     resume_token_ids: Sequence[int] = ()
     kv_transferred: bool = False  # decode role: prompt KV already delivered by a prefill engine
+    kv_transfer_params: dict[str, Any] | None = None  # decode role: from the prefill's result
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -94,6 +96,12 @@ class TokenEvent:
     index: int  # position in the output (counting resume tokens)
     time_s: float
     finish_reason: str | None = None  # set on the last token
+    # first token of a submission: context tokens whose KV the engine found (prefix
+    # cache, or delivered by a KV connector) instead of computing them
+    num_cached_tokens: int | None = None
+    # last token of a prefill-stage request: what a decode engine needs to fetch the
+    # prompt's KV (connector-specific; vLLM's kv_transfer_params)
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:

@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 
 from app.config import EngineConfig
 from app.engine_types import EngineRequest, EngineStatus, TokenEvent
@@ -65,7 +66,7 @@ class SimBackend(EngineBackendBase):
         wall = time.time()
         req_to_events: dict[str, list[TokenEvent]] = {}
         for ev in events:
-            stamped = TokenEvent(ev.request_id, ev.token_id, ev.index, wall, ev.finish_reason)
+            stamped = replace(ev, time_s=wall)
             req_to_events.setdefault(ev.request_id, []).append(stamped)
         for request_id, batch in req_to_events.items():
             queue = self._req_to_queue.get(request_id)

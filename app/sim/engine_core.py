@@ -57,7 +57,7 @@ class SimSequence:
     # tokens whose KV must exist before the next token is sampled: prompt + resumed at
     # first, prompt + everything generated after a recompute preemption
     prefill_target: int = field(init=False)
-    num_cached_tokens: int = 0  # prefix-cache hit at admission
+    num_cached_tokens: int = 0  # prefix-cache hit (or delivered KV) at admission
     first_scheduled_s: float | None = None
 
     def __post_init__(self) -> None:
@@ -193,7 +193,8 @@ class SimEngineCore:
                 finish = FINISH_REASONS[seq.status]
                 self._finish(seq)
             token = sim_token_id(seq.token_seed, index, vocab)
-            events.append(TokenEvent(request_id, token, index, now_s, finish))
+            cached = seq.num_cached_tokens if was_prefilling else None
+            events.append(TokenEvent(request_id, token, index, now_s, finish, cached))
         return events
 
     # ---- scheduling helpers ------------------------------------------------
@@ -239,8 +240,8 @@ class SimEngineCore:
                 budget -= num_tokens
 
     def _apply_prefix_hit(self, seq: SimSequence) -> None:
-        if seq.skip_prefill:
-            seq.num_computed_tokens = seq.prefill_target - 1  # last token samples the next
+        if seq.skip_prefill:  # delivered KV; the last token samples the next
+            seq.num_computed_tokens = seq.num_cached_tokens = seq.prefill_target - 1
             return
         hit_blocks = self.prefix_cache.match(seq.block_hashes)
         cached = min(hit_blocks * seq.hash_block_size, seq.prefill_target - 1)

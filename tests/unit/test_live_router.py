@@ -16,13 +16,20 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 
 import pytest
 
-from app.config import ClusterConfig, EngineConfig, EngineRole, InstanceGroup
+from app.config import (
+    ClusterConfig,
+    EngineConfig,
+    EngineRole,
+    InstanceGroup,
+    KvConnectorConfig,
+    KvConnectorKind,
+)
 from app.engine_types import EngineRequest, EngineStatus, SamplingSpec, TokenEvent
 from app.routing.base import ActiveRequest, Watchdog
 from app.routing.registry import RoutingStack, build_routing
 from app.routing.view import ClusterView, InstanceId
 from app.serving.config import ServeConfig
-from app.serving.kv_transfer import KvHandoff, KvTransport, SimulatedLink
+from app.serving.kv_transfer import ConnectorTransport, KvHandoff, KvTransport, SimulatedLink
 from app.serving.router import (
     EngineClient,
     EngineLost,
@@ -51,6 +58,7 @@ class ScriptedEngine(EngineClient):
         self.step_s = step_s
         self.fail_at = fail_at
         self.received: list[EngineRequest] = []
+        self.kv_params: dict | None = None  # sent with the last token (a prefill's hand-off)
         self.aborted: list[str] = []
         self.num_iterations = 0
         self.active: set[str] = set()  # requests generating now (reported as running)
@@ -70,8 +78,11 @@ class ScriptedEngine(EngineClient):
                     raise RuntimeError("engine process died")
                 self.num_iterations += 1
                 reason = "length" if i == max_tokens - 1 else None
+                first = i == len(request.resume_token_ids)  # KV handed over: found, not computed
+                cached = (len(prompt) if request.kv_transferred else 0) if first else None
+                params = self.kv_params if reason and self.kv_params else None
                 yield [TokenEvent(request.request_id, token_of(prompt, i), i, time.time(),
-                                  reason)]
+                                  reason, num_cached_tokens=cached, kv_transfer_params=params)]
         finally:
             self.active.discard(request.request_id)
 
@@ -407,8 +418,8 @@ async def test_service_with_a_trained_predictor_predicts_at_arrival(tmp_path):
 
 
 class BrokenLink(SimulatedLink):
-    async def transfer(self, num_prompt_tokens: int, kv_bytes_per_token: float,
-                       now: float) -> KvHandoff:
+    async def transfer(self, num_prompt_tokens: int, kv_bytes_per_token: float, now: float,
+                       params: dict | None) -> KvHandoff:
         raise ConnectionError("KV link down")
 
 
@@ -482,3 +493,20 @@ def test_engine_roles_must_form_unified_or_prefill_and_decode_pools():
         LiveRouter([prefill, decode], build_routing("round-robin"))
     with pytest.raises(ValueError, match="must all be unified"):
         LiveRouter([prefill, ScriptedEngine("u", "A40")], build_routing("round-robin"))
+
+
+async def test_the_prefills_connector_parameters_reach_the_decode_request_unchanged():
+    prefill, decode, spare = pd_engines()
+    remote = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_block_ids": [1, 2],
+              "remote_host": "10.0.0.7", "remote_port": 5601}
+    prefill.kv_params = remote
+    nixl = KvConnectorConfig(kind=KvConnectorKind.NIXL)
+    router = await started(prefill, decode, spare, policy="round-robin",
+                           kv_transport=ConnectorTransport(nixl, bandwidth_gbps=10.0))
+    flight = await router.submit(request(max_tokens=6))
+    events = await drain(router, flight)
+    assert [e.token_id for e in events] == [token_of(PROMPT, i) for i in range(6)]
+    (handed,) = (decode if decode.received else spare).received
+    assert handed.kv_transferred and handed.kv_transfer_params == remote
+    assert flight.kv_loaded_tokens == len(PROMPT)
+    assert flight.kv_transfer_s is not None and flight.kv_transfer_s >= 0  # measured
