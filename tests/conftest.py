@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import os
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -141,3 +144,58 @@ def vllm_engines(ray_session, tiny_model_dir):
 def vllm_engine(vllm_engines):
     """One of them, for the engine-level tests."""
     return vllm_engines[0]
+
+
+def vllm_pd_config(model_dir: Path, name: str, storage: Path):
+    """configs/local-vllm-cpu-pd.yaml (one prefill + one decode vLLM CPU engine with the
+    ExampleConnector) on `model_dir`, under cluster name `name`, KV files in `storage`."""
+    from app.serving.config import load_serve_config
+
+    base = load_serve_config(Path(__file__).resolve().parents[1] / "configs"
+                             / "local-vllm-cpu-pd.yaml")
+    groups = []
+    for group in base.cluster.groups:
+        connector = group.engine.kv_connector.model_copy(
+            update={"shared_storage_path": str(storage)})
+        engine = group.engine.model_copy(update={"model_path": str(model_dir),
+                                                 "kv_connector": connector})
+        groups.append(group.model_copy(update={"engine": engine}))
+    cluster = base.cluster.model_copy(update={"name": name, "groups": groups})
+    return base.model_copy(update={"cluster": cluster, "default_slo_s": 300.0})
+
+
+@contextmanager
+def serving(config, app_name: str) -> Iterator[str]:
+    """`config`'s router application on a free port (its URL); afterwards every engine
+    it started is stopped."""
+    from ray import serve
+
+    from deployments.cluster import shutdown_shared_engines
+    from deployments.router import build_app, free_port
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(config), name=app_name, route_prefix="/")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        shutdown_shared_engines(config.cluster)
+        wait_until_gone(config.cluster)
+
+
+def wait_until_gone(cluster, timeout_s: float = 60.0) -> None:
+    """`ray.kill` returns before the actor is dead: wait until no engine of `cluster` is
+    registered, so the next module's service starts engines of its own under those names."""
+    import ray
+
+    from deployments.cluster import ENGINE_NAMESPACE, engine_ids
+
+    deadline_s = time.monotonic() + timeout_s
+    for engine_id, _ in engine_ids(cluster):
+        while time.monotonic() < deadline_s:
+            try:
+                ray.get_actor(engine_id, namespace=ENGINE_NAMESPACE)
+            except ValueError:  # gone
+                break
+            time.sleep(0.1)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,6 +11,7 @@ import pytest
 
 from app.config import ClusterConfig, EngineConfig, InstanceGroup, SchedulerConfig
 from app.serving.config import RoutingConfig, ServeConfig, load_serve_config
+from tests.conftest import serving
 
 GPU_SETUP = (("H800", 1), ("A800", 1), ("A40", 1), ("V100", 2))
 WEAKEST = "live-A40-2"  # largest unloaded time per token of the four
@@ -30,28 +30,8 @@ def live_url(ray_session):
                          # needs a request placed by its under-predicted length
                          routing=RoutingConfig(tau_iterations=10, migration_margin=0.0,
                                                confidence_quantile=0.5))
-    with running_service(config, "live-sim") as url:
+    with serving(config, "live-sim") as url:
         yield url
-
-
-@contextmanager
-def running_service(config: ServeConfig, app_name: str) -> Iterator[str]:
-    """The router application of `config` on a free port (its URL), then every engine
-    it started stopped and gone."""
-    from ray import serve
-
-    from deployments.cluster import shutdown_shared_engines
-    from deployments.router import build_app, free_port
-
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(config), name=app_name, route_prefix="/")
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        shutdown_shared_engines(config.cluster)
-        wait_until_gone(config.cluster)
 
 
 PD_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "local-sim-pd.yaml"
@@ -66,25 +46,8 @@ def pd_service(name: str, kv_link_gbps: float = 1.0) -> Iterator[tuple[str, Serv
     cluster = base.cluster.model_copy(update={"name": name, "kv_link_gbps": kv_link_gbps})
     config = base.model_copy(update={"cluster": cluster,
                                      "routing": RoutingConfig(confidence_quantile=0.5)})
-    with running_service(config, name) as url:
+    with serving(config, name) as url:
         yield url, config
-
-
-def wait_until_gone(cluster: ClusterConfig, timeout_s: float = 60.0) -> None:
-    """`ray.kill` returns before the actor is dead: wait until no engine of `cluster` is
-    registered, so the next module's service starts engines of its own under those names."""
-    import ray
-
-    from deployments.cluster import ENGINE_NAMESPACE, engine_ids
-
-    deadline_s = time.monotonic() + timeout_s
-    for engine_id, _ in engine_ids(cluster):
-        while time.monotonic() < deadline_s:
-            try:
-                ray.get_actor(engine_id, namespace=ENGINE_NAMESPACE)
-            except ValueError:  # gone
-                break
-            time.sleep(0.1)
 
 
 def post(url: str, path: str, **body) -> httpx.Response:

@@ -32,8 +32,8 @@ def test_nixl_prefill_keeps_its_kv_for_a_remote_decode_and_returns_where_it_is()
     request = EngineRequest("r:prefill", (1, 2, 3), SamplingSpec(max_tokens=1))
     assert prefill._kv_params_in(request) == NIXL_PREFILL_PARAMS
     assert prefill._kv_params_out(SimpleNamespace(kv_transfer_params=REMOTE), [1, 2, 3]) == REMOTE
-    assert prefill.engine_kwargs()["kv_transfer_config"] == {"kv_connector": "NixlConnector", "kv_role": "kv_both",
-                                       "kv_buffer_device": "cuda"}
+    assert prefill.engine_kwargs()["kv_transfer_config"] == {
+        "kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cuda"}
 
 
 def test_nixl_decode_passes_the_prefills_parameters_on_unchanged():
