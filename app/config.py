@@ -77,8 +77,8 @@ class KvConnectorConfig(Frozen):
         "after this long (loaded KV is deleted at once)")
     kv_buffer_device: str = Field("cuda", description="nixl: where the KV buffers live")
     side_channel_port: int | None = Field(
-        None, ge=1, le=65535, description="nixl: this engine's handshake port "
-        "(VLLM_NIXL_SIDE_CHANNEL_PORT); unique per engine on a node")
+        None, ge=1, le=65535, description="nixl: handshake port "
+        "(VLLM_NIXL_SIDE_CHANNEL_PORT); engine i of the cluster uses this + i")
 
     @field_validator("shared_storage_path")
     @classmethod

@@ -81,6 +81,12 @@ def engine_ids(cluster: ClusterConfig) -> list[tuple[str, EngineConfig]]:
         tag = config.gpu_type if config.tp == 1 else f"{config.tp}x{config.gpu_type}"
         if config.role != EngineRole.UNIFIED:
             tag = f"{config.role.value}-{tag}"
+        connector = config.kv_connector
+        if connector is not None and connector.side_channel_port is not None:
+            # one handshake port per engine: engines of a group share one config
+            port = connector.side_channel_port + i
+            config = config.model_copy(update={
+                "kv_connector": connector.model_copy(update={"side_channel_port": port})})
         named.append((f"{cluster.name}-{tag}-{i}", config))
     return named
 

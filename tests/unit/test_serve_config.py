@@ -35,6 +35,12 @@ def test_vllm_model_path_expands_home():
     ("cluster: {groups: [{engine: {gpu_type: A40}}, {engine: {gpu_type: A800, "
      "model: qwen2.5-14b}}]}\n", "same model"),
     ("cluster: {groups: [{engine: {gpu_type: A40}}]}\ndefault_slo_s: -1\n", "default_slo_s"),
+    ("cluster: {groups: [{engine: {gpu_type: A40, role: decode}}]}\n", "set mode: disaggregated"),
+    ("cluster: {mode: disaggregated, groups: [{engine: {gpu_type: A40, role: decode}}]}\n",
+     "needs prefill and decode engines"),
+    ("cluster: {mode: disaggregated, groups: [{engine: {gpu_type: H800, role: prefill, "
+     "backend: vllm, model_path: /m}}, {engine: {gpu_type: A40, role: decode, backend: vllm, "
+     "model_path: /m, kv_connector: {kind: example}}}]}\n", "need a kv_connector"),
 ])
 def test_bad_serve_configs_say_what_is_wrong(tmp_path, yaml_text, message):
     path = tmp_path / "bad.yaml"
@@ -68,11 +74,23 @@ def test_cluster_yaml_node_types_can_host_the_gpu_serve_config():
                 assert name.removeprefix("gpu_type:") in GPU_CATALOG
                 assert node["resources"]["GPU"] == amount  # one unit per physical GPU
                 capacity[name] = capacity.get(name, 0) + amount * node["max_workers"]
-    need: dict[str, int] = {}
-    for engine in load_serve_config(root / "configs" / "aws-gpu.yaml").cluster.engines():
-        assert engine.num_gpus == engine.tp
-        need[engine.resource_name] = need.get(engine.resource_name, 0) + engine.tp
-    assert all(need[name] <= capacity.get(name, 0) for name in need), (need, capacity)
+    for config in ("aws-gpu.yaml", "aws-gpu-pd.yaml"):
+        need: dict[str, int] = {}
+        for engine in load_serve_config(root / "configs" / config).cluster.engines():
+            assert engine.num_gpus == engine.tp
+            need[engine.resource_name] = need.get(engine.resource_name, 0) + engine.tp
+        assert all(need[name] <= capacity.get(name, 0) for name in need), (need, capacity)
+
+
+def test_nixl_engines_get_one_handshake_port_each():
+    from deployments.cluster import engine_ids
+
+    root = Path(__file__).resolve().parents[2]
+    config = load_serve_config(root / "configs" / "aws-gpu-pd.yaml")
+    ports = [e.kv_connector.side_channel_port for _, e in engine_ids(config.cluster)]
+    assert ports == list(range(5600, 5608))
+    assert {e.kv_connector.vllm_kv_transfer_config()["kv_connector"]
+            for e in config.cluster.engines()} == {"NixlConnector"}
 
 
 def test_the_live_replay_carries_every_knob_into_the_serve_config():
