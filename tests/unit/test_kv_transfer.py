@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from app.config import EngineConfig, EngineRole, KvConnectorConfig, KvConnectorKind
 from app.engine_types import EngineRequest, SamplingSpec
-from app.engines.vllm import NIXL_PREFILL_PARAMS, VllmBackend, example_storage_key
+from app.engines.vllm import (
+    NIXL_PREFILL_PARAMS,
+    VllmBackend,
+    example_kv_loadable,
+    example_storage_key,
+)
 from app.serving.kv_transfer import ConnectorTransport
 
 pytestmark = pytest.mark.unit
@@ -104,3 +110,24 @@ async def test_kv_no_decode_loaded_is_deleted_after_its_lifetime(tmp_path):
     now[0] += 10
     await transport.transfer(10, 1.0, 0.0, {"storage_key": str(fresh)})
     assert not fresh.exists()
+
+
+def test_a_prompt_of_whole_blocks_is_not_handed_over_by_the_example_connector():
+    """Stored span (n - 1) // b * b, loaded span n // b * b: equal unless b divides n."""
+    assert example_kv_loadable(300, 128) and example_kv_loadable(129, 128)
+    assert not example_kv_loadable(256, 128) and not example_kv_loadable(128, 128)
+
+
+def test_a_prefill_of_whole_blocks_deletes_its_kv_and_returns_no_hand_off(tmp_path):
+    connector = KvConnectorConfig(kind=KvConnectorKind.EXAMPLE, shared_storage_path=str(tmp_path))
+    prefill = vllm_backend(EngineRole.PREFILL, connector)
+    prefill.engine = SimpleNamespace(vllm_config=SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=128)))
+    whole = list(range(256))
+    stored = example_storage_key(whole, 128, str(tmp_path))
+    Path(stored).mkdir()
+    assert prefill._kv_params_out(SimpleNamespace(), whole) is None
+    assert not Path(stored).exists()
+    ragged = list(range(300))
+    assert prefill._kv_params_out(SimpleNamespace(), ragged) == {
+        "storage_key": example_storage_key(ragged, 128, str(tmp_path))}
