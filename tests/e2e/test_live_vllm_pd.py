@@ -73,3 +73,33 @@ def test_completions_and_streams_equal_the_unified_engines_with_the_kv_loaded(pd
     assert "".join(texts) == unified_text(vllm_engines[1], config, PROMPTS[1], 20)
     assert summary is not None and summary["kv_loaded_tokens"] >= 128
     assert not list(storage.iterdir())  # each prompt's stored KV deleted once loaded
+
+
+def prompt_of_exactly(tokenizer, num_tokens: int) -> str:
+    """A text the served tokenizer turns into exactly `num_tokens` tokens."""
+    words = ("alpha beta gamma delta epsilon zeta eta theta iota kappa " * 80).split()
+    for n in range(len(words), 0, -1):
+        for k in range(12):  # each " x" adds one token
+            text = " ".join(words[:n]) + " x" * k
+            if len(tokenizer.encode(text)) == num_tokens:
+                return text
+    raise AssertionError(f"no prompt of {num_tokens} tokens")
+
+
+def test_a_prompt_of_whole_kv_blocks_is_recomputed_not_loaded_and_the_engine_lives(
+        pd, vllm_engines):
+    """vLLM's ExampleConnector stores n - 1 tokens' whole blocks and loads n's: for a
+    256-token prompt (two CPU blocks) the file the decode engine reads is missing and
+    it would die. The prefill engine drops that KV, the decode engine computes it."""
+    url, storage, config = pd
+    prompt = prompt_of_exactly(make_tokenizer(config), 256)
+    reply = httpx.post(url + "/v1/completions", json=body(prompt, 8), timeout=300)
+    assert reply.status_code == 200, reply.text
+    data = reply.json()
+    assert data["usage"]["prompt_tokens"] == 256
+    assert data["choices"][0]["text"] == unified_text(vllm_engines[0], config, prompt, 8)
+    assert data["goodserve"]["decode_instance"] == "e2e-pd-decode-cpu-1"
+    after = httpx.post(url + "/v1/completions", json=body(prompt + " omega", 8), timeout=300)
+    assert after.status_code == 200 and after.json()["goodserve"]["num_migrations"] == 0
+    assert after.json()["goodserve"]["instance_ids"] == ["e2e-pd-decode-cpu-1"]
+    assert not list(storage.iterdir())
