@@ -4,7 +4,9 @@ Ray-free asyncio. Engines sit behind `EngineClient` (the Serve deployment suppli
 Ray actor clients), the clock is injected, and every decision is made by the same
 policy and watchdog objects the simulator runs:
 - `submit` builds the policy's `RouteRequest` (predicted length, deadline, prefix
-  hashes) and asks `policy.choose` on a view of the healthy instances;
+  hashes) and asks `policy.choose` on a view of the healthy instances (with prefill
+  and decode pools, `DisaggregatedPlacer` picks one of each, and `stream` runs the
+  prefill stage and the KV hand-off before the decode);
 - `stream` relays the engine's tokens; when the watchdog (or an operator) moves the
   request, or its engine fails, it continues on the new instance by token ids
   (prompt + generated so far), so the client sees one uninterrupted stream;
