@@ -207,7 +207,8 @@ class CompletionService:
             return JsonReply(400, error_body(str(exc), "invalid_request_error", "target"))
         if not moved:
             return JsonReply(404, error_body(
-                f"request {request_id!r} is not in flight (or already moving)",
+                f"request {request_id!r} is not in flight (or already moving, or still in "
+                "its prefill stage)",
                 "not_found_error", "request_id"))
         return JsonReply(200, {"request_id": request_id, "target": moved, "moving": True})
 

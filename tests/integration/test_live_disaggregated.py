@@ -68,3 +68,29 @@ def test_the_stream_pauses_for_the_kv_transfer_after_the_first_token(pd_url):
     transfer_s = summary["kv_transfer_s"]
     assert transfer_s >= summary["kv_loaded_tokens"] * KV_BYTES_PER_TOKEN / 1e9 * 0.99 > 0.1
     assert arrivals[1] - arrivals[0] >= transfer_s * 0.9  # TTFT of the decode stage
+
+
+def test_a_decoding_request_moves_to_the_other_decode_engine_by_token_ids(pd_url):
+    """The watchdog's and the operator's move, in disaggregated mode: between decode
+    engines, by token ids, one uninterrupted stream."""
+    arrivals, summary, moved_to = [], None, None
+    with httpx.stream("POST", pd_url + "/v1/completions", timeout=120,
+                      json=body(40, 150, stream=True, slo_s=60.0)) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if "goodserve" in chunk:
+                summary = chunk["goodserve"]
+                continue
+            arrivals.append(chunk)
+            if len(arrivals) == 4:
+                move = httpx.post(pd_url + "/admin/migrate", timeout=30,
+                                  json={"request_id": chunk["id"].removeprefix("cmpl-")})
+                assert move.status_code == 200, move.text
+                moved_to = move.json()["target"]
+    assert summary is not None and summary["num_migrations"] == 1
+    assert moved_to.startswith("live-pd-decode-")
+    assert summary["instance_ids"] == [summary["instance_ids"][0], moved_to]
+    assert summary["instance_ids"][0].startswith("live-pd-decode-")
+    assert summary["decode_instance"] == moved_to
