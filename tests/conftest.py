@@ -199,3 +199,12 @@ def wait_until_gone(cluster, timeout_s: float = 60.0) -> None:
             except ValueError:  # gone
                 break
             time.sleep(0.1)
+
+
+def sse_chunks(response) -> Iterator[dict]:
+    """The JSON events of an OpenAI server-sent-event stream, up to `[DONE]`."""
+    import json
+
+    for line in response.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line.removeprefix("data: "))

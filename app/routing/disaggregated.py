@@ -21,16 +21,6 @@ from app.routing.status import StatusEstimator
 from app.routing.view import ClusterView, InstanceId, InstanceView, RouteRequest, StepReport
 
 
-def estimated_ttft_s(
-    request: RouteRequest, inst: InstanceView, view: ClusterView, status: StatusEstimator,
-    now: float,
-) -> float:
-    """Queue + prefill of the uncached prompt on `inst`: T's first two terms."""
-    estimate = status.estimate(inst, now)
-    hit = view.prefix_hit_tokens(inst.instance_id, request)
-    return estimate.queue_delay_s + prefill_time_s(request, estimate, hit)
-
-
 class LeastTtftPolicy(RoutingPolicy):
     """Prefill pool: the instance with the least estimated time to first token, from
     the same black-box status estimates GoodServe's T uses (ties: view order)."""
@@ -40,7 +30,10 @@ class LeastTtftPolicy(RoutingPolicy):
 
     def ttft_s(self, request: RouteRequest, inst: InstanceView, view: ClusterView,
                now: float) -> float:
-        return estimated_ttft_s(request, inst, view, self.status, now)
+        """Queue + prefill of the uncached prompt on `inst`: T's first two terms."""
+        estimate = self.status.estimate(inst, now)
+        hit = view.prefix_hit_tokens(inst.instance_id, request)
+        return estimate.queue_delay_s + prefill_time_s(request, estimate, hit)
 
     def choose(self, request: RouteRequest, view: ClusterView, now: float) -> InstanceId | Reject:
         candidates = view.holding(request)

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
 
-from tests.conftest import vllm_cluster_config
+from tests.conftest import sse_chunks, vllm_cluster_config
 
 pytestmark = pytest.mark.e2e
 
@@ -56,10 +54,7 @@ def test_operator_migration_mid_stream_keeps_the_greedy_output(vllm_url):
             "ignore_eos": True, "stream": True}
     texts, summary, moved_to = [], None, None
     with httpx.stream("POST", vllm_url + "/v1/completions", json=body, timeout=300) as reply:
-        for line in reply.iter_lines():
-            if not line or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line.removeprefix("data: "))
+        for chunk in sse_chunks(reply):
             if "goodserve" in chunk:
                 summary = chunk["goodserve"]
                 continue

@@ -6,7 +6,6 @@ engines' token for token, and the stored KV must not outlive its load."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import httpx
 import pytest
@@ -14,7 +13,7 @@ import pytest
 from app.engine_types import EngineRequest, SamplingSpec
 from app.serving.service import make_tokenizer
 from deployments.cluster import collect_tokens
-from tests.conftest import serving, vllm_pd_config
+from tests.conftest import serving, sse_chunks, vllm_pd_config
 
 pytestmark = pytest.mark.e2e
 
@@ -62,10 +61,7 @@ def test_completions_and_streams_equal_the_unified_engines_with_the_kv_loaded(pd
     texts, summary = [], None
     with httpx.stream("POST", url + "/v1/completions", timeout=300,
                       json=body(PROMPTS[1], 20, stream=True)) as stream:
-        for line in stream.iter_lines():
-            if not line or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line.removeprefix("data: "))
+        for chunk in sse_chunks(stream):
             if "goodserve" in chunk:
                 summary = chunk["goodserve"]
             else:

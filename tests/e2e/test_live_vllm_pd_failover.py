@@ -4,12 +4,10 @@ ids. A module of its own: the test kills an engine of its service."""
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
 
-from tests.conftest import serving, vllm_pd_config
+from tests.conftest import serving, sse_chunks, vllm_pd_config
 from tests.e2e.test_live_vllm_pd import PROMPTS, body, unified_text
 
 pytestmark = pytest.mark.e2e
@@ -31,10 +29,7 @@ def test_killing_the_decode_engine_mid_stream_still_completes_the_request(pd, vl
     texts, summary = [], None
     with httpx.stream("POST", url + "/v1/completions", timeout=300,
                       json=body(PROMPTS[0], 200, stream=True)) as stream:
-        for line in stream.iter_lines():
-            if not line or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line.removeprefix("data: "))
+        for chunk in sse_chunks(stream):
             if "goodserve" in chunk:
                 summary = chunk["goodserve"]
                 continue

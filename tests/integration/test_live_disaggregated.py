@@ -4,12 +4,12 @@ KV moved over the modelled link (configs/local-sim-pd.yaml, at 1 GB/s)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import httpx
 import pytest
 
+from tests.conftest import sse_chunks
 from tests.integration.conftest import pd_service
 
 pytestmark = pytest.mark.integration
@@ -56,10 +56,7 @@ def test_the_stream_pauses_for_the_kv_transfer_after_the_first_token(pd_url):
     with httpx.stream("POST", pd_url + "/v1/completions", timeout=120,
                       json=body(1000, 12, stream=True)) as response:
         assert response.status_code == 200
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: "):])
+        for chunk in sse_chunks(response):
             if "goodserve" in chunk:
                 summary = chunk["goodserve"]
             else:
@@ -76,10 +73,7 @@ def test_a_decoding_request_moves_to_the_other_decode_engine_by_token_ids(pd_url
     arrivals, summary, moved_to = [], None, None
     with httpx.stream("POST", pd_url + "/v1/completions", timeout=120,
                       json=body(40, 150, stream=True, slo_s=60.0)) as response:
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: "):])
+        for chunk in sse_chunks(response):
             if "goodserve" in chunk:
                 summary = chunk["goodserve"]
                 continue
