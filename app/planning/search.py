@@ -98,3 +98,23 @@ def illinois_root(
             f_hi = f_hi / 2.0 if side == 1 else f_hi
             side = 1
     return 0.5 * (lo + hi)
+
+
+def max_feasible_rate(ok: Callable[[float], bool], rate_above: float, rtol: float = 1e-3) -> float:
+    """Largest rate in [0, rate_above) where a decreasing predicate holds (0.0 if none).
+
+    `rate_above` is a rate known to fail (e.g. the stability limit); it is never tried.
+    """
+    if not (rate_above > 0 and math.isfinite(rate_above)):
+        raise ValueError(f"upper rate must be positive and finite, got {rate_above}")
+    lo, hi = 0.0, rate_above
+    if not ok(hi * rtol):
+        return 0.0
+    lo = hi * rtol
+    while hi - lo > rtol * hi:
+        mid = 0.5 * (lo + hi)
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -1,0 +1,262 @@
+"""P/D vs unified GoodServe on the same GPUs (simulator), with the split SARA recommends.
+
+Setup: configs/paper-4gpu.yaml (H800, A800, A40, 2x V100 TP2); Mooncake conversation
+arrivals time-scaled to --rate for --duration s; request content from the held-out 20%
+of prompt_lengths.jsonl, the MoE (K=9) trained on the rest; SLO = scale x solo time on
+an A800. For each SLO scale:
+- stage targets from the end-to-end deadlines (`app.planning.split.stage_slos`);
+- the split from `split_inventory` over the cluster's engines, given the workload's
+  length moments (what a controller measures) and the cluster's KV link;
+- GoodServe on the unified cluster and on the disaggregated one (that split, prefill
+  placed by least TTFT, decode by just-enough, KV over the modelled link).
+`--every-split` also simulates every other split, to see where SARA's pick ranks.
+
+Writes under --out: splits.csv (per scale: targets, per-engine capacities, the split),
+goodput.csv (per seed, scale and cluster), report.md and goodput.png.
+Usage: python -m benchmarks.pd_vs_unified [--seeds 2,3] [--rate 190] [--every-split]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import math
+import statistics
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+from tqdm import tqdm
+
+from app.config import ClusterConfig, EngineRole, load_cluster_config
+from app.planning.params import ModelParams
+from app.planning.pools import Observation
+from app.planning.split import EngineKind, PoolSplit, split_inventory, stage_slos
+from app.routing.goodserve import GoodServeConfig
+from app.routing.length import PredictorLength
+from app.routing.registry import PolicyKind, RoutingOptions
+from app.workload import Workload, load_prompts, load_trace, trace_workload
+from benchmarks.goodput_experiments import REPO, add_data_arguments, held_out_prompts, train_moe
+from benchmarks.replay import ReplaySpec, attach_predictions, cluster_model, run_replay
+from benchmarks.slo import reference_instance
+
+SCALES = (1.0, 1.5, 2.0, 2.5, 3.0)
+UNIFIED = "unified"
+
+
+def inventory(cluster: ClusterConfig) -> Counter[EngineKind]:
+    """Engine kind -> count; the order of `cluster.engines()` is kept by `with_split`."""
+    return Counter(EngineKind(e.gpu_type, e.tp, e.scheduler.max_num_seqs)
+                   for e in cluster.engines())
+
+
+def with_split(cluster: ClusterConfig, prefill: dict[str, int]) -> ClusterConfig:
+    """The same engines in disaggregated mode: the first `prefill[kind]` of each kind
+    prefill, the rest decode."""
+    seen: Counter[str] = Counter()
+    groups = []
+    for engine in cluster.engines():
+        kind = EngineKind(engine.gpu_type, engine.tp).name
+        role = EngineRole.PREFILL if seen[kind] < prefill.get(kind, 0) else EngineRole.DECODE
+        seen[kind] += 1
+        groups.append({"count": 1, "engine": engine.model_copy(update={"role": role})})
+    return ClusterConfig.model_validate({
+        **cluster.model_dump(exclude={"groups", "mode", "name"}),
+        "name": f"{cluster.name}-pd-{split_label(prefill)}", "mode": "disaggregated",
+        "groups": groups,
+    })
+
+
+def split_label(prefill: dict[str, int]) -> str:
+    """'A800+H800' for the prefill pool (the rest decode)."""
+    return "+".join(f"{n}x{k}" if n > 1 else k for k, n in sorted(prefill.items()) if n)
+
+
+def every_prefill_pool(kinds: Counter[EngineKind]) -> list[dict[str, int]]:
+    """Every prefill pool leaving at least one engine to each pool."""
+    ordered = sorted(kinds)
+    total = sum(kinds.values())
+    pools = []
+    for counts in itertools.product(*(range(kinds[k] + 1) for k in ordered)):
+        if 0 < sum(counts) < total:
+            pools.append({k.name: n for k, n in zip(ordered, counts, strict=True) if n})
+    return pools
+
+
+def observed(workload: Workload) -> Observation:
+    inputs = [r.num_prompt_tokens for r in workload.requests]
+    outputs = [r.num_output_tokens for r in workload.requests]
+    mean_in = statistics.fmean(inputs)
+    return Observation(
+        rate_rps=len(workload) / workload.duration_s, mean_input_len=mean_in,
+        cv_input_len=statistics.pstdev(inputs) / mean_in, mean_output_len=statistics.fmean(outputs),
+    )
+
+
+def recommend(cluster: ClusterConfig, workload: Workload, scale: float,
+              reference_gpu: str = "A800") -> tuple[PoolSplit, dict]:
+    """SARA's split for one scale, and the row describing it."""
+    model = cluster_model(cluster)
+    stats = observed(workload).workload
+    slo = stage_slos(reference_instance(model, reference_gpu), stats, scale)
+    split = split_inventory(inventory(cluster), ModelParams.named(model), stats, slo,
+                            cluster.kv_link_gbps)
+    row = {
+        "slo_scale": scale, "ttft_s": round(slo.ttft_s, 5), "tpot_s": round(slo.tpot_s, 5),
+        "kv_s": round(slo.kv_s, 5), "p_slo": slo.p_slo,
+        "prefill_pool": split_label(split.prefill), "decode_pool": split_label(split.decode),
+        "model_goodput_rps": round(split.goodput_rps, 2), "binding": split.binding,
+        **{f"{c.kind.name}_prefill_rps": round(c.prefill_rps, 2) for c in split.capacities},
+        **{f"{c.kind.name}_decode_rps": round(c.decode_rps, 2) for c in split.capacities},
+    }
+    return split, row
+
+
+def simulate(cluster: ClusterConfig, workload: Workload, scale: float, seed: int,
+             routing: RoutingOptions) -> dict:
+    spec = ReplaySpec(cluster, (PolicyKind.GOODSERVE,), (scale,), seed=seed, routing=routing)
+    (cell,) = run_replay(spec, workload)
+    return {"requests": cell.summary["requests"], "met": cell.summary["met"],
+            "goodput_rps": cell.summary["goodput_rps"]}
+
+
+def write_csv(path: Path, rows: Sequence[dict]) -> None:
+    fields = list(dict.fromkeys(k for row in rows for k in row))
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def mean_goodput(cells: Sequence[dict], scale: float, pick) -> float:
+    """Mean over seeds of the cells at `scale` that `pick` selects (nan if none)."""
+    values = [c["goodput_rps"] for c in cells if c["slo_scale"] == scale and pick(c)]
+    return statistics.fmean(values) if values else math.nan
+
+
+def report(out: Path, setup: dict, splits: Sequence[dict], cells: Sequence[dict]) -> None:
+    scales = sorted({r["slo_scale"] for r in splits})
+    lines = ["# P/D vs unified GoodServe (simulator, same GPUs)", "", "## Setup", ""]
+    lines += [f"- {k}: {v}" for k, v in setup.items()]
+    lines += ["", "## Goodput, req/s (mean over seeds)", "",
+              "| SLO scale | unified | P/D, SARA's split | P/D / unified | SARA's prefill pool "
+              "| best split simulated | its goodput |", "|---|---|---|---|---|---|---|"]
+    for scale in scales:
+        unified = mean_goodput(cells, scale, lambda c: c["cluster"] == UNIFIED)
+        sara = mean_goodput(cells, scale, lambda c: c["sara_pick"])
+        by_split = {name: mean_goodput(cells, scale, lambda c, n=name: c["cluster"] == n)
+                    for name in {c["cluster"] for c in cells
+                                 if c["cluster"] != UNIFIED and c["slo_scale"] == scale}}
+        best = max(by_split, key=by_split.__getitem__)
+        picked = " / ".join(sorted({r["prefill_pool"] for r in splits if r["slo_scale"] == scale}))
+        lines.append(f"| {scale:g} | {unified:.1f} | {sara:.1f} | {sara / unified:.2f} | "
+                     f"{picked} | {best} | {by_split[best]:.1f} |")
+    lines += ["", "## SARA's targets and split per seed and scale", "",
+              "| seed | SLO scale | tau_pre s | tau_dec s | prefill pool | decode pool | model "
+              "goodput req/s | binding |", "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['seed']} | {r['slo_scale']:g} | {r['ttft_s']:.4f} | {r['tpot_s']:.4f} | "
+              f"{r['prefill_pool']} | {r['decode_pool']} | {r['model_goodput_rps']:.1f} | "
+              f"{r['binding']} |" for r in splits]
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    plot(out / "goodput.png", scales, cells)
+
+
+def plot(path: Path, scales: Sequence[float], cells: Sequence[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, pick in (("unified", lambda c: c["cluster"] == UNIFIED),
+                        ("P/D, SARA's split", lambda c: c["sara_pick"])):
+        ax.plot(scales, [mean_goodput(cells, s, pick) for s in scales], marker="o", label=label)
+    others = sorted({c["cluster"] for c in cells if c["cluster"] != UNIFIED and not c["sara_pick"]})
+    for name in others:
+        ax.plot(scales, [mean_goodput(cells, s, lambda c, n=name: c["cluster"] == n)
+                         for s in scales], color="grey", alpha=0.3, lw=1)
+    ax.set_xlabel("SLO scale")
+    ax.set_ylabel("goodput, req/s")
+    ax.set_title("GoodServe on paper-4gpu: unified vs P/D" +
+                 (" (grey: other splits)" if others else ""))
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=REPO / "results" / "pd-vs-unified")
+    add_data_arguments(parser)
+    parser.add_argument("--cluster", type=Path, default=REPO / "configs" / "paper-4gpu.yaml")
+    parser.add_argument("--rate", type=float, default=190.0)
+    parser.add_argument("--duration", type=float, default=60.0, help="arrival window, s")
+    parser.add_argument("--seeds", default="2,3", help="workload seeds")
+    parser.add_argument("--scales", default=",".join(f"{s:g}" for s in SCALES))
+    parser.add_argument("--every-split", action="store_true",
+                        help="also simulate every other prefill/decode split")
+    args = parser.parse_args(argv)
+    if not args.trace.exists() or not args.prompts.exists():
+        print(f"error: data not found ({args.trace}, {args.prompts})")
+        return 2
+    try:
+        cluster = load_cluster_config(args.cluster)
+        scales = [float(s) for s in args.scales.split(",")]
+        seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError as error:
+        print(f"error: {error}")
+        return 2
+    if cluster.mode != UNIFIED:
+        print(f"error: {args.cluster} must describe a unified cluster (the split assigns roles)")
+        return 2
+    split_dir = Path.home() / ".cache" / "goodserve" / "prompt-split-seed0"
+    train_path, test_path = held_out_prompts(args.prompts, split_dir, 0)
+    predictor_dir = args.predictor or split_dir / "predictors"
+    if not (predictor_dir / "moe").exists():
+        train_moe(train_path, predictor_dir, 0)
+    from predictor.registry import load_predictor
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    splits: list[dict] = []
+    cells: list[dict] = []
+    every = every_prefill_pool(inventory(cluster)) if args.every_split else []
+    runs = len(seeds) * len(scales) * (2 + max(0, len(every) - 1))
+    with tqdm(total=runs, desc="simulations") as bar:
+        for seed in seeds:
+            routing = RoutingOptions(seed, GoodServeConfig(), lambda: PredictorLength(
+                load_predictor(predictor_dir, "moe")))
+            workload = attach_predictions(
+                trace_workload(load_trace(args.trace), rate=args.rate,
+                               duration_s=args.duration, prompts=load_prompts(test_path),
+                               seed=seed, name="mooncake"),
+                routing.length_factory())
+            for scale in scales:
+                split, row = recommend(cluster, workload, scale)
+                splits.append({"seed": seed, **row})
+                pools = [split.prefill] + [p for p in every if p != split.prefill]
+                candidates = [(UNIFIED, cluster)] + [
+                    (split_label(p), with_split(cluster, p)) for p in pools]
+                for name, config in candidates:
+                    cells.append({"seed": seed, "slo_scale": scale, "cluster": name,
+                                  "sara_pick": name == split_label(split.prefill),
+                                  **simulate(config, workload, scale, seed, routing)})
+                    bar.update()
+    write_csv(args.out / "splits.csv", splits)
+    write_csv(args.out / "goodput.csv", cells)
+    setup = {"cluster": args.cluster.name, "rate_rps": args.rate, "duration_s": args.duration,
+             "seeds": args.seeds, "kv_link_gbps": cluster.kv_link_gbps,
+             "arrivals": "Mooncake conversation trace, time-scaled",
+             "prompts": "held-out 20% of prompt_lengths.jsonl by prompt_id",
+             "predictor": "MoE (K=9) trained on the other 80%",
+             "slo": "scale x solo time on an A800; stage targets from stage_slos, p_slo 0.9",
+             "policy": "goodserve (P/D: least-TTFT prefill, just-enough decode)",
+             "every_split": args.every_split}
+    report(args.out, setup, splits, cells)
+    print((args.out / "report.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
