@@ -155,10 +155,11 @@ def split_inventory(
     model: ModelParams,
     workload: Workload,
     slo: SloTargets,
-    kv_link_gbps: float,
+    kv_link_gbps: float | None,
     method: Method = Method.REFINED,
 ) -> PoolSplit:
-    """Best prefill/decode split of a fixed inventory (engine kind -> count).
+    """Best prefill/decode split of a fixed inventory (engine kind -> count); a link of
+    None is not a constraint.
 
     Ties (e.g. every split at zero goodput when no engine meets the TPOT SLO) go to
     the split whose weaker pool is strongest, then to the larger total capacity.
@@ -173,7 +174,8 @@ def split_inventory(
         raise ValueError(f"more than {MAX_SPLITS} candidate splits; group the engines into "
                          "fewer kinds")
     capacities = tuple(engine_capacity(k, model, workload, slo, method) for k in kinds)
-    kv_rps = kv_capacity(model, workload, slo, kv_link_gbps, method)
+    kv_rps = math.inf if kv_link_gbps is None else kv_capacity(model, workload, slo,
+                                                               kv_link_gbps, method)
     best: tuple[tuple[float, float, float], PoolSplit] | None = None
     for prefill_counts in itertools.product(*(range(n + 1) for n in counts)):
         num_prefill = sum(prefill_counts)

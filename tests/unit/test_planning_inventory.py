@@ -1,0 +1,119 @@
+"""Pool sizes from a priced GPU stock: SARA's stage models per homogeneous sub-pool."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.planning.allocator import Workload
+from app.planning.distributions import LengthDist
+from app.planning.inventory import (
+    DECODE,
+    PREFILL,
+    UNIFIED,
+    InventorySizer,
+    PoolLimits,
+    Stock,
+)
+from app.planning.params import ModelParams, SloTargets
+from app.planning.split import EngineKind
+
+pytestmark = pytest.mark.unit
+
+LLAMA = ModelParams.named("llama-3.1-8b")
+CHAT = Workload(LengthDist.from_moments(300.0, 1.5), 300.0)
+SLO = SloTargets(ttft_s=0.1, kv_s=0.1, tpot_s=0.03, p_slo=0.9)
+H800, A800, A40, V100 = (EngineKind("H800", 1, 256), EngineKind("A800", 1, 256),
+                         EngineKind("A40", 1, 256), EngineKind("V100", 2, 256))
+STOCK = [Stock(H800, 4, 3.5), Stock(A800, 8, 2.0), Stock(A40, 8, 0.8), Stock(V100, 4, 1.8)]
+PD = (PREFILL, DECODE)
+
+
+@pytest.fixture(scope="module")
+def sizer() -> InventorySizer:
+    return InventorySizer(LLAMA, CHAT, SLO, STOCK)
+
+
+def test_pools_grow_with_the_rate_and_carry_it(sizer):
+    previous = None
+    for rate in (5.0, 50.0, 150.0):
+        targets = sizer.size(rate, PD, PoolLimits())
+        assert targets.meets_slo and targets.rate_rps == rate
+        for role in PD:
+            carried = sum(sizer.rate_of(role, k, n) for k, n in targets.engines[role].items())
+            assert carried >= rate
+        if previous is not None:
+            assert targets.cost_per_hour >= previous.cost_per_hour
+            assert targets.total(DECODE) >= previous.total(DECODE)
+        previous = targets
+
+
+def test_the_cheapest_capacity_fills_first_and_a_useless_kind_is_never_bought(sizer):
+    # price per decode req/s: A800 2.0 / 28.8 beats H800 3.5 / 47.3 and 2xV100 1.8 / 23.7
+    targets = sizer.size(50.0, PD, PoolLimits())
+    assert set(targets.engines[DECODE]) == {A800}
+    assert sizer.rate_of(DECODE, A40, 1) == 0.0  # an A40 misses the 30 ms TPOT even alone
+    for rate in (5.0, 150.0):
+        assert all(A40 not in pool for pool in sizer.size(rate, PD, PoolLimits()).engines.values())
+
+
+def test_a_kind_out_of_stock_spills_to_the_next_one(sizer):
+    targets = sizer.size(300.0, PD, PoolLimits())
+    decode = targets.engines[DECODE]
+    assert decode.get(A800) == 8  # all the A800s, then the next-cheapest capacity
+    assert sum(decode.values()) > 8
+    for kind, n in decode.items():
+        assert n + targets.count(PREFILL, kind) <= next(s.count for s in STOCK if s.kind == kind)
+
+
+def test_prefill_is_sized_as_one_shared_queue(sizer):
+    one = sizer.rate_of(PREFILL, H800, 1)
+    assert sizer.rate_of(PREFILL, H800, 2) > 2 * one  # pooling gain of M/G/2 over two M/G/1
+    assert sizer.engines_for(PREFILL, H800, sizer.rate_of(PREFILL, H800, 3) * 0.99) == 3
+
+
+def test_unified_engines_time_share_the_stages(sizer):
+    prefill, decode = sizer.rate_of(PREFILL, H800, 2), sizer.rate_of(DECODE, H800, 2)
+    unified = sizer.rate_of(UNIFIED, H800, 2)
+    assert unified == pytest.approx(1 / (1 / prefill + 1 / decode))
+    targets = sizer.size(50.0, (UNIFIED,), PoolLimits())
+    assert targets.meets_slo and set(targets.engines) == {UNIFIED}
+    assert sum(sizer.rate_of(UNIFIED, k, n) for k, n in targets.engines[UNIFIED].items()) >= 50
+
+
+def test_floors_and_ceilings(sizer):
+    floors = sizer.size(0.0, PD, PoolLimits(min_engines={PREFILL: 2, DECODE: 3}))
+    assert floors.total(PREFILL) == 2 and floors.total(DECODE) == 3
+    capped = sizer.size(150.0, PD, PoolLimits(max_engines={DECODE: 2}))
+    assert capped.total(DECODE) <= 2 or not capped.meets_slo
+    assert not capped.meets_slo
+
+
+def test_over_budget_the_pools_carry_what_the_budget_buys(sizer):
+    free = sizer.size(150.0, PD, PoolLimits())
+    budget = free.cost_per_hour * 0.6
+    clamped = sizer.size(150.0, PD, PoolLimits(budget_per_hour=budget))
+    assert not clamped.meets_slo and "budget" in clamped.reason
+    assert clamped.cost_per_hour <= budget and 0 < clamped.rate_rps < 150.0
+    assert sizer.size(clamped.rate_rps * 1.05, PD, PoolLimits()).cost_per_hour > budget
+    broke = sizer.size(150.0, PD, PoolLimits(budget_per_hour=0.1))
+    assert broke.rate_rps == 0.0 and "below the pool floors" in broke.reason
+
+
+def test_beyond_the_stock_every_engine_serves_with_both_pools_kept(sizer):
+    targets = sizer.size(1000.0, PD, PoolLimits())
+    assert not targets.meets_slo and "stock carries" in targets.reason
+    assert targets.total(PREFILL) >= 1 and targets.total(DECODE) >= 1
+    assert targets.total(PREFILL) + targets.total(DECODE) == sum(s.count for s in STOCK)
+    unified = sizer.size(1000.0, (UNIFIED,), PoolLimits())
+    assert not unified.meets_slo and A40 not in unified.engines[UNIFIED]
+
+
+def test_stock_errors():
+    with pytest.raises(ValueError, match="count"):
+        Stock(H800, -1, 1.0)
+    with pytest.raises(ValueError, match="price"):
+        Stock(H800, 1, float("nan"))
+    with pytest.raises(ValueError, match="once"):
+        InventorySizer(LLAMA, CHAT, SLO, [Stock(H800, 1, 1.0), Stock(H800, 2, 1.0)])
+    with pytest.raises(ValueError, match="role"):
+        InventorySizer(LLAMA, CHAT, SLO, STOCK).rate_of("both", H800, 1)
