@@ -1,0 +1,1 @@
+"""SARA controller logic: observe, predict, size and plan pool changes (Ray-free)."""

@@ -1,0 +1,108 @@
+"""The SARA controller's decision loop, Ray-free: observe -> predict -> size -> plan diff.
+
+Every interval the controller closes its load window (what the routers reported),
+forecasts the next interval's rate, sizes the pools for it (plus headroom) from the
+GPU stock under the budget (`InventorySizer`), and turns the targets into a plan diff
+with hysteresis (`PoolPlanner`). Engines take `startup_s` to serve after they are
+started; the targets are sized for the rate expected once they are up, i.e. the
+forecast is extended over the start-up time by the trend. The simulator and the
+controller actor both drive this object; `now` is always an argument.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from app.control.observe import IntervalStats, LoadWindow, RatePredictor
+from app.control.plan import EngineRecord, PlanDiff, PoolPlanner, ScalingRules
+from app.hardware import InstanceSpec
+from app.planning.inventory import InventorySizer, PoolLimits, PoolTargets, Stock
+from app.planning.params import ModelParams, SloTargets
+from app.planning.split import DEFAULT_P_SLO, stage_slos
+
+
+@dataclass(frozen=True)
+class StageSlo:
+    """Where the stage targets come from: fixed values, or a deadline scale over the
+    solo time on a reference instance (`stage_slos`)."""
+
+    reference: InstanceSpec
+    slo_scale: float = 2.0
+    fixed: SloTargets | None = None
+    p_slo: float = DEFAULT_P_SLO
+
+    def targets(self, stats: IntervalStats) -> SloTargets:
+        if self.fixed is not None:
+            return self.fixed
+        workload = stats.observation(1.0).workload
+        return stage_slos(self.reference, workload, self.slo_scale, self.p_slo)
+
+
+@dataclass(frozen=True)
+class ControllerSettings:
+    """Everything the decision loop needs, already validated."""
+
+    model: str
+    roles: tuple[str, ...]  # ("prefill", "decode") or ("unified",)
+    stock: tuple[Stock, ...]
+    slo: StageSlo
+    limits: PoolLimits = PoolLimits()
+    rules: ScalingRules = ScalingRules()
+    interval_s: float = 30.0
+    headroom: float = 0.1  # size for the forecast x (1 + headroom)
+    startup_s: float = 60.0  # an engine serves this long after it is started
+
+    def __post_init__(self) -> None:
+        if not self.interval_s > 0:
+            raise ValueError(f"interval must be > 0 s, got {self.interval_s}")
+        if self.headroom < 0 or self.startup_s < 0:
+            raise ValueError("headroom and start-up time must be >= 0")
+
+
+@dataclass(frozen=True)
+class ControlStep:
+    """One interval's decision, with what it was based on (for logs and metrics)."""
+
+    stats: IntervalStats
+    forecast_rps: float
+    targets: PoolTargets
+    diff: PlanDiff
+
+
+@dataclass
+class Controller:
+    settings: ControllerSettings
+    start_s: float
+    window: LoadWindow = field(init=False)
+    predictor: RatePredictor = field(default_factory=RatePredictor)
+    planner: PoolPlanner = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.window = LoadWindow(self.start_s)
+        self.planner = PoolPlanner(self.settings.rules)
+        self._model = ModelParams.named(self.settings.model)
+        self._previous_forecast: float | None = None
+
+    def step(self, now: float, engines: Sequence[EngineRecord]) -> ControlStep:
+        """Close the window at `now` and decide what changes."""
+        stats = self.window.close(now)
+        forecast = self.predictor.update(stats.rate_rps)
+        # extend by the trend over the start-up time: engines started now serve then
+        trend = 0.0 if self._previous_forecast is None else forecast - self._previous_forecast
+        self._previous_forecast = forecast
+        # never below what was just observed: a falling trend must not undershoot it
+        ahead = max(forecast + trend * self.settings.startup_s / self.settings.interval_s,
+                    forecast, stats.rate_rps)
+        rate = ahead * (1 + self.settings.headroom)
+        sizer = InventorySizer(self._model, stats.observation(rate).workload,
+                               self.settings.slo.targets(stats), self.settings.stock)
+        targets = sizer.size(rate, self.settings.roles, self.settings.limits)
+        return ControlStep(stats, forecast, targets, self.planner.diff(now, targets, engines))
+
+    def next_step_s(self, now: float) -> float:
+        """When the next interval closes."""
+        elapsed = now - self.start_s
+        return self.start_s + (math.floor(elapsed / self.settings.interval_s) + 1) * (
+            self.settings.interval_s)

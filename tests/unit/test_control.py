@@ -1,0 +1,166 @@
+"""The controller's decision loop: observation windows, forecasts, plan diffs with
+hysteresis, cool-down and draining (no Ray, no clock)."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.control.controller import Controller, ControllerSettings, StageSlo
+from app.control.observe import LoadWindow, RatePredictor
+from app.control.plan import EngineRecord, EngineState, PoolPlanner, ScalingRules
+from app.hardware import make_instance
+from app.planning.inventory import DECODE, PREFILL, PoolTargets, Stock
+from app.planning.split import EngineKind
+
+pytestmark = pytest.mark.unit
+
+H800, A800 = EngineKind("H800", 1, 256), EngineKind("A800", 1, 256)
+RULES = ScalingRules(scale_down_after_s=60.0, cooldown_s=120.0, drain_deadline_s=30.0)
+
+
+def targets(prefill: int, decode: int) -> PoolTargets:
+    return PoolTargets(10.0, {PREFILL: {H800: prefill}, DECODE: {A800: decode}}, 0.0, True)
+
+
+def engine(engine_id: str, role: str = DECODE, kind: EngineKind = A800,
+           state: EngineState = EngineState.ACTIVE, since_s: float = 0.0,
+           running: int = 0) -> EngineRecord:
+    return EngineRecord(engine_id, role, kind, state, since_s, running)
+
+
+def test_window_stats_and_carry_over_of_length_moments():
+    window = LoadWindow(0.0)
+    for n in (100, 300):
+        window.arrival(n)
+    window.finished(50, True)
+    window.finished(150, False)
+    stats = window.close(10.0)
+    assert stats.rate_rps == pytest.approx(0.2)
+    assert stats.mean_input_len == 200 and stats.cv_input_len == pytest.approx(0.5)
+    assert stats.mean_output_len == 100 and stats.slo_attainment == 0.5
+    idle = window.close(20.0)
+    assert idle.arrivals == 0 and idle.rate_rps == 0 and idle.slo_attainment == 1.0
+    assert (idle.mean_input_len, idle.mean_output_len) == (200, 100)
+    with pytest.raises(ValueError, match="after its start"):
+        window.close(20.0)
+
+
+def test_forecast_follows_a_ramp_and_never_goes_negative():
+    predictor = RatePredictor()
+    forecasts = [predictor.update(r) for r in (10, 20, 30, 40, 50)]
+    assert forecasts[-1] > 50  # the trend carries it past the last observation
+    falling = RatePredictor()
+    assert min(falling.update(r) for r in (100, 10, 0, 0)) >= 0.0
+    with pytest.raises(ValueError, match="level_weight"):
+        RatePredictor(level_weight=0.0)
+
+
+def test_scale_up_is_immediate_and_starting_engines_count_as_present():
+    planner = PoolPlanner(RULES)
+    diff = planner.diff(0.0, targets(1, 3), [engine("d0"), engine("p0", PREFILL, H800)])
+    assert sorted(diff.start) == [(DECODE, A800), (DECODE, A800)]
+    booting = [engine("d0"), engine("p0", PREFILL, H800),
+               engine("d1", state=EngineState.STARTING), engine("d2", state=EngineState.STARTING)]
+    assert planner.diff(10.0, targets(1, 3), booting).is_empty
+
+
+def test_scale_down_waits_for_hysteresis_and_cool_down_then_drains_the_emptiest():
+    planner = PoolPlanner(RULES)
+    pool = [engine("d0", running=5), engine("d1", running=0), engine("d2", running=2),
+            engine("p0", PREFILL, H800)]
+    planner.diff(0.0, targets(1, 3), pool[:1] + pool[3:])  # a scale-up at t = 0
+    assert planner.diff(10.0, targets(1, 1), pool).is_empty  # below target since 10 s
+    assert planner.diff(69.0, targets(1, 1), pool).is_empty  # 59 s: hysteresis holds
+    assert planner.diff(100.0, targets(1, 1), pool).is_empty  # cool-down (up at 0) holds
+    diff = planner.diff(120.0, targets(1, 1), pool)
+    assert diff.drain == ("d1", "d2") and not diff.stop and diff.changes_membership
+
+
+def test_a_short_dip_below_target_does_not_scale_down():
+    planner = PoolPlanner(ScalingRules(60.0, 0.0, 30.0))
+    pool = [engine("d0"), engine("d1"), engine("p0", PREFILL, H800)]
+    planner.diff(0.0, targets(1, 1), pool)
+    planner.diff(30.0, targets(1, 2), pool)  # back at target: the clock resets
+    assert planner.diff(70.0, targets(1, 1), pool).is_empty
+    assert planner.diff(130.0, targets(1, 1), pool).drain == ("d0",)
+
+
+def test_draining_engines_stop_when_empty_migrate_after_the_deadline_or_come_back():
+    planner = PoolPlanner(RULES)
+    draining = [engine("d0"), engine("d1", state=EngineState.DRAINING, since_s=0.0, running=0),
+                engine("d2", state=EngineState.DRAINING, since_s=0.0, running=4),
+                engine("p0", PREFILL, H800)]
+    early = planner.diff(10.0, targets(1, 1), draining)
+    assert early.stop == ("d1",) and early.migrate == ()
+    late = planner.diff(31.0, targets(1, 1), draining)
+    assert late.migrate == ("d2",)
+    back = planner.diff(40.0, targets(1, 2), draining)
+    assert back.reactivate == ("d2",) and back.start == ()  # the busier one returns
+    assert "d2" not in back.migrate
+
+
+def test_starting_engines_leave_before_serving_ones():
+    planner = PoolPlanner(ScalingRules(0.0, 0.0, 30.0))
+    pool = [engine("d0"), engine("d1", state=EngineState.STARTING, since_s=5.0),
+            engine("p0", PREFILL, H800)]
+    diff = planner.diff(10.0, targets(1, 1), pool)
+    assert diff.stop == ("d1",) and diff.drain == ()
+
+
+def test_a_kind_no_longer_wanted_is_drained():
+    planner = PoolPlanner(ScalingRules(0.0, 0.0, 30.0))
+    pool = [engine("d0"), engine("d9", kind=H800), engine("p0", PREFILL, H800)]
+    assert planner.diff(0.0, targets(1, 1), pool).drain == ("d9",)
+
+
+def test_rules_reject_negative_times():
+    with pytest.raises(ValueError, match="cooldown_s"):
+        ScalingRules(cooldown_s=-1.0)
+
+
+def settings(**overrides) -> ControllerSettings:
+    base = dict(model="llama-3.1-8b", roles=(PREFILL, DECODE),
+                stock=(Stock(H800, 4, 3.5), Stock(A800, 8, 2.0)),
+                slo=StageSlo(make_instance("A800", "llama-3.1-8b"), 2.0), rules=RULES,
+                interval_s=30.0, startup_s=30.0)
+    return ControllerSettings(**{**base, **overrides})
+
+
+def feed(controller: Controller, rate: float, seconds: float = 30.0) -> None:
+    for _ in range(int(rate * seconds)):
+        controller.window.arrival(300)
+        controller.window.finished(250, True)
+
+
+def test_controller_grows_the_pools_with_the_load_and_shrinks_them_after():
+    controller = Controller(settings(), 0.0)
+    feed(controller, 10.0)
+    low = controller.step(30.0, [])
+    feed(controller, 100.0)
+    high = controller.step(60.0, [])
+    assert high.targets.total(DECODE) > low.targets.total(DECODE)
+    assert high.forecast_rps > low.forecast_rps and high.targets.meets_slo
+    engines = [engine(f"d{i}", since_s=60.0) for i in range(high.targets.total(DECODE))]
+    engines += [engine(f"p{i}", PREFILL, H800, since_s=60.0)
+                for i in range(high.targets.total(PREFILL))]
+    drained: list[str] = []
+    for t in range(90, 400, 30):
+        feed(controller, 10.0)
+        drained += controller.step(float(t), engines).diff.drain
+    assert drained and all(e.startswith("d") or e.startswith("p") for e in drained)
+
+
+def test_controller_sizes_ahead_of_a_ramp_by_the_start_up_time():
+    slow, fast = Controller(settings(startup_s=120.0), 0.0), Controller(settings(), 0.0)
+    for t, rate in ((30.0, 20.0), (60.0, 40.0), (90.0, 60.0)):
+        for controller in (slow, fast):
+            feed(controller, rate)
+        slow_step, fast_step = slow.step(t, []), fast.step(t, [])
+    assert slow_step.targets.rate_rps > fast_step.targets.rate_rps
+
+
+def test_next_step_time_and_settings_errors():
+    controller = Controller(settings(), 5.0)
+    assert controller.next_step_s(5.0) == 35.0 and controller.next_step_s(40.0) == 65.0
+    with pytest.raises(ValueError, match="interval"):
+        settings(interval_s=0.0)
