@@ -85,6 +85,10 @@ class Controller:
         self._model = ModelParams.named(self.settings.model)
         self._previous_forecast: float | None = None
 
+    @property
+    def interval_s(self) -> float:
+        return self.settings.interval_s
+
     def step(self, now: float, engines: Sequence[EngineRecord]) -> ControlStep:
         """Close the window at `now` and decide what changes."""
         stats = self.window.close(now)

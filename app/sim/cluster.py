@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from app.config import EngineRole
 from app.engine_types import RequestStatus, TokenEvent
@@ -26,8 +27,11 @@ from app.sim.events import (
     StepStartEvent,
 )
 from app.sim.instance import InstanceSetup, Pool, SimInstance
-from app.sim.records import RequestOutcome, RequestRecord
+from app.sim.records import DEADLINE_TOLERANCE_S, RequestOutcome, RequestRecord
 from app.workload import WorkloadRequest
+
+if TYPE_CHECKING:
+    from app.sim.elastic import ElasticPools
 
 
 @dataclass(slots=True, eq=False)
@@ -80,8 +84,10 @@ class SimCluster:
         kv_link_gbps: float,
         max_ongoing_requests: int | None,
         seed: int,
+        elastic: ElasticPools | None = None,
     ) -> None:
         self.pools = build_pools(setups)
+        self.elastic = elastic
         self.disaggregated = EngineRole.PREFILL in self.pools
         self.entry_role = EngineRole.PREFILL if self.disaggregated else EngineRole.UNIFIED
         self.serve_role = EngineRole.DECODE if self.disaggregated else EngineRole.UNIFIED
@@ -112,6 +118,8 @@ class SimCluster:
         if index + 1 < len(self.requests):
             events.append(ArrivalEvent(self.requests[index + 1].arrival_s, index + 1))
         flight = self._new_flight(index)
+        if self.elastic is not None:
+            self.elastic.scaler.window.arrival(flight.work.num_prompt_tokens)
         if self.router_queue:
             self.router_queue.append(flight)  # FIFO behind earlier queued requests
             return events
@@ -161,6 +169,7 @@ class SimCluster:
         if target is None or decode is None:
             return []
         flight.decode_target = decode
+        decode.inbound += 1
         flight.record.prefill_instance_id = target.instance_id
         return self._admit(flight, target, now)
 
@@ -243,7 +252,7 @@ class SimCluster:
             if inst.core.num_iterations % self.watchdog.check_period_iterations == 0:
                 events.extend(self._watch(inst, now))
         if self.router_queue and inst.role == self.entry_role:
-            events.extend(self._drain_router_queue(now))
+            events.extend(self.drain_router_queue(now))
         if inst.core.has_work:
             events.extend(self._kick(inst, now))
         return events
@@ -269,6 +278,10 @@ class SimCluster:
         flight.instance = None
         del self.flights[flight.route.request_id]
         self.num_done += 1
+        if self.elastic is not None:
+            record = flight.record
+            self.elastic.scaler.window.finished(
+                record.num_generated_tokens, now <= record.deadline_s + DEADLINE_TOLERANCE_S)
         if self.finish_listeners:
             report = FinishReport(
                 flight.route, inst.instance_id, flight.record.num_generated_tokens,
@@ -292,9 +305,15 @@ class SimCluster:
     def transfer_done(self, flight: Flight, now: float) -> list[Event]:
         """KV arrived: the decode instance continues from the first token without prefill."""
         assert flight.decode_target is not None
+        flight.decode_target.inbound -= 1
         return self._admit(flight, flight.decode_target, now, num_resumed=1, skip_prefill=True)
 
-    def _drain_router_queue(self, now: float) -> list[Event]:
+    @property
+    def finished(self) -> bool:
+        """Every request has finished or been rejected."""
+        return self.num_done == len(self.requests)
+
+    def drain_router_queue(self, now: float) -> list[Event]:
         events: list[Event] = []
         while self.router_queue:
             routed = self._try_route(self.router_queue[0], now)
@@ -321,15 +340,15 @@ class SimCluster:
         moves = self.watchdog.check(inst.instance_id, active, view, now)
         events: list[Event] = []
         for request_id, target_id in moves.items():
-            events.extend(self._migrate(inst, request_id, target_id, now))
+            events.extend(self.migrate(inst, request_id, target_id, now))
         return events
 
-    def _migrate(
+    def migrate(
         self, src: SimInstance, request_id: str, target_id: str, now: float
     ) -> list[Event]:
         """Abort on the source, re-add on the target with the generated tokens as prompt."""
         pool = self.pools[src.role]
-        target = pool.lookup(target_id, type(self.watchdog).__name__)
+        target = pool.lookup(target_id, "migration")
         seq = src.core.requests.get(request_id)
         if seq is None or target is src:
             raise ValueError(f"cannot migrate {request_id} from {src.instance_id} to {target_id}")

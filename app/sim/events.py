@@ -2,8 +2,8 @@
 
 Order is `(time_s, KIND, seq)`: `heap_key` is the only definition of it. At equal
 times, iterations finish first (so views are current), then KV transfers land,
-then requests arrive, and batches form last, so every request that arrives at
-an instant can join the batch that starts at that instant.
+booted engines join their pool, requests arrive, batches form, and the elastic
+pools' controller decides last, on the state every other event of that instant left.
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ class EventKind(IntEnum):
 
     STEP_END = 0
     KV_TRANSFER_DONE = 1
-    ARRIVAL = 2
-    STEP_START = 3
+    ENGINE_READY = 2
+    ARRIVAL = 3
+    STEP_START = 4
+    CONTROL = 5
 
 
 @dataclass(frozen=True, eq=False)
@@ -84,3 +86,26 @@ class KvTransferDoneEvent(Event):
 
     def handle(self, cluster: SimCluster) -> list[Event]:
         return cluster.transfer_done(self.flight, self.time_s)
+
+
+@dataclass(frozen=True, eq=False)
+class EngineReadyEvent(Event):
+    """An engine the controller started has booted and joins its pool."""
+
+    KIND = EventKind.ENGINE_READY
+    instance: SimInstance
+
+    def handle(self, cluster: SimCluster) -> list[Event]:
+        assert cluster.elastic is not None
+        return cluster.elastic.ready(self.instance, self.time_s)
+
+
+@dataclass(frozen=True, eq=False)
+class ControlEvent(Event):
+    """The elastic pools' scaler takes its interval's decision."""
+
+    KIND = EventKind.CONTROL
+
+    def handle(self, cluster: SimCluster) -> list[Event]:
+        assert cluster.elastic is not None
+        return cluster.elastic.control(self.time_s)

@@ -28,7 +28,8 @@ def setups_from_config(cluster: ClusterConfig) -> list[InstanceSetup]:
 class SimInstance:
     """One engine: the shared engine core plus the simulator's stepping state."""
 
-    __slots__ = ("instance_id", "role", "spec", "core", "pool_index", "step", "start_pending")
+    __slots__ = ("instance_id", "role", "spec", "core", "pool_index", "step", "start_pending",
+                 "inbound")
 
     def __init__(self, instance_id: InstanceId, setup: InstanceSetup, pool_index: int) -> None:
         self.instance_id = instance_id
@@ -38,10 +39,16 @@ class SimInstance:
         self.pool_index = pool_index
         self.step: ScheduledStep | None = None  # iteration in flight
         self.start_pending = False  # a StepStartEvent is queued
+        self.inbound = 0  # disaggregated: requests placed here whose KV is in transit
 
     @property
     def busy(self) -> bool:
         return self.step is not None or self.start_pending
+
+    @property
+    def num_held(self) -> int:
+        """Requests on the engine or on their way to it (a drained engine stops at 0)."""
+        return len(self.core.requests) + self.inbound
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -78,33 +85,67 @@ class Pool:
 
     A snapshot costs one tuple copy plus one view per instance touched since the
     last snapshot, which keeps routing O(changes) rather than O(instances x state).
+    Membership can change (elastic pools): `add` appends an engine, `close` stops
+    routing to one (it keeps stepping what it holds), `reopen` takes it back.
     """
 
     def __init__(self, role: EngineRole, instances: Sequence[SimInstance]) -> None:
         self.role = role
-        self.instances = list(instances)
-        self.by_id = {inst.instance_id: inst for inst in self.instances}  # id -> instance
-        self._views: list[InstanceView | None] = [None] * len(self.instances)
-        self._dirty: set[int] = set(range(len(self.instances)))
-        self._capacity_floor = min(inst.kv_capacity_tokens for inst in self.instances)
+        self.instances: list[SimInstance] = []
+        self.by_id: dict[InstanceId, SimInstance] = {}  # id -> instance
+        self._views: list[InstanceView | None] = []
+        self._dirty: set[int] = set()
+        self._closed: set[int] = set()  # pool indices not offered to routing
+        self._capacity_floor = 0
+        for inst in instances:
+            self.add(inst)
+
+    def add(self, inst: SimInstance) -> None:
+        """A new member; its `pool_index` is its position here."""
+        if inst.instance_id in self.by_id:
+            raise ValueError(f"{inst.instance_id} is already in the {self.role.value} pool")
+        inst.pool_index = len(self.instances)
+        self.instances.append(inst)
+        self.by_id[inst.instance_id] = inst
+        self._views.append(None)
+        self._dirty.add(inst.pool_index)
+        self._refresh_floor()
+
+    def close(self, inst: SimInstance) -> None:
+        self._closed.add(inst.pool_index)
+        self._refresh_floor()
+
+    def reopen(self, inst: SimInstance) -> None:
+        self._closed.discard(inst.pool_index)
+        self._refresh_floor()
+
+    def is_open(self, inst: SimInstance) -> bool:
+        return inst.pool_index not in self._closed
+
+    def _refresh_floor(self) -> None:
+        capacities = [inst.kv_capacity_tokens for inst in self.instances
+                      if inst.pool_index not in self._closed]
+        self._capacity_floor = min(capacities, default=0)
 
     def mark_dirty(self, inst: SimInstance) -> None:
         self._dirty.add(inst.pool_index)
 
     def lookup(self, instance_id: InstanceId, who: str) -> SimInstance:
-        try:
-            return self.by_id[instance_id]
-        except KeyError:
+        inst = self.by_id.get(instance_id)
+        if inst is None or not self.is_open(inst):
             raise ValueError(
-                f"{who} chose {instance_id!r}, not a {self.role.value} instance"
-            ) from None
+                f"{who} chose {instance_id!r}, not an open {self.role.value} instance"
+            )
+        return inst
 
     def snapshot(self, now: float, max_outstanding: int | None = None) -> ClusterView:
-        """Views of all instances, or of those under the admission cap."""
+        """Views of the open instances, or of those under the admission cap."""
         for i in self._dirty:
             self._views[i] = self.instances[i].make_view(now)
         self._dirty.clear()
         views: tuple[InstanceView, ...] = tuple(self._views)  # type: ignore[arg-type]
+        if self._closed:
+            views = tuple(v for i, v in enumerate(views) if i not in self._closed)
         if max_outstanding is not None:
             views = tuple(v for v in views if v.num_outstanding < max_outstanding)
         return ClusterView(now, views, self.prefix_blocks, self._capacity_floor)

@@ -20,6 +20,7 @@ from app.config import ClusterConfig
 from app.routing.base import RoutingPolicy, Watchdog
 from app.routing.disaggregated import LeastTtftPolicy
 from app.sim.cluster import SimCluster
+from app.sim.elastic import ElasticPools, ElasticStats
 from app.sim.events import ArrivalEvent, Event, heap_key
 from app.sim.instance import InstanceSetup, setups_from_config
 from app.sim.records import RequestRecord
@@ -40,6 +41,7 @@ class SimResult:
     num_preemptions: int
     num_kv_transfers: int
     wall_s: float
+    elastic: ElasticStats | None = None  # elastic pools: GPU time, cost, pool sizes
 
     @property
     def num_requests(self) -> int:
@@ -64,6 +66,7 @@ class Simulator:
         max_ongoing_requests: int | None = None,
         max_drain_s: float | None = None,
         seed: int = 0,
+        elastic: ElasticPools | None = None,
     ) -> None:
         """
         prefill_policy: disaggregated mode only; picks the prefill instance (default:
@@ -73,6 +76,8 @@ class Simulator:
             above it requests wait in a FIFO router queue, as in Ray Serve.
         max_drain_s: stop this long after the last arrival; unfinished requests
             then count as violated (None: run until every request is done).
+        elastic: a scaler resizes the pools every interval (the instances given are
+            the initial pools); single use, like the policies.
         """
         if max_ongoing_requests is not None and max_ongoing_requests < 1:
             raise ValueError(f"max_ongoing_requests must be >= 1, got {max_ongoing_requests}")
@@ -86,6 +91,7 @@ class Simulator:
         self.max_ongoing_requests = max_ongoing_requests
         self.max_drain_s = max_drain_s
         self.seed = seed
+        self.elastic = elastic
 
     @classmethod
     def from_config(
@@ -106,6 +112,7 @@ class Simulator:
         started = time.perf_counter()
         makespan_s, num_events = self._loop(cluster, requests, progress)
         records = tuple(cluster.finalize())
+        elastic = None if self.elastic is None else self.elastic.close_books(makespan_s)
         if isinstance(workload, Workload):
             duration_s = workload.duration_s
         else:
@@ -119,6 +126,7 @@ class Simulator:
             num_preemptions=cluster.num_preemptions,
             num_kv_transfers=cluster.link.num_transfers,
             wall_s=time.perf_counter() - started,
+            elastic=elastic,
         )
 
     def _make_cluster(self, requests: Sequence[WorkloadRequest]) -> SimCluster:
@@ -131,6 +139,7 @@ class Simulator:
             kv_link_gbps=self.kv_link_gbps,
             max_ongoing_requests=self.max_ongoing_requests,
             seed=self.seed,
+            elastic=self.elastic,
         )
 
     def _loop(
@@ -152,6 +161,9 @@ class Simulator:
             heapq.heappush(heap, (*heap_key(event, next(seq)), event))
 
         push(ArrivalEvent(requests[0].arrival_s, 0))
+        if cluster.elastic is not None:
+            for event in cluster.elastic.attach(cluster, requests[0].arrival_s):
+                push(event)
         now, num_events, reported = 0.0, 0, 0
         while heap and heap[0][0] <= stop_s:
             now, _, _, event = heapq.heappop(heap)
