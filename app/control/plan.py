@@ -1,7 +1,8 @@
 """From pool targets to a plan diff: which engines to start, drain, stop or migrate.
 
-Scaling up is immediate: engines still starting count as present, so a target is
-never bought twice while engines boot. Scaling down waits: a pool must stay above its
+Scaling up is immediate unless `scale_up_after_s` asks a pool to want more for that
+long first; engines still starting count as present, so a target is never bought
+twice while engines boot. Scaling down waits: a pool must stay above its
 target for `scale_down_after_s`, and not within `cooldown_s` of its last scale-up
 (hysteresis against flapping). A pool that needs engines back reactivates its own
 draining ones before starting new ones. Removal drains: an engine picked to leave
@@ -37,7 +38,9 @@ class EngineRecord:
     kind: EngineKind
     state: EngineState
     since_s: float  # when it entered `state`
-    running: int = 0  # requests on it (from the routers' view)
+    running: int = 0  # requests it holds, queued ones and KV on its way included
+    waiting: int = 0  # of those, requests not scheduled yet
+    kv_usage: float = 0.0  # share of its KV blocks in use
 
     @property
     def pool(self) -> Pool:
@@ -51,9 +54,10 @@ class ScalingRules:
     scale_down_after_s: float = 60.0
     cooldown_s: float = 120.0
     drain_deadline_s: float = 30.0
+    scale_up_after_s: float = 0.0  # a pool must want more this long (Ray Serve's upscale delay)
 
     def __post_init__(self) -> None:
-        for name in ("scale_down_after_s", "cooldown_s", "drain_deadline_s"):
+        for name in ("scale_down_after_s", "cooldown_s", "drain_deadline_s", "scale_up_after_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -84,6 +88,7 @@ class PoolPlanner:
 
     rules: ScalingRules = field(default_factory=ScalingRules)
     _above_since: dict[Pool, float] = field(default_factory=dict)
+    _below_since: dict[Pool, float] = field(default_factory=dict)
     _last_up: dict[Pool, float] = field(default_factory=dict)
 
     def diff(self, now: float, targets: PoolTargets,
@@ -100,12 +105,17 @@ class PoolPlanner:
             want = targets.count(*pool)
             if want > len(present):
                 self._above_since.pop(pool, None)
+                since = self._below_since.setdefault(pool, now)
+                if now - since < self.rules.scale_up_after_s:
+                    continue
+                self._below_since.pop(pool, None)
                 self._last_up[pool] = now
                 back = sorted((e for e in members if e.state is EngineState.DRAINING),
                               key=lambda e: e.running, reverse=True)[:want - len(present)]
                 reactivate += [e.engine_id for e in back]
                 start += [pool] * (want - len(present) - len(back))
             elif want < len(present):
+                self._below_since.pop(pool, None)
                 since = self._above_since.setdefault(pool, now)
                 if (now - since >= self.rules.scale_down_after_s
                         and now - self._last_up.get(pool, -float("inf")) >= self.rules.cooldown_s):
@@ -115,6 +125,7 @@ class PoolPlanner:
                     self._above_since.pop(pool, None)
             else:
                 self._above_since.pop(pool, None)
+                self._below_since.pop(pool, None)
         draining = [e for e in engines if e.state is EngineState.DRAINING
                     and e.engine_id not in reactivate]
         stop += [e.engine_id for e in draining if e.running == 0]

@@ -113,8 +113,13 @@ class ElasticPools:
 
     def registry(self) -> list[EngineRecord]:
         """Records with current running counts (what the routers would report)."""
-        return [replace(r, running=self.instances[r.engine_id].num_held)
-                for r in self.records.values()]
+        return [self._reported(r, self.instances[r.engine_id]) for r in self.records.values()]
+
+    @staticmethod
+    def _reported(record: EngineRecord, inst: SimInstance) -> EngineRecord:
+        core = inst.core
+        return replace(record, running=inst.num_held, waiting=len(core.waiting),
+                       kv_usage=1.0 - core.num_free_blocks / core.num_kv_blocks)
 
     # ---- control steps -------------------------------------------------------------
     def control(self, now: float) -> list[Event]:

@@ -8,8 +8,9 @@ import pytest
 from app.control.controller import Controller, ControllerSettings, StageSlo
 from app.control.observe import LoadWindow, RatePredictor
 from app.control.plan import EngineRecord, EngineState, PoolPlanner, ScalingRules
+from app.control.strategies import QueueLengthScaler, SaturationScaler, ThroughputScaler
 from app.hardware import make_instance
-from app.planning.inventory import DECODE, PREFILL, PoolTargets, Stock
+from app.planning.inventory import DECODE, PREFILL, UNIFIED, PoolTargets, Stock
 from app.planning.split import EngineKind
 
 pytestmark = pytest.mark.unit
@@ -24,8 +25,8 @@ def targets(prefill: int, decode: int) -> PoolTargets:
 
 def engine(engine_id: str, role: str = DECODE, kind: EngineKind = A800,
            state: EngineState = EngineState.ACTIVE, since_s: float = 0.0,
-           running: int = 0) -> EngineRecord:
-    return EngineRecord(engine_id, role, kind, state, since_s, running)
+           running: int = 0, kv_usage: float = 0.0) -> EngineRecord:
+    return EngineRecord(engine_id, role, kind, state, since_s, running, kv_usage=kv_usage)
 
 
 def test_window_stats_and_carry_over_of_length_moments():
@@ -164,3 +165,70 @@ def test_next_step_time_and_settings_errors():
     assert controller.next_step_s(5.0) == 35.0 and controller.next_step_s(40.0) == 65.0
     with pytest.raises(ValueError, match="interval"):
         settings(interval_s=0.0)
+
+
+# ---- the strategies SARA is compared with ---------------------------------------------
+
+A40 = EngineKind("A40", 1, 256)
+STOCK = (Stock(H800, 4, 3.5), Stock(A800, 8, 2.0), Stock(A40, 8, 0.8))
+
+
+def counting(cls, roles=(PREFILL, DECODE), **knobs):
+    return cls(30.0, ScalingRules(0.0, 0.0, 30.0), model="llama-3.1-8b", roles=roles,
+               stock=STOCK, **knobs)
+
+
+def closed_window(scaler, rate: float = 0.0, seconds: float = 30.0):
+    for _ in range(int(rate * seconds)):
+        scaler.window.arrival(300)
+        scaler.window.finished(200, True)
+    return scaler.window.close(seconds)
+
+
+def test_counting_pools_keep_their_engines_and_grow_from_the_preferred_kind():
+    scaler = counting(QueueLengthScaler)
+    decode_order = [s.kind for s in scaler.preferred_kinds(DECODE)]
+    assert sorted(k.name for k in decode_order) == ["A40", "A800", "H800"]
+    engines = [engine("d0", kind=A40), engine("p0", PREFILL, H800)]
+    grown = scaler.fill({PREFILL: 1, DECODE: 3}, engines)
+    assert grown.engines[DECODE][A40] >= 1  # the engine it has stays
+    assert grown.total(DECODE) == 3 and grown.count(PREFILL, H800) == 1
+    kept = scaler.fill({PREFILL: 1, DECODE: 1},
+                       engines + [engine("d1", kind=decode_order[0])])
+    assert kept.engines[DECODE] == {decode_order[0]: 1}  # the least preferred leaves
+    greedy = scaler.fill({PREFILL: 1, DECODE: 40}, engines)
+    assert not greedy.meets_slo and "stock holds" in greedy.reason
+    assert greedy.total(DECODE) + greedy.total(PREFILL) == 20
+
+
+def test_queue_length_wants_two_ongoing_requests_per_engine():
+    scaler = counting(QueueLengthScaler)
+    engines = [engine(f"d{i}", running=3) for i in range(3)] + [
+        engine("p0", PREFILL, H800, running=0)]
+    _, targets = scaler.targets(closed_window(scaler), engines)
+    assert targets.total(DECODE) == 5 and targets.total(PREFILL) == 1  # ceil(9 / 2); floor 1
+
+
+def test_throughput_planner_divides_the_predicted_demand_by_an_engines_throughput():
+    low, high = counting(ThroughputScaler, tpot_s=0.03), counting(ThroughputScaler, tpot_s=0.03)
+    _, few = low.targets(closed_window(low, 20.0), [])
+    _, many = high.targets(closed_window(high, 200.0), [])
+    assert many.total(DECODE) > few.total(DECODE) >= 1
+    prefill, decode = high.per_engine(DECODE, closed_window(counting(QueueLengthScaler), 1.0))
+    assert prefill > 0 and decode > 0
+    unified = counting(ThroughputScaler, roles=(UNIFIED,), tpot_s=0.03)
+    _, both = unified.targets(closed_window(unified, 200.0), [])
+    assert both.total(UNIFIED) >= many.total(DECODE)
+
+
+def test_saturation_adds_one_when_saturated_and_removes_one_when_redistribution_is_safe():
+    scaler = counting(SaturationScaler, roles=(DECODE,))
+    hot = [engine(f"d{i}", kv_usage=0.85) for i in range(3)]
+    cool = [engine(f"d{i}", kv_usage=0.1) for i in range(3)]
+    warm = [engine(f"d{i}", kv_usage=0.55) for i in range(3)]
+    assert scaler.wanted(hot) == 4
+    assert scaler.wanted(cool) == 2  # 0.3 over two engines keeps 0.1 spare
+    assert scaler.wanted(warm) == 3  # spare 0.25 holds, but 1.65 over two would not
+    booting = cool + [engine("d9", state=EngineState.STARTING)]
+    _, targets = scaler.targets(closed_window(scaler), booting)
+    assert targets.total(DECODE) == 4  # no change while an engine boots

@@ -84,7 +84,7 @@ def test_a_step_up_grows_the_pools_and_the_step_down_shrinks_them(roles):
 
 def test_engines_join_only_after_their_start_up_time():
     targets = PoolTargets(0.0, {UNIFIED: {A800: 3}}, 6.0, True)
-    scaler = StaticScaler(targets, interval_s=5.0, rules=ScalingRules(0.0, 0.0, 10.0))
+    scaler = StaticScaler(interval_s=5.0, rules=ScalingRules(0.0, 0.0, 10.0), fixed=targets)
     elastic = ElasticPools(scaler, MODEL, STOCK, startup_s=12.0)
     requests = step_load(((20.0, 40.0),))
     result = Simulator(setups(EngineRole.UNIFIED), LeastRequestPolicy(seed=0),
@@ -106,7 +106,7 @@ def test_drained_engines_hand_their_requests_over_after_the_deadline():
     # requests still on them; past the 2 s deadline those move by token ids
     requests = [WorkloadRequest(f"r{i}", 0.01 * i, 200, 2000, slo_s=1e9) for i in range(40)]
     targets = PoolTargets(0.0, {UNIFIED: {A800: 1}}, 2.0, True)
-    scaler = StaticScaler(targets, interval_s=1.0, rules=ScalingRules(0.0, 0.0, 2.0))
+    scaler = StaticScaler(interval_s=1.0, rules=ScalingRules(0.0, 0.0, 2.0), fixed=targets)
     elastic = ElasticPools(scaler, MODEL, STOCK, startup_s=0.0)
     result = Simulator(setups(*[EngineRole.UNIFIED] * 4), LeastRequestPolicy(seed=0),
                        elastic=elastic).run(requests)
@@ -123,7 +123,7 @@ def test_a_decode_engine_with_kv_on_its_way_is_not_stopped():
     # transfers in flight at the first step and must hold them until they land
     requests = [WorkloadRequest(f"r{i}", 0.001 * i, 4000, 50, slo_s=1e9) for i in range(30)]
     targets = PoolTargets(0.0, {PREFILL: {A800: 1}, DECODE: {A800: 1}}, 4.0, True)
-    scaler = StaticScaler(targets, interval_s=0.05, rules=ScalingRules(0.0, 0.0, 100.0))
+    scaler = StaticScaler(interval_s=0.05, rules=ScalingRules(0.0, 0.0, 100.0), fixed=targets)
     elastic = ElasticPools(scaler, MODEL, STOCK, startup_s=0.0)
     result = Simulator(setups(EngineRole.PREFILL, EngineRole.DECODE, EngineRole.DECODE),
                        LeastRequestPolicy(seed=0), kv_link_gbps=0.5, elastic=elastic
