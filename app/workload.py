@@ -486,3 +486,76 @@ def poisson_workload(
     """Poisson arrivals at `rate` for `duration_s`, content sampled from `pool`."""
     return synthetic_workload(SyntheticArrivals(Arrivals.POISSON, rate, duration_s), pool,
                               seed=seed, name=name)
+
+
+class LoadShape(StrEnum):
+    """Time-varying load for autoscaling experiments."""
+
+    PHASES = "phases"  # low, peak, low: a third of the window each
+    RAMP = "ramp"  # low rising linearly to peak over the window
+
+
+@dataclass(frozen=True)
+class RateProfile:
+    """Target rate over a window: `shape` between `low_rps` and `peak_rps`."""
+
+    shape: LoadShape
+    low_rps: float
+    peak_rps: float
+    duration_s: float
+
+    def __post_init__(self) -> None:
+        if not 0 < self.low_rps <= self.peak_rps:
+            raise ValueError(f"need 0 < low <= peak rate, got {self.low_rps}, {self.peak_rps}")
+        if not self.duration_s > 0:
+            raise ValueError(f"duration must be > 0, got {self.duration_s}")
+
+    def rate_at(self, t: np.ndarray) -> np.ndarray:
+        t = np.asarray(t, dtype=float)
+        if self.shape is LoadShape.RAMP:
+            return self.low_rps + (self.peak_rps - self.low_rps) * t / self.duration_s
+        third = self.duration_s / 3
+        return np.where((t >= third) & (t < 2 * third), self.peak_rps, self.low_rps)
+
+    @property
+    def mean_rps(self) -> float:
+        grid = np.linspace(0.0, self.duration_s, 4097)
+        return float(np.mean(self.rate_at(grid)))
+
+    def expected_arrivals(self, t: np.ndarray) -> np.ndarray:
+        """Cumulative expected arrivals by time t (the rate's integral)."""
+        grid = np.linspace(0.0, self.duration_s, 4097)
+        rates = self.rate_at(grid)
+        cumulative = np.concatenate(([0.0], np.cumsum((rates[1:] + rates[:-1]) / 2
+                                                      * np.diff(grid))))
+        return np.interp(t, grid, cumulative)
+
+
+def shaped_trace_workload(
+    rows: Sequence[TraceRow], profile: RateProfile, *,
+    prompts: Sequence[PromptRow] | None = None, seed: int = 0, name: str = "trace",
+) -> Workload:
+    """The trace's arrivals time-warped so that the rate follows `profile`.
+
+    The n-th arrival keeps its place in the trace's own sequence (its bursts and lulls)
+    and lands where the profile expects the n-th arrival: native time s maps to the t
+    with expected_arrivals(t) = s x the trace's native rate. The trace repeats when the
+    profile expects more arrivals than it holds."""
+    start = rows[0].arrival_s
+    rate = native_rate(rows)
+    one_pass = np.array([r.arrival_s - start for r in rows]) * rate
+    period = one_pass[-1] + 1.0  # one mean gap between a pass's last and the next's first
+    grid = np.linspace(0.0, profile.duration_s, 4097)
+    expected = profile.expected_arrivals(grid)
+    passes = max(1, math.ceil(expected[-1] / period))
+    native = np.concatenate([one_pass + k * period for k in range(passes)])
+    times = np.interp(native, expected, grid, right=math.inf)
+    repeated = [r for _ in range(passes) for r in rows]
+    kept = [(t, r) for t, r in zip(times, repeated, strict=True) if t < profile.duration_s]
+    if not kept:
+        raise ValueError("the profile selects no requests")
+    if prompts is None:
+        contents = [r.content for _, r in kept]
+    else:
+        contents = sample_contents([p.content() for p in prompts], len(kept), seed)
+    return make_workload([t for t, _ in kept], contents, profile.duration_s, name)

@@ -16,8 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from app.control.observe import IntervalStats, LoadWindow, RatePredictor
-from app.control.plan import EngineRecord, PlanDiff, PoolPlanner, ScalingRules
+from app.control.plan import EngineRecord, EngineState, PlanDiff, PoolPlanner, ScalingRules
 from app.hardware import InstanceSpec
+from app.planning.allocator import Workload
 from app.planning.inventory import InventorySizer, PoolLimits, PoolTargets, Stock
 from app.planning.params import ModelParams, SloTargets
 from app.planning.split import DEFAULT_P_SLO, stage_slos
@@ -34,9 +35,11 @@ class StageSlo:
     p_slo: float = DEFAULT_P_SLO
 
     def targets(self, stats: IntervalStats) -> SloTargets:
+        return self.targets_for(stats.observation(1.0).workload)
+
+    def targets_for(self, workload: Workload) -> SloTargets:
         if self.fixed is not None:
             return self.fixed
-        workload = stats.observation(1.0).workload
         return stage_slos(self.reference, workload, self.slo_scale, self.p_slo)
 
 
@@ -102,7 +105,12 @@ class Controller:
         rate = ahead * (1 + self.settings.headroom)
         sizer = InventorySizer(self._model, stats.observation(rate).workload,
                                self.settings.slo.targets(stats), self.settings.stock)
-        targets = sizer.size(rate, self.settings.roles, self.settings.limits)
+        present: dict[str, dict] = {}
+        for e in engines:
+            if e.state is not EngineState.DRAINING:
+                pool = present.setdefault(e.role, {})
+                pool[e.kind] = pool.get(e.kind, 0) + 1
+        targets = sizer.size(rate, self.settings.roles, self.settings.limits, present)
         return ControlStep(stats, forecast, targets, self.planner.diff(now, targets, engines))
 
     def next_step_s(self, now: float) -> float:

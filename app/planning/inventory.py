@@ -93,6 +93,7 @@ class InventorySizer:
         self.stock = {s.kind: s for s in stock if s.count > 0}
         self._capacity: dict[EngineKind, EngineCapacity] = {}
         self._prefill_rate: dict[tuple[EngineKind, int], float] = {}
+        self._present: Mapping[str, Mapping[EngineKind, int]] = {}
 
     def capacity(self, kind: EngineKind) -> EngineCapacity:
         if kind not in self._capacity:
@@ -163,8 +164,12 @@ class InventorySizer:
             left -= self.rate_of(role, kind, room)
         return chosen, max(left, 0.0)
 
-    def size(self, rate: float, roles: Sequence[str], limits: PoolLimits) -> PoolTargets:
-        """Targets for `rate`; over the budget, for the highest rate it buys."""
+    def size(self, rate: float, roles: Sequence[str], limits: PoolLimits,
+             present: Mapping[str, Mapping[EngineKind, int]] | None = None) -> PoolTargets:
+        """Targets for `rate`; over the budget, for the highest rate it buys. Pool floors
+        are met with kinds a role already runs (`present`) before the cheapest ones, so
+        an idle interval does not swap engines."""
+        self._present = present or {}
         targets = self._size_unclamped(rate, roles, limits)
         budget = limits.budget_per_hour
         if budget is None or targets.cost_per_hour <= budget:
@@ -230,8 +235,10 @@ class InventorySizer:
                     available: Mapping[EngineKind, int], floor: int) -> dict[EngineKind, int]:
         """Add the cheapest engines that can serve the role until the floor is met."""
         chosen = dict(chosen)
+        running = self._present.get(role, {})
         candidates = sorted((k for k in available if self.rate_of(role, k, 1) > 0),
-                            key=lambda k: (self.stock[k].price_per_hour, k.name))
+                            key=lambda k: (running.get(k, 0) == 0, self.stock[k].price_per_hour,
+                                           k.name))
         for kind in candidates:
             while sum(chosen.values()) < floor and chosen.get(kind, 0) < available[kind]:
                 chosen[kind] = chosen.get(kind, 0) + 1

@@ -327,8 +327,8 @@ class SimCluster:
     def _watch(self, inst: SimInstance, now: float) -> list[Event]:
         assert self.watchdog is not None
         core = inst.core
-        if not core.requests:
-            return []
+        if not core.requests or not self.pools[inst.role].is_open(inst):
+            return []  # a draining engine's requests move at its drain deadline
         active = [
             ActiveRequest(
                 self.flights[rid].route, inst.instance_id, seq.num_output_tokens,

@@ -1,0 +1,338 @@
+"""Autoscaling in the simulator: the SARA controller against the autoscalers users run.
+
+A trace's arrivals are time-warped into a time-varying load (`phases`: low, peak,
+low; `ramp`: low rising to peak), request content from a prompt file or the trace,
+SLO = the controller's `slo_scale` x solo time on its reference GPU. Every strategy
+serves the same workload on elastic pools of simulated engines (start-up delay,
+draining by token ids) routed by GoodServe:
+- static-peak / static-mean: SARA's inventory sizing at the peak / mean rate, fixed;
+- queue-length: Ray Serve's default rule (2 ongoing requests per replica, 30 s up /
+  600 s down delays);
+- throughput-planner: Dynamo's planner in throughput mode (every 180 s);
+- saturation: llm-d's variant autoscaler (KV 0.8 / queue 5, spare 0.1 / 3);
+- sara: the controller (`app/control`).
+The dynamic strategies start from the pools SARA sizes for the first second's rate.
+
+Writes under --out: summary.json (the printed object), timeline.csv (pool sizes per
+control step), goodput.csv (met per 30 s bin) and autoscale.png.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import typer
+from pydantic import Field, model_validator
+from tqdm import tqdm
+
+from app.config import EngineRole, Frozen, SchedulerConfig
+from app.control.config import ControllerConfig
+from app.control.controller import Controller
+from app.control.plan import ScalingRules
+from app.control.strategies import (
+    QueueLengthScaler,
+    SaturationScaler,
+    StaticScaler,
+    ThroughputScaler,
+)
+from app.hardware import make_instance
+from app.planning.inventory import DECODE, PREFILL, UNIFIED, InventorySizer, PoolTargets
+from app.planning.params import ModelParams
+from app.planning.pools import Observation
+from app.routing.registry import PolicyKind, RoutingOptions, build_routing
+from app.sim.elastic import ElasticPools, Scaler
+from app.sim.instance import InstanceSetup
+from app.sim.records import RequestOutcome
+from app.sim.simulator import SimResult, Simulator
+from app.workload import (
+    LoadShape,
+    RateProfile,
+    Workload,
+    load_prompts,
+    load_trace,
+    shaped_trace_workload,
+)
+from benchmarks.slo import assign_slos, reference_instance, solo_latencies_s
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = REPO / "configs" / "autoscale-sim.yaml"
+STRATEGIES = ("static-peak", "static-mean", "queue-length", "throughput-planner",
+              "saturation", "sara")
+GOODPUT_BIN_S = 30.0
+
+
+class LoadConfig(Frozen):
+    low_rps: float = Field(gt=0, description="rate of the low phases / start of the ramp")
+    peak_rps: float = Field(gt=0, description="rate of the peak phase / end of the ramp")
+    duration_s: float = Field(gt=0, description="arrival window, s")
+
+
+class AutoscaleConfig(Frozen):
+    """The experiment: model, pool mode, load and the controller section."""
+
+    model: str = Field("llama-3.1-8b", description="catalog model")
+    mode: str = Field("disaggregated", description="unified or disaggregated pools")
+    kv_link_gbps: float = Field(25.0, gt=0, description="P->D link, GB/s")
+    load: LoadConfig
+    controller: ControllerConfig
+
+    @model_validator(mode="after")
+    def _mode(self) -> AutoscaleConfig:
+        if self.mode not in ("unified", "disaggregated"):
+            raise ValueError(f"mode must be unified or disaggregated, got {self.mode!r}")
+        if self.load.low_rps > self.load.peak_rps:
+            raise ValueError("load: low_rps must be <= peak_rps")
+        return self
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return (UNIFIED,) if self.mode == "unified" else (PREFILL, DECODE)
+
+
+def load_autoscale_config(path: Path) -> AutoscaleConfig:
+    from app.config import load_yaml_model
+
+    return load_yaml_model(path, AutoscaleConfig)
+
+
+@dataclass(frozen=True)
+class StrategyRun:
+    name: str
+    result: SimResult
+    duration_s: float
+
+    def summary(self) -> dict[str, Any]:
+        records = self.result.records
+        met = sum(r.outcome is RequestOutcome.MET for r in records)
+        stats = self.result.elastic
+        assert stats is not None
+        return {
+            "goodput_rps": round(met / self.duration_s, 3),
+            "slo_attainment": round(met / len(records), 4),
+            "gpu_hours": round(float(stats.gpu_hours), 3),
+            "cost_usd": round(float(stats.cost_usd), 3),
+            "met_per_dollar": round(met / float(stats.cost_usd), 1) if stats.cost_usd else None,
+            "lost": sum(r.finish_s is None and r.outcome is not RequestOutcome.REJECTED
+                        for r in records),
+            "rejected": sum(r.outcome is RequestOutcome.REJECTED for r in records),
+            "migrations": sum(r.num_migrations for r in records),
+            "drain_migrations": stats.num_drain_migrations,
+            "engines_started": stats.num_started,
+        }
+
+
+def load_profile(config: AutoscaleConfig, shape: LoadShape) -> RateProfile:
+    return RateProfile(shape, config.load.low_rps, config.load.peak_rps, config.load.duration_s)
+
+
+def build_workload(config: AutoscaleConfig, profile: RateProfile, trace: Path,
+                   prompts: Path | None, seed: int) -> Workload:
+    workload = shaped_trace_workload(
+        load_trace(trace), profile, prompts=load_prompts(prompts) if prompts else None,
+        seed=seed, name=f"{trace.stem}-{profile.shape.value}")
+    reference = reference_instance(config.model, config.controller.reference_gpu)
+    return assign_slos(workload, solo_latencies_s(workload.requests, reference),
+                       config.controller.slo_scale)
+
+
+def sized_pools(config: AutoscaleConfig, workload: Workload, rate: float) -> PoolTargets:
+    """SARA's inventory sizing for `rate` x (1 + headroom), on the workload's moments."""
+    inputs = [r.num_prompt_tokens for r in workload.requests]
+    mean_in = sum(inputs) / len(inputs)
+    cv = math.sqrt(sum((x - mean_in) ** 2 for x in inputs) / len(inputs)) / mean_in
+    mean_out = sum(r.num_output_tokens for r in workload.requests) / len(workload)
+    settings = config.controller.settings(config.model, config.roles)
+    stats_workload = Observation(rate, mean_in, max(cv, 0.05), mean_out).workload
+    sizer = InventorySizer(ModelParams.named(config.model), stats_workload,
+                           settings.slo.targets_for(stats_workload), settings.stock)
+    return sizer.size(rate * (1 + settings.headroom), config.roles, settings.limits)
+
+
+def setups_for(config: AutoscaleConfig, targets: PoolTargets) -> list[InstanceSetup]:
+    setups = []
+    for role, kinds in targets.engines.items():
+        for kind, n in kinds.items():
+            scheduler = SchedulerConfig(max_num_seqs=kind.max_num_seqs or 256)
+            setups += [InstanceSetup(make_instance(kind.gpu, config.model, kind.tp), scheduler,
+                                     EngineRole(role))] * n
+    return setups
+
+
+def make_scaler(name: str, config: AutoscaleConfig, fixed: PoolTargets | None,
+                start_s: float) -> Scaler:
+    c = config.controller
+    settings = c.settings(config.model, config.roles)
+    common = dict(model=config.model, roles=config.roles, stock=settings.stock,
+                  limits=settings.limits)
+    if name in ("static-peak", "static-mean"):
+        assert fixed is not None
+        return StaticScaler(c.interval_s, c.rules, start_s, fixed=fixed)
+    if name == "queue-length":
+        return QueueLengthScaler(c.interval_s, ScalingRules(600.0, 0.0, c.drain_deadline_s,
+                                                            scale_up_after_s=30.0),
+                                 start_s, **common)
+    if name == "throughput-planner":
+        tpot = settings.slo.fixed.tpot_s if settings.slo.fixed else None
+        return ThroughputScaler(180.0, ScalingRules(0.0, 0.0, c.drain_deadline_s), start_s,
+                                tpot_s=tpot or _reference_tpot(config), **common)
+    if name == "saturation":
+        return SaturationScaler(c.interval_s, ScalingRules(0.0, 0.0, c.drain_deadline_s),
+                                start_s, **common)
+    if name == "sara":
+        return Controller(settings, start_s)
+    raise ValueError(f"unknown strategy {name!r}; known: {', '.join(STRATEGIES)}")
+
+
+def _reference_tpot(config: AutoscaleConfig) -> float:
+    """The decode-step target the SLO scale implies at a 1k context (Dynamo's ITL SLO)."""
+    reference = reference_instance(config.model, config.controller.reference_gpu)
+    return config.controller.slo_scale * reference.decode_time_per_token_s(1024)
+
+
+def run_strategy(name: str, config: AutoscaleConfig, profile: RateProfile, workload: Workload,
+                 routing: RoutingOptions) -> StrategyRun:
+    start_s = workload.requests[0].arrival_s
+    fixed = None
+    if name == "static-peak":
+        fixed = sized_pools(config, workload, profile.peak_rps)
+    elif name == "static-mean":
+        fixed = sized_pools(config, workload, profile.mean_rps)
+    initial = fixed or sized_pools(config, workload, float(profile.rate_at(0.0)))
+    scaler = make_scaler(name, config, fixed, start_s)
+    elastic = ElasticPools(scaler, config.model, config.controller.settings(
+        config.model, config.roles).stock, config.controller.startup_s)
+    stack = build_routing(PolicyKind.GOODSERVE, routing)
+    sim = Simulator(setups_for(config, initial), stack.policy, watchdog=stack.watchdog,
+                    kv_link_gbps=config.kv_link_gbps, seed=routing.seed, elastic=elastic)
+    return StrategyRun(name, sim.run(workload), workload.duration_s)
+
+
+def run_experiment(config: AutoscaleConfig, profile: RateProfile, workload: Workload,
+                   strategies: Sequence[str], routing: RoutingOptions,
+                   progress: Callable[[str], None] | None = None) -> list[StrategyRun]:
+    runs = []
+    for name in strategies:
+        runs.append(run_strategy(name, config, profile, workload, routing))
+        if progress:
+            progress(name)
+    return runs
+
+
+def write_outputs(out: Path, runs: Sequence[StrategyRun], setup: dict) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    summary = {run.name: run.summary() for run in runs}
+    (out / "summary.json").write_text(json.dumps({"setup": setup, "strategies": summary},
+                                                 indent=2) + "\n")
+    with (out / "timeline.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["strategy", "time_s", "role", "serving", "starting", "draining"])
+        for run in runs:
+            assert run.result.elastic is not None
+            for sample in run.result.elastic.samples:
+                for role in sorted(set(sample.serving) | set(sample.starting)):
+                    writer.writerow([run.name, round(sample.time_s, 1), role,
+                                     sample.serving.get(role, 0), sample.starting.get(role, 0),
+                                     sample.draining])
+    bins = math.ceil(runs[0].duration_s / GOODPUT_BIN_S) if runs else 0
+    with (out / "goodput.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["strategy", "bin_start_s", "arrivals", "met"])
+        for run in runs:
+            arrivals, met = [0] * bins, [0] * bins
+            for r in run.result.records:
+                i = min(int(r.arrival_s // GOODPUT_BIN_S), bins - 1)
+                arrivals[i] += 1
+                met[i] += r.outcome is RequestOutcome.MET
+            writer.writerows([run.name, i * GOODPUT_BIN_S, arrivals[i], met[i]]
+                             for i in range(bins))
+    plot(out / "autoscale.png", runs)
+    return summary
+
+
+def plot(path: Path, runs: Sequence[StrategyRun]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (sizes, good) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    for run in runs:
+        assert run.result.elastic is not None
+        samples = run.result.elastic.samples
+        sizes.step([s.time_s for s in samples],
+                   [sum(s.serving.values()) + sum(s.starting.values()) for s in samples],
+                   where="post", label=run.name)
+        bins = math.ceil(run.duration_s / GOODPUT_BIN_S)
+        met = [0] * bins
+        for r in run.result.records:
+            if r.outcome is RequestOutcome.MET:
+                met[min(int(r.arrival_s // GOODPUT_BIN_S), bins - 1)] += 1
+        good.plot([(i + 0.5) * GOODPUT_BIN_S for i in range(bins)],
+                  [m / GOODPUT_BIN_S for m in met], label=run.name)
+    sizes.set_ylabel("engines held (serving + starting)")
+    good.set_ylabel("goodput, req/s (by arrival)")
+    good.set_xlabel("time, s")
+    sizes.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+
+class Backend(StrEnum):
+    SIM = "sim"
+    LIVE = "live"
+
+
+def autoscale(
+    trace: Path = typer.Option(..., help="Mooncake .jsonl or Azure .csv whose arrivals to shape"),
+    prompts: Path | None = typer.Option(None, help="prompt_lengths.jsonl content (else the "
+                                        "trace's own lengths)"),
+    config: Path = typer.Option(DEFAULT_CONFIG, help="autoscaling experiment YAML"),
+    shape: LoadShape = typer.Option(LoadShape.PHASES, help="phases | ramp"),
+    backend: Backend = typer.Option(Backend.SIM, help="sim (live autoscaling runs through "
+                                    "`goodserve serve` with a controller section)"),
+    strategies: str = typer.Option(",".join(STRATEGIES), help="comma-separated"),
+    seed: int = typer.Option(0, help="content sampling and routing seed"),
+    out: Path | None = typer.Option(None, help="write summary.json, CSVs and the PNG here"),
+    as_json: bool = typer.Option(False, "--json", help="print only the JSON object"),
+) -> None:
+    """Compare the SARA controller with static pools and today's autoscalers on a
+    time-varying load (simulator); one JSON object keyed by strategy."""
+    names = [n.strip() for n in strategies.split(",") if n.strip()]
+    if bad := [n for n in names if n not in STRATEGIES]:
+        raise _fail(f"unknown strategy {bad[0]!r}; known: {', '.join(STRATEGIES)}")
+    if backend is not Backend.SIM:
+        raise _fail("the autoscaling experiment runs in the simulator (--backend sim)")
+    for path in (trace, config, prompts):
+        if path is not None and not path.exists():
+            raise _fail(f"{path} does not exist")
+    try:
+        experiment = load_autoscale_config(config)
+        profile = load_profile(experiment, shape)
+        workload = build_workload(experiment, profile, trace, prompts, seed)
+    except ValueError as error:
+        raise _fail(str(error)) from None
+    routing = RoutingOptions(seed=seed)
+    with tqdm(total=len(names), desc="strategies", disable=as_json) as bar:
+        runs = run_experiment(experiment, profile, workload, names, routing,
+                              progress=lambda _: bar.update())
+    setup = {"trace": trace.name, "prompts": prompts.name if prompts else None,
+             "config": config.name, "shape": shape.value, "requests": len(workload),
+             "duration_s": workload.duration_s, "mean_rps": round(profile.mean_rps, 2),
+             "seed": seed, "routing": "goodserve (running-history lengths)"}
+    summary = (write_outputs(out, runs, setup) if out is not None
+               else {run.name: run.summary() for run in runs})
+    typer.echo(json.dumps(summary, indent=None if as_json else 2))
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code=2)

@@ -1,0 +1,108 @@
+"""The autoscaling experiment: load shapes, the controller config, the command line."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from app.cli import cli
+from app.control.config import ControllerConfig
+from app.planning.inventory import DECODE, PREFILL
+from app.workload import Content, LoadShape, RateProfile, TraceRow, shaped_trace_workload
+from benchmarks.autoscale import DEFAULT_CONFIG, STRATEGIES, load_autoscale_config
+
+pytestmark = pytest.mark.unit
+
+
+def trace_rows(n: int = 2000, rate: float = 5.0) -> list[TraceRow]:
+    rng = random.Random(0)
+    t, rows = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        rows.append(TraceRow(t, Content(200, 50, (1,))))
+    return rows
+
+
+def test_the_shaped_load_follows_the_profile_and_repeats_the_trace():
+    profile = RateProfile(LoadShape.PHASES, 10.0, 40.0, 300.0)
+    workload = shaped_trace_workload(trace_rows(), profile)
+    times = np.array([r.arrival_s for r in workload.requests])
+    thirds = [((times >= a) & (times < a + 100)).sum() / 100 for a in (0, 100, 200)]
+    assert thirds[0] == pytest.approx(10, rel=0.25) and thirds[2] == pytest.approx(10, rel=0.25)
+    assert thirds[1] == pytest.approx(40, rel=0.15)
+    assert len(workload) > 2000  # 6,000 expected arrivals from a 2,000-row trace
+    ramp = shaped_trace_workload(trace_rows(), RateProfile(LoadShape.RAMP, 10.0, 40.0, 300.0))
+    ramp_times = np.array([r.arrival_s for r in ramp.requests])
+    assert (ramp_times < 100).sum() < (ramp_times >= 200).sum()
+    assert profile.mean_rps == pytest.approx(20.0, rel=0.01)
+    with pytest.raises(ValueError, match="low <= peak"):
+        RateProfile(LoadShape.RAMP, 50.0, 10.0, 100.0)
+
+
+def test_the_default_experiment_config_loads_and_its_peak_needs_more_than_its_mean():
+    config = load_autoscale_config(DEFAULT_CONFIG)
+    assert config.roles == (PREFILL, DECODE)
+    assert config.load.peak_rps > 2 * config.load.low_rps
+    settings = config.controller.settings(config.model, config.roles)
+    assert settings.limits.budget_per_hour is not None and len(settings.stock) >= 3
+
+
+def test_controller_config_errors_name_the_field():
+    base = {"inventory": [{"gpu_type": "A800", "count": 2}]}
+    assert ControllerConfig.model_validate(base).inventory[0].stock.price_per_hour == 2.0
+    for bad, match in (({"inventory": [{"gpu_type": "B300", "count": 1}]}, "unknown GPU"),
+                       ({**base, "min_engines": {"both": 1}}, "unknown roles"),
+                       ({"inventory": [{"gpu_type": "A800", "count": 1}] * 2}, "twice"),
+                       ({"inventory": []}, "empty")):
+        with pytest.raises(ValueError, match=match):
+            ControllerConfig.model_validate(bad)
+
+
+def small_experiment(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(json.dumps({
+        "timestamp": int(r.arrival_s * 1000), "input_length": 200, "output_length": 300,
+        "hash_ids": [i]}) for i, r in enumerate(trace_rows(600))))
+    config = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    config["load"] = {"low_rps": 5.0, "peak_rps": 80.0, "duration_s": 150.0}
+    config["controller"].update(interval_s=10, startup_s=10, cooldown_s=20,
+                                scale_down_after_s=10)
+    path = tmp_path / "autoscale.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return trace, path
+
+
+def test_autoscale_prints_one_json_object_keyed_by_strategy(tmp_path):
+    trace, config = small_experiment(tmp_path)
+    result = CliRunner().invoke(cli, ["autoscale", "--trace", str(trace), "--config", str(config),
+                                      "--strategies", "static-peak,saturation,sara", "--json",
+                                      "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output)
+    assert list(summary) == ["static-peak", "saturation", "sara"]
+    for figures in summary.values():
+        assert set(figures) >= {"goodput_rps", "slo_attainment", "gpu_hours", "cost_usd",
+                                "met_per_dollar", "lost", "migrations"}
+        assert figures["lost"] == 0 and figures["cost_usd"] > 0
+    assert summary["sara"]["gpu_hours"] < summary["static-peak"]["gpu_hours"]
+    for name in ("summary.json", "timeline.csv", "goodput.csv", "autoscale.png"):
+        assert (tmp_path / "out" / name).exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--strategies", "karpenter"], "unknown strategy"),
+    (["--backend", "live"], "simulator"),
+    (["--config", "/nonexistent.yaml"], "does not exist"),
+])
+def test_autoscale_input_errors_are_one_line(tmp_path, args, message):
+    trace, config = small_experiment(tmp_path)
+    result = CliRunner().invoke(cli, ["autoscale", "--trace", str(trace), "--config", str(config),
+                                      *args])
+    assert result.exit_code == 2 and message in result.output
+    assert "Traceback" not in result.output
+    assert set(STRATEGIES) >= {"sara", "static-peak"}
