@@ -23,7 +23,15 @@ from app.planning.split import (
     stage_slos,
 )
 from benchmarks.goodput_experiments import REPO
-from benchmarks.pd_vs_unified import every_prefill_pool, inventory, split_label, with_split
+from benchmarks.pd_vs_unified import (
+    every_prefill_pool,
+    inventory,
+    read_csv,
+    report,
+    split_label,
+    with_split,
+    write_csv,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -149,3 +157,20 @@ def test_a_split_rewrites_the_unified_cluster_into_pools_of_the_same_engines():
                      ("A800", 1): EngineRole.DECODE, ("A40", 1): EngineRole.DECODE}
     assert split_label({"H800": 1, "V100x2": 1}) == "H800+V100x2"
     assert split_label({"A800": 3}) == "3xA800"
+
+
+def test_the_report_rebuilds_from_its_csvs(tmp_path):
+    splits = [{"seed": 3, "slo_scale": 2.0, "ttft_s": 0.027, "tpot_s": 0.0267, "kv_s": 0.027,
+               "p_slo": 0.9, "prefill_pool": "A40+A800", "decode_pool": "H800+V100x2",
+               "model_goodput_rps": 125.9, "binding": "prefill"}]
+    cells = [{"seed": 3, "slo_scale": 2.0, "cluster": "unified", "sara_pick": False,
+              "requests": 100, "met": 90, "goodput_rps": 150.0},
+             {"seed": 3, "slo_scale": 2.0, "cluster": "A40+A800", "sara_pick": True,
+              "requests": 100, "met": 30, "goodput_rps": 50.0}]
+    write_csv(tmp_path / "splits.csv", splits)
+    write_csv(tmp_path / "goodput.csv", cells)
+    assert read_csv(tmp_path / "goodput.csv") == cells
+    report(tmp_path, {"rate_rps": 190}, read_csv(tmp_path / "splits.csv"), cells)
+    text = (tmp_path / "report.md").read_text()
+    assert "| 2 | 150.0 | 50.0 | 0.33 | A40+A800 | - | - |" in text
+    assert (tmp_path / "goodput.png").exists()
