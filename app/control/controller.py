@@ -1,7 +1,8 @@
 """The SARA controller's decision loop, Ray-free: observe -> predict -> size -> plan diff.
 
 Every interval the controller closes its load window (what the routers reported),
-forecasts the next interval's rate, sizes the pools for it (plus headroom) from the
+forecasts the next interval's rate, sizes the pools for it (plus headroom, plus the
+rate that drains the requests queued on the engines within one start-up time) from the
 GPU stock under the budget (`InventorySizer`), and turns the targets into a plan diff
 with hysteresis (`PoolPlanner`). Engines take `startup_s` to serve after they are
 started; the targets are sized for the rate expected once they are up, i.e. the
@@ -102,7 +103,10 @@ class Controller:
         # never below what was just observed: a falling trend must not undershoot it
         ahead = max(forecast + trend * self.settings.startup_s / self.settings.interval_s,
                     forecast, stats.rate_rps)
-        rate = ahead * (1 + self.settings.headroom)
+        # requests queued on the engines must drain too, within one engine start-up
+        backlog = sum(e.waiting for e in engines if e.state is EngineState.ACTIVE)
+        drain_rate = backlog / max(self.settings.startup_s, self.settings.interval_s)
+        rate = ahead * (1 + self.settings.headroom) + drain_rate
         sizer = InventorySizer(self._model, stats.observation(rate).workload,
                                self.settings.slo.targets(stats), self.settings.stock)
         present: dict[str, dict] = {}

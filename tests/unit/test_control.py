@@ -25,8 +25,8 @@ def targets(prefill: int, decode: int) -> PoolTargets:
 
 def engine(engine_id: str, role: str = DECODE, kind: EngineKind = A800,
            state: EngineState = EngineState.ACTIVE, since_s: float = 0.0,
-           running: int = 0, kv_usage: float = 0.0) -> EngineRecord:
-    return EngineRecord(engine_id, role, kind, state, since_s, running, kv_usage=kv_usage)
+           running: int = 0, kv_usage: float = 0.0, waiting: int = 0) -> EngineRecord:
+    return EngineRecord(engine_id, role, kind, state, since_s, running, waiting, kv_usage)
 
 
 def test_window_stats_and_carry_over_of_length_moments():
@@ -232,3 +232,15 @@ def test_saturation_adds_one_when_saturated_and_removes_one_when_redistribution_
     booting = cool + [engine("d9", state=EngineState.STARTING)]
     _, targets = scaler.targets(closed_window(scaler), booting)
     assert targets.total(DECODE) == 4  # no change while an engine boots
+
+
+def test_requests_queued_on_the_engines_raise_the_rate_the_pools_are_sized_for():
+    idle, queued = Controller(settings(), 0.0), Controller(settings(), 0.0)
+    for controller in (idle, queued):
+        feed(controller, 20.0)
+    engines = [engine("d0"), engine("p0", PREFILL, H800)]
+    backlog = [engine("d0", running=600, waiting=600), engine("p0", PREFILL, H800)]
+    calm, behind = idle.step(30.0, engines), queued.step(30.0, backlog)
+    # 600 queued over max(start-up 30 s, interval 30 s): 20 req/s more
+    assert behind.targets.rate_rps == pytest.approx(calm.targets.rate_rps + 20.0)
+    assert behind.targets.total(DECODE) > calm.targets.total(DECODE)
