@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import random
 
@@ -89,9 +90,17 @@ def test_autoscale_prints_one_json_object_keyed_by_strategy(tmp_path):
         assert set(figures) >= {"goodput_rps", "slo_attainment", "gpu_hours", "cost_usd",
                                 "met_per_dollar", "lost", "migrations"}
         assert figures["lost"] == 0 and figures["cost_usd"] > 0
-    assert summary["sara"]["gpu_hours"] < summary["static-peak"]["gpu_hours"]
+    assert summary["sara"]["engines_started"] > 0 == summary["static-peak"]["engines_started"]
     for name in ("summary.json", "timeline.csv", "goodput.csv", "autoscale.png"):
         assert (tmp_path / "out" / name).exists()
+    with (tmp_path / "out" / "timeline.csv").open() as f:
+        held: dict[float, int] = {}
+        for row in csv.DictReader(f):
+            if row["strategy"] == "sara":
+                t = float(row["time_s"])
+                held[t] = held.get(t, 0) + int(row["serving"]) + int(row["starting"])
+    sizes = [held[t] for t in sorted(held)]
+    assert sizes[0] < max(sizes) and sizes[-1] < max(sizes)  # grew for the peak, shrank after
 
 
 @pytest.mark.parametrize("args, message", [
