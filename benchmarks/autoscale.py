@@ -32,9 +32,9 @@ import typer
 from pydantic import Field, model_validator
 from tqdm import tqdm
 
-from app.config import EngineRole, Frozen, SchedulerConfig
+from app.config import Frozen
 from app.control.config import ControllerConfig
-from app.control.controller import Controller
+from app.control.controller import Controller, ControllerSettings
 from app.control.plan import ScalingRules
 from app.control.strategies import (
     QueueLengthScaler,
@@ -42,12 +42,10 @@ from app.control.strategies import (
     StaticScaler,
     ThroughputScaler,
 )
-from app.hardware import make_instance
 from app.planning.inventory import DECODE, PREFILL, UNIFIED, InventorySizer, PoolTargets
 from app.planning.params import ModelParams
-from app.planning.pools import Observation
 from app.routing.registry import PolicyKind, RoutingOptions, build_routing
-from app.sim.elastic import ElasticPools, Scaler
+from app.sim.elastic import ElasticPools, Scaler, engine_setup
 from app.sim.instance import InstanceSetup
 from app.sim.records import RequestOutcome
 from app.sim.simulator import SimResult, Simulator
@@ -59,6 +57,8 @@ from app.workload import (
     load_trace,
     shaped_trace_workload,
 )
+from benchmarks.pd_vs_unified import observed
+from benchmarks.replay import cli_error
 from benchmarks.slo import assign_slos, reference_instance, solo_latencies_s
 
 REPO = Path(__file__).resolve().parents[1]
@@ -108,6 +108,16 @@ class StrategyRun:
     result: SimResult
     duration_s: float
 
+    def per_bin(self) -> tuple[list[int], list[int]]:
+        """Arrivals and met requests per GOODPUT_BIN_S bin of arrival time."""
+        bins = math.ceil(self.duration_s / GOODPUT_BIN_S)
+        arrivals, met = [0] * bins, [0] * bins
+        for r in self.result.records:
+            i = min(int(r.arrival_s // GOODPUT_BIN_S), bins - 1)
+            arrivals[i] += 1
+            met[i] += r.outcome is RequestOutcome.MET
+        return arrivals, met
+
     def summary(self) -> dict[str, Any]:
         records = self.result.records
         met = sum(r.outcome is RequestOutcome.MET for r in records)
@@ -142,33 +152,24 @@ def build_workload(config: AutoscaleConfig, profile: RateProfile, trace: Path,
                        config.controller.slo_scale)
 
 
-def sized_pools(config: AutoscaleConfig, workload: Workload, rate: float) -> PoolTargets:
+def sized_pools(settings: ControllerSettings, workload: Workload,
+                rate: float) -> PoolTargets:
     """SARA's inventory sizing for `rate` x (1 + headroom), on the workload's moments."""
-    inputs = [r.num_prompt_tokens for r in workload.requests]
-    mean_in = sum(inputs) / len(inputs)
-    cv = math.sqrt(sum((x - mean_in) ** 2 for x in inputs) / len(inputs)) / mean_in
-    mean_out = sum(r.num_output_tokens for r in workload.requests) / len(workload)
-    settings = config.controller.settings(config.model, config.roles)
-    stats_workload = Observation(rate, mean_in, max(cv, 0.05), mean_out).workload
-    sizer = InventorySizer(ModelParams.named(config.model), stats_workload,
-                           settings.slo.targets_for(stats_workload), settings.stock)
-    return sizer.size(rate * (1 + settings.headroom), config.roles, settings.limits)
+    lengths = observed(workload).workload
+    sizer = InventorySizer(ModelParams.named(settings.model), lengths,
+                           settings.slo.targets_for(lengths), settings.stock)
+    return sizer.size(rate * (1 + settings.headroom), settings.roles, settings.limits)
 
 
-def setups_for(config: AutoscaleConfig, targets: PoolTargets) -> list[InstanceSetup]:
-    setups = []
-    for role, kinds in targets.engines.items():
-        for kind, n in kinds.items():
-            scheduler = SchedulerConfig(max_num_seqs=kind.max_num_seqs or 256)
-            setups += [InstanceSetup(make_instance(kind.gpu, config.model, kind.tp), scheduler,
-                                     EngineRole(role))] * n
-    return setups
+def setups_for(model: str, targets: PoolTargets) -> list[InstanceSetup]:
+    return [engine_setup(model, role, kind)
+            for role, kinds in targets.engines.items() for kind, n in kinds.items()
+            for _ in range(n)]
 
 
-def make_scaler(name: str, config: AutoscaleConfig, fixed: PoolTargets | None,
-                start_s: float) -> Scaler:
+def make_scaler(name: str, config: AutoscaleConfig, settings: ControllerSettings,
+                fixed: PoolTargets | None, start_s: float) -> Scaler:
     c = config.controller
-    settings = c.settings(config.model, config.roles)
     common = dict(model=config.model, roles=config.roles, stock=settings.stock,
                   limits=settings.limits)
     if name in ("static-peak", "static-mean"):
@@ -199,17 +200,17 @@ def _reference_tpot(config: AutoscaleConfig) -> float:
 def run_strategy(name: str, config: AutoscaleConfig, profile: RateProfile, workload: Workload,
                  routing: RoutingOptions) -> StrategyRun:
     start_s = workload.requests[0].arrival_s
+    settings = config.controller.settings(config.model, config.roles)
     fixed = None
     if name == "static-peak":
-        fixed = sized_pools(config, workload, profile.peak_rps)
+        fixed = sized_pools(settings, workload, profile.peak_rps)
     elif name == "static-mean":
-        fixed = sized_pools(config, workload, profile.mean_rps)
-    initial = fixed or sized_pools(config, workload, float(profile.rate_at(0.0)))
-    scaler = make_scaler(name, config, fixed, start_s)
-    elastic = ElasticPools(scaler, config.model, config.controller.settings(
-        config.model, config.roles).stock, config.controller.startup_s)
+        fixed = sized_pools(settings, workload, profile.mean_rps)
+    initial = fixed or sized_pools(settings, workload, float(profile.rate_at(0.0)))
+    scaler = make_scaler(name, config, settings, fixed, start_s)
+    elastic = ElasticPools(scaler, config.model, settings.stock, settings.startup_s)
     stack = build_routing(PolicyKind.GOODSERVE, routing)
-    sim = Simulator(setups_for(config, initial), stack.policy, watchdog=stack.watchdog,
+    sim = Simulator(setups_for(config.model, initial), stack.policy, watchdog=stack.watchdog,
                     kv_link_gbps=config.kv_link_gbps, seed=routing.seed, elastic=elastic)
     return StrategyRun(name, sim.run(workload), workload.duration_s)
 
@@ -240,18 +241,13 @@ def write_outputs(out: Path, runs: Sequence[StrategyRun], setup: dict) -> dict:
                     writer.writerow([run.name, round(sample.time_s, 1), role,
                                      sample.serving.get(role, 0), sample.starting.get(role, 0),
                                      sample.draining])
-    bins = math.ceil(runs[0].duration_s / GOODPUT_BIN_S) if runs else 0
     with (out / "goodput.csv").open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["strategy", "bin_start_s", "arrivals", "met"])
         for run in runs:
-            arrivals, met = [0] * bins, [0] * bins
-            for r in run.result.records:
-                i = min(int(r.arrival_s // GOODPUT_BIN_S), bins - 1)
-                arrivals[i] += 1
-                met[i] += r.outcome is RequestOutcome.MET
+            arrivals, met = run.per_bin()
             writer.writerows([run.name, i * GOODPUT_BIN_S, arrivals[i], met[i]]
-                             for i in range(bins))
+                             for i in range(len(met)))
     plot(out / "autoscale.png", runs)
     return summary
 
@@ -269,12 +265,8 @@ def plot(path: Path, runs: Sequence[StrategyRun]) -> None:
         sizes.step([s.time_s for s in samples],
                    [sum(s.serving.values()) + sum(s.starting.values()) for s in samples],
                    where="post", label=run.name)
-        bins = math.ceil(run.duration_s / GOODPUT_BIN_S)
-        met = [0] * bins
-        for r in run.result.records:
-            if r.outcome is RequestOutcome.MET:
-                met[min(int(r.arrival_s // GOODPUT_BIN_S), bins - 1)] += 1
-        good.plot([(i + 0.5) * GOODPUT_BIN_S for i in range(bins)],
+        _, met = run.per_bin()
+        good.plot([(i + 0.5) * GOODPUT_BIN_S for i in range(len(met))],
                   [m / GOODPUT_BIN_S for m in met], label=run.name)
     sizes.set_ylabel("engines held (serving + starting)")
     good.set_ylabel("goodput, req/s (by arrival)")
@@ -283,7 +275,6 @@ def plot(path: Path, runs: Sequence[StrategyRun]) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
 
 
 class Backend(StrEnum):
@@ -308,18 +299,18 @@ def autoscale(
     time-varying load (simulator); one JSON object keyed by strategy."""
     names = [n.strip() for n in strategies.split(",") if n.strip()]
     if bad := [n for n in names if n not in STRATEGIES]:
-        raise _fail(f"unknown strategy {bad[0]!r}; known: {', '.join(STRATEGIES)}")
+        raise cli_error(f"unknown strategy {bad[0]!r}; known: {', '.join(STRATEGIES)}")
     if backend is not Backend.SIM:
-        raise _fail("the autoscaling experiment runs in the simulator (--backend sim)")
+        raise cli_error("the autoscaling experiment runs in the simulator (--backend sim)")
     for path in (trace, config, prompts):
         if path is not None and not path.exists():
-            raise _fail(f"{path} does not exist")
+            raise cli_error(f"{path} does not exist")
     try:
         experiment = load_autoscale_config(config)
         profile = load_profile(experiment, shape)
         workload = build_workload(experiment, profile, trace, prompts, seed)
     except ValueError as error:
-        raise _fail(str(error)) from None
+        raise cli_error(str(error)) from None
     routing = RoutingOptions(seed=seed)
     with tqdm(total=len(names), desc="strategies", disable=as_json) as bar:
         runs = run_experiment(experiment, profile, workload, names, routing,
@@ -332,7 +323,3 @@ def autoscale(
                else {run.name: run.summary() for run in runs})
     typer.echo(json.dumps(summary, indent=None if as_json else 2))
 
-
-def _fail(message: str) -> typer.Exit:
-    typer.echo(f"error: {message}", err=True)
-    return typer.Exit(code=2)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import itertools
 import math
 import statistics
 from collections import Counter
@@ -32,7 +31,13 @@ from tqdm import tqdm
 from app.config import ClusterConfig, EngineRole, load_cluster_config
 from app.planning.params import ModelParams
 from app.planning.pools import Observation
-from app.planning.split import EngineKind, PoolSplit, split_inventory, stage_slos
+from app.planning.split import (
+    EngineKind,
+    PoolSplit,
+    prefill_counts,
+    split_inventory,
+    stage_slos,
+)
 from app.routing.goodserve import GoodServeConfig
 from app.routing.length import PredictorLength
 from app.routing.registry import PolicyKind, RoutingOptions
@@ -76,21 +81,20 @@ def split_label(prefill: dict[str, int]) -> str:
 def every_prefill_pool(kinds: Counter[EngineKind]) -> list[dict[str, int]]:
     """Every prefill pool leaving at least one engine to each pool."""
     ordered = sorted(kinds)
-    total = sum(kinds.values())
-    pools = []
-    for counts in itertools.product(*(range(kinds[k] + 1) for k in ordered)):
-        if 0 < sum(counts) < total:
-            pools.append({k.name: n for k, n in zip(ordered, counts, strict=True) if n})
-    return pools
+    return [{k.name: n for k, n in zip(ordered, counts, strict=True) if n}
+            for counts in prefill_counts([kinds[k] for k in ordered])]
 
 
 def observed(workload: Workload) -> Observation:
+    """The workload's rate and length moments, as a controller would measure them (a CV
+    below 0.05 counts as 0.05: the length models need some spread)."""
     inputs = [r.num_prompt_tokens for r in workload.requests]
     outputs = [r.num_output_tokens for r in workload.requests]
     mean_in = statistics.fmean(inputs)
     return Observation(
         rate_rps=len(workload) / workload.duration_s, mean_input_len=mean_in,
-        cv_input_len=statistics.pstdev(inputs) / mean_in, mean_output_len=statistics.fmean(outputs),
+        cv_input_len=max(statistics.pstdev(inputs) / mean_in, 0.05),
+        mean_output_len=statistics.fmean(outputs),
     )
 
 

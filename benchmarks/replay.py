@@ -374,7 +374,8 @@ def write_outputs(out: Path, setup: dict[str, Any], outcomes: Sequence[RunOutcom
 # ---- command line ---------------------------------------------------------------------
 
 
-def _fail(message: str) -> typer.Exit:
+def cli_error(message: str) -> typer.Exit:
+    """A one-line CLI error (exit code 2) to raise."""
     typer.echo(f"error: {message}", err=True)
     return typer.Exit(code=2)
 
@@ -442,7 +443,7 @@ def replay(
         else:
             outcomes = _run_with_progress(spec, workload, progress)
     except ValueError as exc:
-        raise _fail(str(exc)) from None
+        raise cli_error(str(exc)) from None
     setup = {
         "backend": backend.value, "cluster": f"{cluster} ({spec.cluster.name})",
         "instances": ", ".join(e.instance.name for e in spec.cluster.engines()),

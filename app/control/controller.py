@@ -12,12 +12,18 @@ controller actor both drive this object; `now` is always an argument.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from app.control.observe import IntervalStats, LoadWindow, RatePredictor
-from app.control.plan import EngineRecord, EngineState, PlanDiff, PoolPlanner, ScalingRules
+from app.control.plan import (
+    EngineRecord,
+    EngineState,
+    PlanDiff,
+    PoolPlanner,
+    ScalingRules,
+    engines_by_pool,
+)
 from app.hardware import InstanceSpec
 from app.planning.allocator import Workload
 from app.planning.inventory import InventorySizer, PoolLimits, PoolTargets, Stock
@@ -109,16 +115,7 @@ class Controller:
         rate = ahead * (1 + self.settings.headroom) + drain_rate
         sizer = InventorySizer(self._model, stats.observation(rate).workload,
                                self.settings.slo.targets(stats), self.settings.stock)
-        present: dict[str, dict] = {}
-        for e in engines:
-            if e.state is not EngineState.DRAINING:
-                pool = present.setdefault(e.role, {})
-                pool[e.kind] = pool.get(e.kind, 0) + 1
-        targets = sizer.size(rate, self.settings.roles, self.settings.limits, present)
+        targets = sizer.size(rate, self.settings.roles, self.settings.limits,
+                             engines_by_pool(engines))
         return ControlStep(stats, forecast, targets, self.planner.diff(now, targets, engines))
 
-    def next_step_s(self, now: float) -> float:
-        """When the next interval closes."""
-        elapsed = now - self.start_s
-        return self.start_s + (math.floor(elapsed / self.settings.interval_s) + 1) * (
-            self.settings.interval_s)

@@ -47,6 +47,16 @@ class EngineRecord:
         return self.role, self.kind
 
 
+def engines_by_pool(engines: Sequence[EngineRecord]) -> dict[str, dict[EngineKind, int]]:
+    """role -> kind -> engines not draining (serving or starting)."""
+    present: dict[str, dict[EngineKind, int]] = {}
+    for e in engines:
+        if e.state is not EngineState.DRAINING:
+            pool = present.setdefault(e.role, {})
+            pool[e.kind] = pool.get(e.kind, 0) + 1
+    return present
+
+
 @dataclass(frozen=True)
 class ScalingRules:
     """Hysteresis, cool-down and draining knobs (seconds)."""

@@ -24,7 +24,13 @@ from dataclasses import dataclass, field
 
 from app.control.controller import ControlStep
 from app.control.observe import IntervalStats, LoadWindow, RatePredictor
-from app.control.plan import EngineRecord, EngineState, PoolPlanner, ScalingRules
+from app.control.plan import (
+    EngineRecord,
+    EngineState,
+    PoolPlanner,
+    ScalingRules,
+    engines_by_pool,
+)
 from app.hardware import InstanceSpec, make_instance
 from app.planning.inventory import DECODE, PREFILL, UNIFIED, PoolLimits, PoolTargets, Stock
 from app.planning.split import EngineKind
@@ -94,18 +100,17 @@ class CountingScaler(ScalerBase):
     def fill(self, counts: dict[str, int], engines: Sequence[EngineRecord]) -> PoolTargets:
         """Engines per role (clamped to the limits): the pool keeps the engines it has
         (least preferred kinds leave first) and grows from the preferred kind's stock."""
+        present = engines_by_pool(engines)
         left = {s.kind: s.count for s in self.stock}
-        present: dict[str, dict[EngineKind, int]] = {role: {} for role in self.roles}
-        for e in engines:
-            if e.state is not EngineState.DRAINING and e.role in present:
-                present[e.role][e.kind] = present[e.role].get(e.kind, 0) + 1
-                left[e.kind] = left.get(e.kind, 0) - 1
+        for role in self.roles:
+            for kind, n in present.get(role, {}).items():
+                left[kind] = left.get(kind, 0) - n
         targets: dict[str, dict[EngineKind, int]] = {}
         short = []
         for role in self.roles:
             want = min(max(counts[role], self.limits.floor(role)), self.limits.ceiling(role))
             order = [s.kind for s in self.preferred_kinds(role)]
-            have = present[role]
+            have = present.get(role, {})
             kept = sorted(have, key=lambda k: order.index(k) if k in order else len(order))
             pool: dict[EngineKind, int] = {}
             for kind in kept:
@@ -216,7 +221,5 @@ class SaturationScaler(CountingScaler):
         for role in self.roles:
             members = [e for e in present if e.role == role]
             booting = any(e.state is EngineState.STARTING for e in members)
-            serving = self.serving(engines, role)
-            counts[role] = len(members) if booting else self.wanted(serving) + (
-                len(members) - len(serving))
+            counts[role] = len(members) if booting else self.wanted(self.serving(engines, role))
         return stats.rate_rps, self.fill(counts, engines)

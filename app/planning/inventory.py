@@ -93,7 +93,6 @@ class InventorySizer:
         self.stock = {s.kind: s for s in stock if s.count > 0}
         self._capacity: dict[EngineKind, EngineCapacity] = {}
         self._prefill_rate: dict[tuple[EngineKind, int], float] = {}
-        self._present: Mapping[str, Mapping[EngineKind, int]] = {}
 
     def capacity(self, kind: EngineKind) -> EngineCapacity:
         if kind not in self._capacity:
@@ -169,26 +168,26 @@ class InventorySizer:
         """Targets for `rate`; over the budget, for the highest rate it buys. Pool floors
         are met with kinds a role already runs (`present`) before the cheapest ones, so
         an idle interval does not swap engines."""
-        self._present = present or {}
-        targets = self._size_unclamped(rate, roles, limits)
+        present = present or {}
+        targets = self._size_unclamped(rate, roles, limits, present)
         budget = limits.budget_per_hour
         if budget is None or targets.cost_per_hour <= budget:
             return targets
-        floor = self._size_unclamped(0.0, roles, limits)
+        floor = self._size_unclamped(0.0, roles, limits, present)
         if floor.cost_per_hour > budget:
             return PoolTargets(0.0, floor.engines, floor.cost_per_hour, False,
                                f"budget {budget:g}/h is below the pool floors "
                                f"({floor.cost_per_hour:g}/h)")
         affordable = max_feasible_rate(
-            lambda r: self._size_unclamped(r, roles, limits).cost_per_hour <= budget, rate,
-            BUDGET_RATE_RTOL)
-        best = self._size_unclamped(affordable, roles, limits)
+            lambda r: self._size_unclamped(r, roles, limits, present).cost_per_hour <= budget,
+            rate, BUDGET_RATE_RTOL)
+        best = self._size_unclamped(affordable, roles, limits, present)
         return PoolTargets(best.rate_rps, best.engines, best.cost_per_hour, False,
                            f"budget {budget:g}/h buys {affordable:.3g} of {rate:.3g} req/s")
 
-    def _size_unclamped(self, rate: float, roles: Sequence[str],
-                        limits: PoolLimits) -> PoolTargets:
-        plans = [self._size_in_order(rate, order, limits) for order in _orders(roles)]
+    def _size_unclamped(self, rate: float, roles: Sequence[str], limits: PoolLimits,
+                        present: Mapping[str, Mapping[EngineKind, int]]) -> PoolTargets:
+        plans = [self._size_in_order(rate, order, limits, present) for order in _orders(roles)]
         if feasible := [p for p in plans if p.meets_slo]:
             return min(feasible, key=lambda t: t.cost_per_hour)
         return self._whole_stock(rate, roles, limits)
@@ -216,14 +215,15 @@ class InventorySizer:
         return sum(self.stock[k].price_per_hour * n
                    for pool in engines.values() for k, n in pool.items())
 
-    def _size_in_order(self, rate: float, roles: Sequence[str],
-                       limits: PoolLimits) -> PoolTargets:
+    def _size_in_order(self, rate: float, roles: Sequence[str], limits: PoolLimits,
+                       present: Mapping[str, Mapping[EngineKind, int]]) -> PoolTargets:
         available = {k: s.count for k, s in self.stock.items()}
         engines: dict[str, dict[EngineKind, int]] = {}
         short: list[str] = []
         for role in roles:
             chosen, left = self.fill(role, max(rate, 0.0), available, limits.ceiling(role))
-            chosen = self._with_floor(role, chosen, available, limits.floor(role))
+            chosen = self._with_floor(role, chosen, available, limits.floor(role),
+                                      present.get(role, {}))
             for kind, n in chosen.items():
                 available[kind] -= n
             engines[role] = {k: n for k, n in chosen.items() if n > 0}
@@ -232,10 +232,11 @@ class InventorySizer:
         return PoolTargets(rate, engines, self._cost(engines), not short, "; ".join(short))
 
     def _with_floor(self, role: str, chosen: dict[EngineKind, int],
-                    available: Mapping[EngineKind, int], floor: int) -> dict[EngineKind, int]:
-        """Add the cheapest engines that can serve the role until the floor is met."""
+                    available: Mapping[EngineKind, int], floor: int,
+                    running: Mapping[EngineKind, int]) -> dict[EngineKind, int]:
+        """Add engines that can serve the role until the floor is met: kinds it already
+        runs first, then the cheapest."""
         chosen = dict(chosen)
-        running = self._present.get(role, {})
         candidates = sorted((k for k in available if self.rate_of(role, k, 1) > 0),
                             key=lambda k: (running.get(k, 0) == 0, self.stock[k].price_per_hour,
                                            k.name))

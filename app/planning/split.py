@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from app.hardware import InstanceSpec
@@ -150,6 +150,15 @@ def kv_capacity(
     )
 
 
+def prefill_counts(counts: Sequence[int]) -> Iterator[tuple[int, ...]]:
+    """Every choice of how many engines of each kind prefill that leaves at least one
+    engine to each pool (`counts`: engines per kind)."""
+    total = sum(counts)
+    for chosen in itertools.product(*(range(n + 1) for n in counts)):
+        if 0 < sum(chosen) < total:
+            yield chosen
+
+
 def split_inventory(
     inventory: Mapping[EngineKind, int],
     model: ModelParams,
@@ -177,21 +186,17 @@ def split_inventory(
     kv_rps = math.inf if kv_link_gbps is None else kv_capacity(model, workload, slo,
                                                                kv_link_gbps, method)
     best: tuple[tuple[float, float, float], PoolSplit] | None = None
-    for prefill_counts in itertools.product(*(range(n + 1) for n in counts)):
-        num_prefill = sum(prefill_counts)
-        if num_prefill == 0 or num_prefill == sum(counts):
-            continue
-        prefill_rps = sum(c.prefill_rps * p for c, p in zip(capacities, prefill_counts,
-                                                            strict=True))
-        decode_rps = sum(c.decode_rps * (n - p) for c, n, p in zip(capacities, counts,
-                                                                  prefill_counts, strict=True))
+    for chosen in prefill_counts(counts):
+        prefill_rps = sum(c.prefill_rps * p for c, p in zip(capacities, chosen, strict=True))
+        decode_rps = sum(c.decode_rps * (n - p) for c, n, p in zip(capacities, counts, chosen,
+                                                                  strict=True))
         stages = {"prefill": prefill_rps, "kv": kv_rps, "decode": decode_rps}
         binding = min(stages, key=stages.__getitem__)
         rank = (stages[binding], min(prefill_rps, decode_rps), prefill_rps + decode_rps)
         if best is None or rank > best[0]:
             split = PoolSplit(
-                prefill={k.name: p for k, p in zip(kinds, prefill_counts, strict=True) if p},
-                decode={k.name: n - p for k, n, p in zip(kinds, counts, prefill_counts,
+                prefill={k.name: p for k, p in zip(kinds, chosen, strict=True) if p},
+                decode={k.name: n - p for k, n, p in zip(kinds, counts, chosen,
                                                          strict=True) if n - p},
                 goodput_rps=stages[binding], prefill_rps=prefill_rps, kv_rps=kv_rps,
                 decode_rps=decode_rps, binding=binding, capacities=capacities,

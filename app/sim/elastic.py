@@ -71,6 +71,13 @@ class ElasticStats:
         return self.gpu_seconds / 3600.0
 
 
+def engine_setup(model: str, role: str, kind: EngineKind) -> InstanceSetup:
+    """A simulated engine of `kind` serving `model` in `role`."""
+    scheduler = SchedulerConfig() if kind.max_num_seqs is None else SchedulerConfig(
+        max_num_seqs=kind.max_num_seqs)
+    return InstanceSetup(make_instance(kind.gpu, model, kind.tp), scheduler, EngineRole(role))
+
+
 class ElasticPools:
     """Applies a scaler's plan diffs to a `SimCluster`'s pools."""
 
@@ -150,10 +157,7 @@ class ElasticPools:
         return events
 
     def _start(self, role: str, kind: EngineKind, now: float) -> EngineReadyEvent:
-        scheduler = SchedulerConfig() if kind.max_num_seqs is None else SchedulerConfig(
-            max_num_seqs=kind.max_num_seqs)
-        setup = InstanceSetup(make_instance(kind.gpu, self.model, kind.tp), scheduler,
-                              EngineRole(role))
+        setup = engine_setup(self.model, role, kind)
         inst = SimInstance(f"{setup.spec.name}-{role}-x{next(self._ids)}", setup, -1)
         self._register(inst, kind, EngineState.STARTING, now)
         self.stats.num_started += 1
@@ -172,9 +176,7 @@ class ElasticPools:
     def _stop(self, engine_id: str, now: float) -> None:
         record = self.records.pop(engine_id)
         inst = self.instances.pop(engine_id)
-        if record.state is EngineState.STARTING:
-            pass  # never joined a pool
-        else:
+        if record.state is not EngineState.STARTING:  # a booting engine never joined a pool
             if inst.num_held:
                 raise RuntimeError(f"{engine_id} stopped with requests on it")
             self._cluster().pools[inst.role].close(inst)
