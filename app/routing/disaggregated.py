@@ -35,11 +35,18 @@ class LeastTtftPolicy(RoutingPolicy):
         hit = view.prefix_hit_tokens(inst.instance_id, request)
         return estimate.queue_delay_s + prefill_time_s(request, estimate, hit)
 
-    def choose(self, request: RouteRequest, view: ClusterView, now: float) -> InstanceId | Reject:
+    def least_ttft(self, request: RouteRequest, view: ClusterView,
+                   now: float) -> tuple[InstanceView, float] | Reject:
+        """The instance with the least estimated TTFT, and that estimate."""
         candidates = view.holding(request)
         if not candidates:
             return no_fit(request)
-        return min(candidates, key=lambda v: self.ttft_s(request, v, view, now)).instance_id
+        return min(((v, self.ttft_s(request, v, view, now)) for v in candidates),
+                   key=lambda pair: pair[1])
+
+    def choose(self, request: RouteRequest, view: ClusterView, now: float) -> InstanceId | Reject:
+        best = self.least_ttft(request, view, now)
+        return best if isinstance(best, Reject) else best[0].instance_id
 
     def on_step(self, instance_id: InstanceId, report: StepReport, now: float) -> None:
         self.status.on_step(instance_id, report, now)
@@ -70,15 +77,15 @@ class DisaggregatedPlacer:
 
     def place(self, request: RouteRequest, prefill_view: ClusterView,
               decode_view: ClusterView, now: float) -> PdPlacement | Reject:
-        prefill = self.prefill_policy.choose(request, prefill_view, now)
-        if isinstance(prefill, Reject):
-            return prefill
-        inst = prefill_view.get(prefill)
-        first_token = now + self.prefill_policy.ttft_s(request, inst, prefill_view, now)
+        best = self.prefill_policy.least_ttft(request, prefill_view, now)
+        if isinstance(best, Reject):
+            return best
+        inst, ttft_s = best
+        first_token = now + ttft_s
         num_bytes = request.num_prompt_tokens * inst.spec.model.kv_bytes_per_token
         kv_ready = self.link.expected_done_s(first_token, num_bytes)
         decode = self.decode_policy.choose(replace(request, kv_ready_s=kv_ready), decode_view,
                                            now)
         if isinstance(decode, Reject):
             return decode
-        return PdPlacement(prefill, decode, first_token - now, kv_ready - first_token)
+        return PdPlacement(inst.instance_id, decode, ttft_s, kv_ready - first_token)
