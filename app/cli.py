@@ -73,6 +73,7 @@ def serve(
 
     from app.serving.config import default_serve_config, load_serve_config
     from deployments.cluster import init_local_ray
+    from deployments.controller import stop_controller
     from deployments.router import build_app
 
     try:
@@ -86,7 +87,8 @@ def serve(
                    "run `goodserve tiny-model`)", err=True)
         raise typer.Exit(code=2)
     http_port = port or serve_config.http_port
-    init_local_ray(serve_config.cluster)
+    inventory = serve_config.controller.inventory if serve_config.controller else ()
+    init_local_ray(serve_config.cluster, inventory=inventory)
     try:
         ray_serve.start(http_options={"host": "0.0.0.0", "port": http_port})
         ray_serve.run(build_app(serve_config), name="goodserve", route_prefix="/")
@@ -97,6 +99,7 @@ def serve(
     except KeyboardInterrupt:
         pass
     finally:
+        stop_controller(serve_config.cluster.name)  # and every engine it started
         ray_serve.shutdown()
         ray.shutdown()
 

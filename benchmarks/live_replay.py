@@ -126,7 +126,7 @@ def live_cell(
     """
     from ray import serve
 
-    from deployments.cluster import shutdown_shared_engines
+    from deployments.controller import stop_controller
     from deployments.router import build_app
 
     serve.run(build_app(config), name=APP_NAME, route_prefix="/")
@@ -138,7 +138,7 @@ def live_cell(
         return records, time.monotonic() - t0
     finally:
         serve.delete(APP_NAME)
-        shutdown_shared_engines(config.cluster)
+        stop_controller(config.cluster.name)
 
 
 def serve_config_for(base: ServeConfig, policy: str, **routing: Any) -> ServeConfig:

@@ -8,11 +8,14 @@ the one local node, so one config pins identically in both places.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import ray
 
-from app.config import ClusterConfig, EngineConfig, EngineRole
+from app.config import ClusterConfig, EngineConfig, gpu_resource_name
+from app.control.config import InventoryItem
+from app.control.fleet import engine_name
 from app.engine_types import EngineRequest, TokenEvent
 from deployments.engine import EngineActor
 
@@ -28,39 +31,50 @@ class EngineHandle:
     actor: ray.actor.ActorHandle
 
 
-def local_node_resources(cluster: ClusterConfig) -> dict[str, float]:
-    """Custom resources a single local node must declare to host `cluster`."""
+def local_node_resources(cluster: ClusterConfig,
+                         inventory: Sequence[InventoryItem] = ()) -> dict[str, float]:
+    """Custom resources a single local node must declare to host `cluster`, or all of
+    a controller's `inventory` at once when that needs more."""
     counts: Counter[str] = Counter()
     for engine in cluster.engines():
         counts[engine.resource_name] += engine.tp
+    for item in inventory:
+        name = gpu_resource_name(item.gpu_type)
+        counts[name] = max(counts[name], item.tp * item.count)
     return {name: float(n) for name, n in counts.items()}
 
 
-def init_local_ray(cluster: ClusterConfig, num_cpus: int | None = None) -> None:
-    """Start (or join) a local Ray instance that can place every engine of `cluster`."""
+def init_local_ray(cluster: ClusterConfig, num_cpus: int | None = None,
+                   inventory: Sequence[InventoryItem] = ()) -> None:
+    """Start (or join) a local Ray instance that can place every engine of `cluster`
+    (and of a controller's `inventory`)."""
     if ray.is_initialized():
         return
     ray.init(
         num_cpus=num_cpus,
-        resources=local_node_resources(cluster),
+        resources=local_node_resources(cluster, inventory),
         include_dashboard=False,
         log_to_driver=False,
     )
 
 
-def launch_engine(engine_id: str, config: EngineConfig, shared: bool = False) -> EngineHandle:
+def launch_engine(engine_id: str, config: EngineConfig, shared: bool = False,
+                  owner: str | None = None) -> EngineHandle:
     """Create one actor on a node of its GPU kind; vLLM actors need no Ray CPU slot
     (the engine core runs in its own process), so small machines can host several.
 
     An engine holds one unit of its `gpu_type:<GPU>` resource per GPU (tp units), and
     a vLLM engine on a real GPU also holds tp Ray GPUs, so Ray sets the devices it may
     use. Engines are named actors in ENGINE_NAMESPACE. `shared` returns the running
-    engine of that name if there is one and otherwise starts it detached, so every
-    router replica (and a restarted one) drives the same engines.
+    engine of that name if there is one and otherwise starts it detached (engines
+    started outside a controller, shared by name). An `owner` (a controller's name)
+    starts it detached under that owner, which stops it with its application.
     """
     options: dict = {}
     if shared:
         options = {"get_if_exists": True, "lifetime": "detached"}
+    elif owner is not None:
+        options = {"lifetime": "detached"}
     actor = EngineActor.options(
         name=engine_id,
         namespace=ENGINE_NAMESPACE,
@@ -69,26 +83,25 @@ def launch_engine(engine_id: str, config: EngineConfig, shared: bool = False) ->
         num_cpus=0,
         max_concurrency=1000,
         **options,
-    ).remote(engine_id, config)
+    ).remote(engine_id, config, owner)
     return EngineHandle(engine_id, config, actor)
 
 
 def engine_ids(cluster: ClusterConfig) -> list[tuple[str, EngineConfig]]:
-    """(id, config) per engine of `cluster`; ids are `<cluster>-<gpu>-<n>`, with the role
-    before the GPU in disaggregated mode (`<cluster>-decode-A40-2`)."""
-    named = []
-    for i, config in enumerate(cluster.engines()):
-        tag = config.gpu_type if config.tp == 1 else f"{config.tp}x{config.gpu_type}"
-        if config.role != EngineRole.UNIFIED:
-            tag = f"{config.role.value}-{tag}"
-        connector = config.kv_connector
-        if connector is not None and connector.side_channel_port is not None:
-            # one handshake port per engine: engines of a group share one config
-            port = connector.side_channel_port + i
-            config = config.model_copy(update={
-                "kv_connector": connector.model_copy(update={"side_channel_port": port})})
-        named.append((f"{cluster.name}-{tag}-{i}", config))
-    return named
+    """(id, config) per configured engine of `cluster` (ids from `engine_name`)."""
+    return [(engine_name(cluster.name, config, i), numbered_config(config, i))
+            for i, config in enumerate(cluster.engines())]
+
+
+def numbered_config(config: EngineConfig, index: int) -> EngineConfig:
+    """Engine number `index`'s config: its own KV handshake port (engines of a group
+    share one config, and each needs a port of its own)."""
+    connector = config.kv_connector
+    if connector is None or connector.side_channel_port is None:
+        return config
+    port = connector.side_channel_port + index
+    return config.model_copy(update={
+        "kv_connector": connector.model_copy(update={"side_channel_port": port})})
 
 
 def launch_cluster(
@@ -105,19 +118,6 @@ def shutdown_engines(handles: list[EngineHandle], timeout_s: float | None = None
     ray.get([h.actor.shutdown.remote() for h in handles], timeout=timeout_s)
     for h in handles:
         ray.kill(h.actor)
-
-
-def shutdown_shared_engines(cluster: ClusterConfig) -> None:
-    """Stop the named engines of `cluster` that are running (`launch_engine(shared=True)`),
-    without starting the missing ones."""
-    handles = []
-    for engine_id, config in engine_ids(cluster):
-        try:
-            actor = ray.get_actor(engine_id, namespace=ENGINE_NAMESPACE)
-        except ValueError:  # not running
-            continue
-        handles.append(EngineHandle(engine_id, config, actor))
-    shutdown_engines(handles)
 
 
 async def collect_tokens(handle: EngineHandle, request: EngineRequest) -> list[TokenEvent]:

@@ -7,6 +7,7 @@ only exposes them to the router and coalesces their token stream.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import ray
 
@@ -16,12 +17,24 @@ from app.engines.base import make_backend
 from app.serving.streams import coalesce
 
 
+@dataclass(frozen=True)
+class Membership:
+    """Who started the engine (a controller's name; None when started outside one) and
+    the pool state that controller last gave it."""
+
+    owner: str | None
+    state: str = "active"
+    since_s: float | None = None
+
+
 @ray.remote
 class EngineActor:
     """Ray shell around one backend. Call `generate` with num_returns="streaming"."""
 
-    def __init__(self, engine_id: str, config: EngineConfig) -> None:
+    def __init__(self, engine_id: str, config: EngineConfig, owner: str | None = None) -> None:
         self.backend = make_backend(engine_id, config)
+        # the controller's label, kept here so a restarted controller finds it again
+        self.membership = Membership(owner)
 
     async def start(self) -> str:
         await self.backend.start()
@@ -42,6 +55,12 @@ class EngineActor:
 
     def config(self) -> EngineConfig:
         return self.backend.config
+
+    def label(self) -> Membership:
+        return self.membership
+
+    def set_label(self, state: str, since_s: float) -> None:
+        self.membership = Membership(self.membership.owner, state, since_s)
 
     async def shutdown(self) -> None:
         await self.backend.shutdown()

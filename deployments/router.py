@@ -1,26 +1,42 @@
 """Ray Serve shell of the router: HTTP endpoints over `CompletionService`.
 
 `build_app(config)` returns the Serve application (`serve run app.main:app`, or
-`goodserve serve --config ...`). Each replica drives the cluster's engine actors,
-created on first use as named detached actors (see `launch_engine`), so replicas
-share them. All request handling lives in app/serving/; this file only maps
-HTTP onto it and Ray actors onto `EngineClient`.
+`goodserve serve --config ...`). The application's controller actor (started by the
+first replica, see deployments/controller.py) owns the engine actors; every replica
+routes over the controller's registry, follows its changes without restarting and
+reports its arrivals and completions to it. All request handling lives in
+app/serving/; this file only maps HTTP onto it and Ray actors onto `EngineClient`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import socket
 from collections.abc import AsyncIterator
 
+import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
+from app.control.fleet import Member
 from app.engine_types import EngineRequest, EngineStatus, TokenEvent
 from app.serving.config import ServeConfig
-from app.serving.router import EngineClient
+from app.serving.router import EngineClient, LiveRouter
 from app.serving.service import CompletionService, JsonReply
-from deployments.cluster import EngineHandle, launch_cluster
+from deployments.cluster import ENGINE_NAMESPACE, EngineHandle
+from deployments.controller import controller_for
+
+logger = logging.getLogger(__name__)
+
+REGISTRY_WAIT_S = 1.0  # long-poll period, also the load report period
+
+
+def member_client(member: Member) -> ActorEngineClient:
+    """A client for a registry member's engine actor (found by name)."""
+    actor = ray.get_actor(member.engine_id, namespace=ENGINE_NAMESPACE)
+    return ActorEngineClient(EngineHandle(member.engine_id, member.config, actor))
 
 
 class ActorEngineClient(EngineClient):
@@ -57,8 +73,30 @@ class RouterDeployment:
     """One router replica: its own status estimates, budgets and watchdog."""
 
     def __init__(self, config: ServeConfig) -> None:
-        handles = launch_cluster(config.cluster, shared=True)
-        self.service = CompletionService(config, [ActorEngineClient(h) for h in handles])
+        self.controller = controller_for(config, serve.get_replica_context().app_name)
+        registry = ray.get(self.controller.registry.remote())
+        self.registry_key = registry.key
+        clients = [member_client(m) for m in registry.members]
+        self.service = CompletionService(config, clients, companion=self._follow)
+
+    async def _follow(self, router: LiveRouter) -> None:
+        """Long-poll the controller's registry and push load reports; while the
+        controller is down (it restarts), serve on the last registry."""
+        while True:
+            try:
+                report = router.take_load_report()
+                if not report.is_empty:
+                    self.controller.report.remote(report)
+                registry = await self.controller.registry.remote(self.registry_key,
+                                                                 REGISTRY_WAIT_S)
+            except Exception as exc:
+                logger.warning("controller unreachable (%s); routing on registry %s",
+                               exc, self.registry_key)
+                await asyncio.sleep(REGISTRY_WAIT_S)
+                continue
+            if registry is not None:
+                self.registry_key = registry.key
+                router.follow(registry.members, member_client)
 
     @http_app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:

@@ -170,7 +170,7 @@ def serving(config, app_name: str) -> Iterator[str]:
     it started is stopped."""
     from ray import serve
 
-    from deployments.cluster import shutdown_shared_engines
+    from deployments.controller import stop_controller
     from deployments.router import build_app, free_port
 
     port = free_port()
@@ -180,7 +180,7 @@ def serving(config, app_name: str) -> Iterator[str]:
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
-        shutdown_shared_engines(config.cluster)
+        stop_controller(config.cluster.name)
         wait_until_gone(config.cluster)
 
 

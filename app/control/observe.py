@@ -40,6 +40,37 @@ class IntervalStats:
         return Observation(rate_rps, self.mean_input_len, self.cv_input_len, self.mean_output_len)
 
 
+@dataclass
+class LoadReport:
+    """Arrival and completion tallies: what one router adds up between two reports to
+    the controller, and what the controller's window sums over every router."""
+
+    arrivals: int = 0
+    input_sum: float = 0.0
+    input_sq: float = 0.0
+    finished: int = 0
+    met: int = 0
+    output_sum: float = 0.0
+
+    def arrival(self, num_prompt_tokens: int) -> None:
+        self.arrivals += 1
+        self.input_sum += num_prompt_tokens
+        self.input_sq += float(num_prompt_tokens) ** 2
+
+    def completion(self, num_output_tokens: int, met_deadline: bool) -> None:
+        self.finished += 1
+        self.met += int(met_deadline)
+        self.output_sum += num_output_tokens
+
+    def merge(self, other: LoadReport) -> None:
+        for name in ("arrivals", "input_sum", "input_sq", "finished", "met", "output_sum"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.arrivals or self.finished)
+
+
 class LoadWindow:
     """Accumulates router reports between two interval boundaries.
 
@@ -49,36 +80,35 @@ class LoadWindow:
     def __init__(self, start_s: float, default_input_len: float = 512.0,
                  default_output_len: float = 256.0) -> None:
         self._start_s = start_s
-        self._arrivals = self._finished = self._met = 0
-        self._input_sum = self._input_sq = self._output_sum = 0.0
+        self._tally = LoadReport()
         self._last_input = (default_input_len, 1.0)
         self._last_output = default_output_len
 
     def arrival(self, num_prompt_tokens: int) -> None:
-        self._arrivals += 1
-        self._input_sum += num_prompt_tokens
-        self._input_sq += float(num_prompt_tokens) ** 2
+        self._tally.arrival(num_prompt_tokens)
 
     def finished(self, num_output_tokens: int, met_deadline: bool) -> None:
-        self._finished += 1
-        self._met += int(met_deadline)
-        self._output_sum += num_output_tokens
+        self._tally.completion(num_output_tokens, met_deadline)
+
+    def merge(self, report: LoadReport) -> None:
+        """Add a router's tallies since its last report."""
+        self._tally.merge(report)
 
     def close(self, now: float) -> IntervalStats:
         """The window [start, now) as stats; a new window starts at `now`."""
         if not now > self._start_s:
             raise ValueError(f"window end {now} must be after its start {self._start_s}")
-        if self._arrivals:
-            mean = self._input_sum / self._arrivals
-            variance = max(self._input_sq / self._arrivals - mean * mean, 0.0)
+        t = self._tally
+        if t.arrivals:
+            mean = t.input_sum / t.arrivals
+            variance = max(t.input_sq / t.arrivals - mean * mean, 0.0)
             self._last_input = (max(mean, 1.0), max(math.sqrt(variance) / max(mean, 1.0), 0.05))
-        if self._finished:
-            self._last_output = max(self._output_sum / self._finished, 1.0)
-        stats = IntervalStats(self._start_s, now, self._arrivals, self._finished, self._met,
+        if t.finished:
+            self._last_output = max(t.output_sum / t.finished, 1.0)
+        stats = IntervalStats(self._start_s, now, t.arrivals, t.finished, t.met,
                               *self._last_input, self._last_output)
         self._start_s = now
-        self._arrivals = self._finished = self._met = 0
-        self._input_sum = self._input_sq = self._output_sum = 0.0
+        self._tally = LoadReport()
         return stats
 
 

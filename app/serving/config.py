@@ -20,6 +20,9 @@ from app.config import (
     SchedulerConfig,
     load_yaml_model,
 )
+from app.control.config import ControllerConfig
+from app.control.controller import ControllerSettings
+from app.planning.inventory import DECODE, PREFILL, UNIFIED
 from app.routing.goodserve import GoodServeConfig
 from app.routing.length import OutputLengthEstimator
 from app.routing.registry import SIM_ONLY, PolicyKind, RoutingOptions
@@ -77,6 +80,9 @@ class ServeConfig(Frozen):
     num_router_replicas: int = Field(
         1, ge=1, description="router deployment replicas (Ray Serve); each routes its share")
     http_port: int = Field(8000, ge=1, le=65535, description="HTTP port of the OpenAI API")
+    controller: ControllerConfig | None = Field(
+        None, description="resize the pools from SARA's allocation (the cluster's engines "
+        "are the initial pools); None: the pools stay as configured")
 
     @model_validator(mode="after")
     def _one_model(self) -> ServeConfig:
@@ -90,6 +96,14 @@ class ServeConfig(Frozen):
     def engine_template(self) -> EngineConfig:
         """Any engine (they all serve the same model)."""
         return self.cluster.engines()[0]
+
+    @property
+    def controller_settings(self) -> ControllerSettings | None:
+        """The controller's decision settings for this model and its pools."""
+        if self.controller is None:
+            return None
+        roles = (PREFILL, DECODE) if self.cluster.mode == "disaggregated" else (UNIFIED,)
+        return self.controller.settings(self.engine_template.model, roles)
 
     @property
     def is_simulated(self) -> bool:

@@ -31,6 +31,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from app.config import EngineConfig, EngineRole
+from app.control.fleet import Member
+from app.control.observe import LoadReport
+from app.control.plan import EngineState
 from app.engine_types import EngineRequest, EngineStatus, SamplingSpec, TokenEvent
 from app.engines.prefix import PREFIX_BLOCK_SIZE, PrefixCache, prefix_block_hashes
 from app.hardware import InstanceSpec
@@ -100,6 +103,7 @@ class Flight:
     num_failovers: int = 0
     is_running: bool = False  # produced a token on its current instance
     move_to: InstanceId | None = None  # set by a migration, taken when the stream ends
+    move_for_drain: bool = False  # that migration empties an engine leaving its pool
     # disaggregated: where the prompt is computed (None once the decode stage owns it),
     # the transfer it took and how many prompt tokens the decode engine loaded
     prefill_instance_id: InstanceId | None = None
@@ -157,6 +161,8 @@ class LiveInstance:
     # what other router replicas had running / waiting here at the last poll
     others_running: int = 0
     others_waiting: int = 0
+    draining: bool = False  # out of the registry's serving set: takes no new request
+    left: bool = False  # gone from the registry: forgotten once nothing of ours is on it
 
     def remember_prefix(self, block_hashes: Sequence[int]) -> None:
         if self.prefixes is not None:
@@ -213,7 +219,8 @@ class RouterCounters:
     num_rejected: int
     num_finished: int
     num_dropped: int
-    num_migrations: int
+    num_migrations: int  # SLO-risk and operator moves
+    num_drain_migrations: int  # moves off engines leaving their pool
     num_failovers: int
     num_in_flight: int
 
@@ -272,7 +279,8 @@ class LiveRouter:
         self._poll_task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
         self._num_routed = self._num_rejected = self._num_finished = self._num_dropped = 0
-        self._num_migrations = self._num_failovers = 0
+        self._num_migrations = self._num_drain_migrations = self._num_failovers = 0
+        self._load_report = LoadReport()  # arrivals and completions since the last take
 
     # ---- lifecycle -------------------------------------------------------------
     async def start(self) -> None:
@@ -323,7 +331,7 @@ class LiveRouter:
         role = role or self.serve_role
         views = []
         for iid, inst in self.instances.items():
-            if (not inst.healthy or inst.status is None or iid in exclude
+            if (not inst.healthy or inst.status is None or iid in exclude or inst.draining
                     or inst.client.config.role != role):
                 continue
             sched = inst.client.config.scheduler
@@ -367,6 +375,7 @@ class LiveRouter:
             task=request.task,
             max_output_tokens=request.sampling.max_tokens,
         )
+        self._load_report.arrival(route.num_prompt_tokens)
         if self.predict is not None:
             predicted = await self.predict(route)
             route = replace(route, predicted_output_tokens=max(round(predicted), 1))
@@ -542,7 +551,11 @@ class LiveRouter:
     def _move(self, flight: Flight, target: InstanceId) -> None:
         flight.move_to = None
         flight.num_migrations += 1
-        self._num_migrations += 1
+        if flight.move_for_drain:
+            self._num_drain_migrations += 1
+        else:
+            self._num_migrations += 1
+        flight.move_for_drain = False
         self._resubmit_on(flight, target)
 
     def _resubmit_on(self, flight: Flight, target: InstanceId) -> None:
@@ -578,19 +591,26 @@ class LiveRouter:
         now = self.clock()
         if finished:
             self._num_finished += 1
+            end_s = flight.finish_s or now
+            self._load_report.completion(len(flight.output_token_ids),
+                                         end_s <= flight.route.deadline_s)
             report = FinishReport(flight.route, flight.instance_id, len(flight.output_token_ids),
                                   flight.first_token_s, flight.finish_s or now)
             for listener in self._listeners:
                 listener.on_finish(report, now)
-            return
-        self._num_dropped += 1
-        self._abort_in_background(flight)  # client gone or engine lost: free the engine
-        for listener in self._listeners:
-            listener.on_drop(flight.route, now)
+        else:
+            self._num_dropped += 1
+            self._abort_in_background(flight)  # client gone or engine lost: free the engine
+            for listener in self._listeners:
+                listener.on_drop(flight.route, now)
+        used = [*flight.instance_ids, flight.prefill_instance_id]
+        self._forget_left([iid for iid in used if iid is not None])
 
     def _abort_in_background(self, flight: Flight) -> None:
-        client = self.instances[flight.instance_id].client
-        task = asyncio.ensure_future(client.abort(flight.engine_request_id))
+        self._spawn(self.instances[flight.instance_id].client.abort(flight.engine_request_id))
+
+    def _spawn(self, coroutine: Awaitable) -> None:
+        task = asyncio.ensure_future(coroutine)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -615,8 +635,10 @@ class LiveRouter:
         for request_id, target in self.watchdog.check(inst.instance_id, active, view, now).items():
             self.migrate(request_id, target)
 
-    def migrate(self, request_id: str, target_id: InstanceId | None = None) -> InstanceId | None:
-        """Move a running request by token ids (watchdog or operator); returns the target.
+    def migrate(self, request_id: str, target_id: InstanceId | None = None,
+                for_drain: bool = False) -> InstanceId | None:
+        """Move a running request by token ids (watchdog, operator, or emptying an engine
+        that leaves its pool: `for_drain`, counted apart); returns the target.
 
         Without `target_id` the policy picks among the other instances. Returns None
         when the request is not in flight (already finished), is already moving or is
@@ -636,7 +658,10 @@ class LiveRouter:
             raise ValueError(f"unknown or unhealthy target instance {target_id!r}")
         if target_id == flight.instance_id:
             raise ValueError(f"request {request_id} is already on {target_id}")
+        if target.draining:
+            raise ValueError(f"target instance {target_id!r} is leaving its pool")
         flight.move_to = target_id
+        flight.move_for_drain = for_drain
         self._abort_in_background(flight)
         return target_id
 
@@ -648,6 +673,50 @@ class LiveRouter:
             num_finished=self._num_finished,
             num_dropped=self._num_dropped,
             num_migrations=self._num_migrations,
+            num_drain_migrations=self._num_drain_migrations,
             num_failovers=self._num_failovers,
             num_in_flight=len(self.flights),
         )
+
+    def take_load_report(self) -> LoadReport:
+        """Arrivals and completions since the last call (for the pool controller)."""
+        report, self._load_report = self._load_report, LoadReport()
+        return report
+
+    # ---- membership -------------------------------------------------------------------
+    def follow(self, members: Sequence[Member],
+               make_client: Callable[[Member], EngineClient]) -> None:
+        """Take a new registry: new engines join (routable after their first report),
+        draining ones take no new request (at once) and have their requests moved
+        when asked to evacuate, and engines gone from it are forgotten once no
+        request of this router is on them."""
+        listed = {m.engine_id: m for m in members}
+        for engine_id, member in listed.items():
+            if engine_id not in self.instances:
+                inst = LiveInstance(make_client(member), member.config.instance)
+                self.instances[engine_id] = inst
+                self._spawn(self._poll(inst))
+        for engine_id, inst in self.instances.items():
+            member = listed.get(engine_id)
+            inst.draining = member is None or member.state is not EngineState.ACTIVE
+            inst.left = member is None
+        for member in members:
+            if member.evacuate:
+                self._evacuate(member.engine_id)
+        self._forget_left(list(self.instances))
+
+    def _evacuate(self, instance_id: InstanceId) -> None:
+        for flight in self._load.flights_on(instance_id):
+            try:
+                self.migrate(flight.request_id, for_drain=True)
+            except ValueError as exc:  # nowhere to go: it finishes where it is
+                logger.info("request %s stays on draining %s: %s", flight.request_id,
+                            instance_id, exc)
+
+    def _forget_left(self, instance_ids: Sequence[InstanceId]) -> None:
+        """Drop instances that left the registry once no flight of ours is on them."""
+        for iid in set(instance_ids):
+            inst = self.instances.get(iid)
+            if (inst is not None and inst.draining and inst.left
+                    and not self._load.flights_on(iid)):
+                del self.instances[iid]

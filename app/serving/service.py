@@ -12,7 +12,7 @@ import asyncio
 import itertools
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -120,7 +120,10 @@ class CompletionService:
         config: ServeConfig,
         clients: Sequence[EngineClient],
         tokenizer: Tokenizer | None = None,
+        companion: Callable[[LiveRouter], Awaitable[None]] | None = None,
     ) -> None:
+        """`companion` runs beside the router from its start until `close` (the Serve
+        shell follows the controller's registry with it)."""
         self.config = config
         self.tokenizer = tokenizer or make_tokenizer(config)
         predictor = load_length_predictor(config)
@@ -132,15 +135,21 @@ class CompletionService:
         self._ids = itertools.count()
         self._start_lock = asyncio.Lock()
         self._started = False
+        self._companion = companion
+        self._companion_task: asyncio.Task | None = None
 
     async def start(self) -> None:
         async with self._start_lock:
             if not self._started:
                 await self.router.start()
+                if self._companion is not None:
+                    self._companion_task = asyncio.ensure_future(self._companion(self.router))
                 self._started = True
 
     def close(self) -> None:
         self.router.close()
+        if self._companion_task is not None:
+            self._companion_task.cancel()
         self._close_predictor()
 
     # ---- endpoints -------------------------------------------------------------------

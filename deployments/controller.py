@@ -1,0 +1,337 @@
+"""The controller actor: owns one application's engines, publishes the registry every
+router replica follows, and resizes the pools from SARA's allocation.
+
+A thin Ray shell. Decisions come from app/control (`Controller` decides, `Fleet`
+keeps the registry); this actor creates and kills engine actors, polls them, applies
+plan diffs and answers the routers:
+- engines are plain named detached actors, so the controller picks exactly which one
+  leaves, and they outlive a controller restart; each carries the state the
+  controller gave it (`EngineActor.label`), from which a restarted controller
+  rebuilds its registry;
+- routers long-poll `registry(known_key)` and push their arrival and completion
+  tallies with `report`;
+- it watches its Serve application: once the application is gone (`serve shutdown`,
+  `serve delete`), it stops every engine it started and exits, so no GPU stays held
+  by nothing. A router replica restart changes nothing here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import deque
+from typing import Any
+
+import ray
+from ray import serve
+
+from app.control.controller import Controller, ControlStep
+from app.control.fleet import Fleet, Registry, engine_name, template_for
+from app.control.observe import LoadReport
+from app.control.plan import EngineState, PlanDiff
+from app.serving.config import ServeConfig
+from deployments.cluster import ENGINE_NAMESPACE, engine_ids, launch_engine, numbered_config
+
+logger = logging.getLogger(__name__)
+
+APP_CHECK_S = 2.0  # how often the controller looks for its application
+APP_MISSES = 3  # consecutive checks without it before the engines are stopped
+STATUS_TIMEOUT_S = 5.0
+
+
+def controller_name(cluster_name: str) -> str:
+    """Named per cluster, like its engines (`<cluster>-...`), without matching them."""
+    return f"{cluster_name}:controller"
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)
+class ControllerActor:
+    """One per application; get it with `controller_for`."""
+
+    def __init__(self, config: ServeConfig, app_name: str | None) -> None:
+        self.config = config
+        self.app_name = app_name
+        self.name = controller_name(config.cluster.name)
+        self.fleet = Fleet(config.cluster.name, uuid.uuid4().hex[:12])
+        self.handles: dict[str, Any] = {}
+        self.controller: Controller | None = None
+        self.steps: deque[ControlStep] = deque(maxlen=200)
+        self._started: asyncio.Task | None = None
+        self._changed: asyncio.Event | None = None
+        self._published = -1
+        self._tasks: set[asyncio.Task] = set()
+
+    # ---- the routers' side -------------------------------------------------------------
+    async def registry(self, known: tuple[str, int] | None = None,
+                       wait_s: float = 0.0) -> Registry | None:
+        """The registry if its key differs from `known`; otherwise wait up to `wait_s`
+        for a change (None when nothing changed)."""
+        await self._ensure_started()
+        deadline = time.monotonic() + wait_s
+        while self.fleet.registry().key == known:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            assert self._changed is not None
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except TimeoutError:
+                return None
+        return self.fleet.registry()
+
+    async def report(self, load: LoadReport) -> None:
+        """A router's arrival and completion tallies since its last report."""
+        if self.controller is not None:
+            self.controller.window.merge(load)
+
+    async def status(self) -> dict[str, Any]:
+        """Registry, engine states and recent decisions (operators and tests)."""
+        await self._ensure_started()
+        registry = self.fleet.registry()
+        return {
+            "incarnation": registry.incarnation,
+            "version": registry.version,
+            "engines": [{"engine_id": e.engine_id, "gpu_type": e.config.gpu_type,
+                         "tp": e.config.tp, "role": e.config.role.value,
+                         "state": e.state.value, "owned": e.owned, "evacuate": e.evacuate}
+                        for e in self.fleet],
+            "steps": [step_summary(s) for s in self.steps],
+        }
+
+    async def shutdown(self) -> int:
+        """Stop every engine this application's controller started; the number stopped."""
+        if self._started is None:  # a fresh incarnation: find them first
+            await self._discover(time.time())
+        for task in list(self._tasks):
+            if task is not asyncio.current_task():
+                task.cancel()
+        owned = [e.engine_id for e in self.fleet if e.owned]
+        await asyncio.gather(*(self._stop_engine(i) for i in owned), return_exceptions=True)
+        return len(owned)
+
+    # ---- start-up and discovery ------------------------------------------------------------
+    async def _ensure_started(self) -> None:
+        if self._started is None:
+            self._changed = asyncio.Event()
+            self._started = asyncio.ensure_future(self._start())
+        await asyncio.shield(self._started)
+
+    async def _start(self) -> None:
+        now = time.time()
+        found = await self._discover(now)
+        if not found or self.config.controller is None:
+            launches = [self._launch(eid, cfg) for eid, cfg in engine_ids(self.config.cluster)
+                        if eid not in self.fleet]
+            await asyncio.gather(*launches)
+        settings = self.config.controller_settings
+        if settings is not None:
+            self.controller = Controller(settings, time.time())
+            self._spawn(self._control_forever())
+        if self.app_name is not None:
+            self._spawn(self._watch_app())
+        self._publish()
+
+    async def _discover(self, now: float) -> int:
+        """Adopt the live engines named for this cluster, in the state they carry."""
+        prefix = f"{self.config.cluster.name}-"
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["namespace"] == ENGINE_NAMESPACE and a["name"].startswith(prefix)]
+        for name in names:
+            try:
+                handle = ray.get_actor(name, namespace=ENGINE_NAMESPACE)
+                label, config = await asyncio.wait_for(
+                    asyncio.gather(handle.label.remote(), handle.config.remote()),
+                    STATUS_TIMEOUT_S)
+            except Exception as exc:  # dying or unreachable: not ours to serve with
+                logger.warning("engine %s not adopted: %s", name, exc)
+                continue
+            self.handles[name] = handle
+            self.fleet.add(name, config, EngineState(label.state),
+                           now if label.since_s is None else label.since_s,
+                           owned=label.owner == self.name)
+        if names:
+            logger.info("controller %s adopted %d engines", self.name, len(self.handles))
+        return len(self.handles)
+
+    # ---- engines -------------------------------------------------------------------
+    async def _launch(self, engine_id: str, config) -> None:
+        """Create an engine (STARTING), and make it ACTIVE once it serves."""
+        handle = launch_engine(engine_id, config, owner=self.name)
+        self.handles[engine_id] = handle.actor
+        self.fleet.add(engine_id, config, EngineState.STARTING, time.time(), owned=True)
+        try:
+            await handle.actor.start.remote()
+        except Exception:
+            logger.exception("engine %s failed to start", engine_id)
+            if engine_id in self.fleet:
+                self.fleet.remove(engine_id)
+            ray.kill(handle.actor)
+            self._publish()
+            return
+        if engine_id not in self.fleet:  # stopped while it booted
+            ray.kill(handle.actor)
+            return
+        await self._set_state(engine_id, EngineState.ACTIVE)
+
+    async def _set_state(self, engine_id: str, state: EngineState) -> None:
+        now = time.time()
+        self.fleet.set_state(engine_id, state, now)
+        self._publish()
+        try:
+            await self.handles[engine_id].set_label.remote(state.value, now)
+        except Exception as exc:
+            logger.warning("engine %s did not take its label: %s", engine_id, exc)
+
+    async def _stop_engine(self, engine_id: str) -> None:
+        """Out of the registry first (routers stop at once), then the actor."""
+        if engine_id in self.fleet:
+            self.fleet.remove(engine_id)
+            self._publish()
+        handle = self.handles.pop(engine_id, None)
+        if handle is None:
+            return
+        try:
+            await asyncio.wait_for(handle.shutdown.remote(), 30)
+        except Exception as exc:
+            logger.warning("engine %s did not shut down cleanly: %s", engine_id, exc)
+        ray.kill(handle)
+
+    async def _loads(self) -> dict[str, tuple[int, int, float]]:
+        """(requests held, waiting, KV use) per serving engine; engines found dead leave
+        the registry, unreachable ones count as busy (never stopped as empty)."""
+        serving = [e.engine_id for e in self.fleet if e.state is not EngineState.STARTING]
+
+        async def one(engine_id: str) -> tuple[int, int, float] | None:
+            try:
+                s = await asyncio.wait_for(self.handles[engine_id].status.remote(),
+                                           STATUS_TIMEOUT_S)
+            except ray.exceptions.RayActorError:
+                logger.warning("engine %s died; it leaves the registry", engine_id)
+                return None
+            except Exception:
+                return (1, 0, 0.0)
+            return s.num_running + s.num_waiting, s.num_waiting, s.kv_usage
+
+        loads = {}
+        for engine_id, load in zip(serving, await asyncio.gather(*map(one, serving)),
+                                   strict=True):
+            if load is None:
+                self.fleet.remove(engine_id)
+                self.handles.pop(engine_id, None)
+            else:
+                loads[engine_id] = load
+        self._publish()
+        return loads
+
+    # ---- control -------------------------------------------------------------------
+    async def _control_forever(self) -> None:
+        assert self.controller is not None
+        while True:
+            await asyncio.sleep(self.controller.interval_s)
+            try:
+                await self._control_once()
+            except Exception:  # a bad step must not end control for good
+                logger.exception("control step failed")
+
+    async def _control_once(self) -> None:
+        assert self.controller is not None
+        loads = await self._loads()
+        now = time.time()
+        step = self.controller.step(now, self.fleet.records(loads))
+        self.steps.append(step)
+        if not step.diff.is_empty:
+            logger.info("controller %s: %s", self.name, step_summary(step))
+        await self._apply(step.diff)
+
+    async def _apply(self, diff: PlanDiff) -> None:
+        template = self.config.engine_template
+        for role, kind in diff.start:
+            index = self.fleet.next_index()
+            config = numbered_config(template_for(template, role, kind), index)
+            self._spawn(self._launch(engine_name(self.config.cluster.name, config, index),
+                                     config))
+        for engine_id in diff.reactivate:
+            await self._set_state(engine_id, EngineState.ACTIVE)
+        for engine_id in diff.drain:
+            await self._set_state(engine_id, EngineState.DRAINING)
+        for engine_id in diff.migrate:
+            self.fleet.evacuate(engine_id)
+        self._publish()
+        await asyncio.gather(*(self._stop_engine(i) for i in diff.stop))
+
+    # ---- the application ------------------------------------------------------------
+    async def _watch_app(self) -> None:
+        misses = 0
+        while misses < APP_MISSES:
+            await asyncio.sleep(APP_CHECK_S)
+            present = await asyncio.to_thread(self._app_present)
+            misses = 0 if present else misses + 1
+        logger.info("application %s is gone: stopping its engines", self.app_name)
+        await self.shutdown()
+        ray.actor.exit_actor()
+
+    def _app_present(self) -> bool:
+        try:
+            return self.app_name in serve.status().applications
+        except Exception as exc:  # counts as a miss; three in a row end the engines
+            logger.warning("serve status failed: %s", exc)
+            return False
+
+    # ---- helpers -------------------------------------------------------------------
+    def _publish(self) -> None:
+        """Wake the routers' long polls when the registry changed."""
+        if self._changed is not None and self.fleet.version != self._published:
+            self._published = self.fleet.version
+            self._changed.set()
+            self._changed = asyncio.Event()
+
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+def step_summary(step: ControlStep) -> dict[str, Any]:
+    diff = step.diff
+    return {
+        "time_s": step.stats.end_s,
+        "rate_rps": round(step.stats.rate_rps, 3),
+        "forecast_rps": round(step.forecast_rps, 3),
+        "targets": {role: {k.name: n for k, n in kinds.items()}
+                    for role, kinds in step.targets.engines.items()},
+        "start": [f"{role}:{kind.name}" for role, kind in diff.start],
+        "drain": list(diff.drain), "reactivate": list(diff.reactivate),
+        "stop": list(diff.stop), "migrate": list(diff.migrate),
+    }
+
+
+def controller_for(config: ServeConfig, app_name: str | None = None):
+    """The application's controller, started if it is not running (detached, restarted
+    by Ray when it dies)."""
+    return ControllerActor.options(
+        name=controller_name(config.cluster.name), namespace=ENGINE_NAMESPACE,
+        lifetime="detached", get_if_exists=True,
+    ).remote(config, app_name)
+
+
+def stop_controller(cluster_name: str, timeout_s: float = 120.0) -> int:
+    """Stop a cluster's controller and the engines it started; the number stopped
+    (0 when no controller runs)."""
+    try:
+        actor = ray.get_actor(controller_name(cluster_name), namespace=ENGINE_NAMESPACE)
+    except ValueError:
+        return 0
+    try:
+        stopped = ray.get(actor.shutdown.remote(), timeout=timeout_s)
+    finally:
+        ray.kill(actor, no_restart=True)
+    deadline_s = time.monotonic() + timeout_s
+    while time.monotonic() < deadline_s:  # its name is free once it is dead
+        try:
+            ray.get_actor(controller_name(cluster_name), namespace=ENGINE_NAMESPACE)
+        except ValueError:
+            break
+        time.sleep(0.2)
+    return stopped
