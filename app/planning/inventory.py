@@ -4,7 +4,8 @@ SARA sizes a homogeneous pool exactly: k_p from the M/G/k prefill model, a decod
 engine's rate from C1-C4 (`split.engine_capacity`). An inventory offers several
 engine kinds in limited numbers, so a pool is a union of homogeneous sub-pools,
 filled in order of price per unit of capacity: the cheapest kind takes as much of the
-rate as its stock allows (all of it when the stock suffices), the next kind the rest.
+rate as its stock allows, the next kind the rest; as soon as a kind not used yet can
+carry the whole remainder, the cheapest such kind finishes the pool.
 - Prefill engines of one kind share one queue (M/G/n; least-TTFT routing approximates
   it), so a sub-pool is sized by `PrefillStage.min_instances`.
 - Decode engines each run their own batch: n engines carry n times one engine's rate.
@@ -144,24 +145,42 @@ class InventorySizer:
 
     def fill(self, role: str, rate: float, available: Mapping[EngineKind, int],
              ceiling: float = math.inf) -> tuple[dict[EngineKind, int], float]:
-        """Engines per kind for `rate`, cheapest capacity first; and the rate left over."""
+        """Engines per kind for `rate`, cheapest capacity first; and the rate left over.
+
+        Whenever some kind not used yet can carry the whole remainder, the cheapest
+        such finish ends the fill: a small rate goes to one cheap engine rather than to
+        the kind with the best price per capacity (which only pays at scale)."""
         usable = [k for k, n in available.items() if n > 0 and self.rate_of(role, k, 1) > 0]
         usable.sort(key=lambda k: (self.stock[k].price_per_hour / self.rate_of(role, k, 1),
                                    k.name))
         chosen: dict[EngineKind, int] = {}
         left = rate
-        for kind in usable:
-            room = min(available[kind], ceiling - sum(chosen.values()))
-            if left <= 0 or room <= 0:
+        for i, kind in enumerate(usable):
+            room_left = ceiling - sum(chosen.values())
+            if left <= 0 or room_left <= 0:
                 break
-            need = self.engines_for(role, kind, left)
-            if need <= room:
-                chosen[kind] = need
+            finish = self._cheapest_finish(role, left, usable[i:], available, room_left)
+            if finish is not None:
+                chosen[finish[0]] = finish[1]
                 left = 0.0
                 break
-            chosen[kind] = room
-            left -= self.rate_of(role, kind, room)
+            chosen[kind] = min(available[kind], room_left)
+            left -= self.rate_of(role, kind, chosen[kind])
         return chosen, max(left, 0.0)
+
+    def _cheapest_finish(self, role: str, rate: float, kinds: Sequence[EngineKind],
+                         available: Mapping[EngineKind, int],
+                         room: float) -> tuple[EngineKind, int] | None:
+        """(kind, engines) carrying all of `rate` at the lowest price, if any can."""
+        options = []
+        for kind in kinds:
+            need = self.engines_for(role, kind, rate)
+            if need <= min(available[kind], room):
+                options.append((need * self.stock[kind].price_per_hour, kind.name, kind, need))
+        if not options:
+            return None
+        _, _, kind, need = min(options)
+        return kind, need
 
     def size(self, rate: float, roles: Sequence[str], limits: PoolLimits,
              present: Mapping[str, Mapping[EngineKind, int]] | None = None) -> PoolTargets:

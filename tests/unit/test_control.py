@@ -241,4 +241,4 @@ def test_requests_queued_on_the_engines_raise_the_rate_the_pools_are_sized_for()
     calm, behind = idle.step(30.0, engines), queued.step(30.0, backlog)
     # 600 queued over max(start-up 30 s, interval 30 s): 20 req/s more
     assert behind.targets.rate_rps == pytest.approx(calm.targets.rate_rps + 20.0)
-    assert behind.targets.total(DECODE) > calm.targets.total(DECODE)
+    assert behind.targets.cost_per_hour > calm.targets.cost_per_hour

@@ -53,7 +53,22 @@ def test_the_cheapest_capacity_fills_first_and_a_useless_kind_is_never_bought(si
     assert set(targets.engines[DECODE]) == {A800}
     assert sizer.rate_of(DECODE, A40, 1) == 0.0  # an A40 misses the 30 ms TPOT even alone
     for rate in (5.0, 150.0):
-        assert all(A40 not in pool for pool in sizer.size(rate, PD, PoolLimits()).engines.values())
+        assert A40 not in sizer.size(rate, PD, PoolLimits()).engines[DECODE]
+
+
+def test_a_small_rate_goes_to_the_cheapest_engine_that_carries_it(sizer):
+    """At scale the best price per capacity wins; a remainder one engine can carry goes
+    to the cheapest such engine, not to the kind that is cheapest per req/s."""
+    small = sizer.size(5.0, (UNIFIED,), PoolLimits())
+    kinds = small.engines[UNIFIED]
+    assert sum(kinds.values()) == 1
+    (kind,) = kinds
+    cheaper = [s.kind for s in STOCK if s.price_per_hour < small.cost_per_hour
+               and sizer.rate_of(UNIFIED, s.kind, 1) >= 5.0]
+    assert cheaper == [], f"{kind.name} bought while {cheaper} carries 5 req/s for less"
+    best_ratio = min((s for s in STOCK if sizer.rate_of(UNIFIED, s.kind, 1) > 0),
+                     key=lambda s: s.price_per_hour / sizer.rate_of(UNIFIED, s.kind, 1))
+    assert kind != best_ratio.kind  # the greedy-by-ratio pick would have cost more
 
 
 def test_a_kind_out_of_stock_spills_to_the_next_one(sizer):
