@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 APP_CHECK_S = 2.0  # how often the controller looks for its application
 APP_MISSES = 3  # consecutive checks without it before the engines are stopped
+APP_CHECK_TIMEOUT_S = 10.0
 STATUS_TIMEOUT_S = 5.0
 
 
@@ -266,7 +267,11 @@ class ControllerActor:
         misses = 0
         while misses < APP_MISSES:
             await asyncio.sleep(APP_CHECK_S)
-            present = await asyncio.to_thread(self._app_present)
+            try:
+                present = await asyncio.wait_for(asyncio.to_thread(self._app_present),
+                                                 APP_CHECK_TIMEOUT_S)
+            except TimeoutError:
+                present = False
             misses = 0 if present else misses + 1
         logger.info("application %s is gone: stopping its engines", self.app_name)
         await self.shutdown()

@@ -510,3 +510,42 @@ async def test_the_prefills_connector_parameters_reach_the_decode_request_unchan
     assert handed.kv_transferred and handed.kv_transfer_params == remote
     assert flight.kv_loaded_tokens == len(PROMPT)
     assert flight.kv_transfer_s is not None and flight.kv_transfer_s >= 0  # measured
+
+
+def member(engine: ScriptedEngine, state: str = "active", evacuate: bool = False):
+    from app.control.fleet import Member
+    from app.control.plan import EngineState
+
+    return Member(engine.engine_id, engine.config, EngineState(state), evacuate)
+
+
+async def test_registry_changes_take_effect_at_once_and_drain_moves_count_apart():
+    """A draining engine takes no new request from the next decision on; evacuating
+    it moves its requests by token ids (drain migrations, not SLO-risk ones); a new
+    member joins after its first report; one gone from the registry is forgotten once
+    nothing of this router runs there."""
+    a, b = ScriptedEngine("a", "H800", step_s=0.01), ScriptedEngine("b", "H800", step_s=0.01)
+    c = ScriptedEngine("c", "A40", step_s=0.01)
+    router = await started(a, b, policy="round-robin")
+    on_a = [f for f in [await router.submit(request(f"r{i}", max_tokens=60)) for i in range(4)]
+            if f.instance_id == "a"]
+    streams = [asyncio.create_task(drain(router, f)) for f in router.flights.values()]
+    await asyncio.sleep(0.05)
+    router.follow([member(a, "draining"), member(b)], None)
+    later = [await router.submit(request(f"n{i}", max_tokens=5)) for i in range(6)]
+    assert {f.instance_id for f in later} == {"b"}
+    router.follow([member(a, "draining", evacuate=True), member(b)], None)
+    assert all(f.move_to == "b" for f in on_a) and on_a
+    router.follow([member(b), member(c)], lambda m: c)  # a leaves, c joins
+    await asyncio.sleep(0.02)
+    assert "c" in router.view(time.time()).by_id
+    await asyncio.gather(*streams, *(drain(router, f) for f in later))
+    for f in on_a:
+        assert f.instance_ids == ["a", "b"]
+    counters = router.counters()
+    assert counters.num_drain_migrations == len(on_a) and counters.num_migrations == 0
+    assert "a" not in router.instances  # forgotten once its requests moved off
+    report = router.take_load_report()
+    assert (report.arrivals, report.finished) == (10, 10)
+    assert router.take_load_report().is_empty
+    router.close()
