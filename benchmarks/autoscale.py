@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from app.config import Frozen
 from app.control.config import ControllerConfig
-from app.control.controller import Controller, ControllerSettings
+from app.control.controller import Controller, ControllerSettings, ControlStep
 from app.control.plan import ScalingRules
 from app.control.strategies import (
     QueueLengthScaler,
@@ -47,7 +47,7 @@ from app.planning.params import ModelParams
 from app.routing.registry import PolicyKind, RoutingOptions, build_routing
 from app.sim.elastic import ElasticPools, Scaler, engine_setup
 from app.sim.instance import InstanceSetup
-from app.sim.records import RequestOutcome
+from app.sim.records import RequestOutcome, RequestRecord
 from app.sim.simulator import SimResult, Simulator
 from app.workload import (
     LoadShape,
@@ -102,11 +102,32 @@ def load_autoscale_config(path: Path) -> AutoscaleConfig:
     return load_yaml_model(path, AutoscaleConfig)
 
 
+def outcome_summary(records: Sequence[RequestRecord], duration_s: float, gpu_hours: float,
+                    cost_usd: float, drain_migrations: int,
+                    engines_started: int) -> dict[str, Any]:
+    """One strategy's row: goodput, attainment, GPU time, cost and moves."""
+    met = sum(r.outcome is RequestOutcome.MET for r in records)
+    return {
+        "goodput_rps": round(met / duration_s, 3),
+        "slo_attainment": round(met / len(records), 4),
+        "gpu_hours": round(gpu_hours, 3),
+        "cost_usd": round(cost_usd, 3),
+        "met_per_dollar": round(met / cost_usd, 1) if cost_usd else None,
+        "lost": sum(r.finish_s is None and r.outcome is not RequestOutcome.REJECTED
+                    for r in records),
+        "rejected": sum(r.outcome is RequestOutcome.REJECTED for r in records),
+        "migrations": sum(r.num_migrations for r in records),
+        "drain_migrations": drain_migrations,
+        "engines_started": engines_started,
+    }
+
+
 @dataclass(frozen=True)
 class StrategyRun:
     name: str
     result: SimResult
     duration_s: float
+    steps: tuple[ControlStep, ...] = ()
 
     def per_bin(self) -> tuple[list[int], list[int]]:
         """Arrivals and met requests per GOODPUT_BIN_S bin of arrival time."""
@@ -119,23 +140,11 @@ class StrategyRun:
         return arrivals, met
 
     def summary(self) -> dict[str, Any]:
-        records = self.result.records
-        met = sum(r.outcome is RequestOutcome.MET for r in records)
         stats = self.result.elastic
         assert stats is not None
-        return {
-            "goodput_rps": round(met / self.duration_s, 3),
-            "slo_attainment": round(met / len(records), 4),
-            "gpu_hours": round(float(stats.gpu_hours), 3),
-            "cost_usd": round(float(stats.cost_usd), 3),
-            "met_per_dollar": round(met / float(stats.cost_usd), 1) if stats.cost_usd else None,
-            "lost": sum(r.finish_s is None and r.outcome is not RequestOutcome.REJECTED
-                        for r in records),
-            "rejected": sum(r.outcome is RequestOutcome.REJECTED for r in records),
-            "migrations": sum(r.num_migrations for r in records),
-            "drain_migrations": stats.num_drain_migrations,
-            "engines_started": stats.num_started,
-        }
+        return outcome_summary(self.result.records, self.duration_s, float(stats.gpu_hours),
+                               float(stats.cost_usd), stats.num_drain_migrations,
+                               stats.num_started)
 
 
 def load_profile(config: AutoscaleConfig, shape: LoadShape) -> RateProfile:
@@ -212,7 +221,7 @@ def run_strategy(name: str, config: AutoscaleConfig, profile: RateProfile, workl
     stack = build_routing(PolicyKind.GOODSERVE, routing)
     sim = Simulator(setups_for(config.model, initial), stack.policy, watchdog=stack.watchdog,
                     kv_link_gbps=config.kv_link_gbps, seed=routing.seed, elastic=elastic)
-    return StrategyRun(name, sim.run(workload), workload.duration_s)
+    return StrategyRun(name, sim.run(workload), workload.duration_s, tuple(elastic.steps))
 
 
 def run_experiment(config: AutoscaleConfig, profile: RateProfile, workload: Workload,
@@ -288,8 +297,9 @@ def autoscale(
                                         "trace's own lengths)"),
     config: Path = typer.Option(DEFAULT_CONFIG, help="autoscaling experiment YAML"),
     shape: LoadShape = typer.Option(LoadShape.PHASES, help="phases | ramp"),
-    backend: Backend = typer.Option(Backend.SIM, help="sim (live autoscaling runs through "
-                                    "`goodserve serve` with a controller section)"),
+    backend: Backend = typer.Option(Backend.SIM, help="sim: every strategy in the simulator; "
+                                    "live: the SARA controller actor on local Ray with "
+                                    "simulated engines, and the same in the simulator"),
     strategies: str = typer.Option(",".join(STRATEGIES), help="comma-separated"),
     seed: int = typer.Option(0, help="content sampling and routing seed"),
     out: Path | None = typer.Option(None, help="write summary.json, CSVs and the PNG here"),
@@ -300,8 +310,8 @@ def autoscale(
     names = [n.strip() for n in strategies.split(",") if n.strip()]
     if bad := [n for n in names if n not in STRATEGIES]:
         raise cli_error(f"unknown strategy {bad[0]!r}; known: {', '.join(STRATEGIES)}")
-    if backend is not Backend.SIM:
-        raise cli_error("the autoscaling experiment runs in the simulator (--backend sim)")
+    if backend is Backend.LIVE and strategies != ",".join(STRATEGIES) and names != ["sara"]:
+        raise cli_error("--backend live runs the sara strategy only")
     for path in (trace, config, prompts):
         if path is not None and not path.exists():
             raise cli_error(f"{path} does not exist")
@@ -311,14 +321,23 @@ def autoscale(
         workload = build_workload(experiment, profile, trace, prompts, seed)
     except ValueError as error:
         raise cli_error(str(error)) from None
+    setup = {"trace": trace.name, "prompts": prompts.name if prompts else None,
+             "config": config.name, "shape": shape.value, "requests": len(workload),
+             "duration_s": workload.duration_s, "mean_rps": round(profile.mean_rps, 2),
+             "seed": seed, "routing": "goodserve (running-history lengths)",
+             "backend": backend.value}
+    if backend is Backend.LIVE:
+        from benchmarks.autoscale_live import run_both, write_live_outputs
+
+        live, sim = run_both(experiment, profile, workload, seed)
+        summary = (write_live_outputs(out, live, sim, setup) if out is not None
+                   else {"sara": live.summary(), "sara-sim": sim.summary()})
+        typer.echo(json.dumps(summary, indent=None if as_json else 2))
+        return
     routing = RoutingOptions(seed=seed)
     with tqdm(total=len(names), desc="strategies", disable=as_json) as bar:
         runs = run_experiment(experiment, profile, workload, names, routing,
                               progress=lambda _: bar.update())
-    setup = {"trace": trace.name, "prompts": prompts.name if prompts else None,
-             "config": config.name, "shape": shape.value, "requests": len(workload),
-             "duration_s": workload.duration_s, "mean_rps": round(profile.mean_rps, 2),
-             "seed": seed, "routing": "goodserve (running-history lengths)"}
     summary = (write_outputs(out, runs, setup) if out is not None
                else {run.name: run.summary() for run in runs})
     typer.echo(json.dumps(summary, indent=None if as_json else 2))

@@ -28,7 +28,7 @@ import ray
 from ray import serve
 
 from app.control.controller import Controller, ControlStep
-from app.control.fleet import Fleet, Registry, engine_name, template_for
+from app.control.fleet import Fleet, Registry, engine_kind, engine_name, template_for
 from app.control.observe import LoadReport
 from app.control.plan import EngineState, PlanDiff
 from app.serving.config import ServeConfig
@@ -63,6 +63,8 @@ class ControllerActor:
         self._changed: asyncio.Event | None = None
         self._published = -1
         self._tasks: set[asyncio.Task] = set()
+        # engine id -> [GPU kind, held from, held until (None: still held)], for costs
+        self.ledger: dict[str, list] = {}
 
     # ---- the routers' side -------------------------------------------------------------
     async def registry(self, known: tuple[str, int] | None = None,
@@ -98,7 +100,9 @@ class ControllerActor:
                          "tp": e.config.tp, "role": e.config.role.value,
                          "state": e.state.value, "owned": e.owned, "evacuate": e.evacuate}
                         for e in self.fleet],
-            "steps": [step_summary(s) for s in self.steps],
+            "steps": [s.summary() for s in self.steps],
+            "ledger": {i: {"kind": k, "from_s": a, "until_s": b}
+                       for i, (k, a, b) in self.ledger.items()},
         }
 
     async def shutdown(self) -> int:
@@ -149,6 +153,7 @@ class ControllerActor:
                 logger.warning("engine %s not adopted: %s", name, exc)
                 continue
             self.handles[name] = handle
+            self._hold(name, config, now)
             self.fleet.add(name, config, EngineState(label.state),
                            now if label.since_s is None else label.since_s,
                            owned=label.owner == self.name)
@@ -161,6 +166,7 @@ class ControllerActor:
         """Create an engine (STARTING), and make it ACTIVE once it serves."""
         handle = launch_engine(engine_id, config, owner=self.name)
         self.handles[engine_id] = handle.actor
+        self._hold(engine_id, config, time.time())
         self.fleet.add(engine_id, config, EngineState.STARTING, time.time(), owned=True)
         try:
             await handle.actor.start.remote()
@@ -168,10 +174,12 @@ class ControllerActor:
             logger.exception("engine %s failed to start", engine_id)
             if engine_id in self.fleet:
                 self.fleet.remove(engine_id)
+            self._release(engine_id)
             ray.kill(handle.actor)
             self._publish()
             return
         if engine_id not in self.fleet:  # stopped while it booted
+            self._release(engine_id)
             ray.kill(handle.actor)
             return
         await self._set_state(engine_id, EngineState.ACTIVE)
@@ -193,6 +201,7 @@ class ControllerActor:
         handle = self.handles.pop(engine_id, None)
         if handle is None:
             return
+        self._release(engine_id)
         try:
             await asyncio.wait_for(handle.shutdown.remote(), 30)
         except Exception as exc:
@@ -221,6 +230,7 @@ class ControllerActor:
             if load is None:
                 self.fleet.remove(engine_id)
                 self.handles.pop(engine_id, None)
+                self._release(engine_id)
             else:
                 loads[engine_id] = load
         self._publish()
@@ -243,7 +253,7 @@ class ControllerActor:
         step = self.controller.step(now, self.fleet.records(loads))
         self.steps.append(step)
         if not step.diff.is_empty:
-            logger.info("controller %s: %s", self.name, step_summary(step))
+            logger.info("controller %s: %s", self.name, step.summary())
         await self._apply(step.diff)
 
     async def _apply(self, diff: PlanDiff) -> None:
@@ -285,6 +295,14 @@ class ControllerActor:
             return False
 
     # ---- helpers -------------------------------------------------------------------
+    def _hold(self, engine_id: str, config, now: float) -> None:
+        self.ledger[engine_id] = [engine_kind(config).name, now, None]
+
+    def _release(self, engine_id: str) -> None:
+        entry = self.ledger.get(engine_id)
+        if entry is not None and entry[2] is None:
+            entry[2] = time.time()
+
     def _publish(self) -> None:
         """Wake the routers' long polls when the registry changed."""
         if self._changed is not None and self.fleet.version != self._published:
@@ -296,20 +314,6 @@ class ControllerActor:
         task = asyncio.ensure_future(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-
-def step_summary(step: ControlStep) -> dict[str, Any]:
-    diff = step.diff
-    return {
-        "time_s": step.stats.end_s,
-        "rate_rps": round(step.stats.rate_rps, 3),
-        "forecast_rps": round(step.forecast_rps, 3),
-        "targets": {role: {k.name: n for k, n in kinds.items()}
-                    for role, kinds in step.targets.engines.items()},
-        "start": [f"{role}:{kind.name}" for role, kind in diff.start],
-        "drain": list(diff.drain), "reactivate": list(diff.reactivate),
-        "stop": list(diff.stop), "migrate": list(diff.migrate),
-    }
 
 
 def controller_for(config: ServeConfig, app_name: str | None = None):

@@ -68,6 +68,9 @@ class ControllerConfig(Frozen):
     drain_deadline_s: float = Field(
         30.0, ge=0, description="a draining engine's requests migrate by token ids after this")
     startup_s: float = Field(60.0, ge=0, description="seconds an engine takes to serve")
+    switch_margin: float = Field(
+        0.25, ge=0, description="pools keep the GPU kinds they run while that costs at most "
+        "this share more than the cheapest mix (a switch pays a start-up and a drain)")
     slo_scale: float = Field(
         2.0, gt=0, description="deadline scale over the solo time on reference_gpu; sets the "
         "sizing model's stage targets unless stage_slo is given")
@@ -107,7 +110,7 @@ class ControllerConfig(Frozen):
             limits=PoolLimits(dict(self.min_engines), dict(self.max_engines),
                               self.budget_per_hour),
             rules=self.rules, interval_s=self.interval_s, headroom=self.headroom,
-            startup_s=self.startup_s)
+            startup_s=self.startup_s, switch_margin=self.switch_margin)
 
     @property
     def rules(self) -> ScalingRules:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from app.control.observe import IntervalStats, LoadWindow, RatePredictor
 from app.control.plan import (
@@ -63,12 +64,13 @@ class ControllerSettings:
     interval_s: float = 30.0
     headroom: float = 0.1  # size for the forecast x (1 + headroom)
     startup_s: float = 60.0  # an engine serves this long after it is started
+    switch_margin: float = 0.25  # keep a pool's GPU kinds while within this of the cheapest
 
     def __post_init__(self) -> None:
         if not self.interval_s > 0:
             raise ValueError(f"interval must be > 0 s, got {self.interval_s}")
-        if self.headroom < 0 or self.startup_s < 0:
-            raise ValueError("headroom and start-up time must be >= 0")
+        if self.headroom < 0 or self.startup_s < 0 or self.switch_margin < 0:
+            raise ValueError("headroom, start-up time and switch margin must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,20 @@ class ControlStep:
     forecast_rps: float
     targets: PoolTargets
     diff: PlanDiff
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-ready: when, what was seen and forecast, the targets and the changes."""
+        diff = self.diff
+        return {
+            "time_s": self.stats.end_s,
+            "rate_rps": round(self.stats.rate_rps, 3),
+            "forecast_rps": round(self.forecast_rps, 3),
+            "targets": {role: {k.name: n for k, n in kinds.items()}
+                        for role, kinds in self.targets.engines.items()},
+            "start": [f"{role}:{kind.name}" for role, kind in diff.start],
+            "drain": list(diff.drain), "reactivate": list(diff.reactivate),
+            "stop": list(diff.stop), "migrate": list(diff.migrate),
+        }
 
 
 @dataclass
@@ -116,6 +132,6 @@ class Controller:
         sizer = InventorySizer(self._model, stats.observation(rate).workload,
                                self.settings.slo.targets(stats), self.settings.stock)
         targets = sizer.size(rate, self.settings.roles, self.settings.limits,
-                             engines_by_pool(engines))
+                             engines_by_pool(engines), self.settings.switch_margin)
         return ControlStep(stats, forecast, targets, self.planner.diff(now, targets, engines))
 

@@ -21,7 +21,7 @@ The KV link is the cluster's, not sized here.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from app.planning.allocator import Workload
@@ -144,14 +144,17 @@ class InventorySizer:
         return first_true(lambda n: self.rate_of(role, kind, n) >= rate, 0)
 
     def fill(self, role: str, rate: float, available: Mapping[EngineKind, int],
-             ceiling: float = math.inf) -> tuple[dict[EngineKind, int], float]:
+             ceiling: float = math.inf,
+             prefer: Collection[EngineKind] = ()) -> tuple[dict[EngineKind, int], float]:
         """Engines per kind for `rate`, cheapest capacity first; and the rate left over.
 
         Whenever some kind not used yet can carry the whole remainder, the cheapest
         such finish ends the fill: a small rate goes to one cheap engine rather than to
-        the kind with the best price per capacity (which only pays at scale)."""
+        the kind with the best price per capacity (which only pays at scale). Kinds in
+        `prefer` are used before all others (a pool keeping the kinds it runs)."""
         usable = [k for k, n in available.items() if n > 0 and self.rate_of(role, k, 1) > 0]
-        usable.sort(key=lambda k: (self.stock[k].price_per_hour / self.rate_of(role, k, 1),
+        usable.sort(key=lambda k: (k not in prefer,
+                                   self.stock[k].price_per_hour / self.rate_of(role, k, 1),
                                    k.name))
         chosen: dict[EngineKind, int] = {}
         left = rate
@@ -159,7 +162,8 @@ class InventorySizer:
             room_left = ceiling - sum(chosen.values())
             if left <= 0 or room_left <= 0:
                 break
-            finish = self._cheapest_finish(role, left, usable[i:], available, room_left)
+            same_rank = [k for k in usable[i:] if (k in prefer) == (kind in prefer)]
+            finish = self._cheapest_finish(role, left, same_rank, available, room_left)
             if finish is not None:
                 chosen[finish[0]] = finish[1]
                 left = 0.0
@@ -183,33 +187,47 @@ class InventorySizer:
         return kind, need
 
     def size(self, rate: float, roles: Sequence[str], limits: PoolLimits,
-             present: Mapping[str, Mapping[EngineKind, int]] | None = None) -> PoolTargets:
+             present: Mapping[str, Mapping[EngineKind, int]] | None = None,
+             switch_margin: float = 0.0) -> PoolTargets:
         """Targets for `rate`; over the budget, for the highest rate it buys. Pool floors
         are met with kinds a role already runs (`present`) before the cheapest ones, so
-        an idle interval does not swap engines."""
+        an idle interval does not swap engines; and the pools keep growing or shrinking
+        in the kinds they run while that costs at most `switch_margin` more than the
+        cheapest mix (each switch of kind pays a start-up and a drain)."""
         present = present or {}
-        targets = self._size_unclamped(rate, roles, limits, present)
+        targets = self._size_unclamped(rate, roles, limits, present, switch_margin)
         budget = limits.budget_per_hour
         if budget is None or targets.cost_per_hour <= budget:
             return targets
-        floor = self._size_unclamped(0.0, roles, limits, present)
+        floor = self._size_unclamped(0.0, roles, limits, present, switch_margin)
         if floor.cost_per_hour > budget:
             return PoolTargets(0.0, floor.engines, floor.cost_per_hour, False,
                                f"budget {budget:g}/h is below the pool floors "
                                f"({floor.cost_per_hour:g}/h)")
         affordable = max_feasible_rate(
-            lambda r: self._size_unclamped(r, roles, limits, present).cost_per_hour <= budget,
+            lambda r: self._size_unclamped(r, roles, limits, present,
+                                           switch_margin).cost_per_hour <= budget,
             rate, BUDGET_RATE_RTOL)
-        best = self._size_unclamped(affordable, roles, limits, present)
+        best = self._size_unclamped(affordable, roles, limits, present, switch_margin)
         return PoolTargets(best.rate_rps, best.engines, best.cost_per_hour, False,
                            f"budget {budget:g}/h buys {affordable:.3g} of {rate:.3g} req/s")
 
     def _size_unclamped(self, rate: float, roles: Sequence[str], limits: PoolLimits,
-                        present: Mapping[str, Mapping[EngineKind, int]]) -> PoolTargets:
+                        present: Mapping[str, Mapping[EngineKind, int]],
+                        switch_margin: float = 0.0) -> PoolTargets:
         plans = [self._size_in_order(rate, order, limits, present) for order in _orders(roles)]
-        if feasible := [p for p in plans if p.meets_slo]:
-            return min(feasible, key=lambda t: t.cost_per_hour)
-        return self._whole_stock(rate, roles, limits)
+        feasible = [p for p in plans if p.meets_slo]
+        if not feasible:
+            return self._whole_stock(rate, roles, limits)
+        cheapest = min(feasible, key=lambda t: t.cost_per_hour)
+        if switch_margin > 0 and any(present.values()):
+            kept = [p for p in (self._size_in_order(rate, order, limits, present, keep=True)
+                                for order in _orders(roles))
+                    if p.meets_slo
+                    and p.cost_per_hour <= cheapest.cost_per_hour * (1 + switch_margin)]
+            if kept:
+                return min(kept, key=lambda t: t.cost_per_hour)
+        return cheapest
 
     def _whole_stock(self, rate: float, roles: Sequence[str], limits: PoolLimits) -> PoolTargets:
         """The stock cannot carry `rate`: every usable engine, split between the pools so
@@ -235,12 +253,17 @@ class InventorySizer:
                    for pool in engines.values() for k, n in pool.items())
 
     def _size_in_order(self, rate: float, roles: Sequence[str], limits: PoolLimits,
-                       present: Mapping[str, Mapping[EngineKind, int]]) -> PoolTargets:
+                       present: Mapping[str, Mapping[EngineKind, int]],
+                       keep: bool = False) -> PoolTargets:
+        """Fill the roles one after the other from one stock (`keep`: each from the
+        kinds it runs first)."""
         available = {k: s.count for k, s in self.stock.items()}
         engines: dict[str, dict[EngineKind, int]] = {}
         short: list[str] = []
         for role in roles:
-            chosen, left = self.fill(role, max(rate, 0.0), available, limits.ceiling(role))
+            prefer = [k for k, n in present.get(role, {}).items() if n > 0] if keep else ()
+            chosen, left = self.fill(role, max(rate, 0.0), available, limits.ceiling(role),
+                                     prefer)
             chosen = self._with_floor(role, chosen, available, limits.floor(role),
                                       present.get(role, {}))
             for kind, n in chosen.items():

@@ -105,7 +105,7 @@ def test_autoscale_prints_one_json_object_keyed_by_strategy(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--strategies", "karpenter"], "unknown strategy"),
-    (["--backend", "live"], "simulator"),
+    (["--backend", "live", "--strategies", "sara,queue-length"], "sara strategy only"),
     (["--config", "/nonexistent.yaml"], "does not exist"),
 ])
 def test_autoscale_input_errors_are_one_line(tmp_path, args, message):

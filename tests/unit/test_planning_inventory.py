@@ -132,3 +132,18 @@ def test_stock_errors():
         InventorySizer(LLAMA, CHAT, SLO, [Stock(H800, 1, 1.0), Stock(H800, 2, 1.0)])
     with pytest.raises(ValueError, match="role"):
         InventorySizer(LLAMA, CHAT, SLO, STOCK).rate_of("both", H800, 1)
+
+
+def test_pools_keep_their_gpu_kinds_within_the_switch_margin(sizer):
+    """A decode pool of 2xV100 grows in 2xV100 while that costs at most the margin more
+    than the cheapest mix (A800s here: 8.9 vs 7.5 $/h at 50 req/s), and switches beyond."""
+    running = {DECODE: {V100: 3}}
+    cheapest = sizer.size(50.0, PD, PoolLimits(), running, switch_margin=0.0)
+    assert cheapest.engines[DECODE] == {A800: 2}
+    kept = sizer.size(50.0, PD, PoolLimits(), running, switch_margin=0.25)
+    assert kept.engines[DECODE] == {V100: 3} and kept.meets_slo
+    assert cheapest.cost_per_hour < kept.cost_per_hour <= 1.25 * cheapest.cost_per_hour
+    assert sizer.size(50.0, PD, PoolLimits(), running, switch_margin=0.1).engines[DECODE] == {
+        A800: 2}
+    assert sizer.size(50.0, PD, PoolLimits(), {}, switch_margin=0.25).engines[DECODE] == {
+        A800: 2}

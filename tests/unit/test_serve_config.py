@@ -11,7 +11,8 @@ from app.serving.config import ServeConfig, load_serve_config
 
 pytestmark = pytest.mark.unit
 
-EXPERIMENT_CONFIGS = {"autoscale-sim.yaml"}  # `goodserve autoscale` experiments
+# `goodserve autoscale` experiments, not serve configs
+EXPERIMENT_CONFIGS = {"autoscale-sim.yaml", "autoscale-live.yaml"}
 CONFIGS = sorted(p for p in (Path(__file__).resolve().parents[2] / "configs").glob("*.yaml")
                  if p.name not in EXPERIMENT_CONFIGS)
 
