@@ -50,6 +50,7 @@ from app.sim.instance import InstanceSetup
 from app.sim.records import RequestOutcome, RequestRecord
 from app.sim.simulator import SimResult, Simulator
 from app.workload import (
+    Content,
     LoadShape,
     RateProfile,
     Workload,
@@ -66,6 +67,7 @@ DEFAULT_CONFIG = REPO / "configs" / "autoscale-sim.yaml"
 STRATEGIES = ("static-peak", "static-mean", "queue-length", "throughput-planner",
               "saturation", "sara")
 GOODPUT_BIN_S = 30.0
+CALIBRATION_SEED_OFFSET = 1000  # calibration draws its content apart from the experiment's
 
 
 class LoadConfig(Frozen):
@@ -147,6 +149,12 @@ class StrategyRun:
                                stats.num_started)
 
 
+def contents_of(workload: Workload) -> list[Content]:
+    """The workload's request contents, as a pool to draw other workloads from."""
+    return [Content(r.num_prompt_tokens, r.num_output_tokens, r.block_hashes,
+                    r.hash_block_size, r.prompt, r.task) for r in workload.requests]
+
+
 def load_profile(config: AutoscaleConfig, shape: LoadShape) -> RateProfile:
     return RateProfile(shape, config.load.low_rps, config.load.peak_rps, config.load.duration_s)
 
@@ -166,7 +174,8 @@ def sized_pools(settings: ControllerSettings, workload: Workload,
     """SARA's inventory sizing for `rate` x (1 + headroom), on the workload's moments."""
     lengths = observed(workload).workload
     sizer = InventorySizer(ModelParams.named(settings.model), lengths,
-                           settings.slo.targets_for(lengths), settings.stock)
+                           settings.slo.targets_for(lengths), settings.stock,
+                           factors=settings.capacity_factors)
     return sizer.size(rate * (1 + settings.headroom), settings.roles, settings.limits)
 
 
@@ -302,6 +311,9 @@ def autoscale(
                                     "simulated engines, and the same in the simulator"),
     strategies: str = typer.Option(",".join(STRATEGIES), help="comma-separated"),
     seed: int = typer.Option(0, help="content sampling and routing seed"),
+    calibrate: bool = typer.Option(False, help="first measure the sizing model's capacity "
+                                   "factors per pool and kind in the simulator (content drawn "
+                                   "with another seed) and size with them"),
     out: Path | None = typer.Option(None, help="write summary.json, CSVs and the PNG here"),
     as_json: bool = typer.Option(False, "--json", help="print only the JSON object"),
 ) -> None:
@@ -321,11 +333,21 @@ def autoscale(
         workload = build_workload(experiment, profile, trace, prompts, seed)
     except ValueError as error:
         raise cli_error(str(error)) from None
+    measured: dict[str, float] = {}
+    if calibrate:
+        from benchmarks.calibrate import Calibrator, factors
+
+        pool = ([row.content() for row in load_prompts(prompts)] if prompts
+                else contents_of(workload))
+        measured = factors(Calibrator(experiment, pool, seed + CALIBRATION_SEED_OFFSET).run())
+        experiment = experiment.model_copy(update={"controller": experiment.controller.model_copy(
+            update={"capacity_factors": measured})})
     setup = {"trace": trace.name, "prompts": prompts.name if prompts else None,
              "config": config.name, "shape": shape.value, "requests": len(workload),
              "duration_s": workload.duration_s, "mean_rps": round(profile.mean_rps, 2),
              "seed": seed, "routing": "goodserve (running-history lengths)",
-             "backend": backend.value}
+             "backend": backend.value,
+             "capacity_factors": measured or dict(experiment.controller.capacity_factors)}
     if backend is Backend.LIVE:
         from benchmarks.autoscale_live import run_both, write_live_outputs
 

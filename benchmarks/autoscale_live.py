@@ -146,7 +146,7 @@ def held_timeline(live: LiveRun, sim: StrategyRun) -> list[tuple[float, int, int
     t = 0.0
     while t <= live.duration_s:
         held_live = sum(a <= t < b for _, a, b in intervals)
-        before = [s for s in samples if s.time_s <= t]
+        before = [s for s in samples if s.time_s <= t] or samples[:1]  # the initial pools
         held_sim = (sum(before[-1].serving.values()) + sum(before[-1].starting.values())
                     if before else 0)
         rows.append((t, held_live, held_sim))

@@ -51,6 +51,7 @@ def init_local_ray(cluster: ClusterConfig, num_cpus: int | None = None,
     if ray.is_initialized():
         return
     ray.init(
+        address="local",  # a new instance, never one a `ray start` left behind
         num_cpus=num_cpus,
         resources=local_node_resources(cluster, inventory),
         include_dashboard=False,

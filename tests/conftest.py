@@ -89,6 +89,7 @@ def ray_session():
     import ray
 
     ray.init(
+        address="local",  # a new instance, never one a `ray start` left behind
         num_cpus=2,
         resources=LOCAL_GPU_RESOURCES,
         include_dashboard=False,

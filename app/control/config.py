@@ -8,7 +8,7 @@ from app.config import Frozen
 from app.control.controller import ControllerSettings, StageSlo
 from app.control.plan import ScalingRules
 from app.hardware import GPU_CATALOG, make_instance
-from app.planning.inventory import DECODE, PREFILL, UNIFIED, PoolLimits, Stock
+from app.planning.inventory import DECODE, PREFILL, UNIFIED, PoolLimits, Stock, capacity_key
 from app.planning.params import SloTargets
 from app.planning.split import DEFAULT_P_SLO, EngineKind
 
@@ -78,6 +78,9 @@ class ControllerConfig(Frozen):
     p_slo: float = Field(DEFAULT_P_SLO, gt=0, lt=1, description="probability each stage "
                          "target must hold with")
     stage_slo: StageSloConfig | None = Field(None, description="fixed stage targets")
+    capacity_factors: dict[str, float] = Field(
+        default_factory=dict, description="measured / modelled rate per pool and kind, keyed "
+        "'decode:A800' (`goodserve autoscale --calibrate` measures them); 1 where absent")
 
     @model_validator(mode="after")
     def _roles_known(self) -> ControllerConfig:
@@ -95,6 +98,14 @@ class ControllerConfig(Frozen):
             raise ValueError("the inventory is empty")
         if self.reference_gpu not in GPU_CATALOG:
             raise ValueError(f"unknown reference GPU {self.reference_gpu!r}")
+        known = {capacity_key(role, i.kind) for i in self.inventory
+                 for role in (PREFILL, DECODE, UNIFIED)}
+        for key, value in self.capacity_factors.items():
+            if key not in known:
+                raise ValueError(f"capacity factor {key!r} names no pool and inventory kind; "
+                                 "keys look like 'decode:A800'")
+            if not value > 0:
+                raise ValueError(f"capacity factor {key!r} must be > 0, got {value}")
         return self
 
     def settings(self, model: str, roles: tuple[str, ...]) -> ControllerSettings:
@@ -110,7 +121,8 @@ class ControllerConfig(Frozen):
             limits=PoolLimits(dict(self.min_engines), dict(self.max_engines),
                               self.budget_per_hour),
             rules=self.rules, interval_s=self.interval_s, headroom=self.headroom,
-            startup_s=self.startup_s, switch_margin=self.switch_margin)
+            startup_s=self.startup_s, switch_margin=self.switch_margin,
+            capacity_factors=dict(self.capacity_factors))
 
     @property
     def rules(self) -> ScalingRules:

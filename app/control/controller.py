@@ -12,7 +12,7 @@ controller actor both drive this object; `now` is always an argument.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +65,7 @@ class ControllerSettings:
     headroom: float = 0.1  # size for the forecast x (1 + headroom)
     startup_s: float = 60.0  # an engine serves this long after it is started
     switch_margin: float = 0.25  # keep a pool's GPU kinds while within this of the cheapest
+    capacity_factors: Mapping[str, float] = field(default_factory=dict)  # measured / modelled
 
     def __post_init__(self) -> None:
         if not self.interval_s > 0:
@@ -130,7 +131,8 @@ class Controller:
         drain_rate = backlog / max(self.settings.startup_s, self.settings.interval_s)
         rate = ahead * (1 + self.settings.headroom) + drain_rate
         sizer = InventorySizer(self._model, stats.observation(rate).workload,
-                               self.settings.slo.targets(stats), self.settings.stock)
+                               self.settings.slo.targets(stats), self.settings.stock,
+                               factors=self.settings.capacity_factors)
         targets = sizer.size(rate, self.settings.roles, self.settings.limits,
                              engines_by_pool(engines), self.settings.switch_margin)
         return ControlStep(stats, forecast, targets, self.planner.diff(now, targets, engines))

@@ -86,7 +86,10 @@ class InventorySizer:
     """Sizes pools from a stock for one workload and SLO; caches per-kind capacities."""
 
     def __init__(self, model: ModelParams, workload: Workload, slo: SloTargets,
-                 stock: Sequence[Stock], method: Method = Method.REFINED) -> None:
+                 stock: Sequence[Stock], method: Method = Method.REFINED,
+                 factors: Mapping[str, float] | None = None) -> None:
+        """`factors`: measured / modelled rate per pool and kind (`capacity_key`), from
+        a calibration against the engines; 1 where absent."""
         names = [s.kind.name for s in stock]
         if len(set(names)) < len(names):
             raise ValueError(f"each engine kind appears once in the stock, got {names}")
@@ -94,6 +97,13 @@ class InventorySizer:
         self.stock = {s.kind: s for s in stock if s.count > 0}
         self._capacity: dict[EngineKind, EngineCapacity] = {}
         self._prefill_rate: dict[tuple[EngineKind, int], float] = {}
+        self.factors = dict(factors or {})
+        for key, value in self.factors.items():
+            if not value > 0:
+                raise ValueError(f"capacity factor {key} must be > 0, got {value}")
+
+    def factor(self, role: str, kind: EngineKind) -> float:
+        return self.factors.get(capacity_key(role, kind), 1.0)
 
     def capacity(self, kind: EngineKind) -> EngineCapacity:
         if kind not in self._capacity:
@@ -110,7 +120,7 @@ class InventorySizer:
         if engines <= 0:
             return 0.0
         if role == DECODE:
-            return engines * self.capacity(kind).decode_rps
+            return engines * self.capacity(kind).decode_rps * self.factor(DECODE, kind)
         key = (kind, engines)
         if key not in self._prefill_rate:
             stage = self._prefill_stage(kind)
@@ -123,11 +133,13 @@ class InventorySizer:
             self._prefill_rate[key] = rate
         prefill = self._prefill_rate[key]
         if role == PREFILL:
-            return prefill
+            return prefill * self.factor(PREFILL, kind)
         if role != UNIFIED:
             raise ValueError(f"unknown role {role!r}")
         decode = engines * self.capacity(kind).decode_rps
-        return 0.0 if prefill == 0 or decode == 0 else 1.0 / (1.0 / prefill + 1.0 / decode)
+        if prefill == 0 or decode == 0:
+            return 0.0
+        return self.factor(UNIFIED, kind) / (1.0 / prefill + 1.0 / decode)
 
     def engines_for(self, role: str, kind: EngineKind, rate: float) -> int:
         """Fewest engines of `kind` carrying `rate` in `role` (its stock permitting or not)."""
@@ -135,12 +147,12 @@ class InventorySizer:
             return 0
         if role == PREFILL:
             sizing = self._prefill_stage(kind).min_instances(
-                rate, self.slo.ttft_s, self.slo.p_slo, self.method)
+                rate / self.factor(PREFILL, kind), self.slo.ttft_s, self.slo.p_slo, self.method)
             return math.inf if sizing is None else sizing.num_instances
         if self.rate_of(role, kind, 1) == 0:
             return math.inf
         if role == DECODE:
-            return math.ceil(rate / self.capacity(kind).decode_rps)
+            return math.ceil(rate / self.rate_of(DECODE, kind, 1))
         return first_true(lambda n: self.rate_of(role, kind, n) >= rate, 0)
 
     def fill(self, role: str, rate: float, available: Mapping[EngineKind, int],
@@ -286,6 +298,11 @@ class InventorySizer:
             while sum(chosen.values()) < floor and chosen.get(kind, 0) < available[kind]:
                 chosen[kind] = chosen.get(kind, 0) + 1
         return chosen
+
+
+def capacity_key(role: str, kind: EngineKind) -> str:
+    """'decode:A800', 'unified:V100x2': how calibration factors are keyed."""
+    return f"{role}:{kind.name}"
 
 
 def _orders(roles: Sequence[str]) -> list[tuple[str, ...]]:

@@ -147,3 +147,27 @@ def test_pools_keep_their_gpu_kinds_within_the_switch_margin(sizer):
         A800: 2}
     assert sizer.size(50.0, PD, PoolLimits(), {}, switch_margin=0.25).engines[DECODE] == {
         A800: 2}
+
+
+def test_capacity_factors_scale_what_an_engine_carries_and_so_the_pools():
+    """A calibration saying decode A800s carry half what the model says doubles the
+    A800 decode engines bought for the same rate (and nothing else changes)."""
+    plain = InventorySizer(LLAMA, CHAT, SLO, STOCK)
+    halved = InventorySizer(LLAMA, CHAT, SLO, STOCK, factors={"decode:A800": 0.5})
+    assert halved.rate_of(DECODE, A800, 3) == pytest.approx(0.5 * plain.rate_of(DECODE, A800, 3))
+    assert halved.rate_of(PREFILL, H800, 2) == plain.rate_of(PREFILL, H800, 2)
+    assert plain.size(50.0, PD, PoolLimits()).engines[DECODE] == {A800: 2}
+    assert halved.engines_for(DECODE, A800, 50.0) == 2 * plain.engines_for(DECODE, A800, 50.0)
+    slower = InventorySizer(LLAMA, CHAT, SLO, STOCK, factors={"prefill:H800": 0.5})
+    assert slower.engines_for(PREFILL, H800, 200.0) > plain.engines_for(PREFILL, H800, 200.0)
+    with pytest.raises(ValueError, match="must be > 0"):
+        InventorySizer(LLAMA, CHAT, SLO, STOCK, factors={"decode:A800": 0.0})
+
+
+def test_controller_config_rejects_capacity_factors_for_unknown_pools():
+    from app.control.config import ControllerConfig
+
+    inventory = [{"gpu_type": "A800", "count": 2}]
+    ControllerConfig(inventory=inventory, capacity_factors={"decode:A800": 0.8})
+    with pytest.raises(ValueError, match="names no pool"):
+        ControllerConfig(inventory=inventory, capacity_factors={"decode:H800": 0.8})

@@ -1,0 +1,115 @@
+"""Calibrate the sizing model against the engines: per pool role and engine kind, the
+rate one engine sustains with `p_slo` of its requests within their deadlines, measured
+in the simulator, over the rate the analytic model gives it.
+
+SARA's stage models are approximations (the decode model, for one, assumes every
+batch slot busy at the SLO's batch size); sized from them alone, pools come out short
+wherever the model is optimistic. A production planner profiles its engines before it
+plans (NVIDIA Dynamo's pre-deployment profiler does); this is that step for simulated
+engines, and the factors it prints are the controller's `capacity_factors`.
+
+One engine of the kind serves the role under test; the other stage is served by
+helpers of the strongest kind for it, twice what the model says the rate needs, so
+that it is not the bottleneck. Poisson arrivals, content from the experiment's prompt
+pool, deadlines as in the experiment (slo_scale x solo time on the reference GPU).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from app.planning.inventory import DECODE, PREFILL, UNIFIED, InventorySizer, capacity_key
+from app.planning.params import ModelParams
+from app.planning.split import EngineKind
+from app.routing.registry import PolicyKind, RoutingOptions, build_routing
+from app.sim.elastic import engine_setup
+from app.sim.instance import InstanceSetup
+from app.sim.records import RequestOutcome
+from app.sim.simulator import Simulator
+from app.workload import Content, Workload, poisson_workload
+from benchmarks.autoscale import AutoscaleConfig
+from benchmarks.pd_vs_unified import observed
+from benchmarks.slo import assign_slos, reference_instance, solo_latencies_s
+
+BISECTION_STEPS = 6
+MAX_HELPERS = 16
+
+
+@dataclass(frozen=True)
+class Measured:
+    role: str
+    kind: EngineKind
+    modelled_rps: float
+    measured_rps: float
+
+    @property
+    def factor(self) -> float:
+        return self.measured_rps / self.modelled_rps
+
+
+class Calibrator:
+    """Measures one engine per (role, kind) of an experiment's inventory."""
+
+    def __init__(self, config: AutoscaleConfig, pool: Sequence[Content], seed: int,
+                 duration_s: float = 60.0) -> None:
+        self.config, self.pool, self.seed, self.duration_s = config, pool, seed, duration_s
+        self.settings = config.controller.settings(config.model, config.roles)
+        sample = poisson_workload(10.0, 100.0, pool, seed=seed)
+        lengths = observed(sample).workload
+        self.sizer = InventorySizer(ModelParams.named(config.model), lengths,
+                                    self.settings.slo.targets_for(lengths), self.settings.stock)
+        self.reference = reference_instance(config.model, config.controller.reference_gpu)
+
+    def run(self) -> list[Measured]:
+        rows = []
+        for role in self.config.roles:
+            for stock in self.settings.stock:
+                modelled = self.sizer.rate_of(role, stock.kind, 1)
+                if modelled > 0:
+                    rows.append(Measured(role, stock.kind, modelled,
+                                         self.sustained(role, stock.kind, modelled)))
+        return rows
+
+    def sustained(self, role: str, kind: EngineKind, modelled: float) -> float:
+        """Highest rate (bisection between 0 and twice the model's) that meets p_slo."""
+        lo, hi = 0.0, 2.0 * modelled
+        if self.attainment(role, kind, hi) >= self.settings.slo.p_slo:
+            return hi
+        for _ in range(BISECTION_STEPS):
+            mid = (lo + hi) / 2
+            if self.attainment(role, kind, mid) >= self.settings.slo.p_slo:
+                lo = mid
+            else:
+                hi = mid
+        return max(lo, modelled / 2 ** BISECTION_STEPS)
+
+    def attainment(self, role: str, kind: EngineKind, rate: float) -> float:
+        workload = self._workload(rate)
+        setups = [engine_setup(self.config.model, role, kind), *self._helpers(role, rate)]
+        stack = build_routing(PolicyKind.GOODSERVE, RoutingOptions(seed=self.seed))
+        sim = Simulator(setups, stack.policy, watchdog=stack.watchdog,
+                        kv_link_gbps=self.config.kv_link_gbps, seed=self.seed)
+        records = sim.run(workload).records
+        return sum(r.outcome is RequestOutcome.MET for r in records) / len(records)
+
+    def _workload(self, rate: float) -> Workload:
+        workload = poisson_workload(rate, self.duration_s, self.pool, seed=self.seed)
+        return assign_slos(workload, solo_latencies_s(workload.requests, self.reference),
+                           self.config.controller.slo_scale)
+
+    def _helpers(self, role: str, rate: float) -> list[InstanceSetup]:
+        """The other stage, out of the way: its strongest kind, twice the model's count."""
+        if role == UNIFIED:
+            return []
+        other = DECODE if role == PREFILL else PREFILL
+        kinds = [s.kind for s in self.settings.stock]
+        best = max(kinds, key=lambda k: self.sizer.rate_of(other, k, 1))
+        need = self.sizer.engines_for(other, best, 2.0 * rate)
+        count = MAX_HELPERS if not math.isfinite(need) else min(max(need, 1), MAX_HELPERS)
+        return [engine_setup(self.config.model, other, best) for _ in range(count)]
+
+
+def factors(rows: Sequence[Measured]) -> dict[str, float]:
+    return {capacity_key(r.role, r.kind): round(r.factor, 3) for r in rows}
