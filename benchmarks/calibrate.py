@@ -6,7 +6,9 @@ SARA's stage models are approximations (the decode model, for one, assumes every
 batch slot busy at the SLO's batch size); sized from them alone, pools come out short
 wherever the model is optimistic. A production planner profiles its engines before it
 plans (NVIDIA Dynamo's pre-deployment profiler does); this is that step for simulated
-engines, and the factors it prints are the controller's `capacity_factors`.
+engines, and the factors it prints are the controller's `capacity_factors`:
+    python -m benchmarks.calibrate --config configs/autoscale-sim.yaml --prompts P
+A factor is capped at 2 (the search stops at twice the model's rate).
 
 One engine of the kind serves the role under test; the other stage is served by
 helpers of the strongest kind for it, twice what the model says the rate needs, so
@@ -16,9 +18,13 @@ pool, deadlines as in the experiment (slo_scale x solo time on the reference GPU
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+
+import typer
 
 from app.planning.inventory import DECODE, PREFILL, UNIFIED, InventorySizer, capacity_key
 from app.planning.params import ModelParams
@@ -29,8 +35,9 @@ from app.sim.instance import InstanceSetup
 from app.sim.records import RequestOutcome
 from app.sim.simulator import Simulator
 from app.workload import Content, Workload, poisson_workload
-from benchmarks.autoscale import AutoscaleConfig
+from benchmarks.autoscale import DEFAULT_CONFIG, AutoscaleConfig, load_autoscale_config
 from benchmarks.pd_vs_unified import observed
+from benchmarks.replay import cli_error
 from benchmarks.slo import assign_slos, reference_instance, solo_latencies_s
 
 BISECTION_STEPS = 6
@@ -113,3 +120,41 @@ class Calibrator:
 
 def factors(rows: Sequence[Measured]) -> dict[str, float]:
     return {capacity_key(r.role, r.kind): round(r.factor, 3) for r in rows}
+
+
+def main(
+    config: Path = typer.Option(DEFAULT_CONFIG, help="autoscaling experiment YAML"),
+    prompts: Path = typer.Option(..., help="prompt_lengths.jsonl: the traffic's content"),
+    seed: int = typer.Option(1000, help="content and routing seed (keep it apart from the "
+                             "experiment's seeds)"),
+    duration_s: float = typer.Option(60.0, help="seconds of arrivals per measurement"),
+    out: Path | None = typer.Option(None, help="write calibration.json here"),
+) -> None:
+    """Measure the capacity factors of an experiment's inventory; prints the
+    `capacity_factors` line for its controller section."""
+    from app.workload import load_prompts
+
+    for path in (config, prompts):
+        if not path.exists():
+            raise cli_error(f"{path} does not exist")
+    experiment = load_autoscale_config(config)
+    pool = [row.content() for row in load_prompts(prompts)]
+    rows = Calibrator(experiment, pool, seed, duration_s).run()
+    for r in rows:
+        typer.echo(f"{r.role:8s} {r.kind.name:8s} model {r.modelled_rps:8.2f} req/s  "
+                   f"measured {r.measured_rps:8.2f} req/s  factor {r.factor:.3f}")
+    measured = factors(rows)
+    typer.echo("capacity_factors: " + json.dumps(measured))
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "calibration.json").write_text(json.dumps({
+            "setup": {"config": config.name, "prompts": prompts.name, "seed": seed,
+                      "duration_s": duration_s, "p_slo": experiment.controller.p_slo},
+            "rows": [{"role": r.role, "kind": r.kind.name,
+                      "modelled_rps": round(r.modelled_rps, 3),
+                      "measured_rps": round(r.measured_rps, 3)} for r in rows],
+            "capacity_factors": measured}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    typer.run(main)

@@ -115,3 +115,23 @@ def test_autoscale_input_errors_are_one_line(tmp_path, args, message):
     assert result.exit_code == 2 and message in result.output
     assert "Traceback" not in result.output
     assert set(STRATEGIES) >= {"sara", "static-peak"}
+
+
+def test_calibration_finds_the_rate_an_engine_sustains_within_its_deadlines():
+    """The measured rate meets p_slo in the simulator and a third more does not (or the
+    search hit its cap of twice the model's rate); the factor is their ratio."""
+    from benchmarks.calibrate import Calibrator, factors
+
+    config = load_autoscale_config(DEFAULT_CONFIG).model_copy(update={"mode": "unified"})
+    controller = config.controller.model_copy(update={"inventory": [
+        config.controller.inventory[1]]})  # A800 only
+    config = config.model_copy(update={"controller": controller})
+    pool = [Content(300 + 40 * (i % 10), 60 + 20 * (i % 7), (i,)) for i in range(200)]
+    calibrator = Calibrator(config, pool, seed=5, duration_s=20.0)
+    (row,) = calibrator.run()
+    assert row.role == "unified" and row.kind.name == "A800" and row.modelled_rps > 0
+    p_slo = calibrator.settings.slo.p_slo
+    assert calibrator.attainment(row.role, row.kind, row.measured_rps) >= p_slo
+    assert (row.measured_rps == 2 * row.modelled_rps
+            or calibrator.attainment(row.role, row.kind, 1.34 * row.measured_rps) < p_slo)
+    assert factors([row]) == {"unified:A800": round(row.measured_rps / row.modelled_rps, 3)}
