@@ -8,12 +8,14 @@ wherever the model is optimistic. A production planner profiles its engines befo
 plans (NVIDIA Dynamo's pre-deployment profiler does); this is that step for simulated
 engines, and the factors it prints are the controller's `capacity_factors`:
     python -m benchmarks.calibrate --config configs/autoscale-sim.yaml --prompts P
-A factor is capped at 2 (the search stops at twice the model's rate).
+A factor is capped at 2 (the search stops at twice the model's rate); a pool kind whose
+helpers could not carry twice its modelled rate is not measured.
 
 One engine of the kind serves the role under test; the other stage is served by
-helpers of the strongest kind for it, twice what the model says the rate needs, so
-that it is not the bottleneck. Poisson arrivals, content from the experiment's prompt
-pool, deadlines as in the experiment (slo_scale x solo time on the reference GPU).
+helpers of the strongest kind for it, twice what the model says the rate needs (at
+most 16), so that it is not the bottleneck. Poisson arrivals (at most 4,000 per
+measurement), content from the experiment's prompt pool, deadlines as in the
+experiment (slo_scale x solo time on the reference GPU).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from benchmarks.slo import assign_slos, reference_instance, solo_latencies_s
 
 BISECTION_STEPS = 6
 MAX_HELPERS = 16
+MAX_REQUESTS = 4000  # per measurement: high rates are measured over a shorter window
+MIN_DURATION_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -68,15 +72,23 @@ class Calibrator:
         self.sizer = InventorySizer(ModelParams.named(config.model), lengths,
                                     self.settings.slo.targets_for(lengths), self.settings.stock)
         self.reference = reference_instance(config.model, config.controller.reference_gpu)
+        self.skipped: list[str] = []  # pool kinds `run` could not measure
 
     def run(self) -> list[Measured]:
+        """One row per (role, kind) the model gives a rate and the helpers can serve;
+        the others keep the model's rate (listed in `skipped`)."""
         rows = []
+        self.skipped = []
         for role in self.config.roles:
             for stock in self.settings.stock:
                 modelled = self.sizer.rate_of(role, stock.kind, 1)
-                if modelled > 0:
-                    rows.append(Measured(role, stock.kind, modelled,
-                                         self.sustained(role, stock.kind, modelled)))
+                if modelled <= 0:
+                    continue
+                if not self._helpers_suffice(role, 2.0 * modelled):
+                    self.skipped.append(capacity_key(role, stock.kind))
+                    continue
+                rows.append(Measured(role, stock.kind, modelled,
+                                     self.sustained(role, stock.kind, modelled)))
         return rows
 
     def sustained(self, role: str, kind: EngineKind, modelled: float) -> float:
@@ -102,17 +114,30 @@ class Calibrator:
         return sum(r.outcome is RequestOutcome.MET for r in records) / len(records)
 
     def _workload(self, rate: float) -> Workload:
-        workload = poisson_workload(rate, self.duration_s, self.pool, seed=self.seed)
+        duration = max(min(self.duration_s, MAX_REQUESTS / rate), MIN_DURATION_S)
+        workload = poisson_workload(rate, duration, self.pool, seed=self.seed)
         return assign_slos(workload, solo_latencies_s(workload.requests, self.reference),
                            self.config.controller.slo_scale)
 
-    def _helpers(self, role: str, rate: float) -> list[InstanceSetup]:
-        """The other stage, out of the way: its strongest kind, twice the model's count."""
-        if role == UNIFIED:
-            return []
+    def _helper_kind(self, role: str) -> tuple[str, EngineKind]:
         other = DECODE if role == PREFILL else PREFILL
         kinds = [s.kind for s in self.settings.stock]
-        best = max(kinds, key=lambda k: self.sizer.rate_of(other, k, 1))
+        return other, max(kinds, key=lambda k: self.sizer.rate_of(other, k, 1))
+
+    def _helpers_suffice(self, role: str, rate: float) -> bool:
+        """The most helpers carry `rate` by the model: otherwise the measurement would
+        be of the helpers (small decode batches cannot keep up with a fast prefill)."""
+        if role == UNIFIED:
+            return True
+        other, best = self._helper_kind(role)
+        return self.sizer.engines_for(other, best, rate) <= MAX_HELPERS
+
+    def _helpers(self, role: str, rate: float) -> list[InstanceSetup]:
+        """The other stage, out of the way: its strongest kind, twice the model's count
+        (at most MAX_HELPERS)."""
+        if role == UNIFIED:
+            return []
+        other, best = self._helper_kind(role)
         need = self.sizer.engines_for(other, best, 2.0 * rate)
         count = MAX_HELPERS if not math.isfinite(need) else min(max(need, 1), MAX_HELPERS)
         return [engine_setup(self.config.model, other, best) for _ in range(count)]
@@ -139,10 +164,14 @@ def main(
             raise cli_error(f"{path} does not exist")
     experiment = load_autoscale_config(config)
     pool = [row.content() for row in load_prompts(prompts)]
-    rows = Calibrator(experiment, pool, seed, duration_s).run()
+    calibrator = Calibrator(experiment, pool, seed, duration_s)
+    rows = calibrator.run()
     for r in rows:
         typer.echo(f"{r.role:8s} {r.kind.name:8s} model {r.modelled_rps:8.2f} req/s  "
                    f"measured {r.measured_rps:8.2f} req/s  factor {r.factor:.3f}")
+    if calibrator.skipped:
+        typer.echo("not measured (the helper stage would be the bottleneck; the model's "
+                   f"rate stands): {', '.join(calibrator.skipped)}")
     measured = factors(rows)
     typer.echo("capacity_factors: " + json.dumps(measured))
     if out is not None:
@@ -153,6 +182,7 @@ def main(
             "rows": [{"role": r.role, "kind": r.kind.name,
                       "modelled_rps": round(r.modelled_rps, 3),
                       "measured_rps": round(r.measured_rps, 3)} for r in rows],
+            "not_measured": calibrator.skipped,
             "capacity_factors": measured}, indent=2) + "\n")
 
 

@@ -135,3 +135,19 @@ def test_calibration_finds_the_rate_an_engine_sustains_within_its_deadlines():
     assert (row.measured_rps == 2 * row.modelled_rps
             or calibrator.attainment(row.role, row.kind, 1.34 * row.measured_rps) < p_slo)
     assert factors([row]) == {"unified:A800": round(row.measured_rps / row.modelled_rps, 3)}
+
+
+def test_calibration_skips_a_stage_whose_helpers_would_be_the_bottleneck():
+    """Small decode batches (the live config's max_num_seqs 8) cannot keep up with a fast
+    prefill engine: the prefill measurement would be of the decoders, so it is skipped;
+    the large-batch experiment's decoders keep up."""
+    from benchmarks.calibrate import Calibrator
+
+    pool = [Content(300 + 40 * (i % 10), 60 + 20 * (i % 7), (i,)) for i in range(200)]
+    live = load_autoscale_config(DEFAULT_CONFIG.parent / "autoscale-live.yaml")
+    small = Calibrator(live, pool, seed=5)
+    h800 = live.controller.inventory[0].kind
+    assert not small._helpers_suffice(PREFILL, 2 * small.sizer.rate_of(PREFILL, h800, 1))
+    assert small._helpers_suffice(DECODE, 2 * small.sizer.rate_of(DECODE, h800, 1))
+    large = Calibrator(load_autoscale_config(DEFAULT_CONFIG), pool, seed=5)
+    assert large._helpers_suffice(PREFILL, 2 * large.sizer.rate_of(PREFILL, h800, 1))
