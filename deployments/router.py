@@ -78,6 +78,7 @@ class RouterDeployment:
         self.registry_key = registry.key
         clients = [member_client(m) for m in registry.members]
         self.service = CompletionService(config, clients, companion=self._follow)
+        self.service.router.follow(registry.members, member_client)  # draining ones too
 
     async def _follow(self, router: LiveRouter) -> None:
         """Long-poll the controller's registry and push load reports; while the
