@@ -233,13 +233,48 @@ class InventorySizer:
             return self._whole_stock(rate, roles, limits)
         cheapest = min(feasible, key=lambda t: t.cost_per_hour)
         if switch_margin > 0 and any(present.values()):
-            kept = [p for p in (self._size_in_order(rate, order, limits, present, keep=True)
-                                for order in _orders(roles))
-                    if p.meets_slo
-                    and p.cost_per_hour <= cheapest.cost_per_hour * (1 + switch_margin)]
-            if kept:
-                return min(kept, key=lambda t: t.cost_per_hour)
+            kept = self._incremental(rate, roles, limits, present)
+            if (kept.meets_slo
+                    and kept.cost_per_hour <= cheapest.cost_per_hour * (1 + switch_margin)):
+                return kept
         return cheapest
+
+    def _incremental(self, rate: float, roles: Sequence[str], limits: PoolLimits,
+                     present: Mapping[str, Mapping[EngineKind, int]]) -> PoolTargets:
+        """The running engines, plus the cheapest finish for what they do not carry, or
+        minus the dearest engines they can spare."""
+        available = {k: s.count for k, s in self.stock.items()}
+        engines: dict[str, dict[EngineKind, int]] = {}
+        short: list[str] = []
+        for role in roles:
+            kept = {k: min(n, available.get(k, 0)) for k, n in present.get(role, {}).items()
+                    if n > 0 and k in available}
+            carried = sum(self.rate_of(role, k, n) for k, n in kept.items())
+            if carried >= rate:
+                while sum(kept.values()) > limits.floor(role):
+                    dear = sorted((k for k, n in kept.items() if n > 0),
+                                  key=lambda k: -self.stock[k].price_per_hour)
+                    for k in dear:
+                        trial = dict(kept)
+                        trial[k] -= 1
+                        if sum(self.rate_of(role, kk, n) for kk, n in trial.items()) >= rate:
+                            kept = trial
+                            break
+                    else:
+                        break
+                left = 0.0
+            else:
+                rest = {k: n - kept.get(k, 0) for k, n in available.items()}
+                added, left = self.fill(role, rate - carried, rest,
+                                        limits.ceiling(role) - sum(kept.values()))
+                for k, n in added.items():
+                    kept[k] = kept.get(k, 0) + n
+            for k, n in kept.items():
+                available[k] -= n
+            engines[role] = {k: n for k, n in kept.items() if n > 0}
+            if left > 0:
+                short.append(f"{role} short by {left:.3g} req/s")
+        return PoolTargets(rate, engines, self._cost(engines), not short, "; ".join(short))
 
     def _whole_stock(self, rate: float, roles: Sequence[str], limits: PoolLimits) -> PoolTargets:
         """The stock cannot carry `rate`: every usable engine, split between the pools so

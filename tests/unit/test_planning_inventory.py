@@ -171,3 +171,17 @@ def test_controller_config_rejects_capacity_factors_for_unknown_pools():
     ControllerConfig(inventory=inventory, capacity_factors={"decode:A800": 0.8})
     with pytest.raises(ValueError, match="names no pool"):
         ControllerConfig(inventory=inventory, capacity_factors={"decode:H800": 0.8})
+
+
+def test_running_engines_are_kept_and_grown_or_trimmed_within_the_margin(sizer):
+    """With engines running, the pools are those engines plus the cheapest finish for
+    what they do not carry, or minus the dearest ones they can spare, while that costs
+    at most the margin more than the cheapest mix."""
+    running = {PREFILL: {H800: 1}, DECODE: {V100: 2, A800: 1}}
+    grown = sizer.size(100.0, PD, PoolLimits(), running, switch_margin=0.25)
+    assert grown.engines[DECODE][V100] >= 2 and grown.engines[DECODE][A800] >= 1
+    trimmed = sizer.size(20.0, PD, PoolLimits(), running, switch_margin=0.25)
+    decode = trimmed.engines[DECODE]
+    assert sum(decode.values()) == 1 and trimmed.meets_slo
+    fresh = sizer.size(20.0, PD, PoolLimits(), {}, switch_margin=0.25)
+    assert trimmed.cost_per_hour <= 1.25 * fresh.cost_per_hour
