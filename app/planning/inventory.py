@@ -21,7 +21,7 @@ The KV link is the cluster's, not sized here.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from app.planning.allocator import Workload
@@ -156,17 +156,14 @@ class InventorySizer:
         return first_true(lambda n: self.rate_of(role, kind, n) >= rate, 0)
 
     def fill(self, role: str, rate: float, available: Mapping[EngineKind, int],
-             ceiling: float = math.inf,
-             prefer: Collection[EngineKind] = ()) -> tuple[dict[EngineKind, int], float]:
+             ceiling: float = math.inf) -> tuple[dict[EngineKind, int], float]:
         """Engines per kind for `rate`, cheapest capacity first; and the rate left over.
 
         Whenever some kind not used yet can carry the whole remainder, the cheapest
         such finish ends the fill: a small rate goes to one cheap engine rather than to
-        the kind with the best price per capacity (which only pays at scale). Kinds in
-        `prefer` are used before all others (a pool keeping the kinds it runs)."""
+        the kind with the best price per capacity (which only pays at scale)."""
         usable = [k for k, n in available.items() if n > 0 and self.rate_of(role, k, 1) > 0]
-        usable.sort(key=lambda k: (k not in prefer,
-                                   self.stock[k].price_per_hour / self.rate_of(role, k, 1),
+        usable.sort(key=lambda k: (self.stock[k].price_per_hour / self.rate_of(role, k, 1),
                                    k.name))
         chosen: dict[EngineKind, int] = {}
         left = rate
@@ -174,8 +171,7 @@ class InventorySizer:
             room_left = ceiling - sum(chosen.values())
             if left <= 0 or room_left <= 0:
                 break
-            same_rank = [k for k in usable[i:] if (k in prefer) == (kind in prefer)]
-            finish = self._cheapest_finish(role, left, same_rank, available, room_left)
+            finish = self._cheapest_finish(role, left, usable[i:], available, room_left)
             if finish is not None:
                 chosen[finish[0]] = finish[1]
                 left = 0.0
@@ -203,9 +199,10 @@ class InventorySizer:
              switch_margin: float = 0.0) -> PoolTargets:
         """Targets for `rate`; over the budget, for the highest rate it buys. Pool floors
         are met with kinds a role already runs (`present`) before the cheapest ones, so
-        an idle interval does not swap engines; and the pools keep growing or shrinking
-        in the kinds they run while that costs at most `switch_margin` more than the
-        cheapest mix (each switch of kind pays a start-up and a drain)."""
+        an idle interval does not swap engines; and the pools keep the engines they run
+        (grown by the cheapest finish, or trimmed of the dearest they can spare) while
+        that costs at most `switch_margin` more than the cheapest mix (each switch of
+        kind pays a start-up and a drain)."""
         present = present or {}
         targets = self._size_unclamped(rate, roles, limits, present, switch_margin)
         budget = limits.budget_per_hour
@@ -300,17 +297,13 @@ class InventorySizer:
                    for pool in engines.values() for k, n in pool.items())
 
     def _size_in_order(self, rate: float, roles: Sequence[str], limits: PoolLimits,
-                       present: Mapping[str, Mapping[EngineKind, int]],
-                       keep: bool = False) -> PoolTargets:
-        """Fill the roles one after the other from one stock (`keep`: each from the
-        kinds it runs first)."""
+                       present: Mapping[str, Mapping[EngineKind, int]]) -> PoolTargets:
+        """Fill the roles one after the other from one stock."""
         available = {k: s.count for k, s in self.stock.items()}
         engines: dict[str, dict[EngineKind, int]] = {}
         short: list[str] = []
         for role in roles:
-            prefer = [k for k, n in present.get(role, {}).items() if n > 0] if keep else ()
-            chosen, left = self.fill(role, max(rate, 0.0), available, limits.ceiling(role),
-                                     prefer)
+            chosen, left = self.fill(role, max(rate, 0.0), available, limits.ceiling(role))
             chosen = self._with_floor(role, chosen, available, limits.floor(role),
                                       present.get(role, {}))
             for kind, n in chosen.items():
