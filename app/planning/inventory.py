@@ -21,7 +21,7 @@ The KV link is the cluster's, not sized here.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from app.planning.allocator import Workload
@@ -240,35 +240,52 @@ class InventorySizer:
                      present: Mapping[str, Mapping[EngineKind, int]]) -> PoolTargets:
         """The running engines, plus the cheapest finish for what they do not carry, or
         minus the dearest engines they can spare."""
-        available = {k: s.count for k, s in self.stock.items()}
-        engines: dict[str, dict[EngineKind, int]] = {}
-        short: list[str] = []
-        for role in roles:
+
+        def pool(role: str, available: Mapping[EngineKind, int]
+                 ) -> tuple[dict[EngineKind, int], float]:
             kept = {k: min(n, available.get(k, 0)) for k, n in present.get(role, {}).items()
                     if n > 0 and k in available}
             carried = sum(self.rate_of(role, k, n) for k, n in kept.items())
             if carried >= rate:
-                while sum(kept.values()) > limits.floor(role):
-                    dear = sorted((k for k, n in kept.items() if n > 0),
-                                  key=lambda k: -self.stock[k].price_per_hour)
-                    for k in dear:
-                        trial = dict(kept)
-                        trial[k] -= 1
-                        if sum(self.rate_of(role, kk, n) for kk, n in trial.items()) >= rate:
-                            kept = trial
-                            break
-                    else:
-                        break
-                left = 0.0
+                return self._trimmed(role, kept, rate, limits.floor(role)), 0.0
+            rest = {k: n - kept.get(k, 0) for k, n in available.items()}
+            added, left = self.fill(role, rate - carried, rest,
+                                    limits.ceiling(role) - sum(kept.values()))
+            for k, n in added.items():
+                kept[k] = kept.get(k, 0) + n
+            return kept, left
+
+        return self._pools(rate, roles, pool)
+
+    def _trimmed(self, role: str, kept: dict[EngineKind, int], rate: float,
+                 floor: int) -> dict[EngineKind, int]:
+        """`kept` less the dearest engines it can spare while still carrying `rate`."""
+        while sum(kept.values()) > floor:
+            dear = sorted((k for k, n in kept.items() if n > 0),
+                          key=lambda k: -self.stock[k].price_per_hour)
+            for k in dear:
+                trial = dict(kept)
+                trial[k] -= 1
+                if sum(self.rate_of(role, kk, n) for kk, n in trial.items()) >= rate:
+                    kept = trial
+                    break
             else:
-                rest = {k: n - kept.get(k, 0) for k, n in available.items()}
-                added, left = self.fill(role, rate - carried, rest,
-                                        limits.ceiling(role) - sum(kept.values()))
-                for k, n in added.items():
-                    kept[k] = kept.get(k, 0) + n
-            for k, n in kept.items():
-                available[k] -= n
-            engines[role] = {k: n for k, n in kept.items() if n > 0}
+                break
+        return kept
+
+    def _pools(self, rate: float, roles: Sequence[str],
+               pool: Callable[[str, Mapping[EngineKind, int]],
+                              tuple[dict[EngineKind, int], float]]) -> PoolTargets:
+        """Targets from `pool(role, stock left)` -> (engines per kind, rate left over),
+        the roles served one after the other from one stock."""
+        available = {k: s.count for k, s in self.stock.items()}
+        engines: dict[str, dict[EngineKind, int]] = {}
+        short: list[str] = []
+        for role in roles:
+            chosen, left = pool(role, available)
+            for kind, n in chosen.items():
+                available[kind] -= n
+            engines[role] = {k: n for k, n in chosen.items() if n > 0}
             if left > 0:
                 short.append(f"{role} short by {left:.3g} req/s")
         return PoolTargets(rate, engines, self._cost(engines), not short, "; ".join(short))
@@ -299,19 +316,14 @@ class InventorySizer:
     def _size_in_order(self, rate: float, roles: Sequence[str], limits: PoolLimits,
                        present: Mapping[str, Mapping[EngineKind, int]]) -> PoolTargets:
         """Fill the roles one after the other from one stock."""
-        available = {k: s.count for k, s in self.stock.items()}
-        engines: dict[str, dict[EngineKind, int]] = {}
-        short: list[str] = []
-        for role in roles:
+
+        def pool(role: str, available: Mapping[EngineKind, int]
+                 ) -> tuple[dict[EngineKind, int], float]:
             chosen, left = self.fill(role, max(rate, 0.0), available, limits.ceiling(role))
-            chosen = self._with_floor(role, chosen, available, limits.floor(role),
-                                      present.get(role, {}))
-            for kind, n in chosen.items():
-                available[kind] -= n
-            engines[role] = {k: n for k, n in chosen.items() if n > 0}
-            if left > 0:
-                short.append(f"{role} short by {left:.3g} req/s")
-        return PoolTargets(rate, engines, self._cost(engines), not short, "; ".join(short))
+            return self._with_floor(role, chosen, available, limits.floor(role),
+                                    present.get(role, {})), left
+
+        return self._pools(rate, roles, pool)
 
     def _with_floor(self, role: str, chosen: dict[EngineKind, int],
                     available: Mapping[EngineKind, int], floor: int,
