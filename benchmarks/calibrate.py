@@ -8,8 +8,10 @@ wherever the model is optimistic. A production planner profiles its engines befo
 plans (NVIDIA Dynamo's pre-deployment profiler does); this is that step for simulated
 engines, and the factors it prints are the controller's `capacity_factors`:
     python -m benchmarks.calibrate --config configs/autoscale-sim.yaml --prompts P
-A factor is capped at 2 (the search stops at twice the model's rate); a pool kind whose
-helpers could not carry twice its modelled rate is not measured.
+The search doubles the rate from twice the model's until the engine misses its target,
+up to MAX_FACTOR times the model's rate or the most its helpers carry (the factor is then
+a lower bound); a pool kind whose helpers could not carry twice its modelled rate is not
+measured.
 
 One engine of the kind serves the role under test; the other stage is served by
 helpers of the strongest kind for it, twice what the model says the rate needs (at
@@ -44,6 +46,7 @@ from benchmarks.slo import assign_slos, reference_instance, solo_latencies_s
 
 BISECTION_STEPS = 6
 MAX_HELPERS = 16
+MAX_FACTOR = 8.0  # the search's cap on measured / modelled
 MAX_REQUESTS = 4000  # per measurement: high rates are measured over a shorter window
 MIN_DURATION_S = 10.0
 
@@ -92,10 +95,13 @@ class Calibrator:
         return rows
 
     def sustained(self, role: str, kind: EngineKind, modelled: float) -> float:
-        """Highest rate (bisection between 0 and twice the model's) that meets p_slo."""
+        """Highest rate that meets p_slo: doubling from twice the model's rate while it
+        does (within MAX_FACTOR and what the helpers carry), then bisection."""
         lo, hi = 0.0, 2.0 * modelled
-        if self.attainment(role, kind, hi) >= self.settings.slo.p_slo:
-            return hi
+        while self.attainment(role, kind, hi) >= self.settings.slo.p_slo:
+            if 2 * hi > MAX_FACTOR * modelled or not self._helpers_suffice(role, 2 * hi):
+                return hi
+            lo, hi = hi, 2 * hi
         for _ in range(BISECTION_STEPS):
             mid = (lo + hi) / 2
             if self.attainment(role, kind, mid) >= self.settings.slo.p_slo:

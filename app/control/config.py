@@ -69,7 +69,7 @@ class ControllerConfig(Frozen):
         30.0, ge=0, description="a draining engine's requests migrate by token ids after this")
     startup_s: float = Field(60.0, ge=0, description="seconds an engine takes to serve")
     switch_margin: float = Field(
-        0.25, ge=0, description="pools keep the GPU kinds they run while that costs at most "
+        0.1, ge=0, description="pools keep the engines they run while that costs at most "
         "this share more than the cheapest mix (a switch pays a start-up and a drain)")
     slo_scale: float = Field(
         2.0, gt=0, description="deadline scale over the solo time on reference_gpu; sets the "

@@ -64,7 +64,7 @@ class ControllerSettings:
     interval_s: float = 30.0
     headroom: float = 0.1  # size for the forecast x (1 + headroom)
     startup_s: float = 60.0  # an engine serves this long after it is started
-    switch_margin: float = 0.25  # keep a pool's GPU kinds while within this of the cheapest
+    switch_margin: float = 0.1  # keep a pool's engines while within this of the cheapest
     capacity_factors: Mapping[str, float] = field(default_factory=dict)  # measured / modelled
 
     def __post_init__(self) -> None:
@@ -126,14 +126,27 @@ class Controller:
         # never below what was just observed: a falling trend must not undershoot it
         ahead = max(forecast + trend * self.settings.startup_s / self.settings.interval_s,
                     forecast, stats.rate_rps)
-        # requests queued on the engines must drain too, within one engine start-up
-        backlog = sum(e.waiting for e in engines if e.state is EngineState.ACTIVE)
-        drain_rate = backlog / max(self.settings.startup_s, self.settings.interval_s)
-        rate = ahead * (1 + self.settings.headroom) + drain_rate
-        sizer = InventorySizer(self._model, stats.observation(rate).workload,
+        sized = ahead * (1 + self.settings.headroom)
+        sizer = InventorySizer(self._model, stats.observation(sized).workload,
                                self.settings.slo.targets(stats), self.settings.stock,
                                factors=self.settings.capacity_factors)
+        rate = sized + self._backlog_rate(sizer, sized, engines)
         targets = sizer.size(rate, self.settings.roles, self.settings.limits,
                              engines_by_pool(engines), self.settings.switch_margin)
         return ControlStep(stats, forecast, targets, self.planner.diff(now, targets, engines))
+
+    def _backlog_rate(self, sizer: InventorySizer, rate: float,
+                      engines: Sequence[EngineRecord]) -> float:
+        """The extra rate that clears the requests queued on the engines within one
+        start-up: only the part the serving engines' spare capacity over `rate` does
+        not clear before new engines could serve (engines bought for a queue that is
+        gone by the time they boot are pure cost, e.g. once arrivals stop)."""
+        active = [e for e in engines if e.state is EngineState.ACTIVE]
+        backlog = sum(e.waiting for e in active)
+        if backlog == 0:
+            return 0.0
+        horizon = max(self.settings.startup_s, self.settings.interval_s)
+        serving = engines_by_pool(active)
+        carried = min(sizer.carried(role, serving.get(role, {})) for role in self.settings.roles)
+        return max(backlog - max(carried - rate, 0.0) * horizon, 0.0) / horizon
 

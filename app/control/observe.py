@@ -74,15 +74,23 @@ class LoadReport:
 class LoadWindow:
     """Accumulates router reports between two interval boundaries.
 
-    Length moments carry over from earlier windows when a window saw no arrival or no
-    completion (an idle interval does not erase what is known about the traffic)."""
+    Input length moments carry over from earlier windows when a window saw no arrival
+    (an idle interval does not erase what is known about the traffic). The mean output
+    length is weighted by completions over recent windows, each window's weight decaying
+    by `output_memory`: the completions of one window are biased towards long requests
+    when the load falls (the short ones have finished), and once arrivals stop the last
+    stragglers alone would make every engine look many times slower than it is."""
 
     def __init__(self, start_s: float, default_input_len: float = 512.0,
-                 default_output_len: float = 256.0) -> None:
+                 default_output_len: float = 256.0, output_memory: float = 0.5) -> None:
+        if not 0 <= output_memory < 1:
+            raise ValueError(f"output_memory must be in [0, 1), got {output_memory}")
         self._start_s = start_s
         self._tally = LoadReport()
         self._last_input = (default_input_len, 1.0)
         self._last_output = default_output_len
+        self._output_memory = output_memory
+        self._output_sums = (0.0, 0.0)  # decayed (output tokens, completions)
 
     def arrival(self, num_prompt_tokens: int) -> None:
         self._tally.arrival(num_prompt_tokens)
@@ -104,7 +112,9 @@ class LoadWindow:
             variance = max(t.input_sq / t.arrivals - mean * mean, 0.0)
             self._last_input = (max(mean, 1.0), max(math.sqrt(variance) / max(mean, 1.0), 0.05))
         if t.finished:
-            self._last_output = max(t.output_sum / t.finished, 1.0)
+            tokens, count = (x * self._output_memory for x in self._output_sums)
+            self._output_sums = (tokens + t.output_sum, count + t.finished)
+            self._last_output = max(self._output_sums[0] / self._output_sums[1], 1.0)
         stats = IntervalStats(self._start_s, now, t.arrivals, t.finished, t.met,
                               *self._last_input, self._last_output)
         self._start_s = now

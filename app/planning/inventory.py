@@ -141,6 +141,10 @@ class InventorySizer:
             return 0.0
         return self.factor(UNIFIED, kind) / (1.0 / prefill + 1.0 / decode)
 
+    def carried(self, role: str, engines: Mapping[EngineKind, int]) -> float:
+        """The rate a pool of `engines` (kind -> count) carries in `role`."""
+        return sum(self.rate_of(role, kind, n) for kind, n in engines.items())
+
     def engines_for(self, role: str, kind: EngineKind, rate: float) -> int:
         """Fewest engines of `kind` carrying `rate` in `role` (its stock permitting or not)."""
         if rate <= 0:
@@ -245,7 +249,7 @@ class InventorySizer:
                  ) -> tuple[dict[EngineKind, int], float]:
             kept = {k: min(n, available.get(k, 0)) for k, n in present.get(role, {}).items()
                     if n > 0 and k in available}
-            carried = sum(self.rate_of(role, k, n) for k, n in kept.items())
+            carried = self.carried(role, kept)
             if carried >= rate:
                 return self._trimmed(role, kept, rate, limits.floor(role)), 0.0
             rest = {k: n - kept.get(k, 0) for k, n in available.items()}
@@ -266,7 +270,7 @@ class InventorySizer:
             for k in dear:
                 trial = dict(kept)
                 trial[k] -= 1
-                if sum(self.rate_of(role, kk, n) for kk, n in trial.items()) >= rate:
+                if self.carried(role, trial) >= rate:
                     kept = trial
                     break
             else:

@@ -119,8 +119,8 @@ def test_autoscale_input_errors_are_one_line(tmp_path, args, message):
 
 def test_calibration_finds_the_rate_an_engine_sustains_within_its_deadlines():
     """The measured rate meets p_slo in the simulator and a third more does not (or the
-    search hit its cap of twice the model's rate); the factor is their ratio."""
-    from benchmarks.calibrate import Calibrator, factors
+    search hit its cap); the factor is their ratio."""
+    from benchmarks.calibrate import MAX_FACTOR, Calibrator, factors
 
     config = load_autoscale_config(DEFAULT_CONFIG).model_copy(update={"mode": "unified"})
     controller = config.controller.model_copy(update={"inventory": [
@@ -132,7 +132,7 @@ def test_calibration_finds_the_rate_an_engine_sustains_within_its_deadlines():
     assert row.role == "unified" and row.kind.name == "A800" and row.modelled_rps > 0
     p_slo = calibrator.settings.slo.p_slo
     assert calibrator.attainment(row.role, row.kind, row.measured_rps) >= p_slo
-    assert (row.measured_rps == 2 * row.modelled_rps
+    assert (row.measured_rps * 2 > MAX_FACTOR * row.modelled_rps
             or calibrator.attainment(row.role, row.kind, 1.34 * row.measured_rps) < p_slo)
     assert factors([row]) == {"unified:A800": round(row.measured_rps / row.modelled_rps, 3)}
 

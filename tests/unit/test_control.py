@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.control.controller import Controller, ControllerSettings, StageSlo
+from app.control.controller import Controller, ControllerSettings, ControlStep, StageSlo
 from app.control.observe import LoadWindow, RatePredictor
 from app.control.plan import EngineRecord, EngineState, PoolPlanner, ScalingRules
 from app.control.strategies import QueueLengthScaler, SaturationScaler, ThroughputScaler
@@ -44,6 +44,22 @@ def test_window_stats_and_carry_over_of_length_moments():
     assert (idle.mean_input_len, idle.mean_output_len) == (200, 100)
     with pytest.raises(ValueError, match="after its start"):
         window.close(20.0)
+
+
+def test_a_few_long_stragglers_do_not_stand_for_the_output_length():
+    """1,000 completions of 100 tokens, then a draining window of 10 at 2,000: the mean
+    is weighted by completions, the older window at half weight."""
+    window = LoadWindow(0.0, output_memory=0.5)
+    for _ in range(1000):
+        window.finished(100, True)
+    assert window.close(30.0).mean_output_len == 100
+    for _ in range(10):
+        window.finished(2000, False)
+    expected = (0.5 * 1000 * 100 + 10 * 2000) / (0.5 * 1000 + 10)
+    assert window.close(60.0).mean_output_len == pytest.approx(expected)  # about 137
+    assert LoadWindow(0.0, output_memory=0.0)._output_memory == 0.0
+    with pytest.raises(ValueError, match="output_memory"):
+        LoadWindow(0.0, output_memory=1.0)
 
 
 def test_forecast_follows_a_ramp_and_never_goes_negative():
@@ -232,13 +248,19 @@ def test_saturation_adds_one_when_saturated_and_removes_one_when_redistribution_
     assert targets.total(DECODE) == 4  # no change while an engine boots
 
 
-def test_requests_queued_on_the_engines_raise_the_rate_the_pools_are_sized_for():
-    idle, queued = Controller(settings(), 0.0), Controller(settings(), 0.0)
-    for controller in (idle, queued):
+def test_requests_queued_beyond_what_the_serving_engines_clear_raise_the_sized_rate():
+    """The queue must drain within one start-up (30 s here); the serving engines' spare
+    capacity clears part of it, and only the rest buys engines."""
+    def step(waiting: int) -> ControlStep:
+        controller = Controller(settings(), 0.0)
         feed(controller, 20.0)
-    engines = [engine("d0"), engine("p0", PREFILL, H800)]
-    backlog = [engine("d0", running=600, waiting=600), engine("p0", PREFILL, H800)]
-    calm, behind = idle.step(30.0, engines), queued.step(30.0, backlog)
-    # 600 queued over max(start-up 30 s, interval 30 s): 20 req/s more
-    assert behind.targets.rate_rps == pytest.approx(calm.targets.rate_rps + 20.0)
-    assert behind.targets.cost_per_hour > calm.targets.cost_per_hour
+        return controller.step(30.0, [engine("d0", running=600, waiting=waiting),
+                                      engine("p0", PREFILL, H800)])
+
+    calm, cleared, behind, further = step(0), step(30), step(6000), step(6600)
+    assert cleared.targets.rate_rps == pytest.approx(calm.targets.rate_rps)
+    assert behind.targets.rate_rps > calm.targets.rate_rps
+    # past the spare capacity, each 600 more queued adds 600 / 30 s = 20 req/s
+    assert further.targets.rate_rps == pytest.approx(behind.targets.rate_rps + 20.0)
+    assert (further.targets.cost_per_hour >= behind.targets.cost_per_hour
+            > calm.targets.cost_per_hour)
