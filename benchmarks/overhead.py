@@ -1,0 +1,395 @@
+"""The router's own cost per decision: `goodserve overhead --instances N --rps R`.
+
+The router core runs in-process against N simulated instances of mixed GPU kinds
+(H800, A800, A40, 2xV100 in turn), fed Poisson arrivals at R req/s for `duration_s`:
+GoodServe placement, the status estimator fed by every engine iteration, the SLO
+watchdog's checks, and the output-length prediction (the trained MoE through
+micro-batches when a predictor directory is given, else the running history). Every
+piece of router work is timed on the wall clock as it runs, stamped with the virtual
+time it happened; the simulated engines' own work is not.
+
+Those pieces are then laid on one router thread in the order they happen
+(`RouterThread`): work waits while the thread is busy, so a decision's latency
+(arrival to decision) includes the queueing behind earlier decisions, status updates,
+watchdog checks and the prediction batch it rode in - and a router slower than the
+offered rate shows as latency that grows and `decisions_per_s` below the offered rate.
+MoE batches follow the router's micro-batcher rule (`should_flush`: 64 requests or
+2 ms after the first) on the arrival times.
+
+The length estimator starts warm: it has seen `WARM_FINISHES` finished requests from
+the same content pool (a router that has been serving a while), so routing takes the
+paths it takes in steady state.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import typer
+
+from app.config import ClusterConfig
+from app.engine_types import EngineStatus
+from app.routing.base import ActiveRequest, RouteDecision, RoutingPolicy, Watchdog
+from app.routing.length import OutputLengthEstimator, PredictorLength, RunningHistoryLength
+from app.routing.registry import PolicyKind, RoutingOptions, build_routing
+from app.routing.view import (
+    ClusterView,
+    FinishReport,
+    InstanceId,
+    RouteRequest,
+    StepReport,
+)
+from app.sim.instance import setups_from_config
+from app.sim.simulator import Simulator
+from app.workload import Content, Workload, load_prompts, poisson_workload
+from benchmarks.replay import cli_error
+from predictor.base import PredictionInput, Predictor
+from predictor.batching import should_flush
+
+KINDS = (("H800", 1), ("A800", 1), ("A40", 1), ("V100", 2))
+WARM_FINISHES = 2000
+MAX_BATCH_SIZE, MAX_WAIT_S = 64, 0.002  # the router's micro-batcher defaults
+SWEEP_INSTANCES = (8, 32, 128, 512)
+SWEEP_RPS = (1000, 2500, 5000, 10000)
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def mixed_cluster(num_instances: int, model: str = "llama-3.1-8b") -> ClusterConfig:
+    """`num_instances` unified engines, the GPU kinds taking turns."""
+    if num_instances < 1:
+        raise ValueError(f"instances must be >= 1, got {num_instances}")
+    counts = [num_instances // len(KINDS) + (i < num_instances % len(KINDS))
+              for i in range(len(KINDS))]
+    groups = [{"count": n, "engine": {"gpu_type": gpu, "tp": tp, "model": model}}
+              for (gpu, tp), n in zip(KINDS, counts, strict=True) if n > 0]
+    return ClusterConfig.model_validate({"name": f"mixed-{num_instances}", "groups": groups})
+
+
+@dataclass
+class WorkLog:
+    """Router work as it happened: (virtual time it became due, wall seconds it took,
+    the arrival time when it is a routing decision, what it was)."""
+
+    due_s: list[float] = field(default_factory=list)
+    cost_s: list[float] = field(default_factory=list)
+    arrival_s: list[float] = field(default_factory=list)  # nan: not a decision
+    what: list[str] = field(default_factory=list)
+
+    def add(self, due: float, cost: float, what: str, arrival: float = math.nan) -> None:
+        self.due_s.append(due)
+        self.cost_s.append(cost)
+        self.arrival_s.append(arrival)
+        self.what.append(what)
+
+    @contextmanager
+    def timed(self, due: float, what: str, arrival: float = math.nan) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(due, time.perf_counter() - start, what, arrival)
+
+
+class TimedPolicy(RoutingPolicy):
+    """The routing policy, every call timed into a `WorkLog`. A decision is due when
+    its prediction is ready (`ready_s`, its arrival without a batched predictor)."""
+
+    def __init__(self, policy: RoutingPolicy, log: WorkLog,
+                 ready_s: Mapping[str, float] | None = None) -> None:
+        self.policy, self.log, self.ready_s = policy, log, ready_s or {}
+
+    def choose(self, request: RouteRequest, view: ClusterView, now: float) -> RouteDecision:
+        due = self.ready_s.get(request.request_id, now)
+        arrival = request.arrival_s if request.num_generated_tokens == 0 else math.nan
+        with self.log.timed(due, "choose", arrival):
+            return self.policy.choose(request, view, now)
+
+    def on_step(self, instance_id: InstanceId, report: StepReport, now: float) -> None:
+        with self.log.timed(now, "status"):
+            self.policy.on_step(instance_id, report, now)
+
+    def on_status(self, status: EngineStatus, now: float) -> None:
+        with self.log.timed(now, "status"):
+            self.policy.on_status(status, now)
+
+    def on_finish(self, report: FinishReport, now: float) -> None:
+        with self.log.timed(now, "finish"):
+            self.policy.on_finish(report, now)
+
+    def on_drop(self, request: RouteRequest, now: float) -> None:
+        with self.log.timed(now, "finish"):
+            self.policy.on_drop(request, now)
+
+
+class TimedWatchdog(Watchdog):
+    """The watchdog's checks and its own callbacks timed into a `WorkLog` (it shares
+    the estimators with the policy, which feeds them)."""
+
+    def __init__(self, watchdog: Watchdog, log: WorkLog) -> None:
+        super().__init__(watchdog.tau_iterations)
+        self.watchdog, self.log = watchdog, log
+
+    @property
+    def check_period_iterations(self) -> int:
+        return self.watchdog.check_period_iterations
+
+    def check(self, instance_id: InstanceId, active: Sequence[ActiveRequest],
+              view: ClusterView, now: float) -> Mapping[str, InstanceId]:
+        with self.log.timed(now, "watchdog"):
+            return self.watchdog.check(instance_id, active, view, now)
+
+    def on_finish(self, report: FinishReport, now: float) -> None:
+        with self.log.timed(now, "finish"):
+            self.watchdog.on_finish(report, now)
+
+    def on_drop(self, request: RouteRequest, now: float) -> None:
+        with self.log.timed(now, "finish"):
+            self.watchdog.on_drop(request, now)
+
+
+@dataclass(frozen=True)
+class RouterThread:
+    """Lays the logged work on one thread in order of due time: each piece starts when
+    it is due and the thread is free."""
+
+    latency_s: np.ndarray  # per decision: decided - arrived
+    busy_s: float
+    span_s: float  # first arrival to the last decision
+
+    @classmethod
+    def replay(cls, log: WorkLog, measured_from_s: float = -math.inf) -> RouterThread:
+        """Figures over the work due from `measured_from_s` on (the thread still carries
+        what came before: a warm-up)."""
+        due = np.asarray(log.due_s)
+        order = np.argsort(due, kind="stable")
+        cost, arrival = np.asarray(log.cost_s)[order], np.asarray(log.arrival_s)[order]
+        due = due[order]
+        free, done = -math.inf, np.empty(len(due))
+        for i in range(len(due)):
+            free = max(due[i], free) + cost[i]
+            done[i] = free
+        measured = due >= measured_from_s
+        decisions = measured & ~np.isnan(arrival)
+        if not decisions.any():
+            raise ValueError("no routing decision in the measured window")
+        latency = done[decisions] - arrival[decisions]
+        span = done[decisions].max() - arrival[decisions].min()
+        return cls(latency, float(cost[measured].sum()), float(span))
+
+
+def micro_batches(arrivals: Sequence[float], max_batch_size: int = MAX_BATCH_SIZE,
+                  max_wait_s: float = MAX_WAIT_S) -> list[tuple[int, int, float]]:
+    """(first, end, flush time) per batch of the sorted arrival times, by the
+    micro-batcher's rule: full, or its oldest request waited `max_wait_s`."""
+    batches, start = [], 0
+    while start < len(arrivals):
+        end = start + 1
+        while (end < len(arrivals) and not should_flush(
+                end - start, arrivals[start], arrivals[end], max_batch_size, max_wait_s)):
+            end += 1
+        full = end - start >= max_batch_size
+        flush = arrivals[end - 1] if full else arrivals[start] + max_wait_s
+        batches.append((start, end, flush))
+        start = end
+    return batches
+
+
+def predict_in_batches(workload: Workload, predictor: Predictor,
+                       log: WorkLog) -> tuple[Workload, dict[str, float]]:
+    """Arrival predictions, batch by batch as the micro-batcher forms them, each batch's
+    wall time logged at its flush; returns the workload with the predictions and when
+    each request's prediction is ready."""
+    requests = list(workload.requests)
+    ready: dict[str, float] = {}
+    for first, end, flush in micro_batches([r.arrival_s for r in requests]):
+        batch = requests[first:end]
+        items = [PredictionInput(prompt=r.prompt or "", task=r.task) for r in batch]
+        with log.timed(flush, "predict"):
+            lengths = predictor.predict(items)
+        for i, (request, length) in enumerate(zip(batch, lengths, strict=True)):
+            requests[first + i] = replace(request, predicted_output_tokens=max(round(length), 1))
+            ready[request.request_id] = flush
+    return workload.with_requests(requests), ready
+
+
+def warm_up(length: OutputLengthEstimator, pool: Sequence[Content], seed: int) -> None:
+    """Show the estimator `WARM_FINISHES` finished requests drawn from the pool, with
+    their arrival predictions when it predicts."""
+    sample = poisson_workload(1000.0, WARM_FINISHES / 1000.0, pool, seed=seed + 1)
+    routes = [r.route_request() for r in sample.requests]
+    if isinstance(length, PredictorLength):
+        totals = length.predict_totals(routes, [0] * len(routes))
+        routes = [replace(r, predicted_output_tokens=max(round(t), 1))
+                  for r, t in zip(routes, totals, strict=True)]
+    for route, work in zip(routes, sample.requests, strict=True):
+        length.on_finish(FinishReport(route, "warm-up", work.num_output_tokens, None, 0.0), 0.0)
+
+
+@dataclass(frozen=True)
+class Overhead:
+    instances: int
+    rps: float
+    duration_s: float
+    predictor: str
+    decisions: int
+    latency_ms: np.ndarray
+    decisions_per_s: float
+    cpu_ms_per_decision: float
+    breakdown_ms: dict[str, float]  # per decision, by kind of work
+
+    def summary(self) -> dict[str, Any]:
+        lat = self.latency_ms
+        return {
+            "instances": self.instances, "rps": self.rps, "duration_s": self.duration_s,
+            "predictor": self.predictor, "decisions": self.decisions,
+            "p50_ms": round(float(np.percentile(lat, 50)), 4),
+            "p99_ms": round(float(np.percentile(lat, 99)), 4),
+            "max_ms": round(float(lat.max()), 4),
+            "decisions_per_s": round(self.decisions_per_s, 1),
+            "cpu_ms_per_decision": round(self.cpu_ms_per_decision, 4),
+            "breakdown_ms_per_decision": {k: round(v, 4) for k, v in self.breakdown_ms.items()},
+        }
+
+
+def content_pool(prompts: Path | None) -> list[Content]:
+    path = prompts or DATA / "prompts" / "prompt_lengths.jsonl"
+    if path.is_file():
+        return [p.content() for p in load_prompts(path)]
+    if prompts is not None:
+        raise ValueError(f"{prompts} does not exist")
+    return [Content(256 + 64 * (i % 16), 64 + 32 * (i % 11), (i,)) for i in range(512)]
+
+
+def measure(instances: int, rps: float, duration_s: float, pool: Sequence[Content],
+            predictor_factory: Callable[[], Predictor] | None = None,
+            seed: int = 0, warmup_s: float = 1.0) -> Overhead:
+    """Run the router core at `rps` against `instances` simulated instances and lay its
+    work on one thread (module docstring); the first `warmup_s` of arrivals fill the
+    instances and are not reported."""
+    if rps <= 0 or duration_s <= 0 or warmup_s < 0:
+        raise ValueError("rps and duration must be > 0, warm-up >= 0")
+    cluster = mixed_cluster(instances)
+    log = WorkLog()
+    workload = poisson_workload(rps, warmup_s + duration_s, pool, seed=seed)
+    ready: dict[str, float] = {}
+    if predictor_factory is not None:
+        predictor = predictor_factory()
+        length: OutputLengthEstimator = PredictorLength(predictor)
+        workload, ready = predict_in_batches(workload, predictor, log)
+    else:
+        length = RunningHistoryLength()
+    warm_up(length, pool, seed)
+    stack = build_routing(PolicyKind.GOODSERVE, RoutingOptions(seed=seed,
+                                                               length_factory=lambda: length))
+    assert stack.watchdog is not None
+    sim = Simulator(setups_from_config(cluster), TimedPolicy(stack.policy, log, ready),
+                    watchdog=TimedWatchdog(stack.watchdog, log), seed=seed, max_drain_s=0.0)
+    sim.run(workload)
+    measured_from = workload.requests[0].arrival_s + warmup_s
+    thread = RouterThread.replay(log, measured_from)
+    decisions = len(thread.latency_s)
+    kinds = sorted(set(log.what))
+    window = np.asarray(log.due_s) >= measured_from
+    costs = np.asarray(log.cost_s)[window]
+    what = np.asarray(log.what)[window]
+    return Overhead(
+        instances, rps, duration_s, "moe" if predictor_factory else "history", decisions,
+        thread.latency_s * 1e3,
+        decisions / thread.span_s if thread.span_s > 0 else math.nan,
+        thread.busy_s / decisions * 1e3,
+        {k: float(costs[what == k].sum()) / decisions * 1e3 for k in kinds},
+    )
+
+
+def moe_factory(directory: Path) -> Callable[[], Predictor]:
+    from predictor.registry import load_predictor
+
+    try:
+        load_predictor(directory, "moe")
+    except (OSError, KeyError) as exc:
+        raise ValueError(f"cannot load the MoE from {directory}: {exc}") from None
+    return lambda: load_predictor(directory, "moe")
+
+
+def write_sweep(out: Path, rows: Sequence[dict[str, Any]]) -> None:
+    """overhead.csv and overhead.png (p50 / p99 per decision against instances)."""
+    import csv
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    fields = [k for k in rows[0] if k != "breakdown_ms_per_decision"]
+    with (out / "overhead.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    predictors = sorted({r["predictor"] for r in rows})
+    fig, axes = plt.subplots(1, len(predictors), figsize=(6 * len(predictors), 4),
+                             squeeze=False, sharey=True)
+    for ax, name in zip(axes[0], predictors, strict=True):
+        for rps in sorted({r["rps"] for r in rows}):
+            cells = sorted((r for r in rows if r["predictor"] == name and r["rps"] == rps),
+                           key=lambda r: r["instances"])
+            xs = [r["instances"] for r in cells]
+            line, = ax.plot(xs, [r["p99_ms"] for r in cells], marker="o",
+                            label=f"{rps:g} req/s p99")
+            ax.plot(xs, [r["p50_ms"] for r in cells], ls="--", color=line.get_color())
+        ax.axhline(0.5, color="grey", lw=0.8)
+        ax.set(xscale="log", yscale="log", xlabel="instances", title=f"lengths: {name}")
+        ax.set_xticks(SWEEP_INSTANCES, [str(n) for n in SWEEP_INSTANCES])
+    axes[0][0].set_ylabel("ms per decision (arrival to decision); dashed p50")
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "overhead.png", dpi=120)
+    plt.close(fig)
+
+
+def overhead(
+    instances: int = typer.Option(512, help="simulated instances, GPU kinds in turn"),
+    rps: float = typer.Option(10_000.0, help="offered Poisson arrival rate"),
+    duration: float = typer.Option(1.0, help="seconds of arrivals measured"),
+    warmup: float = typer.Option(1.0, help="seconds of arrivals before, not measured"),
+    predictor: Path | None = typer.Option(None, help="directory of a trained MoE "
+                                          "(`goodserve predictor train`); else running history"),
+    prompts: Path | None = typer.Option(None, help="prompt_lengths.jsonl content (default: "
+                                        "the shared data's, else synthetic)"),
+    seed: int = typer.Option(0),
+    sweep: bool = typer.Option(False, help=f"every instances {SWEEP_INSTANCES} x rps "
+                               f"{SWEEP_RPS}, with and without --predictor"),
+    out: Path | None = typer.Option(None, help="--sweep: write overhead.csv, overhead.png"),
+    as_json: bool = typer.Option(False, "--json", help="print only the JSON"),
+) -> None:
+    """The router's cost per routing decision at a given scale and rate (one JSON
+    object; with --sweep a list, plus CSV and PNG)."""
+    try:
+        pool = content_pool(prompts)
+        factory = moe_factory(predictor) if predictor is not None else None
+        if not sweep:
+            result = measure(instances, rps, duration, pool, factory, seed, warmup)
+            typer.echo(json.dumps(result.summary(), indent=None if as_json else 2))
+            return
+        rows = []
+        for factory_or_none in ([None, factory] if factory else [None]):
+            for n in SWEEP_INSTANCES:
+                for rate in SWEEP_RPS:
+                    row = measure(n, rate, duration, pool, factory_or_none, seed,
+                                  warmup).summary()
+                    rows.append(row)
+                    if not as_json:
+                        typer.echo(json.dumps(row), err=True)
+    except ValueError as error:
+        raise cli_error(str(error)) from None
+    if out is not None:
+        write_sweep(out, rows)
+    typer.echo(json.dumps(rows, indent=None if as_json else 2))
