@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Sequence
+
+import numpy as np
 
 from app.routing.view import InstanceId
 
@@ -34,6 +37,10 @@ class SlackBudgets:
     def __init__(self) -> None:
         self._heaps: dict[InstanceId, list[tuple[float, str]]] = {}
         self._req_to_slot: dict[str, tuple[InstanceId, float]] = {}
+        # `shortest_stalls`' last answer, and the instances whose budgets changed since
+        self._stalls: tuple[tuple[InstanceId, ...], dict[InstanceId, int], np.ndarray] = (
+            (), {}, np.zeros(0))
+        self._changed: set[InstanceId] = set()
 
     def __len__(self) -> int:
         return len(self._req_to_slot)
@@ -44,10 +51,13 @@ class SlackBudgets:
         if math.isinf(slack_s):
             return
         self._req_to_slot[request_id] = (instance_id, slack_s)
+        self._changed.add(instance_id)
         heapq.heappush(self._heaps.setdefault(instance_id, []), (slack_s, request_id))
 
     def remove(self, request_id: str) -> None:
-        self._req_to_slot.pop(request_id, None)
+        slot = self._req_to_slot.pop(request_id, None)
+        if slot is not None:
+            self._changed.add(slot[0])
 
     def shortest_stall_s(self, instance_id: InstanceId) -> float:
         """Smallest slack among requests still on the instance (inf if none)."""
@@ -58,3 +68,19 @@ class SlackBudgets:
                 return slack_s
             heapq.heappop(heap)
         return math.inf
+
+    def shortest_stalls(self, instance_ids: Sequence[InstanceId]) -> np.ndarray:
+        """`shortest_stall_s` of each instance, recomputed only for the instances whose
+        budgets changed since the last call with the same ids."""
+        ids, position, stalls = self._stalls
+        if ids != instance_ids:
+            ids = tuple(instance_ids)
+            position = {iid: i for i, iid in enumerate(ids)}
+            stalls = np.array([self.shortest_stall_s(i) for i in ids], dtype=np.float64)
+        else:
+            for iid in self._changed:
+                if iid in position:
+                    stalls[position[iid]] = self.shortest_stall_s(iid)
+        self._changed.clear()
+        self._stalls = (ids, position, stalls)
+        return stalls.copy()

@@ -12,10 +12,14 @@ usable at once. Clock-agnostic: `now` is an argument.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from app.engine_types import EngineStatus, PrefillTotals
 from app.hardware import InstanceSpec
+from app.routing.arrays import ViewArrays
 from app.routing.base import StepListener
 from app.routing.view import InstanceId, InstanceView, StepReport
 
@@ -112,13 +116,17 @@ class StatusEstimator(StepListener):
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         self.alpha = alpha
         self._states: dict[InstanceId, _InstanceState] = {}
+        self._table = _StateTable()
 
     def _state(self, instance_id: InstanceId) -> _InstanceState:
+        """The instance's state, to read or update (its table row is refreshed before
+        the next vectorised estimate)."""
         state = self._states.get(instance_id)
         if state is None:
             a = self.alpha
             state = _InstanceState(_Ema(a), _Ema(a), _Ema(a), _Ema(a), _Ema(a))
             self._states[instance_id] = state
+        self._table.dirty.add(instance_id)
         return state
 
     # ---- samples -------------------------------------------------------------
@@ -199,6 +207,7 @@ class StatusEstimator(StepListener):
     def forget(self, instance_id: InstanceId) -> None:
         """Drop an instance that left the pool (churn); a new one with the id starts fresh."""
         self._states.pop(instance_id, None)
+        self._table.dirty.add(instance_id)
 
     # ---- estimates -----------------------------------------------------------
     def estimate(
@@ -235,6 +244,32 @@ class StatusEstimator(StepListener):
             num_samples=state.num_samples,
         )
 
+    def estimate_arrays(self, arrays: ViewArrays, now: float,
+                        joining: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(q_g, p_g, d_g) for every instance of `arrays` at once: `estimate` over
+        columns, equal to it figure for figure."""
+        self._table.refresh(self._states)
+        state = self._table.rows(arrays.ids)
+        running, waiting = arrays.column("num_running"), arrays.column("num_waiting")
+        prior_p = arrays.column("prior_prefill_s_per_token")
+        prior_d = arrays.column("prior_decode_s_per_token")
+        known = (state[:, _S_KNOWN] > 0) & (running + waiting > 0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            span = now - state[:, _S_FIRST_FINISH]
+            rate = np.where((state[:, _S_FINISHES] >= 2) & (span > 0),
+                            (state[:, _S_FINISHES] - 1) / span, 0.0)
+            little = np.where(rate > 0, waiting / rate, 0.0)
+            queue = np.where(waiting > 0, np.maximum(state[:, _S_QUEUE], little), 0.0)
+            prefill = state[:, _S_PREFILL_S] / state[:, _S_PREFILL_TOKENS]
+            upcoming = np.minimum(running + joining, arrays.column("max_num_seqs"))
+            intercept, slope = arrays.column("batch_intercept"), arrays.column("batch_slope")
+            growth = np.maximum((intercept + slope * upcoming)
+                                / (intercept + slope * state[:, _S_BATCH]), 1.0)
+            decode = state[:, _S_DECODE] * growth
+        p = np.where(known & ~np.isnan(state[:, _S_PREFILL_S]), prefill, prior_p)
+        d = np.where(known & ~np.isnan(state[:, _S_DECODE]), decode, prior_d)
+        return np.where(known, queue, 0.0), p, d
+
     @staticmethod
     def _batch_growth(state: _InstanceState, view: InstanceView, joining: int) -> float:
         """How much slower a step will be with the running batch (+ the `joining`
@@ -267,3 +302,54 @@ class StatusEstimator(StepListener):
         rate = state.departures.rate_per_s(view.updated_s if now is None else now)
         little = view.num_waiting / rate if rate else 0.0
         return max(ema, little)
+
+
+# `_StateTable` columns
+_S_KNOWN, _S_QUEUE, _S_DECODE, _S_BATCH, _S_PREFILL_S, _S_PREFILL_TOKENS = range(6)
+_S_FINISHES, _S_FIRST_FINISH = 6, 7
+_NUM_STATE_COLUMNS = 8
+
+
+class _StateTable:
+    """The estimator's per-instance state as rows of floats, refreshed only for the
+    instances whose state changed since the last vectorised estimate. Row 0 stands
+    for an instance with no state (catalog prior)."""
+
+    def __init__(self) -> None:
+        self.dirty: set[InstanceId] = set()
+        self._row: dict[InstanceId, int] = {}
+        self._table = np.zeros((1, _NUM_STATE_COLUMNS))
+        self._lookup: tuple[tuple[InstanceId, ...], np.ndarray] = ((), np.zeros(0, np.int64))
+
+    def refresh(self, states: dict[InstanceId, _InstanceState]) -> None:
+        for instance_id in self.dirty:
+            row = self._row.get(instance_id)
+            if row is None:
+                row = self._row[instance_id] = len(self._table)
+                self._table = np.vstack([self._table, np.zeros((1, _NUM_STATE_COLUMNS))])
+                self._lookup = ((), self._lookup[1])
+            state = states.get(instance_id)
+            self._table[row] = _NO_STATE if state is None else _state_row(state)
+        self.dirty.clear()
+
+    def rows(self, ids: Sequence[InstanceId]) -> np.ndarray:
+        """The state rows of `ids`, in order (row 0 for an instance never seen)."""
+        if self._lookup[0] != ids:  # tuples compare by identity first: cheap when unchanged
+            self._lookup = (tuple(ids), np.array([self._row.get(i, 0) for i in ids],
+                                                 dtype=np.int64))
+        return self._table[self._lookup[1]]
+
+
+_NO_STATE = np.zeros(_NUM_STATE_COLUMNS)
+
+
+def _state_row(state: _InstanceState) -> np.ndarray:
+    """What `StatusEstimator.estimate` reads of a state; nan for an EMA with no sample."""
+    def value(ema: _Ema) -> float:
+        return np.nan if ema.value is None else ema.value
+
+    times = state.departures.times
+    return np.array([1.0, state.queue_delay.value or 0.0, value(state.decode_iteration),
+                     state.decode_batch.value or 1.0, value(state.prefill_step_s),
+                     value(state.prefill_step_tokens), len(times),
+                     times[0] if times else np.nan])

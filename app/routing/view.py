@@ -11,10 +11,17 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from app.config import EngineRole
 from app.engine_types import EngineStatus
 from app.hardware import InstanceSpec
+
+if TYPE_CHECKING:
+    from app.engines.prefix import PrefixDirectory
+    from app.routing.arrays import ViewArrays
 
 InstanceId = str
 
@@ -137,10 +144,22 @@ class ClusterView:
     instances: tuple[InstanceView, ...]
     prefix_lookup: PrefixLookup
     kv_capacity_floor_tokens: int = 0  # <= every instance's capacity; lets `holding` skip the scan
+    columns: ViewArrays | None = None  # `instances` as columns, when the substrate keeps them
+    # every instance's prefix cache at once, when the substrate keeps one (else per instance)
+    prefix_directory: PrefixDirectory | None = None
 
     @cached_property
     def by_id(self) -> dict[InstanceId, InstanceView]:
         return {v.instance_id: v for v in self.instances}
+
+    @cached_property
+    def arrays(self) -> ViewArrays:
+        """`instances` as columns (vectorised routing): the substrate's, else built."""
+        if self.columns is not None:
+            return self.columns
+        from app.routing.arrays import ViewArrays
+
+        return ViewArrays.of(self.instances)
 
     def get(self, instance_id: InstanceId) -> InstanceView:
         return self.by_id[instance_id]
@@ -151,6 +170,17 @@ class ClusterView:
             return 0
         blocks = self.prefix_lookup(instance_id, request.block_hashes)
         return min(blocks * request.hash_block_size, request.num_prompt_tokens)
+
+    def prefix_hits_of(self, request: RouteRequest,
+                       instance_ids: Sequence[InstanceId]) -> list[int] | np.ndarray:
+        """`prefix_hit_tokens` for each of `instance_ids`, in one directory query when
+        the substrate keeps a directory."""
+        if not request.block_hashes:
+            return [0] * len(instance_ids)
+        if self.prefix_directory is None:
+            return [self.prefix_hit_tokens(i, request) for i in instance_ids]
+        blocks = self.prefix_directory.hit_blocks(request.block_hashes, instance_ids)
+        return np.minimum(blocks * request.hash_block_size, request.num_prompt_tokens)
 
     def holding(self, request: RouteRequest) -> Sequence[InstanceView]:
         """Instances whose KV capacity can ever hold the request, in view order."""

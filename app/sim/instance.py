@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 from app.config import ClusterConfig, EngineRole, SchedulerConfig
 from app.engine_types import EngineStatus
+from app.engines.prefix import PrefixDirectory
 from app.hardware import InstanceSpec
+from app.routing.arrays import ViewColumns
 from app.routing.view import ClusterView, InstanceId, InstanceView
 from app.sim.engine_core import ScheduledStep, SimEngineCore
 
@@ -94,6 +96,8 @@ class Pool:
         self.instances: list[SimInstance] = []
         self.by_id: dict[InstanceId, SimInstance] = {}  # id -> instance
         self._views: list[InstanceView | None] = []
+        self._columns = ViewColumns()  # the views as arrays, for vectorised routing
+        self._prefixes = PrefixDirectory()  # every member's prefix cache, for the same
         self._dirty: set[int] = set()
         self._closed: set[int] = set()  # pool indices not offered to routing
         self._capacity_floor = 0
@@ -107,6 +111,7 @@ class Pool:
         inst.pool_index = len(self.instances)
         self.instances.append(inst)
         self.by_id[inst.instance_id] = inst
+        inst.core.prefix_cache.join(self._prefixes, inst.instance_id)
         self._views.append(None)
         self._dirty.add(inst.pool_index)
         self._refresh_floor()
@@ -140,15 +145,18 @@ class Pool:
 
     def snapshot(self, now: float, max_outstanding: int | None = None) -> ClusterView:
         """Views of the open instances, or of those under the admission cap."""
-        for i in self._dirty:
-            self._views[i] = self.instances[i].make_view(now)
+        for i in sorted(self._dirty):
+            self._views[i] = view = self.instances[i].make_view(now)
+            self._columns.set(i, view)
         self._dirty.clear()
         views: tuple[InstanceView, ...] = tuple(self._views)  # type: ignore[arg-type]
-        if self._closed:
-            views = tuple(v for i, v in enumerate(views) if i not in self._closed)
-        if max_outstanding is not None:
-            views = tuple(v for v in views if v.num_outstanding < max_outstanding)
-        return ClusterView(now, views, self.prefix_blocks, self._capacity_floor)
+        if not self._closed and max_outstanding is None:
+            return ClusterView(now, views, self.prefix_blocks, self._capacity_floor,
+                               self._columns.arrays(), self._prefixes)
+        rows = [i for i, v in enumerate(views) if i not in self._closed
+                and (max_outstanding is None or v.num_outstanding < max_outstanding)]
+        return ClusterView(now, tuple(views[i] for i in rows), self.prefix_blocks,
+                           self._capacity_floor, self._columns.arrays(rows), self._prefixes)
 
     def prefix_blocks(self, instance_id: InstanceId, block_hashes: Sequence[int]) -> int:
         return self.by_id[instance_id].core.prefix_cache.peek(block_hashes)

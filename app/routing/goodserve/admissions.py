@@ -48,21 +48,30 @@ class RecentAdmissions:
         self, request: RouteRequest, candidates: Sequence[Candidate], headroom: float
     ) -> None:
         """A new request was scored against `candidates`."""
-        self._num_arrivals += 1
-        if request.has_deadline:
-            self._slo_spans.append(request.slo_s)
-        for c in candidates:
-            if c.meets_deadline(headroom) and not c.admissible():
-                self._last_turned_away[c.instance_id] = self._num_arrivals
+        turned_away = [c.instance_id for c in candidates
+                       if c.meets_deadline(headroom) and not c.admissible()]
         # stranding asks whether the deadline could be met at all, so no headroom: with
         # it, an overloaded pool where nothing meets with headroom would never count as
         # stranding, and the reservation would switch off exactly when it is needed
-        if any(c.meets_deadline() and c.harmless() for c in candidates):
-            return
-        for c in candidates:
-            if c.meets_deadline() and not c.harmless():  # lack of capacity, not reservation
-                self._last_stranded[c.instance_id] = self._num_arrivals
-                self._last_any_stranded = self._num_arrivals
+        stranded = []
+        if not any(c.meets_deadline() and c.harmless() for c in candidates):
+            # lack of capacity, not reservation
+            stranded = [c.instance_id for c in candidates
+                        if c.meets_deadline() and not c.harmless()]
+        self.record_outcomes(request, turned_away, stranded)
+
+    def record_outcomes(self, request: RouteRequest, turned_away: Sequence[InstanceId],
+                        stranded: Sequence[InstanceId]) -> None:
+        """A new request arrived; the instances that turned it away while it would have
+        met its deadline there with the headroom, and those that stranded it."""
+        self._num_arrivals += 1
+        if request.has_deadline:
+            self._slo_spans.append(request.slo_s)
+        for instance_id in turned_away:
+            self._last_turned_away[instance_id] = self._num_arrivals
+        for instance_id in stranded:
+            self._last_stranded[instance_id] = self._num_arrivals
+            self._last_any_stranded = self._num_arrivals
 
     def record(self, instance_id: InstanceId, latency_s: float) -> None:
         """A new request was placed on `instance_id` with estimated latency T."""

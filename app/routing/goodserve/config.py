@@ -109,6 +109,10 @@ class GoodServeConfig(Frozen):
         0.5, ge=0, le=1, description="a move may cost a contended target up to this "
         "quantile of the T of the new requests recently placed there; 1 = no limit")
 
+    vectorised: bool = Field(
+        True, description="score arrivals over instance columns in numpy (same decisions as "
+        "the per-instance path, a fraction of its cost at hundreds of instances)")
+
     def for_length(self, length: OutputLengthEstimator) -> GoodServeConfig:
         """This config with the stall factor and triage resolved for `length` where
         left to it."""

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Any
 
 from app.engine_types import EngineStatus
 from app.routing.base import Reject, RouteDecision, RoutingPolicy
 from app.routing.budgets import SlackBudgets
+from app.routing.goodserve import vectorised
 from app.routing.goodserve.admissions import RecentAdmissions
 from app.routing.goodserve.config import GoodServeConfig
 from app.routing.goodserve.latency import Candidate
@@ -57,50 +60,43 @@ class JustEnoughPolicy(RoutingPolicy):
         output = bounded_output(request, self.length.expected_output(request))
         cold = self.config.fast_while_cold and not self.length.warm(
             self.config.confidence_quantile)
-        chosen, candidates = self._place_confidently(request, holding, view, output, now, cold)
+        arrival = (ColumnArrival if self.config.vectorised else PlainArrival)(
+            self, request, holding, view, now)
+        chosen, scored = self._place_confidently(arrival, request, output, cold)
         if chosen is None:
-            chosen, candidates = self.placer.place(request, holding, view, output, now, cold,
-                                                   self._optimistic_output(request, output))
-        self.admissions.record_arrival(request, candidates, self.config.headroom)
+            chosen, scored = arrival.place(output, cold, self._optimistic_output(request, output))
+        arrival.record_arrival(scored)
         if chosen is not None:
             self.admissions.record(chosen.instance_id, chosen.latency_s)
         elif self.config.admission_control and request.has_deadline:
-            fastest = min(c.latency_s for c in candidates)
             return Reject(
-                f"no instance can meet the deadline: best estimate {fastest:.2f} s "
-                f"for {request.deadline_s - now:.2f} s left"
+                f"no instance can meet the deadline: best estimate "
+                f"{arrival.fastest_s(scored):.2f} s for {request.deadline_s - now:.2f} s left"
             )
         else:
-            chosen = fallback(candidates, self.config.triage)
+            chosen = arrival.fallback(scored)
         self.placer.admit(request, chosen)
         return chosen.instance_id
 
     def _place_confidently(
-        self,
-        request: RouteRequest,
-        holding: Sequence[InstanceView],
-        view: ClusterView,
-        output: float,
-        now: float,
-        cold: bool,
-    ) -> tuple[Candidate | None, list[Candidate]]:
+        self, arrival: Arrival, request: RouteRequest, output: float, cold: bool
+    ) -> tuple[Candidate | None, Any]:
         """Just-enough by the confident length, when it says more than the point
-        estimate `output`: (None, []) when there is none or no instance qualifies.
+        estimate `output`: (None, None) when there is none or no instance qualifies.
         While the estimator is cold, a request with max_tokens is placed by that cap
         (whatever the quantile): its worst case is known, so the weakest instance that
         meets it is safe."""
         if cold and request.max_output_tokens is not None:
-            worst_case = float(request.max_output_tokens)
-            return self.placer.place(request, holding, view, worst_case, now)
+            return arrival.place(float(request.max_output_tokens))
         if self.config.confidence_quantile <= 0.5:  # off: the point estimate alone
-            return None, []
+            return None, None
         confident = self.length.confident_output(request, self.config.confidence_quantile)
         if confident is None:
-            return None, []
+            return None, None
         confident = bounded_output(request, confident)
         if confident <= output:
-            return None, []
-        return self.placer.place(request, holding, view, confident, now, cold)
+            return None, None
+        return arrival.place(confident, cold)
 
     def _optimistic_output(self, request: RouteRequest, output: float) -> float:
         """The output length triage assumes before calling a request hopeless: the
@@ -125,3 +121,82 @@ class JustEnoughPolicy(RoutingPolicy):
     def on_drop(self, request: RouteRequest, now: float) -> None:
         self.length.on_drop(request, now)
         self.budgets.remove(request.request_id)
+
+
+class Arrival(ABC):
+    """One arrival's placement by one scoring path: `place` at an output length as
+    often as the policy asks, then record, fall back, or report the fastest."""
+
+    def __init__(self, policy: JustEnoughPolicy, request: RouteRequest,
+                 holding: Sequence[InstanceView], view: ClusterView, now: float) -> None:
+        self.policy, self.request, self.holding, self.view, self.now = (
+            policy, request, holding, view, now)
+
+    @abstractmethod
+    def place(self, output_tokens: float, cold: bool = False,
+              floor_output_tokens: float = 1.0) -> tuple[Candidate | None, Any]:
+        """(the just-enough choice or None, the scores it was chosen from)."""
+
+    @abstractmethod
+    def record_arrival(self, scored: Any) -> None: ...
+
+    @abstractmethod
+    def fallback(self, scored: Any) -> Candidate: ...
+
+    @abstractmethod
+    def fastest_s(self, scored: Any) -> float: ...
+
+
+class PlainArrival(Arrival):
+    """Per-instance `Candidate`s (`JustEnoughPlacer`): the reference path."""
+
+    def place(self, output_tokens: float, cold: bool = False,
+              floor_output_tokens: float = 1.0) -> tuple[Candidate | None, list[Candidate]]:
+        return self.policy.placer.place(self.request, self.holding, self.view, output_tokens,
+                                        self.now, cold, floor_output_tokens)
+
+    def record_arrival(self, scored: list[Candidate]) -> None:
+        self.policy.admissions.record_arrival(self.request, scored,
+                                              self.policy.config.headroom)
+
+    def fallback(self, scored: list[Candidate]) -> Candidate:
+        return fallback(scored, self.policy.config.triage)
+
+    def fastest_s(self, scored: list[Candidate]) -> float:
+        return min(c.latency_s for c in scored)
+
+
+class ColumnArrival(Arrival):
+    """The same rules over instance columns (`vectorised`); each instance is read once
+    per arrival, whatever the number of lengths tried."""
+
+    def __init__(self, policy: JustEnoughPolicy, request: RouteRequest,
+                 holding: Sequence[InstanceView], view: ClusterView, now: float) -> None:
+        super().__init__(policy, request, holding, view, now)
+        config = policy.config
+        budgets = policy.budgets if config.protect_admitted else None
+        self.scorer = vectorised.InstanceScorer.build(
+            request, holding, view, policy.status, now, budgets, config.charged_stall_factor)
+
+    def place(self, output_tokens: float, cold: bool = False,
+              floor_output_tokens: float = 1.0) -> tuple[Candidate | None, vectorised.Scored]:
+        config, admissions = self.policy.config, self.policy.admissions
+        scored = vectorised.reserve_strongest(
+            self.request, self.scorer.score(output_tokens, floor_output_tokens), self.view,
+            admissions, config.reservation_quantile)
+        if cold:
+            row = vectorised.pick_while_cold(scored, config.variant, config.headroom,
+                                             admissions)
+        else:
+            row = vectorised.pick_just_enough(scored, config.variant, config.headroom)
+        return (None if row is None else scored.candidate(row)), scored
+
+    def record_arrival(self, scored: vectorised.Scored) -> None:
+        vectorised.record_arrival(self.policy.admissions, self.request, scored,
+                                  self.policy.config.headroom)
+
+    def fallback(self, scored: vectorised.Scored) -> Candidate:
+        return scored.candidate(vectorised.fallback(scored, self.policy.config.triage))
+
+    def fastest_s(self, scored: vectorised.Scored) -> float:
+        return float(scored.latency_s.min())

@@ -1,0 +1,104 @@
+"""A cluster view as columns: what vectorised routing reads instead of per-instance
+objects.
+
+`ViewArrays.of(views)` builds the columns from `InstanceView`s (one pass); a substrate
+that keeps its views incrementally keeps the columns too (`ViewColumns`: rows are
+rewritten only for the instances that changed), so a decision reads arrays without
+touching an object per instance.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from app.routing.view import InstanceId, InstanceView
+
+# numeric columns, in `ViewColumns.table` order
+COLUMNS = ("num_running", "num_waiting", "kv_free_tokens", "capability_s_per_token",
+           "prior_prefill_s_per_token", "prior_decode_s_per_token", "batch_intercept",
+           "batch_slope", "max_num_seqs")
+_COL = {name: i for i, name in enumerate(COLUMNS)}
+
+
+def view_row(view: InstanceView) -> tuple[float, ...]:
+    """One instance's numeric columns (`COLUMNS`); no batch cap reads as inf."""
+    spec = view.spec
+    intercept, slope = spec.decode_batch_line
+    return (view.num_running, view.num_waiting, view.kv_free_tokens,
+            spec.unloaded_decode_s_per_token, spec.unloaded_prefill_s_per_token,
+            spec.unloaded_decode_s_per_token, intercept, slope,
+            math.inf if view.max_num_seqs is None else view.max_num_seqs)
+
+
+def rank_of(ids: Sequence[InstanceId]) -> np.ndarray:
+    """Each id's rank in sorted order: ties broken by id, as `min(..., id)` does."""
+    rank = np.empty(len(ids), dtype=np.int64)
+    rank[sorted(range(len(ids)), key=ids.__getitem__)] = np.arange(len(ids))
+    return rank
+
+
+@dataclass(frozen=True)
+class ViewArrays:
+    """The columns of a tuple of instance views, in view order (read-only)."""
+
+    ids: tuple[InstanceId, ...]
+    table: np.ndarray  # (instances, len(COLUMNS)) float64
+    rank: np.ndarray | None = None  # `rank_of(ids)`, when the builder has it
+
+    @classmethod
+    def of(cls, views: Sequence[InstanceView]) -> ViewArrays:
+        table = np.array([view_row(v) for v in views], dtype=np.float64).reshape(
+            len(views), len(COLUMNS))
+        return cls(tuple(v.instance_id for v in views), table)
+
+    def column(self, name: str) -> np.ndarray:
+        return self.table[:, _COL[name]]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @cached_property
+    def id_rank(self) -> np.ndarray:
+        return self.rank if self.rank is not None else rank_of(self.ids)
+
+
+class ViewColumns:
+    """Columns kept in step with a substrate's list of views: `set(i, view)` when view
+    i changed, `arrays(rows)` for the views offered to routing. Arrays handed out stay
+    as they were (the table is copied on the next write)."""
+
+    def __init__(self) -> None:
+        self._ids: list[InstanceId] = []
+        self._table = np.zeros((0, len(COLUMNS)))
+        self._shared = False
+        self._members: tuple[tuple[int, ...] | None, tuple[InstanceId, ...], np.ndarray] | None
+        self._members = None  # (rows key, ids, their rank) of the last arrays
+
+    def set(self, index: int, view: InstanceView) -> None:
+        if self._shared:
+            self._table, self._shared = self._table.copy(), False
+        if index == len(self._ids):
+            self._ids.append(view.instance_id)
+            self._table = np.vstack([self._table, np.zeros((1, len(COLUMNS)))])
+            self._members = None
+        elif self._ids[index] != view.instance_id:
+            self._ids[index] = view.instance_id
+            self._members = None
+        self._table[index] = view_row(view)
+
+    def arrays(self, rows: Sequence[int] | None = None) -> ViewArrays:
+        """The rows (all when None), in their order."""
+        key = None if rows is None else tuple(rows)
+        if self._members is None or self._members[0] != key:
+            ids = tuple(self._ids) if key is None else tuple(self._ids[i] for i in key)
+            self._members = (key, ids, rank_of(ids))
+        _, ids, rank = self._members
+        if key is None:
+            self._shared = True
+            return ViewArrays(ids, self._table, rank)
+        return ViewArrays(ids, self._table[list(key)], rank)

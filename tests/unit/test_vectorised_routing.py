@@ -1,0 +1,201 @@
+"""The column path of GoodServe's placement makes the per-instance path's decisions.
+
+Random clusters (mixed GPU kinds, loads, KV room, prefix hits, disaggregated KV
+arrivals), random estimator histories and random knob settings; two policies, one per
+path, see the same events and must answer every request identically (instance or
+rejection reason), which also keeps their budgets and admission records in step.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from app.config import EngineRole
+from app.engine_types import EngineStatus
+from app.hardware import make_instance
+from app.routing.arrays import ViewArrays, ViewColumns
+from app.routing.goodserve import GoodServeConfig, JustEnoughPolicy, JustEnoughVariant
+from app.routing.length import RunningHistoryLength
+from app.routing.status import StatusEstimator
+from app.routing.view import ClusterView, FinishReport, InstanceView, RouteRequest
+
+pytestmark = pytest.mark.unit
+
+KINDS = [make_instance("H800", "llama-3.1-8b"), make_instance("A800", "llama-3.1-8b"),
+         make_instance("A40", "llama-3.1-8b"), make_instance("V100", "llama-3.1-8b", 2)]
+
+
+def random_config(rng: random.Random) -> GoodServeConfig:
+    return GoodServeConfig(
+        variant=rng.choice(list(JustEnoughVariant)), headroom=rng.choice([0.0, 0.1, 0.3]),
+        admission_control=rng.random() < 0.3, triage=rng.choice([None, True, False]),
+        protect_admitted=rng.random() < 0.8, confidence_quantile=rng.choice([0.5, 0.9]),
+        fast_while_cold=rng.random() < 0.7, reservation_quantile=rng.choice([0.8, 1.0]),
+        admissions_window=rng.choice([8, 64]), min_slo_samples=rng.choice([1, 20]))
+
+
+def random_views(rng: random.Random, n: int, now: float) -> tuple[InstanceView, ...]:
+    views = []
+    for i in range(n):
+        total = rng.choice([2_000, 20_000, 60_000])
+        views.append(InstanceView(
+            instance_id=f"i{rng.randrange(10 * n):03d}-{i}", spec=rng.choice(KINDS),
+            role=EngineRole.UNIFIED, num_waiting=rng.choice([0, 0, 1, 5, 40]),
+            num_running=rng.choice([0, 1, 8, 64, 300]),
+            num_kv_blocks_free=rng.randrange(total + 1), num_kv_blocks=total,
+            kv_block_size=16, num_iterations=rng.randrange(1000), recent_iteration_s=(),
+            recent_queue_wait_s=(), updated_s=now,
+            max_num_seqs=rng.choice([None, 8, 256])))
+    return tuple(views)
+
+
+def feed(estimators: list[StatusEstimator], views: tuple[InstanceView, ...],
+         rng: random.Random, now: float) -> None:
+    """The same random history into every estimator."""
+    for view in rng.sample(views, k=len(views) // 2):
+        iid = view.instance_id
+        for _ in range(rng.randrange(1, 4)):
+            args = (iid, rng.uniform(0.01, 0.3), rng.choice([0, 0, 512, 4096]),
+                    rng.choice([0, 1, 16, 128]), now)
+            for status in estimators:
+                status.observe_iteration(*args)
+        if rng.random() < 0.5:
+            wait = rng.uniform(0, 3)
+            for status in estimators:
+                status.observe_queue_wait(iid, wait, now)
+        if rng.random() < 0.5:
+            finished = rng.randrange(1, 40)
+            report = EngineStatus(iid, view.gpu_type, "unified", 0, 1, (), (), 0, 1, 0,
+                                  num_finished=finished)
+            seen = now - rng.uniform(0, 5)
+            for status in estimators:
+                status.on_status(report, seen)
+
+
+def random_request(rng: random.Random, k: int, now: float) -> RouteRequest:
+    prompt = rng.choice([50, 800, 4000, 30_000, 2_000_000])
+    return RouteRequest(
+        f"r{k}", now, now + rng.choice([0.5, 2.0, 10.0, 60.0, math.inf]), prompt,
+        block_hashes=tuple(range(rng.choice([0, 1, 20]))), prompt="p",
+        predicted_output_tokens=rng.choice([None, 10, 300]),
+        num_generated_tokens=rng.choice([0, 0, 0, 50]),
+        max_output_tokens=rng.choice([None, 64, 2048]),
+        kv_ready_s=rng.choice([None, None, now + 0.2, now - 1.0]))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_column_and_per_instance_paths_decide_alike(seed: int):
+    rng = random.Random(seed)
+    config = random_config(rng)
+    lengths = [RunningHistoryLength(window_size=200) for _ in range(2)]
+    for _ in range(rng.choice([0, 5, 300])):
+        tokens = rng.randrange(1, 2000)
+        for length in lengths:
+            length.observe_length(tokens)
+    policies = [JustEnoughPolicy(StatusEstimator(), length,
+                                 config.model_copy(update={"vectorised": vectorised}))
+                for length, vectorised in zip(lengths, (False, True), strict=True)]
+    decided = 0
+    for step in range(30):
+        now = 100.0 + step
+        views = random_views(rng, rng.choice([1, 3, 12, 40]), now)
+        feed([p.status for p in policies], views, rng, now)
+        hits = {v.instance_id: rng.choice([0, 0, 3, 40]) for v in views}
+        view = ClusterView(now, views, lambda iid, hashes: min(hits[iid], len(hashes)))
+        for k in range(5):
+            request = random_request(rng, step * 10 + k, now)
+            plain, columns = (p.choose(request, view, now) for p in policies)
+            assert columns == plain, (seed, step, k)
+            decided += 1
+            if rng.random() < 0.3:  # a finish moves the history and frees a budget
+                report = FinishReport(request, views[0].instance_id, rng.randrange(1, 900),
+                                      None, now)
+                for p in policies:
+                    p.on_finish(report, now)
+    assert decided == 150
+
+
+def test_columns_follow_their_views_and_arrays_handed_out_stay_put():
+    views = random_views(random.Random(1), 4, 0.0)
+    columns = ViewColumns()
+    for i, v in enumerate(views):
+        columns.set(i, v)
+    first = columns.arrays()
+    assert np.array_equal(first.table, ViewArrays.of(views).table)
+    busier = replace(views[2], num_running=views[2].num_running + 7)
+    columns.set(2, busier)
+    assert first.column("num_running")[2] == views[2].num_running  # unchanged snapshot
+    assert columns.arrays().column("num_running")[2] == busier.num_running
+    subset = columns.arrays([3, 1])
+    assert subset.ids == (views[3].instance_id, views[1].instance_id)
+    assert list(subset.id_rank) == sorted(range(2), key=lambda i: subset.ids[i])
+
+
+def test_vectorised_estimates_equal_the_per_instance_ones():
+    rng = random.Random(7)
+    status = StatusEstimator(alpha=0.3)
+    views = random_views(rng, 30, 50.0)
+    feed([status], views, rng, 50.0)
+    arrays = ViewArrays.of(views)
+    for joining in (0, 1):
+        q, p, d = status.estimate_arrays(arrays, 51.0, joining)
+        for i, v in enumerate(views):
+            e = status.estimate(v, 51.0, joining)
+            assert (q[i], p[i], d[i]) == (e.queue_delay_s, e.prefill_s_per_token,
+                                          e.decode_s_per_token)
+    status.forget(views[0].instance_id)
+    q, p, d = status.estimate_arrays(arrays, 51.0)
+    assert p[0] == views[0].spec.unloaded_prefill_s_per_token
+
+
+def test_a_simulated_run_places_every_request_alike_on_both_paths():
+    """The whole loop (watchdog moves, finishes, budgets) over a mixed 24-instance
+    cluster: the same outcome for every request."""
+    from app.routing.registry import PolicyKind, RoutingOptions, build_routing
+    from app.sim.instance import setups_from_config
+    from app.sim.simulator import Simulator
+    from app.workload import Content, poisson_workload
+    from benchmarks.overhead import mixed_cluster
+    from benchmarks.slo import assign_slos
+
+    pool = [Content(200 + 300 * (i % 9), 40 + 60 * (i % 7), (i % 5, i)) for i in range(64)]
+    workload = poisson_workload(150.0, 4.0, pool, seed=2)
+    workload = assign_slos(workload, [0.5 + 0.1 * (i % 13) for i in range(len(workload))], 2.0)
+    runs = []
+    for vectorised in (False, True):
+        options = RoutingOptions(seed=0, goodserve=GoodServeConfig(vectorised=vectorised))
+        stack = build_routing(PolicyKind.GOODSERVE, options)
+        sim = Simulator(setups_from_config(mixed_cluster(24)), stack.policy,
+                        watchdog=stack.watchdog, seed=0)
+        runs.append(sim.run(workload).records)
+    plain, columns = runs
+    assert [(r.request_id, r.outcome, r.finish_s, r.num_migrations) for r in columns] == [
+        (r.request_id, r.outcome, r.finish_s, r.num_migrations) for r in plain]
+    assert sum(r.num_migrations for r in plain) > 0  # the watchdog moved some
+
+
+def test_the_prefix_directory_answers_what_each_cache_would():
+    """Random prompts into small LRU caches (evictions included): one directory query
+    equals `peek` on every cache, and an instance outside the directory has no hit."""
+    from app.engines.prefix import PrefixCache, PrefixDirectory
+
+    rng = random.Random(3)
+    directory = PrefixDirectory()
+    caches = {f"c{i}": PrefixCache(capacity_tokens=rng.choice([64, 320, 4000]))
+              for i in range(70)}  # more than 64 instances: masks wider than a word
+    for name, cache in caches.items():
+        cache.join(directory, name)
+    stems = [tuple(rng.randrange(10**6) for _ in range(30)) for _ in range(6)]
+    for _ in range(400):
+        stem = rng.choice(stems)
+        prompt = stem[:rng.randrange(1, 30)] + tuple(rng.randrange(10**6) for _ in range(3))
+        rng.choice(list(caches.values())).insert(prompt, 16)
+        query = rng.choice(stems)[:rng.randrange(0, 31)]
+        ids = [*rng.sample(list(caches), 20), "absent"]
+        hits = directory.hit_blocks(query, ids)
+        assert list(hits) == [caches[i].peek(query) if i in caches else 0 for i in ids]
