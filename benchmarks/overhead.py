@@ -52,7 +52,7 @@ from app.sim.simulator import Simulator
 from app.workload import Content, Workload, load_prompts, poisson_workload
 from benchmarks.replay import cli_error
 from predictor.base import PredictionInput, Predictor
-from predictor.batching import should_flush
+from predictor.batching import should_flush, use_one_inference_thread
 
 KINDS = (("H800", 1), ("A800", 1), ("A40", 1), ("V100", 2))
 WARM_FINISHES = 2000
@@ -281,6 +281,7 @@ def measure(instances: int, rps: float, duration_s: float, pool: Sequence[Conten
     workload = poisson_workload(rps, warmup_s + duration_s, pool, seed=seed)
     ready: dict[str, float] = {}
     if predictor_factory is not None:
+        use_one_inference_thread()  # as the router does
         predictor = predictor_factory()
         length: OutputLengthEstimator = PredictorLength(predictor)
         workload, ready = predict_in_batches(workload, predictor, log)

@@ -13,6 +13,7 @@ Both print wall and CPU seconds: on a shared machine the CPU figure is steadier.
 
 from __future__ import annotations
 
+import resource
 import time
 from pathlib import Path
 from typing import Annotated
@@ -72,7 +73,8 @@ def scale_run(cluster: Path, rps: float, seconds: float, policy: str) -> None:
           f"{len(workload) / result.wall_s:.0f} simulated requests/s wall "
           f"({len(workload) / cpu:.0f}/s CPU), {result.num_events / result.wall_s:.0f} events/s, "
           f"{result.num_token_events / result.wall_s:.0f} tokens/s, "
-          f"{seconds / result.wall_s:.3f} x real time")
+          f"{seconds / result.wall_s:.3f} x real time, peak memory "
+          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
 
 
 def main(

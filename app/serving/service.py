@@ -76,8 +76,9 @@ def make_predict(predictor: Predictor | None) -> tuple[Predict | None, Callable[
     if predictor is None:
         return None, lambda: None
     from predictor.base import PredictionInput
-    from predictor.batching import PredictionBatcher
+    from predictor.batching import PredictionBatcher, use_one_inference_thread
 
+    use_one_inference_thread()
     batcher = PredictionBatcher(predictor).start()
 
     async def predict(route: RouteRequest) -> float:

@@ -106,7 +106,7 @@ def test_column_and_per_instance_paths_decide_alike(seed: int):
         views = random_views(rng, rng.choice([1, 3, 12, 40]), now)
         feed([p.status for p in policies], views, rng, now)
         hits = {v.instance_id: rng.choice([0, 0, 3, 40]) for v in views}
-        view = ClusterView(now, views, lambda iid, hashes: min(hits[iid], len(hashes)))
+        view = ClusterView(now, views, lambda iid, hashes, hits=hits: min(hits[iid], len(hashes)))
         for k in range(5):
             request = random_request(rng, step * 10 + k, now)
             plain, columns = (p.choose(request, view, now) for p in policies)
