@@ -251,24 +251,24 @@ class StatusEstimator(StepListener):
         self._table.refresh(self._states)
         state = self._table.rows(arrays.ids)
         running, waiting = arrays.column("num_running"), arrays.column("num_waiting")
-        prior_p = arrays.column("prior_prefill_s_per_token")
-        prior_d = arrays.column("prior_decode_s_per_token")
         known = (state[:, _S_KNOWN] > 0) & (running + waiting > 0)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            span = now - state[:, _S_FIRST_FINISH]
-            rate = np.where((state[:, _S_FINISHES] >= 2) & (span > 0),
-                            (state[:, _S_FINISHES] - 1) / span, 0.0)
-            little = np.where(rate > 0, waiting / rate, 0.0)
-            queue = np.where(waiting > 0, np.maximum(state[:, _S_QUEUE], little), 0.0)
-            prefill = state[:, _S_PREFILL_S] / state[:, _S_PREFILL_TOKENS]
-            upcoming = np.minimum(running + joining, arrays.column("max_num_seqs"))
-            intercept, slope = arrays.column("batch_intercept"), arrays.column("batch_slope")
-            growth = np.maximum((intercept + slope * upcoming)
-                                / (intercept + slope * state[:, _S_BATCH]), 1.0)
-            decode = state[:, _S_DECODE] * growth
-        p = np.where(known & ~np.isnan(state[:, _S_PREFILL_S]), prefill, prior_p)
-        d = np.where(known & ~np.isnan(state[:, _S_DECODE]), decode, prior_d)
-        return np.where(known, queue, 0.0), p, d
+        # Little's law where requests wait: waiting / departure rate (0 without a rate)
+        finishes = state[:, _S_FINISHES]
+        span = now - state[:, _S_FIRST_FINISH]  # nan without a finish
+        rate = np.divide(finishes - 1, span, out=np.zeros(len(span)),
+                         where=(finishes >= 2) & (span > 0))
+        little = np.divide(waiting, rate, out=np.zeros(len(rate)), where=rate > 0)
+        queue = np.where(known & (waiting > 0), np.maximum(state[:, _S_QUEUE], little), 0.0)
+        p = np.divide(state[:, _S_PREFILL_S], state[:, _S_PREFILL_TOKENS],
+                      out=arrays.column("prior_prefill_s_per_token").copy(),
+                      where=known & (state[:, _S_PREFILL_TOKENS] > 0))
+        upcoming = np.minimum(running + joining, arrays.column("max_num_seqs"))
+        intercept, slope = arrays.column("batch_intercept"), arrays.column("batch_slope")
+        growth = np.maximum((intercept + slope * upcoming)
+                            / (intercept + slope * state[:, _S_BATCH]), 1.0)
+        d = np.where(known & (state[:, _S_DECODE] >= 0), state[:, _S_DECODE] * growth,
+                     arrays.column("prior_decode_s_per_token"))
+        return queue, p, d
 
     @staticmethod
     def _batch_growth(state: _InstanceState, view: InstanceView, joining: int) -> float:
