@@ -65,30 +65,18 @@ class Scored:
                          float(self.shortest_stall_s[i]), bool(self.reserved[i]))
 
     def first(self, mask: np.ndarray, *keys: np.ndarray) -> int | None:
-        """Row of the smallest (keys..., id) among `mask` (the first key is primary;
-        nan sorts last, as in a sort): the rows are narrowed key by key to the ties."""
+        """Row of the smallest (keys..., id) among `mask` (the first key is primary)."""
         rows = np.flatnonzero(mask)
         if len(rows) == 0:
             return None
-        for key in keys:
-            if len(rows) == 1:
-                break
-            values = key[rows]
-            present = ~np.isnan(values)
-            if not present.all():
-                if not present.any():
-                    continue  # all nan: tied on this key
-                rows, values = rows[present], values[present]
-            rows = rows[values == values.min()]
-        return int(rows[np.argmin(self.arrays.id_rank[rows])])
+        order = np.lexsort((self.arrays.id_rank[rows], *(k[rows] for k in reversed(keys))))
+        return int(rows[order[0]])
 
     def last(self, mask: np.ndarray, key: np.ndarray) -> int:
-        """Row of the largest (key, id) among `mask` (not empty; nan sorts last)."""
+        """Row of the largest (key, id) among `mask` (not empty)."""
         rows = np.flatnonzero(mask)
-        values = key[rows]
-        missing = np.isnan(values)
-        rows = rows[missing] if missing.any() else rows[values == values.max()]
-        return int(rows[np.argmax(self.arrays.id_rank[rows])])
+        order = np.lexsort((self.arrays.id_rank[rows], key[rows]))
+        return int(rows[order[-1]])
 
 
 @dataclass(frozen=True)
