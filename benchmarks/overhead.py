@@ -13,8 +13,9 @@ Those pieces are then laid on one router thread in the order they happen
 (arrival to decision) includes the queueing behind earlier decisions, status updates,
 watchdog checks and the prediction batch it rode in - and a router slower than the
 offered rate shows as latency that grows and `decisions_per_s` below the offered rate.
-MoE batches follow the router's micro-batcher rule (`should_flush`: 64 requests or
-2 ms after the first) on the arrival times.
+MoE batches follow the router's micro-batcher rule (64 requests, or 2 ms after the
+oldest; a batch that waits for the busy thread takes everything that arrived meanwhile),
+each charged what a batch of its size measured on the predictor.
 
 The length estimator starts warm: it has seen `WARM_FINISHES` finished requests from
 the same content pool (a router that has been serving a while), so routing takes the
@@ -26,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -52,7 +54,7 @@ from app.sim.simulator import Simulator
 from app.workload import Content, Workload, load_prompts, poisson_workload
 from benchmarks.replay import cli_error
 from predictor.base import PredictionInput, Predictor
-from predictor.batching import should_flush, use_one_inference_thread
+from predictor.batching import use_one_inference_thread
 
 KINDS = (("H800", 1), ("A800", 1), ("A40", 1), ("V100", 2))
 WARM_FINISHES = 2000
@@ -99,17 +101,15 @@ class WorkLog:
 
 
 class TimedPolicy(RoutingPolicy):
-    """The routing policy, every call timed into a `WorkLog`. A decision is due when
-    its prediction is ready (`ready_s`, its arrival without a batched predictor)."""
+    """The routing policy, every call timed into a `WorkLog`; a decision is due at its
+    request's arrival (`RouterThread` delays it behind its prediction batch)."""
 
-    def __init__(self, policy: RoutingPolicy, log: WorkLog,
-                 ready_s: Mapping[str, float] | None = None) -> None:
-        self.policy, self.log, self.ready_s = policy, log, ready_s or {}
+    def __init__(self, policy: RoutingPolicy, log: WorkLog) -> None:
+        self.policy, self.log = policy, log
 
     def choose(self, request: RouteRequest, view: ClusterView, now: float) -> RouteDecision:
-        due = self.ready_s.get(request.request_id, now)
         arrival = request.arrival_s if request.num_generated_tokens == 0 else math.nan
-        with self.log.timed(due, "choose", arrival):
+        with self.log.timed(now, "choose", arrival):
             return self.policy.choose(request, view, now)
 
     def on_step(self, instance_id: InstanceId, report: StepReport, now: float) -> None:
@@ -156,68 +156,126 @@ class TimedWatchdog(Watchdog):
 
 
 @dataclass(frozen=True)
-class RouterThread:
-    """Lays the logged work on one thread in order of due time: each piece starts when
-    it is due and the thread is free."""
+class BatchCost:
+    """Wall seconds of one prediction batch by its size, measured on the predictor with
+    real prompts (linear between the measured sizes)."""
 
-    latency_s: np.ndarray  # per decision: decided - arrived
-    busy_s: float
-    span_s: float  # first arrival to the last decision
+    sizes: tuple[int, ...]
+    seconds: tuple[float, ...]
+    max_batch_size: int = MAX_BATCH_SIZE
+    max_wait_s: float = MAX_WAIT_S
 
     @classmethod
-    def replay(cls, log: WorkLog, measured_from_s: float = -math.inf) -> RouterThread:
+    def measure(cls, predictor: Predictor, inputs: Sequence[PredictionInput],
+                repeats: int = 5) -> BatchCost:
+        sizes = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= MAX_BATCH_SIZE)
+        seconds = []
+        for size in sizes:
+            runs = []
+            for r in range(repeats):
+                batch = [inputs[(r * size + k) % len(inputs)] for k in range(size)]
+                start = time.perf_counter()
+                predictor.predict(batch)
+                runs.append(time.perf_counter() - start)
+            seconds.append(float(np.median(runs)))
+        return cls(sizes, tuple(seconds))
+
+    def __call__(self, size: int) -> float:
+        return float(np.interp(size, self.sizes, self.seconds))
+
+
+@dataclass(frozen=True)
+class RouterThread:
+    """Lays the logged work on one thread: each piece starts when it is due and the
+    thread is free. With `batches`, a decision first waits for its prediction: the
+    micro-batcher's batch forms from the arrivals pending when it flushes (full, or
+    `max_wait_s` after its oldest, or later when the thread is busy: then it takes
+    everything that arrived meanwhile, up to the batch size)."""
+
+    latency_s: np.ndarray  # per decision: decided - arrived
+    busy_s: float  # work in the measured window, predictions included
+    span_s: float  # first arrival to the last decision
+    predict_s: float  # prediction batches in the measured window
+
+    @classmethod
+    def replay(cls, log: WorkLog, measured_from_s: float = -math.inf,
+               batches: BatchCost | None = None) -> RouterThread:
         """Figures over the work due from `measured_from_s` on (the thread still carries
         what came before: a warm-up)."""
         due = np.asarray(log.due_s)
         order = np.argsort(due, kind="stable")
-        cost, arrival = np.asarray(log.cost_s)[order], np.asarray(log.arrival_s)[order]
-        due = due[order]
-        free, done = -math.inf, np.empty(len(due))
-        for i in range(len(due)):
-            free = max(due[i], free) + cost[i]
-            done[i] = free
+        cost, arrival, due = (np.asarray(log.cost_s)[order], np.asarray(log.arrival_s)[order],
+                              due[order])
+        is_decision = ~np.isnan(arrival)
+        done = np.empty(len(due))
+        predict_s = 0.0
+        if batches is None:
+            free = -math.inf
+            for i in range(len(due)):
+                free = max(due[i], free) + cost[i]
+                done[i] = free
+        else:
+            predict_s = _replay_with_batches(due, cost, is_decision, done, batches,
+                                             measured_from_s)
         measured = due >= measured_from_s
-        decisions = measured & ~np.isnan(arrival)
+        decisions = measured & is_decision
         if not decisions.any():
             raise ValueError("no routing decision in the measured window")
         latency = done[decisions] - arrival[decisions]
         span = done[decisions].max() - arrival[decisions].min()
-        return cls(latency, float(cost[measured].sum()), float(span))
+        return cls(latency, float(cost[measured].sum()) + predict_s, float(span), predict_s)
 
 
-def micro_batches(arrivals: Sequence[float], max_batch_size: int = MAX_BATCH_SIZE,
-                  max_wait_s: float = MAX_WAIT_S) -> list[tuple[int, int, float]]:
-    """(first, end, flush time) per batch of the sorted arrival times, by the
-    micro-batcher's rule: full, or its oldest request waited `max_wait_s`."""
-    batches, start = [], 0
-    while start < len(arrivals):
-        end = start + 1
-        while (end < len(arrivals) and not should_flush(
-                end - start, arrivals[start], arrivals[end], max_batch_size, max_wait_s)):
+def _replay_with_batches(due: np.ndarray, cost: np.ndarray, is_decision: np.ndarray,
+                         done: np.ndarray, batches: BatchCost, measured_from_s: float) -> float:
+    """One thread running, whichever can start first: a decision whose prediction is
+    done (first on ties), other work, or the next prediction batch. Fills `done`;
+    returns the seconds of the batches started in the measured window."""
+    decisions, others = np.flatnonzero(is_decision), np.flatnonzero(~is_decision)
+    ready: deque[tuple[float, int]] = deque()  # (prediction done, row), in batch order
+    free, next_decision, next_other, predict_s = -math.inf, 0, 0, 0.0
+    while ready or next_decision < len(decisions) or next_other < len(others):
+        options = []
+        if ready:
+            options.append((max(ready[0][0], free), 0))
+        if next_other < len(others):
+            options.append((max(due[others[next_other]], free), 1))
+        if next_decision < len(decisions):
+            oldest = due[decisions[next_decision]]
+            flush = oldest + batches.max_wait_s
+            full = next_decision + batches.max_batch_size - 1
+            if full < len(decisions):
+                flush = min(flush, due[decisions[full]])
+            options.append((max(flush, free), 2))
+        start, kind = min(options)
+        if kind == 0:
+            row = ready.popleft()[1]
+        elif kind == 1:
+            row = others[next_other]
+            next_other += 1
+        if kind < 2:
+            free = done[row] = start + cost[row]
+            continue
+        end = next_decision
+        while (end < len(decisions) and end - next_decision < batches.max_batch_size
+               and due[decisions[end]] <= start):
             end += 1
-        full = end - start >= max_batch_size
-        flush = arrivals[end - 1] if full else arrivals[start] + max_wait_s
-        batches.append((start, end, flush))
-        start = end
-    return batches
+        seconds = batches(end - next_decision)
+        free = start + seconds
+        predict_s += seconds if start >= measured_from_s else 0.0
+        ready.extend((free, row) for row in decisions[next_decision:end])
+        next_decision = end
+    return predict_s
 
 
-def predict_in_batches(workload: Workload, predictor: Predictor,
-                       log: WorkLog) -> tuple[Workload, dict[str, float]]:
-    """Arrival predictions, batch by batch as the micro-batcher forms them, each batch's
-    wall time logged at its flush; returns the workload with the predictions and when
-    each request's prediction is ready."""
+def predict_all(workload: Workload, predictor: Predictor) -> Workload:
+    """Every request's arrival prediction (the values do not depend on the batching)."""
     requests = list(workload.requests)
-    ready: dict[str, float] = {}
-    for first, end, flush in micro_batches([r.arrival_s for r in requests]):
-        batch = requests[first:end]
-        items = [PredictionInput(prompt=r.prompt or "", task=r.task) for r in batch]
-        with log.timed(flush, "predict"):
-            lengths = predictor.predict(items)
-        for i, (request, length) in enumerate(zip(batch, lengths, strict=True)):
-            requests[first + i] = replace(request, predicted_output_tokens=max(round(length), 1))
-            ready[request.request_id] = flush
-    return workload.with_requests(requests), ready
+    items = [PredictionInput(prompt=r.prompt or "", task=r.task) for r in requests]
+    lengths = np.concatenate([predictor.predict(items[i:i + MAX_BATCH_SIZE])
+                              for i in range(0, len(items), MAX_BATCH_SIZE)])
+    return workload.with_requests([replace(r, predicted_output_tokens=max(round(t), 1))
+                                   for r, t in zip(requests, lengths, strict=True)])
 
 
 def warm_up(length: OutputLengthEstimator, pool: Sequence[Content], seed: int) -> None:
@@ -279,34 +337,37 @@ def measure(instances: int, rps: float, duration_s: float, pool: Sequence[Conten
     cluster = mixed_cluster(instances)
     log = WorkLog()
     workload = poisson_workload(rps, warmup_s + duration_s, pool, seed=seed)
-    ready: dict[str, float] = {}
+    batches: BatchCost | None = None
     if predictor_factory is not None:
         use_one_inference_thread()  # as the router does
         predictor = predictor_factory()
         length: OutputLengthEstimator = PredictorLength(predictor)
-        workload, ready = predict_in_batches(workload, predictor, log)
+        workload = predict_all(workload, predictor)
+        batches = BatchCost.measure(predictor, [PredictionInput(r.prompt or "", task=r.task)
+                                                for r in workload.requests[:512]])
     else:
         length = RunningHistoryLength()
     warm_up(length, pool, seed)
     stack = build_routing(PolicyKind.GOODSERVE, RoutingOptions(seed=seed,
                                                                length_factory=lambda: length))
     assert stack.watchdog is not None
-    sim = Simulator(setups_from_config(cluster), TimedPolicy(stack.policy, log, ready),
+    sim = Simulator(setups_from_config(cluster), TimedPolicy(stack.policy, log),
                     watchdog=TimedWatchdog(stack.watchdog, log), seed=seed, max_drain_s=0.0)
     sim.run(workload)
     measured_from = workload.requests[0].arrival_s + warmup_s
-    thread = RouterThread.replay(log, measured_from)
+    thread = RouterThread.replay(log, measured_from, batches)
     decisions = len(thread.latency_s)
-    kinds = sorted(set(log.what))
     window = np.asarray(log.due_s) >= measured_from
     costs = np.asarray(log.cost_s)[window]
     what = np.asarray(log.what)[window]
+    breakdown = {k: float(costs[what == k].sum()) / decisions * 1e3 for k in sorted(set(what))}
+    if batches is not None:
+        breakdown["predict"] = thread.predict_s / decisions * 1e3
     return Overhead(
         instances, rps, duration_s, "moe" if predictor_factory else "history", decisions,
         thread.latency_s * 1e3,
         decisions / thread.span_s if thread.span_s > 0 else math.nan,
-        thread.busy_s / decisions * 1e3,
-        {k: float(costs[what == k].sum()) / decisions * 1e3 for k in kinds},
+        thread.busy_s / decisions * 1e3, breakdown,
     )
 
 

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from app.cli import cli
-from benchmarks.overhead import RouterThread, WorkLog, micro_batches, mixed_cluster
+from benchmarks.overhead import BatchCost, RouterThread, WorkLog, mixed_cluster
 
 pytestmark = pytest.mark.unit
 
@@ -30,11 +30,33 @@ def test_work_waits_for_the_router_thread():
         RouterThread.replay(log, measured_from_s=1.0)
 
 
-def test_micro_batches_flush_when_full_or_after_the_wait():
-    arrivals = [0.0, 0.001, 0.0015, 0.010, 0.0101, 0.0102, 0.0103]
-    batches = micro_batches(arrivals, max_batch_size=3, max_wait_s=0.002)
-    assert [(a, b) for a, b, _ in batches] == [(0, 3), (3, 6), (6, 7)]
-    assert [t for _, _, t in batches] == pytest.approx([0.0015, 0.0102, 0.0123])
+def test_decisions_wait_for_their_prediction_batch():
+    """Three arrivals within 1 ms: one batch flushes 2 ms after the oldest, costs 1 ms,
+    then the three decisions run in turn."""
+    log = WorkLog()
+    for t in (0.0, 0.0005, 0.001):
+        log.add(t, 0.0001, "choose", arrival=t)
+    flat = BatchCost((1, 64), (0.001, 0.001))
+    thread = RouterThread.replay(log, batches=flat)
+    assert thread.latency_s.tolist() == pytest.approx([0.0031, 0.0027, 0.0023])
+    assert thread.predict_s == pytest.approx(0.001)
+    assert thread.busy_s == pytest.approx(0.0013)
+
+
+def test_a_busy_thread_makes_the_batch_take_what_arrived_meanwhile():
+    """Other work holds the thread for 10 ms: the batch then takes every arrival so far,
+    up to the batch size; the rest form the next batch."""
+    log = WorkLog()
+    log.add(0.0, 0.010, "status")
+    for t in (0.001, 0.002, 0.003):
+        log.add(t, 0.0001, "choose", arrival=t)
+    capped = BatchCost((1, 2), (0.001, 0.002), max_batch_size=2)
+    thread = RouterThread.replay(log, batches=capped)
+    # batch of 2 at 10 ms -> 12 ms; its decisions 12.1, 12.2; batch of 1 -> 13.2; 13.3
+    assert thread.latency_s.tolist() == pytest.approx([0.0111, 0.0102, 0.0103])
+    assert thread.predict_s == pytest.approx(0.003)
+    assert capped(1) == 0.001 and capped(2) == 0.002
+    assert BatchCost((1, 3), (0.001, 0.003))(2) == pytest.approx(0.002)
 
 
 def test_mixed_cluster_takes_the_gpu_kinds_in_turn():
@@ -58,22 +80,16 @@ def test_the_overhead_command_prints_its_figures():
     assert bad.exit_code != 0 and "rps" in bad.output
 
 
-def test_predictions_ride_in_micro_batches_and_routing_waits_for_them():
-    """Each request is predicted in the batch the micro-batcher would put it in; its
-    decision is due at that batch's flush, and the batch's time is on the log."""
-    from app.workload import Content, poisson_workload
-    from benchmarks.overhead import predict_in_batches
+def test_a_trained_predictor_is_timed_in_batches():
+    from app.workload import Content
+    from benchmarks.overhead import measure
     from predictor.base import PredictionInput
     from predictor.history import HistoryPredictor
 
-    predictor = HistoryPredictor().fit([PredictionInput(prompt="x")] * 4, [10, 20, 30, 40])
-    workload = poisson_workload(5000.0, 0.05, [Content(100, 20, (1,))], seed=3)
-    log = WorkLog()
-    predicted, ready = predict_in_batches(workload, predictor, log)
-    batches = micro_batches([r.arrival_s for r in workload.requests])
-    assert log.what == ["predict"] * len(batches) and len(batches) < len(workload)
-    assert all(r.predicted_output_tokens and r.predicted_output_tokens >= 1
-               for r in predicted.requests)
-    for first, end, flush in batches:
-        for request in workload.requests[first:end]:
-            assert ready[request.request_id] == flush >= request.arrival_s
+    pool = [Content(200 + 50 * (i % 7), 30 + 10 * (i % 5), (i,), prompt=f"p{i}")
+            for i in range(64)]
+    predictor = HistoryPredictor().fit([PredictionInput("p")] * 4, [10, 20, 30, 40])
+    result = measure(8, 400.0, 0.3, pool, lambda: predictor, warmup_s=0.3)
+    assert result.predictor == "moe" and result.decisions > 60
+    assert result.breakdown_ms["predict"] > 0 and result.breakdown_ms["choose"] > 0
+    assert result.cpu_ms_per_decision == pytest.approx(sum(result.breakdown_ms.values()))
