@@ -52,7 +52,7 @@ from app.routing.view import (
 from app.sim.instance import setups_from_config
 from app.sim.simulator import Simulator
 from app.workload import Content, Workload, load_prompts, poisson_workload
-from benchmarks.replay import cli_error
+from benchmarks.replay import cli_error, moe_factory
 from predictor.base import PredictionInput, Predictor
 from predictor.batching import use_one_inference_thread
 
@@ -100,59 +100,59 @@ class WorkLog:
             self.add(due, time.perf_counter() - start, what, arrival)
 
 
-class TimedPolicy(RoutingPolicy):
+class TimedFinishes:
+    """Finish and drop callbacks passed on to `inner`, timed into `log` (what the timed
+    policy and the timed watchdog share)."""
+
+    inner: RoutingPolicy | Watchdog
+    log: WorkLog
+
+    def on_finish(self, report: FinishReport, now: float) -> None:
+        with self.log.timed(now, "finish"):
+            self.inner.on_finish(report, now)
+
+    def on_drop(self, request: RouteRequest, now: float) -> None:
+        with self.log.timed(now, "finish"):
+            self.inner.on_drop(request, now)
+
+
+class TimedPolicy(TimedFinishes, RoutingPolicy):
     """The routing policy, every call timed into a `WorkLog`; a decision is due at its
     request's arrival (`RouterThread` delays it behind its prediction batch)."""
 
     def __init__(self, policy: RoutingPolicy, log: WorkLog) -> None:
-        self.policy, self.log = policy, log
+        self.inner, self.log = policy, log
 
     def choose(self, request: RouteRequest, view: ClusterView, now: float) -> RouteDecision:
         arrival = request.arrival_s if request.num_generated_tokens == 0 else math.nan
         with self.log.timed(now, "choose", arrival):
-            return self.policy.choose(request, view, now)
+            return self.inner.choose(request, view, now)
 
     def on_step(self, instance_id: InstanceId, report: StepReport, now: float) -> None:
         with self.log.timed(now, "status"):
-            self.policy.on_step(instance_id, report, now)
+            self.inner.on_step(instance_id, report, now)
 
     def on_status(self, status: EngineStatus, now: float) -> None:
         with self.log.timed(now, "status"):
-            self.policy.on_status(status, now)
-
-    def on_finish(self, report: FinishReport, now: float) -> None:
-        with self.log.timed(now, "finish"):
-            self.policy.on_finish(report, now)
-
-    def on_drop(self, request: RouteRequest, now: float) -> None:
-        with self.log.timed(now, "finish"):
-            self.policy.on_drop(request, now)
+            self.inner.on_status(status, now)
 
 
-class TimedWatchdog(Watchdog):
+class TimedWatchdog(TimedFinishes, Watchdog):
     """The watchdog's checks and its own callbacks timed into a `WorkLog` (it shares
     the estimators with the policy, which feeds them)."""
 
     def __init__(self, watchdog: Watchdog, log: WorkLog) -> None:
         super().__init__(watchdog.tau_iterations)
-        self.watchdog, self.log = watchdog, log
+        self.inner, self.log = watchdog, log
 
     @property
     def check_period_iterations(self) -> int:
-        return self.watchdog.check_period_iterations
+        return self.inner.check_period_iterations
 
     def check(self, instance_id: InstanceId, active: Sequence[ActiveRequest],
               view: ClusterView, now: float) -> Mapping[str, InstanceId]:
         with self.log.timed(now, "watchdog"):
-            return self.watchdog.check(instance_id, active, view, now)
-
-    def on_finish(self, report: FinishReport, now: float) -> None:
-        with self.log.timed(now, "finish"):
-            self.watchdog.on_finish(report, now)
-
-    def on_drop(self, request: RouteRequest, now: float) -> None:
-        with self.log.timed(now, "finish"):
-            self.watchdog.on_drop(request, now)
+            return self.inner.check(instance_id, active, view, now)
 
 
 @dataclass(frozen=True)
@@ -369,16 +369,6 @@ def measure(instances: int, rps: float, duration_s: float, pool: Sequence[Conten
         decisions / thread.span_s if thread.span_s > 0 else math.nan,
         thread.busy_s / decisions * 1e3, breakdown,
     )
-
-
-def moe_factory(directory: Path) -> Callable[[], Predictor]:
-    from predictor.registry import load_predictor
-
-    try:
-        load_predictor(directory, "moe")
-    except (OSError, KeyError) as exc:
-        raise ValueError(f"cannot load the MoE from {directory}: {exc}") from None
-    return lambda: load_predictor(directory, "moe")
 
 
 def write_sweep(out: Path, rows: Sequence[dict[str, Any]]) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
@@ -50,6 +50,9 @@ from benchmarks.slo import (
     reference_instance,
     solo_latencies_s,
 )
+
+if TYPE_CHECKING:
+    from predictor.base import Predictor
 
 
 class Backend(StrEnum):
@@ -459,18 +462,24 @@ def replay(
                f"slo_violation.png, report.md")
 
 
-def _length_factory(model_dir: Path | None) -> Callable[[], OutputLengthEstimator] | None:
-    """GoodServe's length estimator: the saved MoE (loaded once, shared read-only)."""
-    if model_dir is None:
-        return None
+def moe_factory(directory: Path) -> Callable[[], Predictor]:
+    """A fresh load of the saved MoE per call (predictors learn online, so runs must not
+    share one); it is loaded once here to fail early on a bad directory."""
     from predictor.registry import load_predictor
 
     try:
-        load_predictor(model_dir, "moe")
+        load_predictor(directory, "moe")
     except (OSError, KeyError) as exc:
-        raise ValueError(f"cannot load predictor from {model_dir}: {exc}") from None
-    # a fresh load per run: predictors learn online (observe), runs must not share that
-    return lambda: PredictorLength(load_predictor(model_dir, "moe"))
+        raise ValueError(f"cannot load predictor from {directory}: {exc}") from None
+    return lambda: load_predictor(directory, "moe")
+
+
+def _length_factory(model_dir: Path | None) -> Callable[[], OutputLengthEstimator] | None:
+    """GoodServe's length estimator: the saved MoE, fresh per run."""
+    if model_dir is None:
+        return None
+    load = moe_factory(model_dir)
+    return lambda: PredictorLength(load())
 
 
 def attach_predictions(workload: Workload, length: OutputLengthEstimator) -> Workload:

@@ -18,10 +18,10 @@ import numpy as np
 
 from app.routing.view import InstanceId, InstanceView
 
-# numeric columns, in `ViewColumns.table` order
-COLUMNS = ("num_running", "num_waiting", "kv_free_tokens", "capability_s_per_token",
-           "prior_prefill_s_per_token", "prior_decode_s_per_token", "batch_intercept",
-           "batch_slope", "max_num_seqs")
+# numeric columns, in `ViewColumns.table` order; the unloaded decode time per token is
+# both the capability just-enough ranks by and the estimator's catalog prior for d_g
+COLUMNS = ("num_running", "num_waiting", "kv_free_tokens", "unloaded_decode_s_per_token",
+           "unloaded_prefill_s_per_token", "batch_intercept", "batch_slope", "max_num_seqs")
 _COL = {name: i for i, name in enumerate(COLUMNS)}
 
 
@@ -31,8 +31,7 @@ def view_row(view: InstanceView) -> tuple[float, ...]:
     intercept, slope = spec.decode_batch_line
     return (view.num_running, view.num_waiting, view.kv_free_tokens,
             spec.unloaded_decode_s_per_token, spec.unloaded_prefill_s_per_token,
-            spec.unloaded_decode_s_per_token, intercept, slope,
-            math.inf if view.max_num_seqs is None else view.max_num_seqs)
+            intercept, slope, math.inf if view.max_num_seqs is None else view.max_num_seqs)
 
 
 def rank_of(ids: Sequence[InstanceId]) -> np.ndarray:

@@ -260,14 +260,14 @@ class StatusEstimator(StepListener):
         little = np.divide(waiting, rate, out=np.zeros(len(rate)), where=rate > 0)
         queue = np.where(known & (waiting > 0), np.maximum(state[:, _S_QUEUE], little), 0.0)
         p = np.divide(state[:, _S_PREFILL_S], state[:, _S_PREFILL_TOKENS],
-                      out=arrays.column("prior_prefill_s_per_token").copy(),
+                      out=arrays.column("unloaded_prefill_s_per_token").copy(),
                       where=known & (state[:, _S_PREFILL_TOKENS] > 0))
         upcoming = np.minimum(running + joining, arrays.column("max_num_seqs"))
         intercept, slope = arrays.column("batch_intercept"), arrays.column("batch_slope")
         growth = np.maximum((intercept + slope * upcoming)
                             / (intercept + slope * state[:, _S_BATCH]), 1.0)
         d = np.where(known & (state[:, _S_DECODE] >= 0), state[:, _S_DECODE] * growth,
-                     arrays.column("prior_decode_s_per_token"))
+                     arrays.column("unloaded_decode_s_per_token"))
         return queue, p, d
 
     @staticmethod

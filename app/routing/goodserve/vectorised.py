@@ -40,7 +40,7 @@ class Scored:
 
     @property
     def capability(self) -> np.ndarray:
-        return self.arrays.column("capability_s_per_token")
+        return self.arrays.column("unloaded_decode_s_per_token")
 
     def meets_deadline(self, headroom: float = 0.0) -> np.ndarray:
         return self.slack_s >= headroom * self.latency_s
@@ -129,7 +129,7 @@ def reserve_strongest(request: RouteRequest, scored: Scored, view: ClusterView,
     """`placer.reserve_strongest` over columns."""
     if quantile >= 1.0 or len(scored.arrays) == 0 or not admissions.any_stranding():
         return scored
-    strongest = view.arrays.column("capability_s_per_token").min()
+    strongest = view.arrays.column("unloaded_decode_s_per_token").min()
     rows = np.flatnonzero(scored.capability == strongest)
     stranding = [i for i in rows if admissions.stranding(scored.arrays.ids[i])]
     if not stranding or not request.slo_s > admissions.slo_span_quantile_s(quantile):
