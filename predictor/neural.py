@@ -18,7 +18,7 @@ from torch import nn
 from predictor.base import PredictionInput, Predictor, validate_training_data
 from predictor.features import AugmentedData, Featurizer, TextFeaturizer, augment_truncated
 from predictor.history import TaskHistoryPredictor
-from predictor.nets import MLP, SparseBatch, resolve_device
+from predictor.nets import MLP, SparseBatch, for_inference, resolve_device
 from predictor.training import TrainConfig, log_length_loss, train_loop
 
 __all__ = ["MLPPredictor", "TextNetPredictor"]
@@ -95,6 +95,7 @@ class TextNetPredictor(Predictor):
         self.net_.train()
         self._train_net(data, rng, gen)
         self.net_.eval()
+        self.inference_net_ = for_inference(self.net_)
         self.survival_ = TaskHistoryPredictor(window_size=len(lengths)).fit(inputs, lengths)
         return self
 
@@ -113,7 +114,7 @@ class TextNetPredictor(Predictor):
         with torch.inference_mode():
             for start in range(0, features.shape[0], INFERENCE_CHUNK_ROWS):
                 chunk = self.batch(features[start : start + INFERENCE_CHUNK_ROWS])
-                outputs.append(self.net_(chunk).reshape(-1).float().cpu().numpy())
+                outputs.append(self.inference_net_(chunk).reshape(-1).float().cpu().numpy())
         return np.concatenate(outputs)
 
     def _predict_lengths(self, inputs: Sequence[PredictionInput]) -> np.ndarray:
@@ -147,6 +148,7 @@ class TextNetPredictor(Predictor):
         state = torch.load(directory / WEIGHTS_FILE, map_location="cpu", weights_only=True)
         net.load_state_dict(state)
         self.net_ = net.to(self.device_).eval()
+        self.inference_net_ = for_inference(self.net_)
 
     def _meta(self) -> dict[str, object]:
         """Learned values besides featurizer and weights, as JSON."""
