@@ -66,6 +66,10 @@ def demo(
 def serve(
     config: str | None = typer.Option(None, help="serve config YAML (default: embedded)"),
     port: int | None = typer.Option(None, help="HTTP port (default: the config's)"),
+    metrics_export_port: int | None = typer.Option(
+        None, help="serve Prometheus metrics (Ray's and GoodServe's) on this port"),
+    metrics_report_interval_ms: int | None = typer.Option(
+        None, help="how often the metrics endpoint refreshes (Ray's default: 10000)"),
 ) -> None:
     """Start a local Ray cluster and serve the OpenAI API until interrupted."""
     import time
@@ -90,12 +94,16 @@ def serve(
         raise typer.Exit(code=2)
     http_port = port or serve_config.http_port
     inventory = serve_config.controller.inventory if serve_config.controller else ()
-    init_local_ray(serve_config.cluster, inventory=inventory)
+    init_local_ray(serve_config.cluster, inventory=inventory,
+                   metrics_export_port=metrics_export_port,
+                   metrics_report_interval_ms=metrics_report_interval_ms)
     try:
         ray_serve.start(http_options={"host": "0.0.0.0", "port": http_port})
         ray_serve.run(build_app(serve_config), name="goodserve", route_prefix="/")
         typer.echo(f"serving {serve_config.model_name!r} on http://127.0.0.1:{http_port}/v1 "
                    "(Ctrl-C stops)")
+        if metrics_export_port is not None:
+            typer.echo(f"metrics on http://127.0.0.1:{metrics_export_port}/metrics")
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
@@ -104,6 +112,66 @@ def serve(
         stop_controller(serve_config.cluster.name)  # and every engine it started
         ray_serve.shutdown()
         ray.shutdown()
+
+
+dashboards_cli = typer.Typer(help="Grafana dashboards: generate, provision, render",
+                             no_args_is_help=True)
+cli.add_typer(dashboards_cli, name="dashboards")
+
+
+@dashboards_cli.command("generate")
+def dashboards_generate(
+    out: Path | None = typer.Option(None, help="directory (default: deployments/grafana)"),
+) -> None:
+    """Write the dashboards' JSON (what Grafana imports)."""
+    from deployments.dashboards import GRAFANA_DIR, write_dashboards
+
+    for path in write_dashboards(out or GRAFANA_DIR):
+        typer.echo(f"wrote {path}")
+
+
+@dashboards_cli.command("push")
+def dashboards_push(
+    url: str = typer.Option(..., help="Grafana base URL, e.g. http://grafana:3000"),
+    prometheus: str = typer.Option("http://127.0.0.1:9090",
+                                   help="Prometheus URL the datasource points Grafana at"),
+) -> None:
+    """Provision folder, Prometheus datasource and dashboards (idempotent); the API
+    token comes from GRAFANA_TOKEN."""
+    import os
+
+    from deployments.dashboards import push
+
+    token = os.environ.get("GRAFANA_TOKEN")
+    if not token:
+        typer.echo("error: set GRAFANA_TOKEN to a Grafana service-account token", err=True)
+        raise typer.Exit(code=2)
+    try:
+        done = push(url, token, prometheus)
+    except Exception as exc:  # one line, never the token
+        typer.echo(f"error: provisioning {url} failed: {type(exc).__name__}: {exc}", err=True)
+        raise typer.Exit(code=1) from None
+    for name, what in done.items():
+        typer.echo(f"{name}: {what}")
+
+
+@dashboards_cli.command("render")
+def dashboards_render(
+    prometheus: str = typer.Option(..., help="Prometheus URL, e.g. http://127.0.0.1:9090"),
+    out: Path = typer.Option(Path("dashboards"), help="directory for the PNGs"),
+    minutes: float = typer.Option(15.0, help="how far back to draw"),
+) -> None:
+    """Draw every dashboard's panels from Prometheus to PNG (no Grafana needed)."""
+    from deployments.dashboards import render
+
+    try:
+        paths = render(prometheus, out, minutes)
+    except Exception as exc:
+        typer.echo(f"error: rendering from {prometheus} failed: {type(exc).__name__}: {exc}",
+                   err=True)
+        raise typer.Exit(code=1) from None
+    for path in paths:
+        typer.echo(f"wrote {path}")
 
 
 @cli.command("tiny-model")

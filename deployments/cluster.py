@@ -45,17 +45,26 @@ def local_node_resources(cluster: ClusterConfig,
 
 
 def init_local_ray(cluster: ClusterConfig, num_cpus: int | None = None,
-                   inventory: Sequence[InventoryItem] = ()) -> None:
+                   inventory: Sequence[InventoryItem] = (),
+                   metrics_export_port: int | None = None,
+                   metrics_report_interval_ms: int | None = None) -> None:
     """Start (or join) a local Ray instance that can place every engine of `cluster`
-    (and of a controller's `inventory`)."""
+    (and of a controller's `inventory`); with `metrics_export_port`, Ray's Prometheus
+    endpoint (GoodServe's series included) listens there, as `ray start
+    --metrics-export-port` does, refreshed every `metrics_report_interval_ms`
+    (Ray's default 10 s when None)."""
     if ray.is_initialized():
         return
+    system_config = ({} if metrics_report_interval_ms is None
+                     else {"metrics_report_interval_ms": metrics_report_interval_ms})
     ray.init(
         address="local",  # a new instance, never one a `ray start` left behind
         num_cpus=num_cpus,
         resources=local_node_resources(cluster, inventory),
         include_dashboard=False,
         log_to_driver=False,
+        _metrics_export_port=metrics_export_port,
+        _system_config=system_config or None,
     )
 
 

@@ -32,7 +32,9 @@ from app.control.fleet import Fleet, Registry, engine_kind, engine_name, templat
 from app.control.observe import LoadReport
 from app.control.plan import EngineState, PlanDiff
 from app.serving.config import ServeConfig
+from app.telemetry import ControllerMetrics
 from deployments.cluster import ENGINE_NAMESPACE, engine_ids, launch_engine, numbered_config
+from deployments.metrics import RayMetricFactory
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +67,7 @@ class ControllerActor:
         self._tasks: set[asyncio.Task] = set()
         # engine id -> [GPU kind, held from, held until (None: still held)], for costs
         self.ledger: dict[str, list] = {}
+        self.metrics = ControllerMetrics(RayMetricFactory())
 
     # ---- the routers' side -------------------------------------------------------------
     async def registry(self, known: tuple[str, int] | None = None,
@@ -250,8 +253,12 @@ class ControllerActor:
         assert self.controller is not None
         loads = await self._loads()
         now = time.time()
-        step = self.controller.step(now, self.fleet.records(loads))
+        records = self.fleet.records(loads)
+        step = self.controller.step(now, records)
         self.steps.append(step)
+        settings = self.controller.settings
+        self.metrics.step(**step.figures(records, settings.stock,
+                                         settings.limits.budget_per_hour))
         if not step.diff.is_empty:
             logger.info("controller %s: %s", self.name, step.summary())
         await self._apply(step.diff)

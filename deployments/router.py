@@ -27,6 +27,7 @@ from app.serving.router import EngineClient, LiveRouter
 from app.serving.service import CompletionService, JsonReply
 from deployments.cluster import ENGINE_NAMESPACE, EngineHandle
 from deployments.controller import controller_for
+from deployments.metrics import RayMetricFactory
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,8 @@ class RouterDeployment:
         registry = ray.get(self.controller.registry.remote())
         self.registry_key = registry.key
         clients = [member_client(m) for m in registry.members]
-        self.service = CompletionService(config, clients, companion=self._follow)
+        self.service = CompletionService(config, clients, companion=self._follow,
+                                         metrics=RayMetricFactory())
         self.service.router.follow(registry.members, member_client)  # draining ones too
 
     async def _follow(self, router: LiveRouter) -> None:

@@ -97,6 +97,37 @@ class ControlStep:
             "stop": list(diff.stop), "migrate": list(diff.migrate),
         }
 
+    def figures(self, engines: Sequence[EngineRecord], stock: Sequence[Stock],
+                budget_per_hour: float | None) -> dict[str, Any]:
+        """The step as `ControllerMetrics.step` exports it: targets and engines held
+        per pool and GPU type, what each costs, the rates, the binding constraint and
+        the plan's changes. `engines` are those held when the step decided."""
+        prices = {s.kind: s.price_per_hour for s in stock}
+        targets: dict[tuple[str, str], int] = {}
+        for role, kinds in self.targets.engines.items():
+            for kind, n in kinds.items():
+                targets[role, kind.gpu] = targets.get((role, kind.gpu), 0) + n
+        held: dict[tuple[str, str, str], int] = {}
+        for e in engines:
+            targets.setdefault((e.role, e.kind.gpu), 0)  # a pool wanted empty reads 0
+            key = (e.role, e.kind.gpu, e.state.value)
+            held[key] = held.get(key, 0) + 1
+        for role, gpu in targets:  # states with no engine read 0, not their last value
+            for state in EngineState:
+                held.setdefault((role, gpu, state.value), 0)
+        diff = self.diff
+        return {
+            "targets": targets, "engines": held,
+            "target_cost": self.targets.cost_per_hour,
+            "cost": sum(prices.get(e.kind, 0.0) for e in engines),
+            "budget": budget_per_hour, "binding": self.targets.binding,
+            "rates": {"observed": self.stats.rate_rps, "forecast": self.forecast_rps,
+                      "sized": self.targets.rate_rps},
+            "changes": {"start": len(diff.start), "drain": len(diff.drain),
+                        "reactivate": len(diff.reactivate), "stop": len(diff.stop),
+                        "migrate": len(diff.migrate)},
+        }
+
 
 @dataclass
 class Controller:

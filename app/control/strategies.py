@@ -127,7 +127,8 @@ class CountingScaler(ScalerBase):
             targets[role] = pool
         prices = {s.kind: s.price_per_hour for s in self.stock}
         cost = sum(prices.get(k, 0.0) * n for pool in targets.values() for k, n in pool.items())
-        return PoolTargets(0.0, targets, cost, not short, "; ".join(short))
+        return PoolTargets(0.0, targets, cost, not short, "; ".join(short),
+                           "stock" if short else "rate")
 
     @staticmethod
     def serving(engines: Sequence[EngineRecord], role: str) -> list[EngineRecord]:

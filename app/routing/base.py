@@ -9,6 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import ClassVar
 
 from app.engine_types import EngineStatus
@@ -21,11 +22,20 @@ from app.routing.view import (
 )
 
 
+class RejectCode(StrEnum):
+    """Why a request was not served, as a short code (metrics tag, API error type)."""
+
+    SLO_UNATTAINABLE = "slo_unattainable"  # admission control: no instance meets it
+    CONTEXT_TOO_LONG = "context_too_long"  # no instance can hold prompt + output
+    NO_INSTANCE = "no_instance"  # no healthy instance to route to
+
+
 @dataclass(frozen=True)
 class Reject:
     """A routing decision not to serve the request (admission control)."""
 
     reason: str
+    code: RejectCode = RejectCode.SLO_UNATTAINABLE
 
 
 RouteDecision = InstanceId | Reject

@@ -11,12 +11,13 @@ import random
 from collections.abc import Sequence
 from typing import ClassVar
 
-from app.routing.base import Reject, RouteDecision, RoutingPolicy
+from app.routing.base import Reject, RejectCode, RouteDecision, RoutingPolicy
 from app.routing.view import ClusterView, InstanceView, RouteRequest
 
 
 def no_fit(request: RouteRequest) -> Reject:
-    return Reject(f"no instance can hold {request.num_context_tokens} tokens")
+    return Reject(f"no instance can hold {request.num_context_tokens} tokens",
+                  RejectCode.CONTEXT_TOO_LONG)
 
 
 class SeededPolicy(RoutingPolicy):

@@ -89,10 +89,13 @@ class RoutingOptions:
 
 @dataclass(frozen=True)
 class RoutingStack:
-    """What a substrate needs to route: the policy and an optional watchdog."""
+    """What a substrate needs to route: the policy, an optional watchdog, and the
+    status estimator the policy learns into when it has one (what the live router
+    exports as each instance's q_g, p_g, d_g)."""
 
     policy: RoutingPolicy
     watchdog: Watchdog | None = None
+    estimator: StatusEstimator | None = None
 
 
 Builder = Callable[[RoutingOptions], RoutingStack]
@@ -103,7 +106,8 @@ def _goodserve(
 ) -> RoutingStack:
     """GoodServe with the options' knobs, less any the variant fixes (`overrides`)."""
     config = options.goodserve.model_copy(update=overrides)
-    return RoutingStack(*make_goodserve(length, config))
+    policy, watchdog = make_goodserve(length, config)
+    return RoutingStack(policy, watchdog, policy.status)
 
 
 def _exact_lengths(options: RoutingOptions) -> RoutingStack:
@@ -121,7 +125,8 @@ def _slo_pack(options: RoutingOptions) -> RoutingStack:
         protect_admitted=False, reservation_quantile=1.0, confidence_quantile=0.5,
         fast_while_cold=False, stall_factor=1.0,
     )
-    return RoutingStack(JustEnoughPolicy(status, RunningHistoryLength(), config))
+    return RoutingStack(JustEnoughPolicy(status, RunningHistoryLength(), config),
+                        estimator=status)
 
 
 def _seeded(cls: type[RoutingPolicy]) -> Builder:

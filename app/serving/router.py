@@ -37,11 +37,13 @@ from app.control.plan import EngineState
 from app.engine_types import EngineRequest, EngineStatus, SamplingSpec, TokenEvent
 from app.engines.prefix import PREFIX_BLOCK_SIZE, PrefixCache, prefix_block_hashes
 from app.hardware import InstanceSpec
-from app.routing.base import ActiveRequest, Reject
+from app.routing.base import ActiveRequest, Reject, RejectCode
 from app.routing.disaggregated import DisaggregatedPlacer, LeastTtftPolicy
 from app.routing.registry import RoutingStack
+from app.routing.status import StatusEstimator
 from app.routing.view import ClusterView, FinishReport, InstanceId, InstanceView, RouteRequest
 from app.serving.kv_transfer import KvTransport
+from app.telemetry import MigrationReason, NullFactory, Outcome, RouterMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +72,10 @@ class EngineClient(ABC):
 
 class RequestRejected(Exception):
     """The policy declined the request (admission control) or nothing can serve it."""
+
+    def __init__(self, reason: str, code: RejectCode) -> None:
+        super().__init__(reason)
+        self.code = code
 
 
 class EngineLost(Exception):
@@ -103,7 +109,8 @@ class Flight:
     num_failovers: int = 0
     is_running: bool = False  # produced a token on its current instance
     move_to: InstanceId | None = None  # set by a migration, taken when the stream ends
-    move_for_drain: bool = False  # that migration empties an engine leaving its pool
+    move_reason: MigrationReason = MigrationReason.OPERATOR  # why that migration moves it
+    engine_lost: bool = False  # its engine failed and no other could continue it
     # disaggregated: where the prompt is computed (None once the decode stage owns it),
     # the transfer it took and how many prompt tokens the decode engine loaded
     prefill_instance_id: InstanceId | None = None
@@ -184,6 +191,13 @@ class LiveInstance:
     def instance_id(self) -> InstanceId:
         return self.client.engine_id
 
+    @property
+    def tags(self) -> dict[str, str]:
+        """The instance's metric tags."""
+        config = self.client.config
+        return {"instance": self.instance_id, "gpu_type": config.gpu_type,
+                "role": config.role.value}
+
 
 class OwnLoad:
     """This router's flights per instance, split into running and waiting, kept as
@@ -242,6 +256,7 @@ class LiveRouter:
         poll_interval_s: float = 0.1,
         status_timeout_s: float = 5.0,
         max_failovers: int = 2,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         if not clients:
             raise ValueError("the router needs at least one engine")
@@ -267,8 +282,13 @@ class LiveRouter:
         if kv_transport is not None and self.disaggregated:
             prefill_policy = LeastTtftPolicy()
             self.pd_placer = DisaggregatedPlacer(prefill_policy, stack.policy, kv_transport.link)
-        present = (x for x in (stack.policy, prefill_policy, stack.watchdog) if x is not None)
+        # the policy's estimator when it has one, else one of our own: the instance
+        # gauges show what routing sees
+        self.estimator = stack.estimator or StatusEstimator()
+        own = None if stack.estimator is not None else self.estimator  # else the policy feeds it
+        present = (x for x in (stack.policy, prefill_policy, stack.watchdog, own) if x is not None)
         self._listeners = list({id(x): x for x in present}.values())
+        self.metrics = metrics or RouterMetrics(NullFactory())
         self.clock = clock
         self.predict = predict
         self.poll_interval_s = poll_interval_s
@@ -312,13 +332,40 @@ class LiveRouter:
             if inst.healthy:
                 logger.warning("engine %s unreachable: %s", inst.instance_id, exc)
             inst.healthy = False
+            self.metrics.instance_state(inst.tags, {"healthy": 0.0})
             return
         iid = inst.instance_id
+        previous = inst.status
         inst.update(status, self._load.running(iid) + self._load.waiting(iid))
         now = self.clock()
         for listener in self._listeners:
             listener.on_status(status, now)
+        self._export_instance(inst, previous, now)
         self._watch(inst, now)
+
+    def _export_instance(self, inst: LiveInstance, previous: EngineStatus | None,
+                         now: float) -> None:
+        """The instance's gauges: its load, KV, iteration rate and what the status
+        estimator makes of it (q_g, p_g, d_g for a request joining now)."""
+        status = inst.status
+        assert status is not None
+        rate = 0.0
+        if previous is not None and status.time_s > previous.time_s:
+            rate = (status.num_iterations - previous.num_iterations) / (
+                status.time_s - previous.time_s)
+        sched = inst.client.config.scheduler
+        view = InstanceView.from_status(status, inst.spec, sched.block_size, sched.max_num_seqs)
+        estimate = self.estimator.estimate(view, now)
+        self.metrics.instance_state(inst.tags, {
+            "queue_delay_seconds": estimate.queue_delay_s,
+            "prefill_seconds_per_token": estimate.prefill_s_per_token,
+            "decode_seconds_per_token": estimate.decode_s_per_token,
+            "running": status.num_running,
+            "waiting": status.num_waiting,
+            "kv_usage": status.kv_usage,
+            "iterations_per_second": rate,
+            "healthy": 1.0,
+        })
 
     # ---- views -----------------------------------------------------------------
     def view(self, now: float, exclude: frozenset[InstanceId] = frozenset(),
@@ -377,13 +424,18 @@ class LiveRouter:
         )
         self._load_report.arrival(route.num_prompt_tokens)
         if self.predict is not None:
+            started = time.perf_counter()
             predicted = await self.predict(route)
+            self.metrics.predicted(time.perf_counter() - started)
             route = replace(route, predicted_output_tokens=max(round(predicted), 1))
+        started = time.perf_counter()
         try:
             prefill, target = self._place(route, self.clock())
-        except RequestRejected:
+        except RequestRejected as exc:
             self._num_rejected += 1
+            self.metrics.rejected(exc.code)
             raise
+        self.metrics.routed(self.instances[target].tags, time.perf_counter() - started)
         flight = Flight(request, route, prefill or target, [target], prefill_instance_id=prefill,
                         prefill_pending=prefill is not None)
         for iid in {prefill or target, target}:
@@ -400,10 +452,11 @@ class LiveRouter:
         prefill_view = self.view(now, role=EngineRole.PREFILL)
         decode_view = self.view(now)
         if not prefill_view.instances or not decode_view.instances:
-            raise RequestRejected("no healthy prefill or decode instance is available")
+            raise RequestRejected("no healthy prefill or decode instance is available",
+                                  RejectCode.NO_INSTANCE)
         placement = self.pd_placer.place(route, prefill_view, decode_view, now)
         if isinstance(placement, Reject):
-            raise RequestRejected(placement.reason)
+            raise RequestRejected(placement.reason, placement.code)
         return placement.prefill_instance, placement.decode_instance
 
     def _choose(self, route: RouteRequest, now: float,
@@ -411,10 +464,11 @@ class LiveRouter:
                 role: EngineRole | None = None) -> InstanceId:
         view = self.view(now, exclude, role)
         if not view.instances:
-            raise RequestRejected("no healthy engine instance is available")
+            raise RequestRejected("no healthy engine instance is available",
+                                  RejectCode.NO_INSTANCE)
         decision = self.policy.choose(route, view, now)
         if isinstance(decision, Reject):
-            raise RequestRejected(decision.reason)
+            raise RequestRejected(decision.reason, decision.code)
         return decision
 
     def _choose_elsewhere(self, flight: Flight) -> InstanceId:
@@ -498,6 +552,8 @@ class LiveRouter:
             self.kv_transport.release(params)
             return
         flight.kv_transfer_s = handoff.transfer_s
+        self.metrics.kv_transferred(
+            handoff.transfer_s, flight.route.num_prompt_tokens * inst.spec.model.kv_bytes_per_token)
         flight.kv_transfer_params = handoff.params
         flight.kv_delivered = True
         flight.kv_released = False
@@ -551,11 +607,11 @@ class LiveRouter:
     def _move(self, flight: Flight, target: InstanceId) -> None:
         flight.move_to = None
         flight.num_migrations += 1
-        if flight.move_for_drain:
+        if flight.move_reason is MigrationReason.DRAIN:
             self._num_drain_migrations += 1
         else:
             self._num_migrations += 1
-        flight.move_for_drain = False
+        self.metrics.migrated(flight.move_reason)
         self._resubmit_on(flight, target)
 
     def _resubmit_on(self, flight: Flight, target: InstanceId) -> None:
@@ -573,14 +629,17 @@ class LiveRouter:
         logger.warning("request %s lost its engine %s: %s", flight.request_id, lost, why)
         self.instances[lost].healthy = False  # until it answers a poll again
         if flight.num_failovers >= self.max_failovers:
+            flight.engine_lost = True
             raise EngineLost(f"request {flight.request_id}: engine {lost} failed ({why})")
         try:
             target = self._choose_elsewhere(flight)
         except RequestRejected as exc:
+            flight.engine_lost = True
             raise EngineLost(f"request {flight.request_id}: engine {lost} failed ({why}) "
                              f"and no other can continue it: {exc}") from None
         flight.num_failovers += 1
         self._num_failovers += 1
+        self.metrics.migrated(MigrationReason.FAILURE)
         self._resubmit_on(flight, target)
 
     def _end(self, flight: Flight, finished: bool) -> None:
@@ -596,10 +655,16 @@ class LiveRouter:
                                          end_s <= flight.route.deadline_s)
             report = FinishReport(flight.route, flight.instance_id, len(flight.output_token_ids),
                                   flight.first_token_s, flight.finish_s or now)
+            self.metrics.finished(
+                arrival_s=flight.request.arrival_s, deadline_s=flight.route.deadline_s,
+                first_token_s=flight.first_token_s, end_s=end_s,
+                num_output_tokens=len(flight.output_token_ids),
+                predicted_output_tokens=flight.route.predicted_output_tokens)
             for listener in self._listeners:
                 listener.on_finish(report, now)
         else:
             self._num_dropped += 1
+            self.metrics.ended(Outcome.ERROR if flight.engine_lost else Outcome.CANCELLED)
             self._abort_in_background(flight)  # client gone or engine lost: free the engine
             for listener in self._listeners:
                 listener.on_drop(flight.route, now)
@@ -633,12 +698,12 @@ class LiveRouter:
         if inst.instance_id not in view.by_id:
             return
         for request_id, target in self.watchdog.check(inst.instance_id, active, view, now).items():
-            self.migrate(request_id, target)
+            self.migrate(request_id, target, MigrationReason.SLO_RISK)
 
     def migrate(self, request_id: str, target_id: InstanceId | None = None,
-                for_drain: bool = False) -> InstanceId | None:
+                reason: MigrationReason = MigrationReason.OPERATOR) -> InstanceId | None:
         """Move a running request by token ids (watchdog, operator, or emptying an engine
-        that leaves its pool: `for_drain`, counted apart); returns the target.
+        that leaves its pool: `reason` drain, counted apart); returns the target.
 
         Without `target_id` the policy picks among the other instances. Returns None
         when the request is not in flight (already finished), is already moving or is
@@ -661,7 +726,7 @@ class LiveRouter:
         if target.draining:
             raise ValueError(f"target instance {target_id!r} is leaving its pool")
         flight.move_to = target_id
-        flight.move_for_drain = for_drain
+        flight.move_reason = reason
         self._abort_in_background(flight)
         return target_id
 
@@ -708,7 +773,7 @@ class LiveRouter:
     def _evacuate(self, instance_id: InstanceId) -> None:
         for flight in self._load.flights_on(instance_id):
             try:
-                self.migrate(flight.request_id, for_drain=True)
+                self.migrate(flight.request_id, reason=MigrationReason.DRAIN)
             except ValueError as exc:  # nowhere to go: it finishes where it is
                 logger.info("request %s stays on draining %s: %s", flight.request_id,
                             instance_id, exc)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from app.engine_types import SamplingSpec
+from app.routing.base import RejectCode
 from app.routing.registry import RoutingOptions, build_routing
 from app.routing.view import RouteRequest
 from app.serving.api import (
@@ -44,6 +45,7 @@ from app.serving.router import (
     RequestRejected,
 )
 from app.serving.tokenizer import HfTokenizer, IncrementalDecoder, Tokenizer, WordHashTokenizer
+from app.telemetry import MetricFactory, NullFactory, RouterMetrics
 
 if TYPE_CHECKING:
     from predictor.base import Predictor
@@ -122,9 +124,11 @@ class CompletionService:
         clients: Sequence[EngineClient],
         tokenizer: Tokenizer | None = None,
         companion: Callable[[LiveRouter], Awaitable[None]] | None = None,
+        metrics: MetricFactory | None = None,
     ) -> None:
         """`companion` runs beside the router from its start until `close` (the Serve
-        shell follows the controller's registry with it)."""
+        shell follows the controller's registry with it); `metrics` makes the
+        router's instruments (Ray's in the Serve shell; none by default)."""
         self.config = config
         self.tokenizer = tokenizer or make_tokenizer(config)
         predictor = load_length_predictor(config)
@@ -132,7 +136,9 @@ class CompletionService:
         stack = build_routing(config.routing.policy, routing_options(config, predictor))
         self.router = LiveRouter(clients, stack, predict=predict,
                                  poll_interval_s=config.poll_interval_s,
-                                 kv_transport=kv_transport(config))
+                                 kv_transport=kv_transport(config),
+                                 metrics=RouterMetrics(metrics or NullFactory(),
+                                                       config.routing.policy))
         self._ids = itertools.count()
         self._start_lock = asyncio.Lock()
         self._started = False
@@ -260,7 +266,9 @@ class CompletionService:
         try:
             return await self.router.submit(request)
         except RequestRejected as exc:
-            raise ApiError(503, f"request not admitted: {exc}", "slo_unattainable") from None
+            # a prompt no engine can hold is the client's to fix; the rest is load
+            status = 400 if exc.code is RejectCode.CONTEXT_TOO_LONG else 503
+            raise ApiError(status, f"request not admitted: {exc}", exc.code.value) from None
 
     def _summary(self, flight: Flight) -> RequestSummary:
         end = flight.finish_s if flight.finish_s is not None else self.router.clock()

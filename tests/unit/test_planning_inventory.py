@@ -185,3 +185,11 @@ def test_running_engines_are_kept_and_grown_or_trimmed_within_the_margin(sizer):
     assert sum(decode.values()) == 1 and trimmed.meets_slo
     fresh = sizer.size(20.0, PD, PoolLimits(), {}, switch_margin=0.25)
     assert trimmed.cost_per_hour <= 1.25 * fresh.cost_per_hour
+
+
+def test_the_binding_constraint_is_the_rate_unless_budget_or_stock_fall_short(sizer):
+    """What the controller exports as `goodserve_pool_binding_constraint`."""
+    assert sizer.size(5.0, PD, PoolLimits()).binding == "rate"
+    assert sizer.size(1e6, PD, PoolLimits()).binding == "stock"
+    assert sizer.size(1e6, PD, PoolLimits(budget_per_hour=10.0)).binding == "budget"
+    assert sizer.size(1e6, (UNIFIED,), PoolLimits()).binding == "stock"

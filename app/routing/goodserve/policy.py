@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from app.engine_types import EngineStatus
-from app.routing.base import Reject, RouteDecision, RoutingPolicy
+from app.routing.base import Reject, RejectCode, RouteDecision, RoutingPolicy
 from app.routing.budgets import SlackBudgets
 from app.routing.goodserve import vectorised
 from app.routing.goodserve.admissions import RecentAdmissions
@@ -56,7 +56,8 @@ class JustEnoughPolicy(RoutingPolicy):
     def choose(self, request: RouteRequest, view: ClusterView, now: float) -> RouteDecision:
         holding = view.holding(request)
         if not holding:
-            return Reject(f"no instance can hold {request.num_context_tokens} tokens")
+            return Reject(f"no instance can hold {request.num_context_tokens} tokens",
+                          RejectCode.CONTEXT_TOO_LONG)
         output = bounded_output(request, self.length.expected_output(request))
         cold = self.config.fast_while_cold and not self.length.warm(
             self.config.confidence_quantile)

@@ -1,0 +1,223 @@
+"""What the router, controller and dashboards export: each event moves the series it
+should, and every dashboard query names a series that exists."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+
+import pytest
+
+from app.control.controller import ControlStep
+from app.control.observe import IntervalStats
+from app.control.plan import EngineRecord, EngineState, PlanDiff
+from app.planning.inventory import PoolTargets, Stock
+from app.planning.split import EngineKind
+from app.routing.registry import build_routing
+from app.serving.router import EngineLost, LiveRouter, RequestRejected
+from app.telemetry import ControllerMetrics, MigrationReason, Outcome, RouterMetrics
+from deployments.dashboards import DASHBOARDS, GRAFANA_DIR, all_queries, dashboard_json
+from tests.unit.test_live_router import ScriptedEngine, drain, request
+
+pytestmark = pytest.mark.unit
+
+
+class Recorded:
+    """One instrument's values by tag set: counters add, gauges keep the last value,
+    histograms keep every observation."""
+
+    def __init__(self, kind: str, tag_keys: tuple[str, ...]) -> None:
+        self.kind, self.tag_keys = kind, tag_keys
+        self.values: dict[tuple, list[float]] = defaultdict(list)
+
+    def _key(self, tags: Mapping[str, str] | None) -> tuple:
+        tags = dict(tags or {})
+        assert set(tags) == set(self.tag_keys), (tags, self.tag_keys)  # Ray requires it too
+        return tuple(sorted(tags.items()))
+
+    def inc(self, value: float = 1.0, tags: Mapping[str, str] | None = None) -> None:
+        assert value >= 0
+        slot = self.values[self._key(tags)]
+        slot[:] = [(slot[0] if slot else 0.0) + value]
+
+    def set(self, value: float, tags: Mapping[str, str] | None = None) -> None:
+        self.values[self._key(tags)][:] = [value]
+
+    def observe(self, value: float, tags: Mapping[str, str] | None = None) -> None:
+        self.values[self._key(tags)].append(value)
+
+    def get(self, **tags: str) -> list[float]:
+        return self.values.get(tuple(sorted(tags.items())), [])
+
+
+class RecordingFactory:
+    def __init__(self) -> None:
+        self.instruments: dict[str, Recorded] = {}
+
+    def _make(self, name: str, kind: str, tag_keys: tuple[str, ...]) -> Recorded:
+        assert name.startswith("goodserve_") and name not in self.instruments
+        self.instruments[name] = Recorded(kind, tag_keys)
+        return self.instruments[name]
+
+    def counter(self, name: str, description: str, tag_keys: tuple[str, ...]) -> Recorded:
+        assert description
+        return self._make(name, "counter", tag_keys)
+
+    def gauge(self, name: str, description: str, tag_keys: tuple[str, ...]) -> Recorded:
+        assert description
+        return self._make(name, "gauge", tag_keys)
+
+    def histogram(self, name: str, description: str, boundaries: Sequence[float],
+                  tag_keys: tuple[str, ...]) -> Recorded:
+        assert description and all(b > 0 for b in boundaries)  # Ray's rule
+        assert list(boundaries) == sorted(boundaries)
+        return self._make(name, "histogram", tag_keys)
+
+    def __getitem__(self, name: str) -> Recorded:
+        return self.instruments[name]
+
+
+def test_a_finished_request_is_met_missed_or_best_effort_with_its_slack_and_error():
+    factory = RecordingFactory()
+    metrics = RouterMetrics(factory, policy="goodserve")
+    met = metrics.finished(arrival_s=0.0, deadline_s=10.0, first_token_s=0.5, end_s=4.0,
+                           num_output_tokens=100, predicted_output_tokens=150)
+    missed = metrics.finished(arrival_s=0.0, deadline_s=2.0, first_token_s=None, end_s=5.0,
+                              num_output_tokens=50, predicted_output_tokens=20)
+    best = metrics.finished(arrival_s=1.0, deadline_s=float("inf"), first_token_s=1.2,
+                            end_s=2.0, num_output_tokens=10, predicted_output_tokens=None)
+    assert (met, missed, best) == (Outcome.MET, Outcome.MISSED, Outcome.BEST_EFFORT)
+    requests = factory["goodserve_requests"]
+    for outcome in ("met", "missed", "best_effort"):
+        assert requests.get(outcome=outcome, reason="") == [1.0]
+    assert factory["goodserve_deadline_slack_seconds"].get(outcome="met") == [6.0]
+    assert factory["goodserve_deadline_slack_seconds"].get(outcome="missed") == [3.0]
+    assert factory["goodserve_request_deadline_seconds"].get() == [10.0, 2.0]
+    assert factory["goodserve_goodput_tokens"].get() == [100.0]  # the met request's only
+    assert factory["goodserve_output_tokens"].get(outcome="missed") == [50.0]
+    assert factory["goodserve_ttft_seconds"].get() == [0.5, pytest.approx(0.2)]
+    errors = factory["goodserve_output_length_error_tokens"]
+    assert errors.get(direction="over") == [50] and errors.get(direction="under") == [30]
+    assert factory["goodserve_output_length_ratio"].get() == [1.5, 0.4]
+
+
+async def test_the_live_router_counts_outcomes_rejections_moves_and_instance_state():
+    factory = RecordingFactory()
+    a, b = ScriptedEngine("a", "A40"), ScriptedEngine("b", "H800", fail_at=3)
+    router = LiveRouter([a, b], build_routing("goodserve-admission"), poll_interval_s=3600,
+                        metrics=RouterMetrics(factory, "goodserve-admission"))
+    await router.start()
+    running = factory["goodserve_instance_running"]
+    assert running.get(instance="a", gpu_type="A40", role="unified") == [0]
+    assert factory["goodserve_instance_healthy"].get(
+        instance="b", gpu_type="H800", role="unified") == [1.0]
+    assert factory["goodserve_instance_decode_seconds_per_token"].get(
+        instance="b", gpu_type="H800", role="unified")[0] > 0
+
+    with pytest.raises(RequestRejected):
+        await router.submit(request("late", max_tokens=500, slo_s=0.001))
+    requests = factory["goodserve_requests"]
+    assert requests.get(outcome="rejected", reason="slo_unattainable") == [1.0]
+
+    router.instances["b"].healthy = False  # place it on a
+    flight = await router.submit(request("ok", max_tokens=30, slo_s=60.0))
+    router.instances["b"].healthy = True
+    assert flight.instance_id == "a"
+    tags = router.instances["a"].tags
+    assert factory["goodserve_routing_decisions"].get(policy="goodserve-admission",
+                                                      **tags) == [1.0]
+    assert len(factory["goodserve_routing_decision_seconds"].get(
+        policy="goodserve-admission")) == 1
+    events = []
+    async for batch in router.stream(flight):
+        events.extend(batch)
+        if len(events) == 2:
+            assert router.migrate("ok") == "b"  # operator move; b fails: a failover to a
+    assert flight.instance_ids == ["a", "b", "a"]
+    assert requests.get(outcome="met", reason="") == [1.0]
+    moves = factory["goodserve_migrations"]
+    assert moves.get(reason=MigrationReason.OPERATOR) == [1.0]
+    assert moves.get(reason=MigrationReason.FAILURE) == [1.0]
+
+    router.instances["a"].healthy = False  # only b, which fails at token 3: lost
+    router.instances["b"].healthy = True
+    lost = await router.submit(request("lost", slo_s=60.0))
+    with pytest.raises(EngineLost):
+        await drain(router, lost)
+    router.instances["a"].healthy = True
+    assert requests.get(outcome="error", reason="") == [1.0]
+
+    gone = await router.submit(request("gone", max_tokens=200, slo_s=60.0))
+    stream = router.stream(gone)
+    await anext(stream)
+    await stream.aclose()  # the client went away
+    await asyncio.sleep(0.01)
+    assert requests.get(outcome="cancelled", reason="") == [1.0]
+    router.close()
+
+
+def kind(gpu: str) -> EngineKind:
+    return EngineKind(gpu)
+
+
+def test_a_control_step_exports_targets_held_engines_cost_and_changes():
+    h800, a40 = kind("H800"), kind("A40")
+    targets = PoolTargets(12.0, {"unified": {h800: 2}}, 7.0, True)
+    diff = PlanDiff(start=(("unified", h800),), drain=("e-a40",))
+    stats = IntervalStats(0.0, 10.0, 100, 90, 80, 512.0, 0.5, 128.0)
+    step = ControlStep(stats, 11.0, targets, diff)
+    engines = [EngineRecord("e-h800", "unified", h800, EngineState.ACTIVE, 0.0),
+               EngineRecord("e-a40", "unified", a40, EngineState.DRAINING, 0.0)]
+    stock = [Stock(h800, 4, 3.5), Stock(a40, 4, 0.8)]
+    figures = step.figures(engines, stock, budget_per_hour=12.0)
+    assert figures["targets"] == {("unified", "H800"): 2, ("unified", "A40"): 0}
+    held = figures["engines"]
+    assert held[("unified", "H800", "active")] == 1 and held[("unified", "A40", "draining")] == 1
+    assert held[("unified", "H800", "starting")] == 0  # states without engines read 0
+    assert figures["cost"] == pytest.approx(4.3) and figures["target_cost"] == 7.0
+    assert figures["changes"] == {"start": 1, "drain": 1, "reactivate": 0, "stop": 0,
+                                  "migrate": 0}
+    assert figures["binding"] == "rate"
+
+    factory = RecordingFactory()
+    ControllerMetrics(factory).step(**figures)
+    assert factory["goodserve_pool_target_engines"].get(role="unified", gpu_type="A40") == [0]
+    assert factory["goodserve_pool_binding_constraint"].get(constraint="rate") == [1.0]
+    assert factory["goodserve_pool_binding_constraint"].get(constraint="budget") == [0.0]
+    assert factory["goodserve_plan_changes"].get(action="start") == [1.0]
+    assert factory["goodserve_plan_changes"].get(action="stop") == []  # no zero increments
+
+
+SERIES = re.compile(r"ray_(goodserve_\w+?)(_bucket|_total)?\b")
+
+
+def test_every_dashboard_query_names_a_series_the_product_exports():
+    factory = RecordingFactory()
+    RouterMetrics(factory)
+    ControllerMetrics(factory)
+    queries = all_queries()
+    assert len(queries) >= 30
+    for uid, title, expr in queries:
+        names = SERIES.findall(expr)
+        assert names, (uid, title, expr)
+        for name, suffix in names:
+            instrument = factory.instruments.get(name)
+            assert instrument is not None, f"{uid} / {title}: no series {name}"
+            expected = {"counter": "_total", "histogram": "_bucket", "gauge": ""}
+            assert suffix == expected[instrument.kind], (expr, instrument.kind)
+    exported = {name for name in factory.instruments}
+    shown = {name for _, _, expr in queries for name, _ in SERIES.findall(expr)}
+    assert exported - shown == set(), "every exported series is on a dashboard"
+
+
+def test_committed_dashboards_are_what_the_code_generates():
+    for dashboard in DASHBOARDS:
+        committed = json.loads((GRAFANA_DIR / dashboard.file_name).read_text())
+        assert committed == dashboard_json(dashboard), (
+            f"{dashboard.file_name} is stale: run `goodserve dashboards generate`")
+        assert committed["uid"] == dashboard.uid and committed["panels"]
+        for panel in committed["panels"]:
+            assert panel["targets"] and all(t["expr"] for t in panel["targets"])
