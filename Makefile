@@ -22,7 +22,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 PYTEST := $(PY) -m pytest -p no:cacheprovider $(PYTEST_ARGS)
 
-.PHONY: install run test test-unit test-slow test-integration test-e2e lint clean
+.PHONY: install prometheus run test test-unit test-slow test-integration test-e2e lint clean
 
 install: $(STAMP)
 
@@ -34,10 +34,18 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip uninstall --yes torchvision torchaudio torchcodec
 	touch $(STAMP)
 
+# Debian's Prometheus, which the observability tests scrape the Ray metrics endpoint
+# with (apt-get as root, or through sudo when there is one).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || command -v sudo)
+prometheus:
+	@command -v prometheus >/dev/null || { $(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends \
+		prometheus >/dev/null; }
+
 run: install
 	$(VENV)/bin/goodserve demo
 
-test: install
+test: install prometheus
 	$(PYTEST) -m "unit or slow or integration or e2e"
 
 test-unit: install
@@ -46,7 +54,7 @@ test-unit: install
 test-slow: install
 	$(PYTEST) -m slow tests/slow
 
-test-integration: install
+test-integration: install prometheus
 	$(PYTEST) -m integration tests/integration
 
 test-e2e: install

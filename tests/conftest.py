@@ -83,11 +83,18 @@ def shared_data_dir() -> Path:
     return SHARED_DATA_DIR
 
 
+RAY_METRICS_PORT: list[int] = []  # the session's Ray metrics endpoint, once started
+
+
 @pytest.fixture(scope="session")
 def ray_session():
-    """A local Ray with custom GPU-kind resources; stopped at session end."""
+    """A local Ray with custom GPU-kind resources and its Prometheus endpoint on a free
+    port (refreshed every half second); stopped at session end."""
     import ray
 
+    from deployments.router import free_port
+
+    RAY_METRICS_PORT[:] = [free_port()]
     ray.init(
         address="local",  # a new instance, never one a `ray start` left behind
         num_cpus=2,
@@ -95,9 +102,17 @@ def ray_session():
         include_dashboard=False,
         log_to_driver=False,
         runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}},
+        _metrics_export_port=RAY_METRICS_PORT[0],
+        _system_config={"metrics_report_interval_ms": 500},
     )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_metrics_url(ray_session) -> str:
+    """The session Ray's Prometheus endpoint."""
+    return f"http://127.0.0.1:{RAY_METRICS_PORT[0]}/metrics"
 
 
 @pytest.fixture(scope="session")

@@ -62,3 +62,24 @@ def test_abort_ends_a_long_request(vllm_engine):
 
     events = asyncio.run(run())
     assert len(events) < 1500
+
+
+def test_vllm_engine_metrics_reach_rays_prometheus_endpoint(vllm_engine, ray_metrics_url):
+    """vLLM's own engine series (`vllm:*`, named `ray_vllm_*` by Ray) from the engine
+    actors, through vLLM's Ray stat logger."""
+    import time
+
+    import httpx
+
+    asyncio.run(collect_tokens(vllm_engine, EngineRequest("metrics-1", PROMPT, greedy(16))))
+    deadline_s = time.monotonic() + 60
+    text = ""
+    while time.monotonic() < deadline_s:
+        text = httpx.get(ray_metrics_url, timeout=30).text
+        if "ray_vllm_generation_tokens_total" in text:
+            break
+        time.sleep(1.0)
+    generated = [line for line in text.splitlines()
+                 if line.startswith("ray_vllm_generation_tokens_total{")]
+    assert generated and max(float(line.rsplit(" ", 1)[1]) for line in generated) >= 16
+    assert "ray_vllm_num_requests_running" in text
