@@ -44,20 +44,31 @@ def demo(
     duration: float = typer.Option(20.0, min=1.0, help="arrival window, seconds"),
     slo_scale: float = typer.Option(1.5, min=0.1, help="SLO = scale x solo time on an A800"),
     seed: int = typer.Option(0),
+    metrics_export_port: int | None = typer.Option(
+        None, help="serve Prometheus metrics on this port while the demo runs"),
 ) -> None:
     """Serve the default cluster live and replay a workload per policy; print the client's
     figures next to the simulator's for the same workload and policies."""
+    import ray
+
     from app.demo import DEMO_POLICIES, demo_workload, format_comparison
     from app.serving.config import default_serve_config
     from benchmarks.replay import ReplaySpec, run_live_with_progress, run_replay
+    from deployments.cluster import init_local_ray
 
     config = default_serve_config()
+    if metrics_export_port is not None:  # the replay joins this Ray; stopped below
+        init_local_ray(config.cluster, metrics_export_port=metrics_export_port,
+                       metrics_report_interval_ms=1000)
     spec = ReplaySpec(config.cluster, DEMO_POLICIES, (slo_scale,), seed=seed)
     workload = demo_workload(rate, duration, seed)
     engines = ", ".join(e.instance.name for e in config.cluster.engines())
     typer.echo(f"{len(workload)} requests over {duration:g} s at {rate:g} req/s, SLO scale "
                f"{slo_scale:g}; engines: {engines} (simulated, real time); local Ray Serve")
-    live = run_live_with_progress(spec, workload, show=True, predictor_dir=None)
+    try:
+        live = run_live_with_progress(spec, workload, show=True, predictor_dir=None)
+    finally:
+        ray.shutdown()
     sim = run_replay(spec, workload)
     typer.echo(format_comparison(live, sim))
 

@@ -179,9 +179,10 @@ def test_served_traffic_moves_the_series_prometheus_scrapes(observed):
     wait_for(moved, 60, "Prometheus did not see goodput rise, the move and the rejections")
     # Ray's endpoint itself carries the series, next to Ray's own
     text = httpx.get(observed.metrics_url + "/metrics", timeout=30).text
-    for series in ("ray_goodserve_requests_total", "ray_goodserve_instance_decode_seconds_per_token",
-                   "ray_goodserve_kv_transfer_seconds_bucket", "ray_goodserve_pool_target_engines",
-                   "ray_serve_"):
+    for series in ("ray_goodserve_requests_total",
+                   "ray_goodserve_instance_decode_seconds_per_token",
+                   "ray_goodserve_kv_transfer_seconds_bucket",
+                   "ray_goodserve_pool_target_engines", "ray_serve_"):
         assert series in text, series
     # the controller's view: a target and held engines per pool, a binding constraint
     assert scalar(prom, 'sum(ray_goodserve_pool_engines{role="decode",state="active"})') >= 2
