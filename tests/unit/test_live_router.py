@@ -39,6 +39,8 @@ from app.serving.router import (
 )
 from app.serving.service import CompletionService, JsonReply
 from app.serving.tokenizer import IncrementalDecoder, Tokenizer, WordHashTokenizer
+from app.telemetry import RouterMetrics
+from tests.unit.metrics_utils import RecordingFactory
 
 pytestmark = pytest.mark.unit
 
@@ -117,9 +119,10 @@ async def drain(router: LiveRouter, flight) -> list[TokenEvent]:
 
 async def started(*engines: EngineClient, policy: str = "goodserve",
                   stack: RoutingStack | None = None,
-                  kv_transport: KvTransport | None = None) -> LiveRouter:
+                  kv_transport: KvTransport | None = None,
+                  metrics: RouterMetrics | None = None) -> LiveRouter:
     live = LiveRouter(engines, stack or build_routing(policy), poll_interval_s=3600,
-                      kv_transport=kv_transport)
+                      kv_transport=kv_transport, metrics=metrics)
     await live.start()
     return live
 
@@ -261,7 +264,8 @@ async def test_watchdog_runs_once_per_tau_iterations_and_its_moves_are_carried_o
     slow, fast = ScriptedEngine("slow", "A40"), ScriptedEngine("fast", "H800")
     watchdog = RecordingWatchdog(tau_iterations=5, target="fast")
     stack = RoutingStack(build_routing("round-robin").policy, watchdog)
-    router = await started(slow, fast, stack=stack)
+    factory = RecordingFactory()
+    router = await started(slow, fast, stack=stack, metrics=RouterMetrics(factory))
     flight = await router.submit(request(max_tokens=40))
     flight.instance_id = flight.instance_ids[0] = "slow"
     events = []
@@ -271,6 +275,7 @@ async def test_watchdog_runs_once_per_tau_iterations_and_its_moves_are_carried_o
             await router.poll_once()
     assert watchdog.checks.count(("slow", 1)) == 1
     assert flight.instance_ids == ["slow", "fast"]
+    assert factory["goodserve_migrations"].get(reason="slo_risk") == [1.0]
     assert [e.token_id for e in events] == [token_of(PROMPT, i) for i in range(40)]
 
 
@@ -526,7 +531,8 @@ async def test_registry_changes_take_effect_at_once_and_drain_moves_count_apart(
     nothing of this router runs there."""
     a, b = ScriptedEngine("a", "H800", step_s=0.01), ScriptedEngine("b", "H800", step_s=0.01)
     c = ScriptedEngine("c", "A40", step_s=0.01)
-    router = await started(a, b, policy="round-robin")
+    factory = RecordingFactory()
+    router = await started(a, b, policy="round-robin", metrics=RouterMetrics(factory))
     on_a = [f for f in [await router.submit(request(f"r{i}", max_tokens=60)) for i in range(4)]
             if f.instance_id == "a"]
     streams = [asyncio.create_task(drain(router, f)) for f in router.flights.values()]
@@ -544,6 +550,8 @@ async def test_registry_changes_take_effect_at_once_and_drain_moves_count_apart(
         assert f.instance_ids == ["a", "b"]
     counters = router.counters()
     assert counters.num_drain_migrations == len(on_a) and counters.num_migrations == 0
+    assert factory["goodserve_migrations"].get(reason="drain") == [float(len(on_a))]
+    assert factory["goodserve_migrations"].get(reason="slo_risk") == []
     assert "a" not in router.instances  # forgotten once its requests moved off
     report = router.take_load_report()
     assert (report.arrivals, report.finished) == (10, 10)
