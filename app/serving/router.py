@@ -552,8 +552,6 @@ class LiveRouter:
             self.kv_transport.release(params)
             return
         flight.kv_transfer_s = handoff.transfer_s
-        self.metrics.kv_transferred(
-            handoff.transfer_s, flight.route.num_prompt_tokens * inst.spec.model.kv_bytes_per_token)
         flight.kv_transfer_params = handoff.params
         flight.kv_delivered = True
         flight.kv_released = False
@@ -564,6 +562,10 @@ class LiveRouter:
         flight.kv_loaded_tokens = batch[0].num_cached_tokens or 0
         if flight.kv_transfer_s is None and flight.prefill_end_s is not None:
             flight.kv_transfer_s = self.clock() - flight.prefill_end_s  # load included
+        if flight.kv_transfer_s is not None:
+            per_token = self.instances[flight.instance_id].spec.model.kv_bytes_per_token
+            self.metrics.kv_transferred(flight.kv_transfer_s,
+                                        flight.route.num_prompt_tokens * per_token)
         self._release_kv(flight)
 
     def _release_kv(self, flight: Flight) -> None:

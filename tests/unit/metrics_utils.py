@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
@@ -20,14 +21,16 @@ class Recorded:
         return tuple(sorted(tags.items()))
 
     def inc(self, value: float = 1.0, tags: Mapping[str, str] | None = None) -> None:
-        assert value >= 0
+        assert isinstance(value, int | float) and math.isfinite(value) and value >= 0
         slot = self.values[self._key(tags)]
         slot[:] = [(slot[0] if slot else 0.0) + value]
 
     def set(self, value: float, tags: Mapping[str, str] | None = None) -> None:
+        assert isinstance(value, int | float) and math.isfinite(value)
         self.values[self._key(tags)][:] = [value]
 
     def observe(self, value: float, tags: Mapping[str, str] | None = None) -> None:
+        assert isinstance(value, int | float) and math.isfinite(value)
         self.values[self._key(tags)].append(value)
 
     def get(self, **tags: str) -> list[float]:

@@ -506,8 +506,10 @@ async def test_the_prefills_connector_parameters_reach_the_decode_request_unchan
               "remote_host": "10.0.0.7", "remote_port": 5601}
     prefill.kv_params = remote
     nixl = KvConnectorConfig(kind=KvConnectorKind.NIXL)
+    factory = RecordingFactory()
     router = await started(prefill, decode, spare, policy="round-robin",
-                           kv_transport=ConnectorTransport(nixl, bandwidth_gbps=10.0))
+                           kv_transport=ConnectorTransport(nixl, bandwidth_gbps=10.0),
+                           metrics=RouterMetrics(factory))
     flight = await router.submit(request(max_tokens=6))
     events = await drain(router, flight)
     assert [e.token_id for e in events] == [token_of(PROMPT, i) for i in range(6)]
@@ -515,6 +517,9 @@ async def test_the_prefills_connector_parameters_reach_the_decode_request_unchan
     assert handed.kv_transferred and handed.kv_transfer_params == remote
     assert flight.kv_loaded_tokens == len(PROMPT)
     assert flight.kv_transfer_s is not None and flight.kv_transfer_s >= 0  # measured
+    assert factory["goodserve_kv_transfer_seconds"].get() == [flight.kv_transfer_s]
+    (kv_bytes,) = factory["goodserve_kv_transfer_bytes"].get()
+    assert kv_bytes == len(PROMPT) * router.instances["d"].spec.model.kv_bytes_per_token
 
 
 def member(engine: ScriptedEngine, state: str = "active", evacuate: bool = False):
