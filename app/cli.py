@@ -89,12 +89,14 @@ def serve(
     from ray import serve as ray_serve
 
     from app.serving.config import default_serve_config, load_serve_config
+    from app.serving.service import api_keys
     from deployments.cluster import init_local_ray
     from deployments.controller import stop_controller
     from deployments.router import build_app
 
     try:
         serve_config = load_serve_config(config) if config else default_serve_config()
+        api_keys(serve_config)  # a keys file that cannot be read stops here, not in a replica
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from None

@@ -22,6 +22,7 @@ from ray import serve
 
 from app.control.fleet import Member
 from app.engine_types import EngineRequest, EngineStatus, TokenEvent
+from app.serving.auth import Access
 from app.serving.config import ServeConfig
 from app.serving.router import EngineClient, LiveRouter
 from app.serving.service import CompletionService, JsonReply
@@ -64,7 +65,8 @@ http_app = FastAPI(title="GoodServe", description="SLO-aware serving on heteroge
 
 def _reply(result: JsonReply | AsyncIterator[str]) -> Response:
     if isinstance(result, JsonReply):
-        return JSONResponse(result.body, status_code=result.status_code)
+        return JSONResponse(result.body, status_code=result.status_code,
+                            headers=dict(result.headers))
     return StreamingResponse(result, media_type="text/event-stream")
 
 
@@ -101,28 +103,42 @@ class RouterDeployment:
                 self.registry_key = registry.key
                 router.follow(registry.members, member_client)
 
+    def _denied(self, request: Request, access: Access) -> Response | None:
+        denied = self.service.authorize(request.headers.get("authorization"), access)
+        return None if denied is None else _reply(denied)
+
     @http_app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
+        if denied := self._denied(request, Access.USER):
+            return denied
         return _reply(await self.service.complete(await request.body(), chat=False))
 
     @http_app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
+        if denied := self._denied(request, Access.USER):
+            return denied
         return _reply(await self.service.complete(await request.body(), chat=True))
 
     @http_app.get("/v1/models")
-    async def models(self) -> dict:
-        return self.service.models()
+    async def models(self, request: Request) -> Response:
+        if denied := self._denied(request, Access.USER):
+            return denied
+        return JSONResponse(self.service.models())
 
     @http_app.get("/health")
     async def health(self) -> Response:
         return _reply(await self.service.health())
 
     @http_app.get("/v1/instances")
-    async def instances(self) -> dict:
-        return await self.service.instances()
+    async def instances(self, request: Request) -> Response:
+        if denied := self._denied(request, Access.ADMIN):
+            return denied
+        return JSONResponse(await self.service.instances())
 
     @http_app.post("/admin/migrate")
     async def migrate(self, request: Request) -> Response:
+        if denied := self._denied(request, Access.ADMIN):
+            return denied
         return _reply(await self.service.migrate(await request.body()))
 
     def __del__(self) -> None:

@@ -63,6 +63,22 @@ class RoutingConfig(GoodServeConfig):
         return RoutingOptions(self.seed, self.goodserve, length_factory)
 
 
+class AuthConfig(Frozen):
+    """API keys and per-key rates. Keys live in files or the environment
+    (`GOODSERVE_API_KEYS`, `GOODSERVE_ADMIN_API_KEYS`, comma-separated), never here, so
+    a config written out carries none; with no key anywhere the API is open."""
+
+    keys_file: str | None = Field(
+        None, description="file of user API keys, one per line (# comments)")
+    admin_keys_file: str | None = Field(
+        None, description="file of admin API keys (every route, /admin/* and /v1/instances "
+        "included)")
+    rate_limit_rps: float | None = Field(
+        None, gt=0, description="requests per second each key may send; None: unlimited")
+    rate_limit_burst: int = Field(
+        10, ge=1, description="requests a key may send at once before the rate applies")
+
+
 class ServeConfig(Frozen):
     """The served model's cluster and how the router treats requests."""
 
@@ -83,6 +99,7 @@ class ServeConfig(Frozen):
     controller: ControllerConfig | None = Field(
         None, description="resize the pools from SARA's allocation (the cluster's engines "
         "are the initial pools); None: the pools stay as configured")
+    auth: AuthConfig = Field(AuthConfig(), description="API keys and per-key rate limits")
 
     @model_validator(mode="after")
     def _one_model(self) -> ServeConfig:

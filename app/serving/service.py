@@ -12,8 +12,8 @@ import asyncio
 import itertools
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from app.engine_types import SamplingSpec
@@ -33,6 +33,7 @@ from app.serving.api import (
     sse,
     usage,
 )
+from app.serving.auth import Access, ApiKeys, RateLimiter
 from app.serving.config import ServeConfig
 from app.serving.kv_transfer import ConnectorTransport, KvTransport, SimulatedLink
 from app.serving.router import (
@@ -103,6 +104,15 @@ def routing_options(config: ServeConfig, predictor: Predictor | None) -> Routing
 class JsonReply:
     status_code: int
     body: dict[str, Any]
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+def api_keys(config: ServeConfig) -> ApiKeys:
+    """The configured keys (environment and the config's files) with the rate limit."""
+    auth = config.auth
+    limiter = (None if auth.rate_limit_rps is None
+               else RateLimiter(auth.rate_limit_rps, auth.rate_limit_burst))
+    return ApiKeys.load(auth.keys_file, auth.admin_keys_file, limiter=limiter)
 
 
 def kv_transport(config: ServeConfig) -> KvTransport | None:
@@ -139,6 +149,7 @@ class CompletionService:
                                  kv_transport=kv_transport(config),
                                  metrics=RouterMetrics(metrics or NullFactory(),
                                                        config.routing.policy))
+        self.keys = api_keys(config)
         self._ids = itertools.count()
         self._start_lock = asyncio.Lock()
         self._started = False
@@ -160,6 +171,14 @@ class CompletionService:
         self._close_predictor()
 
     # ---- endpoints -------------------------------------------------------------------
+    def authorize(self, authorization: str | None, access: Access) -> JsonReply | None:
+        """None when the request's `Authorization` header lets it in; else the reply."""
+        denied = self.keys.check(authorization, access, self.router.clock())
+        if denied is None:
+            return None
+        return JsonReply(denied.status_code, error_body(denied.message, denied.error_type),
+                         denied.headers)
+
     async def complete(self, raw: bytes, chat: bool) -> JsonReply | AsyncIterator[str]:
         """A full JSON reply, or the SSE lines of a streamed one."""
         try:

@@ -74,3 +74,16 @@ def test_rate_limit_per_key_answers_429_with_retry_after():
 def test_parse_keys_splits_env_values_and_files():
     assert parse_keys("a, b,,c ", ",") == ["a", "b", "c"]
     assert parse_keys("a\n # comment\nb # trailing\n") == ["a", "b"]
+
+
+def test_serve_refuses_to_start_on_an_unreadable_keys_file(tmp_path):
+    from typer.testing import CliRunner
+
+    from app.cli import cli
+
+    config = tmp_path / "serve.yaml"
+    config.write_text("cluster: {groups: [{engine: {gpu_type: A40}}]}\n"
+                      f"auth: {{keys_file: {tmp_path / 'missing-keys'}}}\n")
+    result = CliRunner().invoke(cli, ["serve", "--config", str(config)])
+    assert result.exit_code == 2
+    assert "cannot read API keys file" in result.output and "missing-keys" in result.output
