@@ -82,7 +82,10 @@ def serve(
     metrics_report_interval_ms: int | None = typer.Option(
         None, help="how often the metrics endpoint refreshes (Ray's default: 10000)"),
 ) -> None:
-    """Start a local Ray cluster and serve the OpenAI API until interrupted."""
+    """Start a local Ray cluster and serve the OpenAI API until SIGINT or SIGTERM;
+    requests in flight get the config's `shutdown_grace_s`, then the engines and the
+    Ray instance are stopped."""
+    import signal
     import time
 
     import ray
@@ -91,7 +94,7 @@ def serve(
     from app.serving.config import default_serve_config, load_serve_config
     from app.serving.service import api_keys
     from deployments.cluster import init_local_ray
-    from deployments.controller import stop_controller
+    from deployments.controller import drain_application, stop_controller
     from deployments.router import build_app
 
     try:
@@ -107,9 +110,19 @@ def serve(
         raise typer.Exit(code=2)
     http_port = port or serve_config.http_port
     inventory = serve_config.controller.inventory if serve_config.controller else ()
+
     init_local_ray(serve_config.cluster, inventory=inventory,
                    metrics_export_port=metrics_export_port,
                    metrics_report_interval_ms=metrics_report_interval_ms)
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    # SIGTERM (containers, process managers) as Ctrl-C, in place of the handler Ray
+    # installs (which exits at once); SIGINT too, which a shell starting us in the
+    # background leaves ignored
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, interrupt)
     try:
         ray_serve.start(http_options={"host": "0.0.0.0", "port": http_port})
         ray_serve.run(build_app(serve_config), name="goodserve", route_prefix="/")
@@ -120,10 +133,16 @@ def serve(
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        pass
+        for signum in (signal.SIGTERM, signal.SIGINT):  # a second signal must not cut this
+            signal.signal(signum, signal.SIG_IGN)
+        grace_s = serve_config.shutdown_grace_s
+        typer.echo(f"stopping: new requests get a 503; those in flight get up to {grace_s:g} s")
+        left = drain_application(serve_config.cluster.name, grace_s)
+        if left:
+            typer.echo(f"{left} requests still in flight after {grace_s:g} s are cut")
     finally:
-        stop_controller(serve_config.cluster.name)  # and every engine it started
         ray_serve.shutdown()
+        stop_controller(serve_config.cluster.name)  # and every engine it started
         ray.shutdown()
 
 

@@ -44,6 +44,9 @@ APP_CHECK_TIMEOUT_S = 10.0
 STATUS_TIMEOUT_S = 5.0
 
 
+IN_FLIGHT_FRESH_S = 3.0  # a router's in-flight report counts this long (it polls every 1 s)
+
+
 def controller_name(cluster_name: str) -> str:
     """Named per cluster, like its engines (`<cluster>-...`), without matching them."""
     return f"{cluster_name}:controller"
@@ -68,6 +71,7 @@ class ControllerActor:
         # engine id -> [GPU kind, held from, held until (None: still held)], for costs
         self.ledger: dict[str, list] = {}
         self.metrics = ControllerMetrics(RayMetricFactory())
+        self.in_flight: dict[str, tuple[int, float]] = {}  # replica -> (requests, when)
 
     # ---- the routers' side -------------------------------------------------------------
     async def registry(self, known: tuple[str, int] | None = None,
@@ -86,6 +90,21 @@ class ControllerActor:
             except TimeoutError:
                 return None
         return self.fleet.registry()
+
+    async def router_load(self, replica: str, in_flight: int) -> None:
+        """A router replica's requests in flight (sent with every registry poll)."""
+        self.in_flight[replica] = (in_flight, time.monotonic())
+
+    async def requests_in_flight(self) -> int:
+        """Requests in flight over the router replicas that reported lately."""
+        fresh_s = time.monotonic() - IN_FLIGHT_FRESH_S
+        return sum(n for n, at in self.in_flight.values() if at >= fresh_s)
+
+    async def close(self) -> None:
+        """The application is shutting down: routers stop taking requests."""
+        await self._ensure_started()
+        self.fleet.close()
+        self._publish()
 
     async def report(self, load: LoadReport) -> None:
         """A router's arrival and completion tallies since its last report."""
@@ -330,6 +349,23 @@ def controller_for(config: ServeConfig, app_name: str | None = None):
         name=controller_name(config.cluster.name), namespace=ENGINE_NAMESPACE,
         lifetime="detached", get_if_exists=True,
     ).remote(config, app_name)
+
+
+def drain_application(cluster_name: str, grace_s: float, poll_s: float = 0.5) -> int:
+    """Have the routers stop taking requests and wait up to `grace_s` for those in
+    flight to finish; the number still in flight at the end (0: all done)."""
+    try:
+        actor = ray.get_actor(controller_name(cluster_name), namespace=ENGINE_NAMESPACE)
+        ray.get(actor.close.remote(), timeout=30)
+    except (ValueError, ray.exceptions.RayError):
+        return 0
+    deadline_s = time.monotonic() + grace_s
+    time.sleep(min(IN_FLIGHT_FRESH_S, grace_s))  # every router has seen `closing` by then
+    while True:
+        left = ray.get(actor.requests_in_flight.remote(), timeout=30)
+        if left == 0 or time.monotonic() >= deadline_s:
+            return left
+        time.sleep(poll_s)
 
 
 def stop_controller(cluster_name: str, timeout_s: float = 120.0) -> int:

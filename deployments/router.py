@@ -79,6 +79,7 @@ class RouterDeployment:
         self.controller = controller_for(config, serve.get_replica_context().app_name)
         registry = ray.get(self.controller.registry.remote())
         self.registry_key = registry.key
+        self.replica = serve.get_replica_context().replica_tag
         clients = [member_client(m) for m in registry.members]
         self.service = CompletionService(config, clients, companion=self._follow,
                                          metrics=RayMetricFactory())
@@ -92,6 +93,7 @@ class RouterDeployment:
                 report = router.take_load_report()
                 if not report.is_empty:
                     self.controller.report.remote(report)
+                self.controller.router_load.remote(self.replica, len(router.flights))
                 registry = await self.controller.registry.remote(self.registry_key,
                                                                  REGISTRY_WAIT_S)
             except Exception as exc:
@@ -101,6 +103,7 @@ class RouterDeployment:
                 continue
             if registry is not None:
                 self.registry_key = registry.key
+                self.service.closing = registry.closing
                 router.follow(registry.members, member_client)
 
     def _denied(self, request: Request, access: Access) -> Response | None:
@@ -153,5 +156,10 @@ def free_port() -> int:
 
 
 def build_app(config: ServeConfig) -> serve.Application:
-    deployment = RouterDeployment.options(num_replicas=config.num_router_replicas)
+    """Replicas being stopped (shutdown, downscaling) take no new request and let those
+    in flight finish for up to `shutdown_grace_s`."""
+    deployment = RouterDeployment.options(
+        num_replicas=config.num_router_replicas,
+        graceful_shutdown_timeout_s=config.shutdown_grace_s,
+        graceful_shutdown_wait_loop_s=0.5)
     return deployment.bind(config)

@@ -55,6 +55,7 @@ class Registry:
     incarnation: str
     version: int
     members: tuple[Member, ...]
+    closing: bool = False  # the application is shutting down: take no new request
 
     @property
     def key(self) -> tuple[str, int]:
@@ -87,6 +88,7 @@ class Fleet:
         self.cluster_name = cluster_name
         self.incarnation = incarnation
         self.version = 0
+        self.closing = False
         self.engines: dict[str, FleetEngine] = {}
         self._indices = itertools.count()
         self._used: set[int] = set()
@@ -129,6 +131,12 @@ class Fleet:
             self.engines[engine_id] = replace(engine, evacuate=True)
             self._bump_if(True)
 
+    def close(self) -> None:
+        """Tell routers the application is shutting down."""
+        if not self.closing:
+            self.closing = True
+            self._bump_if(True)
+
     def remove(self, engine_id: str) -> FleetEngine:
         engine = self.engines.pop(engine_id)
         self._bump_if(engine.state is not EngineState.STARTING)
@@ -142,7 +150,7 @@ class Fleet:
     def registry(self) -> Registry:
         members = tuple(Member(e.engine_id, e.config, e.state, e.evacuate)
                         for e in self.engines.values() if e.state is not EngineState.STARTING)
-        return Registry(self.incarnation, self.version, members)
+        return Registry(self.incarnation, self.version, members, self.closing)
 
     def _bump_if(self, visible: bool) -> None:
         if visible:

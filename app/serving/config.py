@@ -100,6 +100,9 @@ class ServeConfig(Frozen):
         None, description="resize the pools from SARA's allocation (the cluster's engines "
         "are the initial pools); None: the pools stay as configured")
     auth: AuthConfig = Field(AuthConfig(), description="API keys and per-key rate limits")
+    shutdown_grace_s: float = Field(
+        30.0, ge=0, description="on shutdown (SIGTERM, SIGINT), how long requests in flight "
+        "may run on before their router replica is stopped")
 
     @model_validator(mode="after")
     def _one_model(self) -> ServeConfig:

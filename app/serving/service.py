@@ -150,6 +150,7 @@ class CompletionService:
                                  metrics=RouterMetrics(metrics or NullFactory(),
                                                        config.routing.policy))
         self.keys = api_keys(config)
+        self.closing = False  # shutting down: new requests get a 503, those in flight finish
         self._ids = itertools.count()
         self._start_lock = asyncio.Lock()
         self._started = False
@@ -183,6 +184,9 @@ class CompletionService:
         """A full JSON reply, or the SSE lines of a streamed one."""
         try:
             await self.start()
+            if self.closing:
+                raise ApiError(503, "the server is shutting down; retry on another",
+                               "service_unavailable")
             body = parse_body(raw, ChatCompletionRequest if chat else CompletionRequest)
             request = self._generation_request(body, chat)
             flight = await self._submit(request)
@@ -202,9 +206,9 @@ class CompletionService:
     async def health(self) -> JsonReply:
         await self.start()
         healthy = [i for i, inst in self.router.instances.items() if inst.healthy]
-        code = 200 if healthy else 503
-        return JsonReply(code, {"status": "ok" if healthy else "unavailable",
-                                "healthy_instances": healthy})
+        status = "closing" if self.closing else "ok" if healthy else "unavailable"
+        return JsonReply(200 if status == "ok" else 503,
+                         {"status": status, "healthy_instances": healthy})
 
     async def instances(self) -> dict[str, Any]:
         """Per-instance view the router routes on (ops and debugging)."""

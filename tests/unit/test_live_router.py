@@ -329,6 +329,31 @@ async def test_bad_requests_get_openai_errors_and_lose_nothing(raw, status, para
     service.close()
 
 
+async def test_a_closing_service_refuses_new_requests_and_reports_it():
+    """What a router replica does once the controller's registry says `closing`."""
+    service = sim_service(ScriptedEngine("e", "A40"))
+    assert (await service.complete(body(), chat=False)).status_code == 200
+    service.closing = True
+    refused = await service.complete(body(), chat=False)
+    assert refused.status_code == 503 and refused.body["error"]["type"] == "service_unavailable"
+    health = await service.health()
+    assert health.status_code == 503 and health.body["status"] == "closing"
+    assert service.router.counters().num_routed == 1  # the refused one never reached routing
+    service.close()
+
+
+def test_closing_the_fleet_is_a_registry_change_routers_see():
+    from app.control.fleet import Fleet
+
+    fleet = Fleet("c", "inc")
+    before = fleet.registry()
+    fleet.close()
+    after = fleet.registry()
+    assert not before.closing and after.closing and after.key != before.key
+    fleet.close()
+    assert fleet.registry().key == after.key  # once
+
+
 async def test_completion_reply_and_stream_follow_the_openai_shapes():
     service = sim_service(ScriptedEngine("e", "A40"), default_slo_s=30.0)
     reply = await service.complete(body(max_tokens=5), chat=False)
