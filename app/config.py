@@ -144,12 +144,15 @@ class EngineConfig(Frozen):
         return InstanceSpec(get_gpu(self.gpu_type), get_model(self.model), self.tp)
 
     @property
-    def max_model_len(self) -> int | None:
-        """Context limit of a vLLM engine (prompt + output); None for simulated ones."""
-        if self.backend != EngineBackend.VLLM:
-            return None
-        return self.vllm_kwargs.get("max_model_len", CPU_MAX_MODEL_LEN if self.gpu_type == "cpu"
-                                    else None)
+    def max_model_len(self) -> int:
+        """Context limit (prompt + output): vLLM's `max_model_len` when given (the CPU
+        default on CPU), else the model's own."""
+        if self.backend == EngineBackend.VLLM:
+            if "max_model_len" in self.vllm_kwargs:
+                return int(self.vllm_kwargs["max_model_len"])
+            if self.gpu_type == "cpu":
+                return CPU_MAX_MODEL_LEN
+        return self.instance.model.max_context_tokens
 
     @property
     def num_gpus(self) -> int:

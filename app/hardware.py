@@ -75,6 +75,7 @@ class ModelSpec:
     num_kv_heads: int
     intermediate_size: int
     vocab_size: int
+    max_context_tokens: int  # prompt + output the model takes (its position limit)
     bytes_per_param: int = 2
     gated_mlp: bool = True
 
@@ -117,13 +118,13 @@ class ModelSpec:
 MODEL_CATALOG: dict[str, ModelSpec] = {
     m.name: m
     for m in (
-        ModelSpec("llama-3.1-8b", 32, 4096, 32, 8, 14336, 128256),
-        ModelSpec("llama-3-8b", 32, 4096, 32, 8, 14336, 128256),
-        ModelSpec("llama-2-7b", 32, 4096, 32, 32, 11008, 32000),
-        ModelSpec("llama-2-70b", 80, 8192, 64, 8, 28672, 32000),
-        ModelSpec("qwen2.5-14b", 48, 5120, 40, 8, 13824, 152064),
+        ModelSpec("llama-3.1-8b", 32, 4096, 32, 8, 14336, 128256, 131072),
+        ModelSpec("llama-3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
+        ModelSpec("llama-2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
+        ModelSpec("llama-2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
+        ModelSpec("qwen2.5-14b", 48, 5120, 40, 8, 13824, 152064, 32768),
         # The tiny random Llama the tests and CPU demo build locally (float32).
-        ModelSpec("tiny-llama", 2, 256, 4, 2, 512, 2048, bytes_per_param=4),
+        ModelSpec("tiny-llama", 2, 256, 4, 2, 512, 2048, 2048, bytes_per_param=4),
     )
 }
 

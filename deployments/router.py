@@ -107,7 +107,9 @@ class RouterDeployment:
                 router.follow(registry.members, member_client)
 
     def _denied(self, request: Request, access: Access) -> Response | None:
-        denied = self.service.authorize(request.headers.get("authorization"), access)
+        """The reply to a request refused before its body is read (key, size)."""
+        denied = (self.service.authorize(request.headers.get("authorization"), access)
+                  or self.service.too_large(request.headers.get("content-length")))
         return None if denied is None else _reply(denied)
 
     @http_app.post("/v1/completions")

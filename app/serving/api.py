@@ -58,7 +58,7 @@ class _OpenAiBody(BaseModel):
     (`n` > 1, `stop`, `logprobs`, ...) are rejected rather than silently dropped.
     """
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str
     max_tokens: int = Field(16, ge=1)

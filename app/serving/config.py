@@ -100,6 +100,8 @@ class ServeConfig(Frozen):
         None, description="resize the pools from SARA's allocation (the cluster's engines "
         "are the initial pools); None: the pools stay as configured")
     auth: AuthConfig = Field(AuthConfig(), description="API keys and per-key rate limits")
+    max_request_bytes: int = Field(
+        8 * 2**20, ge=1024, description="largest request body accepted (413 beyond)")
     shutdown_grace_s: float = Field(
         30.0, ge=0, description="on shutdown (SIGTERM, SIGINT), how long requests in flight "
         "may run on before their router replica is stopped")

@@ -172,6 +172,24 @@ class CompletionService:
         self._close_predictor()
 
     # ---- endpoints -------------------------------------------------------------------
+    def check_size(self, num_bytes: int) -> None:
+        """A body over `max_request_bytes` is refused before it is parsed."""
+        limit = self.config.max_request_bytes
+        if num_bytes > limit:
+            raise ApiError(413, f"request body of {num_bytes} bytes exceeds the limit of "
+                           f"{limit} bytes", "invalid_request_error")
+
+    def too_large(self, content_length: str | None) -> JsonReply | None:
+        """The 413 for a declared `Content-Length` over the limit (the body unread)."""
+        try:
+            self.check_size(int(content_length or 0))
+        except ApiError as exc:
+            return JsonReply(exc.status_code, exc.body())
+        except ValueError:
+            return JsonReply(400, error_body("Content-Length is not a number",
+                                             "invalid_request_error"))
+        return None
+
     def authorize(self, authorization: str | None, access: Access) -> JsonReply | None:
         """None when the request's `Authorization` header lets it in; else the reply."""
         denied = self.keys.check(authorization, access, self.router.clock())
@@ -187,6 +205,7 @@ class CompletionService:
             if self.closing:
                 raise ApiError(503, "the server is shutting down; retry on another",
                                "service_unavailable")
+            self.check_size(len(raw))
             body = parse_body(raw, ChatCompletionRequest if chat else CompletionRequest)
             request = self._generation_request(body, chat)
             flight = await self._submit(request)
@@ -269,7 +288,7 @@ class CompletionService:
         if max(token_ids) >= vocab:
             raise invalid_request(f"prompt token ids must be < {vocab}", "prompt")
         limit = self.config.engine_template.max_model_len
-        if limit is not None and len(token_ids) + body.max_tokens > limit:
+        if len(token_ids) + body.max_tokens > limit:
             raise invalid_request(
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({body.max_tokens}) exceeds "
                 f"the model context of {limit} tokens", "max_tokens")

@@ -16,7 +16,7 @@ from app.sim.instance import InstanceSetup
 
 _TOY_MODEL = ModelSpec(
     "toy-linear", num_layers=1, hidden_size=64, num_heads=1, num_kv_heads=1,
-    intermediate_size=1_000_000, vocab_size=16,
+    intermediate_size=1_000_000, vocab_size=16, max_context_tokens=1_000_000,
 )
 
 

@@ -7,6 +7,7 @@ policy, status estimator and watchdog run exactly as in production.
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -41,12 +42,65 @@ def test_streaming_sends_every_token_then_done(live_url):
     assert texts.count("<") == 6
 
 
-def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(live_url):
-    bad = httpx.post(live_url + "/v1/completions", content=b"{oops", timeout=30)
-    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
-    wrong_model = post(live_url, "/v1/completions", model="nope")
-    assert wrong_model.status_code == 404 and "does not exist" in wrong_model.json()["error"][
-        "message"]
+def _body(**fields: object) -> bytes:
+    return json.dumps({"model": "goodserve", "prompt": "hello there", "max_tokens": 4}
+                      | fields).encode()
+
+
+BAD_INPUT = {  # case -> (raw body, status, error type)
+    "malformed JSON": (b"{oops", 400, "invalid_request_error"),
+    "not an object": (b"[1, 2, 3]", 400, "invalid_request_error"),
+    "wrong type": (_body(max_tokens="many"), 400, "invalid_request_error"),
+    "body over the size limit": (_body(prompt="x " * 5_000_000), 413,
+                                 "invalid_request_error"),
+    "prompt over the context": (_body(prompt=[5] * 140_000), 400,
+                                "invalid_request_error"),
+    "zero max_tokens": (_body(max_tokens=0), 400, "invalid_request_error"),
+    "negative max_tokens": (_body(max_tokens=-5), 400, "invalid_request_error"),
+    "huge max_tokens": (_body(max_tokens=10**9), 400, "invalid_request_error"),
+    "negative slo_s": (_body(slo_s=-1), 400, "invalid_request_error"),
+    "infinite slo_s": (b'{"model": "goodserve", "prompt": "hi", "slo_s": Infinity}', 400,
+                       "invalid_request_error"),
+    "NaN temperature": (b'{"model": "goodserve", "prompt": "hi", "temperature": NaN}', 400,
+                        "invalid_request_error"),
+    "unknown model": (_body(model="gpt-4"), 404, "not_found_error"),
+    "non-UTF-8 bytes": (b'{"model": "goodserve", "prompt": "\xff\xfe"}', 400,
+                        "invalid_request_error"),
+    "token id beyond the vocabulary": (_body(prompt=[5, 10**7]), 400, "invalid_request_error"),
+    "negative token id": (_body(prompt=[5, -1]), 400, "invalid_request_error"),
+    "empty prompt": (_body(prompt=""), 400, "invalid_request_error"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(live_url, case):
+    raw, status, error_type = BAD_INPUT[case]
+    reply = httpx.post(live_url + "/v1/completions", content=raw, timeout=60,
+                       headers={"Content-Type": "application/json"})
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert error["type"] == error_type and error["message"]
+    assert post(live_url, "/v1/completions").status_code == 200
+    counters = httpx.get(live_url + "/v1/instances").json()["counters"]
+    assert counters["num_in_flight"] == 0  # nothing half-admitted stays behind
+
+
+def test_a_client_gone_mid_stream_leaves_no_request_on_any_engine(live_url):
+    with httpx.stream("POST", live_url + "/v1/completions", timeout=60, json={
+            "model": "goodserve", "prompt": "leave early " * 10, "max_tokens": 2000,
+            "stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                break  # the client hangs up after the first token
+    deadline_s = time.monotonic() + 30
+    while time.monotonic() < deadline_s:
+        state = httpx.get(live_url + "/v1/instances").json()
+        engines_busy = sum(row["num_running"] or 0 for row in state["instances"])
+        if state["counters"]["num_in_flight"] == 0 and engines_busy == 0:
+            break
+        time.sleep(0.5)
+    assert state["counters"]["num_in_flight"] == 0 and engines_busy == 0, state
+    assert state["counters"]["num_dropped"] >= 1
     assert post(live_url, "/v1/completions").status_code == 200
 
 

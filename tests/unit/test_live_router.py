@@ -316,6 +316,11 @@ def body(**fields) -> bytes:
     (body(prompt="   "), 400, "prompt", "must not be empty"),
     (body(prompt=[1, -3]), 400, "prompt", "ids >= 0"),
     (body(prompt=[10**9]), 400, "prompt", "must be <"),
+    (body(max_tokens=10**9), 400, "max_tokens", "exceeds the model context of 131072"),
+    (b'{"model": "goodserve", "prompt": "a", "slo_s": Infinity}', 400, "slo_s", "finite"),
+    (b'{"model": "goodserve", "prompt": "a", "temperature": NaN}', 400, "temperature",
+     "finite"),
+    (body(prompt="word " * 2_000_000), 413, None, "exceeds the limit of 8388608 bytes"),
 ])
 async def test_bad_requests_get_openai_errors_and_lose_nothing(raw, status, param, message):
     engine = ScriptedEngine("e", "A40")
