@@ -17,11 +17,13 @@ from collections.abc import AsyncIterator
 
 import ray
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
 from app.control.fleet import Member
 from app.engine_types import EngineRequest, EngineStatus, TokenEvent
+from app.serving.api import openapi_request_bodies
 from app.serving.auth import Access
 from app.serving.config import ServeConfig
 from app.serving.router import EngineClient, LiveRouter
@@ -61,6 +63,23 @@ class ActorEngineClient(EngineClient):
 
 
 http_app = FastAPI(title="GoodServe", description="SLO-aware serving on heterogeneous GPUs")
+
+
+def openapi_schema() -> dict:
+    """FastAPI's schema of the routes plus the bodies the POST routes accept (they
+    read the raw body themselves, so FastAPI cannot see them): `GET /openapi.json`."""
+    if http_app.openapi_schema is None:
+        schema = get_openapi(title=http_app.title, version="1.0.0",
+                             description=http_app.description, routes=http_app.routes)
+        bodies, components = openapi_request_bodies()
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(components)
+        for path, body in bodies.items():
+            schema["paths"][path]["post"]["requestBody"] = body
+        http_app.openapi_schema = schema
+    return http_app.openapi_schema
+
+
+http_app.openapi = openapi_schema  # type: ignore[method-assign]
 
 
 def _reply(result: JsonReply | AsyncIterator[str]) -> Response:

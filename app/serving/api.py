@@ -14,7 +14,7 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -24,6 +24,9 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.json_schema import models_json_schema
+
+BodyModel = TypeVar("BodyModel", bound=BaseModel)
 
 
 class ApiError(Exception):
@@ -107,6 +110,34 @@ class ChatCompletionRequest(_OpenAiBody):
     messages: list[ChatMessage] = Field(min_length=1)
 
 
+class MigrateRequest(BaseModel):
+    """`POST /admin/migrate`: move a request; without `target` the policy picks."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request_id: str
+    target: str | None = None
+
+
+REQUEST_BODIES: dict[str, type[BaseModel]] = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/admin/migrate": MigrateRequest,
+}
+
+
+def openapi_request_bodies() -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """The POST routes' OpenAPI `requestBody`s (path -> body) and the component schemas
+    they refer to: the bodies these models validate, published so clients and fuzzers
+    see what the server accepts."""
+    _, top = models_json_schema([(m, "validation") for m in REQUEST_BODIES.values()],
+                                ref_template="#/components/schemas/{model}")
+    bodies = {path: {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        for path, model in REQUEST_BODIES.items()}
+    return bodies, top["$defs"]
+
+
 def json_object(raw: bytes) -> dict[str, Any]:
     """Decode a request body that must be one JSON object."""
     try:
@@ -118,7 +149,7 @@ def json_object(raw: bytes) -> dict[str, Any]:
     return data
 
 
-def parse_body(raw: bytes, schema: type[_OpenAiBody]) -> _OpenAiBody:
+def parse_body(raw: bytes, schema: type[BodyModel]) -> BodyModel:
     """Validate a JSON body; every failure is one clear `invalid_request_error`."""
     data = json_object(raw)
     try:

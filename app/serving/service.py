@@ -24,11 +24,11 @@ from app.serving.api import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    MigrateRequest,
     RequestSummary,
     ResponseMeta,
     error_body,
     invalid_request,
-    json_object,
     parse_body,
     sse,
     usage,
@@ -254,11 +254,9 @@ class CompletionService:
         (without a target the policy picks among the other instances)."""
         try:
             await self.start()
-            data = json_object(raw)
-            request_id, target = data.get("request_id"), data.get("target")
-            if not isinstance(request_id, str) or not isinstance(target, str | None):
-                raise invalid_request("request_id must be a string, target a string or absent")
-            moved = self.router.migrate(request_id, target)
+            move = parse_body(raw, MigrateRequest)
+            request_id = move.request_id
+            moved = self.router.migrate(request_id, move.target)
         except ApiError as exc:
             return JsonReply(exc.status_code, exc.body())
         except ValueError as exc:
