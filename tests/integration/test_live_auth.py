@@ -36,7 +36,8 @@ def auth_url(ray_session, tmp_path_factory):
 
 def call(url: str, method: str, path: str, key: str | None, **json: object) -> httpx.Response:
     headers = {} if key is None else {"Authorization": f"Bearer {key}"}
-    body = {"model": "goodserve", "prompt": "hello there", "max_tokens": 4} | json
+    completion = {"model": "goodserve", "prompt": "hello there", "max_tokens": 4}
+    body = json if path == "/admin/migrate" else completion | json
     return httpx.request(method, url + path, headers=headers, timeout=60,
                          json=body if method == "POST" else None)
 
