@@ -191,6 +191,13 @@ class LiveInstance:
     def instance_id(self) -> InstanceId:
         return self.client.engine_id
 
+    def reported_view(self) -> InstanceView:
+        """The instance as its latest report shows it (the router adds its own load)."""
+        assert self.status is not None
+        sched = self.client.config.scheduler
+        return InstanceView.from_status(self.status, self.spec, sched.block_size,
+                                        sched.max_num_seqs)
+
     @property
     def tags(self) -> dict[str, str]:
         """The instance's metric tags."""
@@ -353,9 +360,7 @@ class LiveRouter:
         if previous is not None and status.time_s > previous.time_s:
             rate = (status.num_iterations - previous.num_iterations) / (
                 status.time_s - previous.time_s)
-        sched = inst.client.config.scheduler
-        view = InstanceView.from_status(status, inst.spec, sched.block_size, sched.max_num_seqs)
-        estimate = self.estimator.estimate(view, now)
+        estimate = self.estimator.estimate(inst.reported_view(), now)
         self.metrics.instance_state(inst.tags, {
             "queue_delay_seconds": estimate.queue_delay_s,
             "prefill_seconds_per_token": estimate.prefill_s_per_token,
@@ -381,10 +386,7 @@ class LiveRouter:
             if (not inst.healthy or inst.status is None or iid in exclude or inst.draining
                     or inst.client.config.role != role):
                 continue
-            sched = inst.client.config.scheduler
-            base = InstanceView.from_status(inst.status, inst.spec, sched.block_size,
-                                            sched.max_num_seqs)
-            views.append(replace(base,
+            views.append(replace(inst.reported_view(),
                                  num_running=self._load.running(iid) + inst.others_running,
                                  num_waiting=self._load.waiting(iid) + inst.others_waiting))
         return ClusterView(now, tuple(views), self._prefix_blocks)
