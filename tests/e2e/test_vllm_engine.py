@@ -76,7 +76,8 @@ def test_vllm_engine_metrics_reach_rays_prometheus_endpoint(vllm_engine, ray_met
     text = ""
     while time.monotonic() < deadline_s:
         text = httpx.get(ray_metrics_url, timeout=30).text
-        if "ray_vllm_generation_tokens_total" in text:
+        if ("ray_vllm_generation_tokens_total" in text
+                and "ray_vllm_num_requests_running" in text):  # exported one by one
             break
         time.sleep(1.0)
     generated = [line for line in text.splitlines()
