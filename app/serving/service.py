@@ -13,10 +13,10 @@ import itertools
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from app.engine_types import SamplingSpec
+from app.engine_types import SamplingSpec, TokenEvent
 from app.routing.base import RejectCode
 from app.routing.registry import RoutingOptions, build_routing
 from app.routing.view import RouteRequest
@@ -36,6 +36,7 @@ from app.serving.api import (
 from app.serving.auth import Access, ApiKeys, RateLimiter
 from app.serving.config import ServeConfig
 from app.serving.kv_transfer import ConnectorTransport, KvTransport, SimulatedLink
+from app.serving.logprobs import LogprobsFormatter
 from app.serving.router import (
     EngineClient,
     EngineLost,
@@ -45,7 +46,7 @@ from app.serving.router import (
     Predict,
     RequestRejected,
 )
-from app.serving.tokenizer import HfTokenizer, IncrementalDecoder, Tokenizer, WordHashTokenizer
+from app.serving.tokenizer import HfTokenizer, OutputText, Tokenizer, WordHashTokenizer
 from app.telemetry import MetricFactory, NullFactory, RouterMetrics
 
 if TYPE_CHECKING:
@@ -207,15 +208,16 @@ class CompletionService:
                                "service_unavailable")
             self.check_size(len(raw))
             body = parse_body(raw, ChatCompletionRequest if chat else CompletionRequest)
-            request = self._generation_request(body, chat)
-            flight = await self._submit(request)
+            request_id, requests = self._generation_requests(body, chat)
+            flights = await self._submit_all(requests, body, chat)
         except ApiError as exc:
             return JsonReply(exc.status_code, exc.body())
-        meta = ResponseMeta.new(f"{'chatcmpl' if chat else 'cmpl'}-{request.request_id}",
+        meta = ResponseMeta.new(f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
                                 self.config.model_name, chat)
         if body.stream:
-            return self._stream(flight, meta)
-        return await self._collect(flight, meta)
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return self._stream(flights, meta, include_usage)
+        return await self._collect(flights, meta)
 
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [
@@ -269,7 +271,10 @@ class CompletionService:
         return JsonReply(200, {"request_id": request_id, "target": moved, "moving": True})
 
     # ---- helpers -----------------------------------------------------------------------
-    def _generation_request(self, body: Any, chat: bool) -> GenerationRequest:
+    def _generation_requests(self, body: Any, chat: bool) -> tuple[str, list[GenerationRequest]]:
+        """The response id and one request per choice (`n`); choice i of response
+        `cmpl-<id>` is request `<id>` when n = 1, else `<id>.<i>` (its seed, when
+        given, seed + i, as vLLM's)."""
         if body.model != self.config.model_name:
             raise ApiError(404, f"the model {body.model!r} does not exist; this server serves "
                            f"{self.config.model_name!r}", "not_found_error", "model")
@@ -283,24 +288,76 @@ class CompletionService:
         if not token_ids:
             raise invalid_request("prompt has no tokens", "prompt")
         vocab = self.config.engine_template.instance.model.vocab_size
-        if max(token_ids) >= vocab:
-            raise invalid_request(f"prompt token ids must be < {vocab}", "prompt")
+        for field_name, ids in (("prompt", token_ids), ("stop_token_ids", body.stop_token_ids),
+                                ("logit_bias", [int(t) for t in body.logit_bias])):
+            if ids and max(ids) >= vocab:
+                raise invalid_request(f"{field_name}: token ids must be < {vocab}", field_name)
+        budget = body.output_budget
         limit = self.config.engine_template.max_model_len
-        if len(token_ids) + body.max_tokens > limit:
+        if len(token_ids) + budget > limit:
             raise invalid_request(
-                f"prompt ({len(token_ids)} tokens) + max_tokens ({body.max_tokens}) exceeds "
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({budget}) exceeds "
                 f"the model context of {limit} tokens", "max_tokens")
-        sampling = SamplingSpec(max_tokens=body.max_tokens, temperature=body.temperature,
-                                ignore_eos=body.ignore_eos, seed=body.seed)
-        return GenerationRequest(
-            request_id=f"{next(self._ids)}-{uuid.uuid4().hex[:12]}",
-            prompt_token_ids=tuple(token_ids),
-            sampling=sampling,
-            arrival_s=self.router.clock(),
-            slo_s=body.slo_s if body.slo_s is not None else self.config.default_slo_s,
-            prompt_text=text,
-            task=body.task,
+        if body.num_top_logprobs is not None and self.config.is_simulated:
+            raise invalid_request("logprobs: simulated engines compute no token "
+                                  "probabilities", "logprobs")
+        sampling = self._sampling(body)
+        request_id = f"{next(self._ids)}-{uuid.uuid4().hex[:12]}"
+        arrival_s = self.router.clock()
+        requests = []
+        for index in range(body.n):
+            seed = None if body.seed is None else body.seed + index
+            requests.append(GenerationRequest(
+                request_id=request_id if body.n == 1 else f"{request_id}.{index}",
+                prompt_token_ids=tuple(token_ids),
+                sampling=replace(sampling, seed=seed),
+                arrival_s=arrival_s,
+                slo_s=body.slo_s if body.slo_s is not None else self.config.default_slo_s,
+                prompt_text=text,
+                task=body.task,
+                streamed=body.stream,
+            ))
+        return request_id, requests
+
+    @staticmethod
+    def _sampling(body: Any) -> SamplingSpec:
+        """The engines' sampling parameters (unset ones take OpenAI's / vLLM's defaults)."""
+        def given(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        return SamplingSpec(
+            max_tokens=body.output_budget,
+            temperature=given(body.temperature, 1.0),
+            top_p=given(body.top_p, 1.0),
+            top_k=max(given(body.top_k, 0), 0),
+            min_p=given(body.min_p, 0.0),
+            presence_penalty=given(body.presence_penalty, 0.0),
+            frequency_penalty=given(body.frequency_penalty, 0.0),
+            repetition_penalty=given(body.repetition_penalty, 1.0),
+            min_tokens=body.min_tokens,
+            ignore_eos=body.ignore_eos,
+            seed=body.seed,
+            stop_token_ids=tuple(body.stop_token_ids),
+            logit_bias=tuple((int(t), v) for t, v in body.logit_bias.items()),
+            logprobs=body.num_top_logprobs,
         )
+
+    async def _submit_all(self, requests: list[GenerationRequest], body: Any,
+                          chat: bool) -> list[Flight]:
+        """Route every choice; when one is refused, those already routed are dropped."""
+        flights: list[Flight] = []
+        try:
+            for request in requests:
+                flight = await self._submit(request)
+                flight.output = OutputText(self.tokenizer, body.stop, body.stop_token_ids,
+                                           body.include_stop_str_in_output,
+                                           request.sampling.min_tokens)
+                flights.append(flight)
+        except ApiError:
+            for flight in flights:
+                self.router.cancel(flight)
+            raise
+        return flights
 
     async def _submit(self, request: GenerationRequest) -> Flight:
         try:
@@ -323,29 +380,88 @@ class CompletionService:
             predicted_output_tokens=flight.route.predicted_output_tokens,
         )
 
-    async def _collect(self, flight: Flight, meta: ResponseMeta) -> JsonReply:
-        try:
+    def _logprobs(self, flight: Flight, formatter: LogprobsFormatter | None, start: int,
+                  end: int) -> dict[str, Any] | None:
+        if formatter is None:
+            return None
+        return formatter.format(flight.output_token_ids[start:end],
+                                flight.output_logprobs[start:end])
+
+    def _formatter(self, flight: Flight, chat: bool) -> LogprobsFormatter | None:
+        wanted = flight.request.sampling.logprobs is not None
+        return LogprobsFormatter(self.tokenizer, chat) if wanted else None
+
+    def _usage(self, flights: Sequence[Flight]) -> dict[str, int]:
+        """The prompt counted once (as vLLM does for n > 1), every choice's output."""
+        return usage(len(flights[0].request.prompt_token_ids),
+                     sum(len(f.output_token_ids) for f in flights))
+
+    async def _collect(self, flights: list[Flight], meta: ResponseMeta) -> JsonReply:
+        async def drain(flight: Flight) -> None:
             async for _ in self.router.stream(flight):
                 pass
-        except EngineLost as exc:
-            return JsonReply(502, error_body(str(exc), "engine_error"))
-        text = self.tokenizer.decode(flight.output_token_ids)
-        num_prompt = len(flight.request.prompt_token_ids)
-        body = meta.full(text, flight.finish_reason or "stop",
-                         usage(num_prompt, len(flight.output_token_ids)), self._summary(flight))
-        return JsonReply(200, body)
 
-    async def _stream(self, flight: Flight, meta: ResponseMeta) -> AsyncIterator[str]:
-        decoder = IncrementalDecoder(self.tokenizer)
+        results = await asyncio.gather(*(drain(f) for f in flights), return_exceptions=True)
+        for result in results:
+            if isinstance(result, EngineLost):
+                return JsonReply(502, error_body(str(result), "engine_error"))
+            if isinstance(result, BaseException):
+                raise result
+        choices = []
+        for index, flight in enumerate(flights):
+            assert flight.output is not None
+            choices.append(meta.choice(
+                index, flight.output.text, flight.finish_reason or "stop", flight.stop_reason,
+                self._logprobs(flight, self._formatter(flight, meta.chat), 0,
+                               len(flight.output_token_ids))))
+        return JsonReply(200, meta.full(choices, self._usage(flights),
+                                        [self._summary(f) for f in flights]))
+
+    async def _stream(self, flights: list[Flight], meta: ResponseMeta,
+                      include_usage: bool) -> AsyncIterator[str]:
+        """Chunks of every choice as they come (interleaved, each with its index), then
+        the closing chunk and `[DONE]`; an engine lost ends the stream with an error."""
+        queue: asyncio.Queue[tuple[int, list[TokenEvent] | BaseException | None]] = (
+            asyncio.Queue())
+
+        async def pump(index: int, flight: Flight) -> None:
+            try:
+                async for batch in self.router.stream(flight):
+                    queue.put_nowait((index, batch))
+                queue.put_nowait((index, None))
+            except Exception as exc:  # handed to the consumer
+                queue.put_nowait((index, exc))
+
+        tasks = [asyncio.create_task(pump(i, f)) for i, f in enumerate(flights)]
+        formatters = [self._formatter(f, meta.chat) for f in flights]
+        num_sent = [0] * len(flights)
         try:
-            async for batch in self.router.stream(flight):
-                final = batch[-1].finished
-                delta = decoder.feed([ev.token_id for ev in batch], final=final)
-                yield sse(meta.chunk(delta, batch[-1].finish_reason if final else None))
-        except EngineLost as exc:
-            yield sse(error_body(str(exc), "engine_error"))
-        else:
-            yield sse({"id": meta.response_id, "object": meta.object_name,
-                       "goodserve": self._summary(flight).as_dict()})
-        yield sse("[DONE]")
-
+            if meta.chat:
+                for index in range(len(flights)):
+                    yield sse(meta.opening_chunk(index))
+            num_open = len(flights)
+            while num_open:
+                index, item = await queue.get()
+                if item is None:
+                    num_open -= 1
+                    continue
+                if isinstance(item, EngineLost):
+                    yield sse(error_body(str(item), "engine_error"))
+                    yield sse("[DONE]")
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                flight = flights[index]
+                assert flight.output is not None
+                final = flight.finish_reason is not None and item[-1].finished
+                start, num_sent[index] = num_sent[index], len(flight.output_token_ids)
+                yield sse(meta.chunk(
+                    index, flight.output.delta(final),
+                    flight.finish_reason if final else None, flight.stop_reason,
+                    self._logprobs(flight, formatters[index], start, num_sent[index])))
+            yield sse(meta.last_chunk(self._usage(flights) if include_usage else None,
+                                      [self._summary(f) for f in flights]))
+            yield sse("[DONE]")
+        finally:
+            for task in tasks:
+                task.cancel()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from app.serving.api import ChatMessage, render_chat
 
@@ -30,6 +31,10 @@ class Tokenizer(ABC):
     def render_chat(self, messages: Sequence[ChatMessage]) -> str:
         """Chat messages -> one prompt string."""
         return render_chat(messages)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text on its own (as logprobs show it, like vLLM)."""
+        return self.decode([token_id])
 
 
 class HfTokenizer(Tokenizer):
@@ -50,8 +55,8 @@ class HfTokenizer(Tokenizer):
         if not getattr(self._tokenizer, "chat_template", None):
             return render_chat(messages)
         return self._tokenizer.apply_chat_template(
-            [m.model_dump() for m in messages], tokenize=False, add_generation_prompt=True
-        )
+            [{"role": m.role, "content": m.text} for m in messages], tokenize=False,
+            add_generation_prompt=True)
 
 
 class WordHashTokenizer(Tokenizer):
@@ -75,25 +80,111 @@ class WordHashTokenizer(Tokenizer):
         return "".join(f" <{t}>" for t in token_ids)
 
 
-class IncrementalDecoder:
-    """Streams text for a growing list of token ids.
+@dataclass(frozen=True)
+class StopHit:
+    """Where a stop condition ended the output within a batch of new tokens."""
 
-    Decodes the whole output each time and returns the new suffix, holding back a
-    trailing incomplete UTF-8 character until the token that completes it arrives.
+    num_tokens: int  # the batch's tokens kept, through the one that completed the stop
+    reason: str | int  # the stop string or stop token id (vLLM's `stop_reason`)
+
+
+class OutputText:
+    """One choice's output as the client sees it: detokenized, ended by a stop string or
+    stop token id, streamed in deltas.
+
+    The router feeds every generated token (`observe`), on whichever engine it ran, so a
+    stop string spanning a move is found like any other. As in vLLM, the output ends
+    with the token that completes a stop, whose text (the stop string, or the stop
+    token's text) is left out unless `include_stop`; no stop counts among the first
+    `min_tokens` tokens; a stream holds back the last
+    `len(longest stop) - 1` characters (they may begin a stop) and a trailing incomplete
+    UTF-8 character until the token that completes it arrives.
     """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (),
+                 stop_token_ids: Sequence[int] = (), include_stop: bool = False,
+                 min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
-        self.token_ids: list[int] = []
-        self.text = ""
+        self.stop = tuple(stop)
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.include_stop = include_stop
+        self.min_tokens = min_tokens
+        self.reset()
 
-    def feed(self, token_ids: Sequence[int], final: bool = False) -> str:
-        self.token_ids.extend(token_ids)
-        text = self.tokenizer.decode(self.token_ids)
-        if not final:
+    def reset(self) -> None:
+        """Forget the output (the request starts over)."""
+        self.token_ids: list[int] = []
+        self.stop_reason: str | int | None = None
+        self._text: str | None = ""  # decoded token_ids (None: not decoded since a change)
+        self._sent = ""  # text streamed so far
+
+    @property
+    def text(self) -> str:
+        """The output text so far (final once a stop ended it)."""
+        if self._text is None:
+            self._text = self.tokenizer.decode(self.token_ids)
+        return self._text
+
+    def observe(self, token_ids: Sequence[int]) -> StopHit | None:
+        """Take new output tokens; the hit when a stop ends the output among them."""
+        if self.stop_reason is not None:
+            raise ValueError("the output already ended at a stop")
+        batch = list(token_ids)
+        eligible = max(self.min_tokens - len(self.token_ids), 0)  # first index a stop counts
+        token_stop = next((i for i, t in enumerate(batch)
+                           if i >= eligible and t in self.stop_token_ids), None)
+        if token_stop is not None:
+            batch = batch[:token_stop + 1]
+        # the stop token's own text is left out before stop strings are looked for
+        shown = batch[:-1] if token_stop is not None and not self.include_stop else batch
+        if self.stop and len(shown) > eligible:
+            found = self._stop_string_in(shown, eligible)
+            if found is not None:
+                num_tokens, text, reason = found
+                self._end(batch[:num_tokens], text, reason)
+                return StopHit(num_tokens, reason)
+        if token_stop is not None:
+            self._end(batch, self.tokenizer.decode(self.token_ids + shown), batch[-1])
+            return StopHit(len(batch), batch[-1])
+        self.token_ids.extend(batch)
+        self._text = None
+        return None
+
+    def _end(self, kept: list[int], text: str, reason: str | int) -> None:
+        self.token_ids.extend(kept)
+        self._text = text
+        self.stop_reason = reason
+
+    def _stop_string_in(self, batch: list[int], eligible: int) -> tuple[int, str, str] | None:
+        """(tokens through the one completing the earliest stop string, the text cut
+        there, the stop string), or None when no stop string ends in this batch at or
+        after its token `eligible`."""
+        before = self.tokenizer.decode(self.token_ids + batch[:eligible]) if eligible else self.text
+        start = max(len(before) - max(map(len, self.stop)) + 1, 0)
+        if self._earliest_stop(self.tokenizer.decode(self.token_ids + batch), start) is None:
+            return None
+        for k in range(eligible + 1, len(batch) + 1):  # the token that completes it
+            text = self.tokenizer.decode(self.token_ids + batch[:k])
+            found = self._earliest_stop(text, start)
+            if found is not None:
+                position, stop = found
+                end = position + len(stop) if self.include_stop else position
+                return k, text[:end], stop
+        raise AssertionError("a stop string found in the whole batch is in some prefix")
+
+    def _earliest_stop(self, text: str, start: int) -> tuple[int, str] | None:
+        hits = [(pos, stop) for stop in self.stop if (pos := text.find(stop, start)) >= 0]
+        return min(hits, default=None)
+
+    def delta(self, final: bool = False) -> str:
+        """The text not streamed yet (all of it when `final` or stopped)."""
+        text = self.text
+        if not final and self.stop_reason is None:
             text = text.rstrip(REPLACEMENT_CHAR)
-        if not text.startswith(self.text):  # a merge rewrote earlier text: resend nothing
+            if self.stop and not self.include_stop:
+                text = text[:max(len(text) - max(map(len, self.stop)) + 1, len(self._sent))]
+        if not text.startswith(self._sent):  # a merge rewrote earlier text: resend nothing
             return ""
-        delta = text[len(self.text):]
-        self.text = text
+        delta = text[len(self._sent):]
+        self._sent = text
         return delta

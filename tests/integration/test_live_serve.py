@@ -38,7 +38,7 @@ def test_streaming_sends_every_token_then_done(live_url):
         lines = [line for line in reply.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
-    texts = "".join(c["choices"][0]["text"] for c in chunks if "choices" in c)
+    texts = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
     assert texts.count("<") == 6
 
 

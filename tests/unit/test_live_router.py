@@ -38,7 +38,7 @@ from app.serving.router import (
     RequestRejected,
 )
 from app.serving.service import CompletionService, JsonReply
-from app.serving.tokenizer import IncrementalDecoder, Tokenizer, WordHashTokenizer
+from app.serving.tokenizer import OutputText, Tokenizer, WordHashTokenizer
 from app.telemetry import RouterMetrics
 from tests.unit.metrics_utils import RecordingFactory
 
@@ -279,19 +279,24 @@ async def test_watchdog_runs_once_per_tau_iterations_and_its_moves_are_carried_o
     assert [e.token_id for e in events] == [token_of(PROMPT, i) for i in range(40)]
 
 
-def test_incremental_decoder_holds_back_an_incomplete_character():
-    class Utf8Bytes(Tokenizer):
-        def encode(self, text: str) -> list[int]:
-            return list(text.encode())
+class Utf8Bytes(Tokenizer):
+    """One token per UTF-8 byte: characters span tokens, as with byte-level BPE."""
 
-        def decode(self, token_ids: Sequence[int]) -> str:
-            return bytes(token_ids).decode(errors="replace")
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
 
-    decoder = IncrementalDecoder(Utf8Bytes())
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return bytes(token_ids).decode(errors="replace")
+
+
+def test_output_text_holds_back_an_incomplete_character():
+    output = OutputText(Utf8Bytes())
     euro = list("€".encode())
-    assert decoder.feed([ord("a"), euro[0]]) == "a"
-    assert decoder.feed(euro[1:]) == "€"
-    assert decoder.text == "a€"
+    assert output.observe([ord("a"), euro[0]]) is None
+    assert output.delta() == "a"
+    output.observe(euro[1:])
+    assert output.delta() == "€"
+    assert output.text == "a€"
 
 
 def sim_service(*engines: ScriptedEngine, **config) -> CompletionService:
@@ -311,8 +316,19 @@ def body(**fields) -> bytes:
     (body(model="gpt-4"), 404, "model", "does not exist"),
     (body(max_tokens=0), 400, "max_tokens", "greater than or equal to 1"),
     (body(slo_s=-1), 400, "slo_s", "greater than 0"),
-    (body(n=2), 400, None, "only n=1"),
-    (body(stop=["\n"]), 400, None, "stop strings are not supported"),
+    (body(n=0), 400, "n", "greater than or equal to 1"),
+    (body(n=17), 400, "n", "less than or equal to 16"),
+    (body(stop=["ok", ""]), 400, "stop", "non-empty strings"),
+    (body(stop_token_ids=[10**9]), 400, "stop_token_ids", "must be <"),
+    (body(logit_bias={"word": 1.0}), 400, "logit_bias", "keys are token ids"),
+    (body(top_p=0), 400, "top_p", "greater than 0"),
+    (body(min_tokens=5), 400, None, "min_tokens: must not exceed max_tokens"),
+    (body(stream_options={"include_usage": True}), 400, None, "only allowed when stream"),
+    (body(logprobs=2), 400, "logprobs", "simulated engines compute no token probabilities"),
+    (body(echo=True), 400, "echo", "not supported"),
+    (body(response_format={"type": "json_object"}), 400, "response_format", "not supported"),
+    (body(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools",
+     "not supported"),
     (body(prompt="   "), 400, "prompt", "must not be empty"),
     (body(prompt=[1, -3]), 400, "prompt", "ids >= 0"),
     (body(prompt=[10**9]), 400, "prompt", "must be <"),
@@ -372,8 +388,10 @@ async def test_completion_reply_and_stream_follow_the_openai_shapes():
     lines = [line async for line in await service.complete(chat, chat=True)]
     assert lines[-1] == "data: [DONE]\n\n"
     chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
-    deltas = [c["choices"][0]["delta"]["content"] for c in chunks if "choices" in c]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    deltas = [c["choices"][0]["delta"]["content"] for c in chunks[1:] if c.get("choices")]
     assert len(deltas) == 4 and chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and "usage" not in chunks[-1]
     assert chunks[-1]["goodserve"]["slo_s"] == 30.0
     service.close()
 
