@@ -51,6 +51,9 @@ class HfTokenizer(Tokenizer):
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id])  # special tokens by name, as vLLM's
+
     def render_chat(self, messages: Sequence[ChatMessage]) -> str:
         if not getattr(self._tokenizer, "chat_template", None):
             return render_chat(messages)

@@ -234,6 +234,14 @@ def test_logprobs_in_the_completion_and_chat_shapes():
         completion.format(utf8("a"), [None])
 
 
+def test_a_token_ending_inside_a_character_shows_what_it_completes_as_vllm():
+    euro = utf8("€")
+    entries = [TokenLogprobs(-1.0, 1, ((b, -1.0),)) for b in euro]
+    formatted = LogprobsFormatter(Utf8Bytes(), chat=False).format(euro, entries)
+    assert formatted["tokens"] == ["", "", "€"]
+    assert formatted["top_logprobs"][2] == {"€": -1.0}
+
+
 def test_every_field_of_vllms_openai_requests_is_honoured_or_refused():
     """vLLM's own protocol models: each field is ours, refused by name, or one that
     changes nothing; a field vLLM adds fails this until it is placed."""
