@@ -37,6 +37,22 @@ FINISH_REASONS: dict[RequestStatus, str] = {
 
 
 @dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the output's form (vLLM's structured outputs): `kind` json (a JSON
+    schema, as JSON text), json_object, regex, choice (a JSON list of strings) or
+    grammar (EBNF)."""
+
+    kind: str
+    spec: str = ""
+
+    KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+    def __post_init__(self) -> None:
+        if self.kind not in self.KINDS:
+            raise ValueError(f"structured output kind must be one of {self.KINDS}")
+
+
+@dataclass(frozen=True)
 class SamplingSpec:
     """What an engine samples with: the OpenAI / vLLM sampling surface the router passes
     on. Stop strings are not here: the router matches them on the text it decodes (so a
@@ -56,6 +72,7 @@ class SamplingSpec:
     stop_token_ids: tuple[int, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None  # top alternatives per token; None = no logprobs
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -68,11 +85,12 @@ class SamplingSpec:
         """Whether continuing on another engine by token ids samples as staying would.
 
         Presence and frequency penalties count the *output* tokens, which a resumed
-        engine sees as prompt; a seeded sampler restarts its random stream. Such
-        requests are not moved to meet a deadline; when their engine fails they are
-        run again from the start."""
+        engine sees as prompt; a seeded sampler restarts its random stream; a grammar
+        restarts from its beginning. Such requests are not moved to meet a deadline;
+        when their engine fails they are run again from the start."""
         seeded = self.seed is not None and self.temperature > 0
-        return not (seeded or self.presence_penalty or self.frequency_penalty)
+        return not (seeded or self.presence_penalty or self.frequency_penalty
+                    or self.structured is not None)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ got a token in it.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -20,6 +21,7 @@ from app.engine_types import (
     EngineRequest,
     EngineStatus,
     PrefillTotals,
+    StructuredOutput,
     TokenEvent,
     TokenLogprobs,
 )
@@ -155,6 +157,7 @@ def sampling_params(request: EngineRequest, kv_params: dict[str, Any] | None) ->
 
     spec = request.sampling
     return SamplingParams(
+        structured_outputs=structured_outputs(spec.structured),
         max_tokens=request.num_tokens_to_generate,
         min_tokens=request.num_min_tokens_left,
         temperature=spec.temperature,
@@ -172,6 +175,36 @@ def sampling_params(request: EngineRequest, kv_params: dict[str, Any] | None) ->
         output_kind=RequestOutputKind.DELTA,
         extra_args={"kv_transfer_params": kv_params} if kv_params else None,
     )
+
+
+def structured_outputs(structured: StructuredOutput | None) -> Any:
+    """vLLM's structured-output constraint for ours (None: free text)."""
+    if structured is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if structured.kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if structured.kind in ("json", "choice"):
+        return StructuredOutputsParams(**{structured.kind: json.loads(structured.spec)})
+    return StructuredOutputsParams(**{structured.kind: structured.spec})
+
+
+def grammar_error(structured: StructuredOutput) -> str | None:
+    """Why vLLM's grammar compiler refuses the constraint (None: it compiles); checked
+    before routing, so a bad schema is the client's 400 and never an engine failure."""
+    import xgrammar
+
+    try:
+        if structured.kind == "json":
+            xgrammar.Grammar.from_json_schema(structured.spec)
+        elif structured.kind == "regex":
+            xgrammar.Grammar.from_regex(structured.spec)
+        elif structured.kind == "grammar":
+            xgrammar.Grammar.from_ebnf(structured.spec)
+    except RuntimeError as exc:
+        return str(exc).strip().splitlines()[-1].split(": ", 1)[-1]
+    return None
 
 
 def token_logprobs(step: Any, token_id: int, num_top: int) -> TokenLogprobs:

@@ -26,6 +26,8 @@ from pydantic import (
 )
 from pydantic.json_schema import models_json_schema
 
+from app.engine_types import StructuredOutput
+
 BodyModel = TypeVar("BodyModel", bound=BaseModel)
 
 
@@ -66,7 +68,6 @@ _INT64 = 2**63 - 1
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "echo": (False,), "suffix": ("",), "best_of": (1,), "use_beam_search": (False,),
     "length_penalty": (1.0,), "prompt_logprobs": (), "logprob_token_ids": ([],),
-    "response_format": ({"type": "text"},), "structured_outputs": (),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
     "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
     "bad_words": ([],), "allowed_token_ids": (), "prompt_embeds": (),
@@ -94,6 +95,61 @@ def unsupported_field(data: dict[str, Any]) -> str | None:
         if value is not None and value not in neutral:
             return name
     return None
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON of a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema: required with type json_schema, and only then")
+        return self
+
+
+class StructuredOutputsBody(BaseModel):
+    """vLLM's `structured_outputs` extension: exactly one constraint."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputsBody:
+        given = [name for name in ("json_", "json_object", "regex", "choice", "grammar")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, json_object, regex, choice, grammar")
+        return self
+
+    def constraint(self) -> StructuredOutput:
+        if self.json_ is not None:
+            spec = self.json_ if isinstance(self.json_, str) else json.dumps(self.json_)
+            return StructuredOutput("json", spec)
+        if self.json_object:
+            return StructuredOutput("json_object")
+        if self.choice is not None:
+            return StructuredOutput("choice", json.dumps(self.choice))
+        kind = "regex" if self.regex is not None else "grammar"
+        return StructuredOutput(kind, self.regex if self.regex is not None else self.grammar)
 
 
 class StreamOptions(BaseModel):
@@ -132,6 +188,8 @@ class _OpenAiBody(BaseModel):
     min_tokens: int = Field(0, ge=0)
     logit_bias: dict[str, float] | None = Field(None, validate_default=True)
     ignore_eos: bool = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
     user: str | None = None
     slo_s: float | None = Field(None, gt=0, description="end-to-end deadline after arrival")
     task: str | None = Field(None, max_length=200)
@@ -167,7 +225,20 @@ class _OpenAiBody(BaseModel):
             raise ValueError("stream_options: only allowed when stream is true")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens: must not exceed max_tokens")
+        if self.response_format is not None and self.structured_outputs is not None:
+            raise ValueError("response_format: give it or structured_outputs, not both")
         return self
+
+    @property
+    def structured(self) -> StructuredOutput | None:
+        """The output's constraint, if any (`response_format` or `structured_outputs`)."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.constraint()
+        if self.response_format is None or self.response_format.type == "text":
+            return None
+        if self.response_format.json_schema is None:
+            return StructuredOutput("json_object")
+        return StructuredOutput("json", json.dumps(self.response_format.json_schema.schema_))
 
     @property
     def output_budget(self) -> int:

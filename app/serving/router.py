@@ -454,7 +454,7 @@ class LiveRouter:
             route = replace(route, predicted_output_tokens=max(round(predicted), 1))
         started = time.perf_counter()
         try:
-            prefill, target = self._place(route, self.clock())
+            prefill, target = self._place(route, self.clock(), request.sampling.resumable)
         except RequestRejected as exc:
             self._num_rejected += 1
             self.metrics.rejected(exc.code)
@@ -469,9 +469,14 @@ class LiveRouter:
         self._num_routed += 1
         return flight
 
-    def _place(self, route: RouteRequest, now: float) -> tuple[InstanceId | None, InstanceId]:
-        """(prefill instance or None when unified, the decode / unified instance)."""
-        if self.pd_placer is None:
+    def _place(self, route: RouteRequest, now: float,
+               resumable: bool = True) -> tuple[InstanceId | None, InstanceId]:
+        """(prefill instance or None when unified, the decode / unified instance).
+
+        A request that cannot continue by token ids (a grammar, penalties on the output,
+        a seeded sampler) cannot take its first token from a prefill engine either: its
+        decode engine computes the prompt itself."""
+        if self.pd_placer is None or not resumable:
             return None, self._choose(route, now)
         prefill_view = self.view(now, role=EngineRole.PREFILL)
         decode_view = self.view(now)

@@ -298,9 +298,20 @@ class CompletionService:
             raise invalid_request(
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({budget}) exceeds "
                 f"the model context of {limit} tokens", "max_tokens")
-        if body.num_top_logprobs is not None and self.config.is_simulated:
-            raise invalid_request("logprobs: simulated engines compute no token "
-                                  "probabilities", "logprobs")
+        structured = body.structured
+        if self.config.is_simulated:
+            if body.num_top_logprobs is not None:
+                raise invalid_request("logprobs: simulated engines compute no token "
+                                      "probabilities", "logprobs")
+            if structured is not None:
+                raise invalid_request("response_format: simulated engines generate no text "
+                                      "to constrain", "response_format")
+        elif structured is not None:
+            from app.engines.vllm import grammar_error
+
+            error = grammar_error(structured)
+            if error is not None:
+                raise invalid_request(f"response_format: {error}", "response_format")
         sampling = self._sampling(body)
         request_id = f"{next(self._ids)}-{uuid.uuid4().hex[:12]}"
         arrival_s = self.router.clock()
@@ -340,6 +351,7 @@ class CompletionService:
             stop_token_ids=tuple(body.stop_token_ids),
             logit_bias=tuple((int(t), v) for t, v in body.logit_bias.items()),
             logprobs=body.num_top_logprobs,
+            structured=body.structured,
         )
 
     async def _submit_all(self, requests: list[GenerationRequest], body: Any,

@@ -10,6 +10,7 @@ a request moved mid-stream must still give the reference's reply.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -249,3 +250,117 @@ def test_a_penalised_request_is_not_moved(router_url):
         rest = list(chunks)
     assert move.status_code == 400 and "is not moved" in move.json()["error"]["message"]
     assert rest[-1]["goodserve"]["num_migrations"] == 0
+
+
+def test_vllm_bench_serve_runs_against_the_router(router_url, tiny_model_dir, tmp_path):
+    """vLLM's own serving benchmark, at a small size: every request completes with the
+    tokens it asked for (streamed, usage included)."""
+    command = [sys.executable, "-m", "benchmarks.vllm_bench_serve", "--backend", "openai",
+               "--base-url", router_url, "--model", "goodserve",
+               "--tokenizer", str(tiny_model_dir), "--dataset-name", "random",
+               "--num-prompts", "8", "--random-input-len", "32", "--random-output-len", "16",
+               "--ignore-eos", "--request-rate", "4", "--seed", "0", "--save-result",
+               "--result-dir", str(tmp_path), "--result-filename", "bench.json"]
+    done = subprocess.run(command, cwd=Path(__file__).resolve().parents[2], timeout=600,
+                          capture_output=True, text=True,
+                          env=os.environ | {"HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert (result["completed"], result["failed"]) == (8, 0)
+    assert result["total_output_tokens"] == 8 * 16
+
+
+# ---- structured outputs ---------------------------------------------------------------
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["color", "ok", "n"],
+          "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"},
+                         "n": {"type": "integer", "minimum": 0, "maximum": 99}}}
+RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "pick", "schema": SCHEMA}}
+
+
+@pytest.fixture(scope="module")
+def no_whitespace(tiny_model_dir) -> dict[str, float]:
+    """A logit bias banning the tiny model's whitespace tokens: under a JSON grammar a
+    random model would otherwise write whitespace until max_tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir), local_files_only=True)
+    return {str(i): -100.0 for i in range(tokenizer.vocab_size)
+            if (text := tokenizer.decode([i])) and not text.strip()}
+
+
+def parsed(text: str) -> dict:
+    import jsonschema
+
+    value = json.loads(text)
+    jsonschema.validate(value, SCHEMA)
+    return value
+
+
+def test_json_schema_replies_parse_and_match_vllm(router_url, reference_url, no_whitespace):
+    params = {"max_tokens": 60, "temperature": 0.0, "logit_bias": no_whitespace,
+              "extra_body": {"response_format": RESPONSE_FORMAT}}  # not in the client's API
+    ours, theirs = completion(router_url, **params), completion(reference_url, **params)
+    assert ours.choices[0].text == theirs.choices[0].text
+    parsed(ours.choices[0].text)
+    chat = {"model": "goodserve", "max_completion_tokens": 60, "temperature": 0.0,
+            "logit_bias": no_whitespace, "response_format": RESPONSE_FORMAT,
+            "messages": [{"role": "user", "content": "pick a color"}]}
+    ours = client(router_url).chat.completions.create(**chat)
+    theirs = client(reference_url).chat.completions.create(**chat)
+    assert ours.choices[0].message.content == theirs.choices[0].message.content
+    parsed(ours.choices[0].message.content)
+    bad = httpx.post(router_url + "/v1/completions", timeout=60, json={
+        "model": "goodserve", "prompt": PROMPT,
+        "response_format": {"type": "json_schema",
+                            "json_schema": {"name": "x", "schema": {"type": "nope"}}}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format"
+
+
+def stream_structured(router_url: str, no_whitespace: dict[str, float],
+                      disrupt) -> tuple[str, dict]:
+    """Stream a greedy JSON-schema completion, call `disrupt(request_id)` after its first
+    chunk; the text and the closing summary."""
+    body = {"model": "goodserve", "prompt": PROMPT, "stream": True, "max_tokens": 60,
+            "temperature": 0.0, "logit_bias": no_whitespace, "response_format": RESPONSE_FORMAT}
+    texts, summary = [], None
+    with httpx.stream("POST", router_url + "/v1/completions", json=body,
+                      timeout=300) as reply:
+        for chunk in sse_chunks(reply):
+            assert "error" not in chunk, chunk
+            if not chunk["choices"]:
+                summary = chunk["goodserve"]
+                continue
+            texts.append(chunk["choices"][0]["text"])
+            if len(texts) == 1:
+                disrupt(chunk["id"].removeprefix("cmpl-"))
+    return "".join(texts), summary
+
+
+def test_a_structured_reply_parses_after_a_forced_move_and_after_a_failover(
+        router_url, reference_url, no_whitespace, vllm_engines):
+    """A grammar restarts from its beginning on another engine, so a structured request
+    is not moved (the operator's move is refused) and, when its engine fails, runs again
+    from the start there: greedy, it streams on as if nothing happened."""
+    import ray
+
+    expected = completion(reference_url, max_tokens=60, temperature=0.0,
+                          logit_bias=no_whitespace,
+                          extra_body={"response_format": RESPONSE_FORMAT})
+    refusals = []
+
+    def move(request_id: str) -> None:
+        refusals.append(httpx.post(router_url + "/admin/migrate", timeout=30,
+                                   json={"request_id": request_id}))
+
+    text, summary = stream_structured(router_url, no_whitespace, move)
+    assert refusals[0].status_code == 400 and "not moved" in refusals[0].text
+    assert summary["num_migrations"] == 0 and text == expected.choices[0].text
+    parsed(text)
+
+    def fail(request_id: str) -> None:  # the engine drops the request, as a dying one would
+        ray.get([h.actor.abort.remote(request_id) for h in vllm_engines])
+
+    text, summary = stream_structured(router_url, no_whitespace, fail)
+    assert len(summary["instance_ids"]) == 2  # ran again on the other engine
+    assert text == expected.choices[0].text
+    parsed(text)

@@ -13,8 +13,21 @@ from collections.abc import AsyncIterator, Sequence
 
 import pytest
 
-from app.engine_types import EngineRequest, SamplingSpec, TokenEvent, TokenLogprobs
-from app.serving.api import NO_EFFECT_FIELDS, UNSUPPORTED_FIELDS, CompletionRequest
+from app.engine_types import (
+    EngineRequest,
+    SamplingSpec,
+    StructuredOutput,
+    TokenEvent,
+    TokenLogprobs,
+)
+from app.serving.api import (
+    NO_EFFECT_FIELDS,
+    UNSUPPORTED_FIELDS,
+    ApiError,
+    CompletionRequest,
+    parse_body,
+)
+from app.serving.kv_transfer import SimulatedLink
 from app.serving.logprobs import LogprobsFormatter
 from app.serving.router import EngineLost, GenerationRequest
 from app.serving.tokenizer import OutputText, Tokenizer
@@ -24,6 +37,7 @@ from tests.unit.test_live_router import (
     Utf8Bytes,
     body,
     drain,
+    pd_engines,
     sim_service,
     started,
     token_of,
@@ -124,6 +138,7 @@ def test_which_sampling_can_continue_elsewhere_by_token_ids():
     assert not SamplingSpec(temperature=0.7, seed=3).resumable
     assert not SamplingSpec(presence_penalty=0.5).resumable
     assert not SamplingSpec(frequency_penalty=-0.5).resumable
+    assert not SamplingSpec(structured=StructuredOutput("json_object")).resumable
     resumed = EngineRequest("r", (1, 2), SamplingSpec(max_tokens=10, min_tokens=6),
                             resume_token_ids=(7, 8, 9, 10))
     assert (resumed.num_tokens_to_generate, resumed.num_min_tokens_left) == (6, 2)
@@ -259,3 +274,74 @@ def test_every_field_of_vllms_openai_requests_is_honoured_or_refused():
         unplaced = (set(theirs.model_fields) - set(ours.model_fields)
                     - set(UNSUPPORTED_FIELDS) - NO_EFFECT_FIELDS)
         assert not unplaced, f"{theirs.__name__}: {sorted(unplaced)}"
+
+
+async def test_a_request_that_cannot_resume_skips_the_prefill_pool():
+    """Its first token would come from a prefill engine and the rest from a decode
+    engine that restarts the grammar or the penalties: the decode engine runs it all."""
+    prefill, decode, spare = pd_engines()
+    router = await started(prefill, decode, spare, policy="round-robin",
+                           kv_transport=SimulatedLink(10.0))
+    flight = await router.submit(generation(max_tokens=6,
+                                            structured=StructuredOutput("json_object")))
+    assert not flight.prefill_pending and flight.instance_id in ("d", "d2")
+    events = await drain(router, flight)
+    assert [e.token_id for e in events] == [token_of(PROMPT, i) for i in range(6)]
+    assert not prefill.received
+
+
+# ---- structured outputs ----------------------------------------------------------------
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+
+
+@pytest.mark.parametrize(("fields", "constraint"), [
+    ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object"}}, StructuredOutput("json_object")),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}},
+     StructuredOutput("json", json.dumps(SCHEMA))),
+    ({"structured_outputs": {"regex": "[ab]+"}}, StructuredOutput("regex", "[ab]+")),
+    ({"structured_outputs": {"choice": ["yes", "no"]}},
+     StructuredOutput("choice", '["yes", "no"]')),
+])
+def test_response_formats_become_one_constraint(fields, constraint):
+    raw = json.dumps({"model": "m", "prompt": "p"} | fields).encode()
+    assert parse_body(raw, CompletionRequest).structured == constraint
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"response_format": {"type": "json_schema"}}, "json_schema: required"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one"),
+    ({"structured_outputs": {"regex": "a", "disable_any_whitespace": True}},
+     "structured_outputs.disable_any_whitespace"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+     "not both"),
+])
+def test_malformed_response_formats_are_refused(fields, message):
+    raw = json.dumps({"model": "m", "prompt": "p"} | fields).encode()
+    with pytest.raises(ApiError, match=message):
+        parse_body(raw, CompletionRequest)
+
+
+async def test_simulated_engines_refuse_a_response_format():
+    service = sim_service(ScriptedEngine("e", "A40"))
+    reply = await service.complete(body(response_format={"type": "json_object"}), chat=False)
+    assert reply.status_code == 400 and reply.body["error"]["param"] == "response_format"
+    service.close()
+
+
+def test_vllm_gets_the_budgets_left_after_a_resume_and_the_constraint():
+    from app.engines.vllm import grammar_error, sampling_params
+
+    spec = SamplingSpec(max_tokens=10, min_tokens=6, temperature=0.5, top_k=4, min_p=0.1,
+                        stop_token_ids=(7,), logit_bias=((3, -5.0),), logprobs=2,
+                        structured=StructuredOutput("json", json.dumps(SCHEMA)))
+    params = sampling_params(EngineRequest("r", (1, 2), spec, resume_token_ids=(5, 6, 7, 8)),
+                             None)
+    assert (params.max_tokens, params.min_tokens) == (6, 2)
+    assert (params.top_k, params.min_p, params.logprobs) == (4, 0.1, 2)
+    assert params.stop_token_ids == [7] and params.logit_bias == {3: -5.0}
+    assert params.structured_outputs.json == SCHEMA
+    assert grammar_error(StructuredOutput("json", '{"type": "nope"}')) == 'Unsupported type "nope"'
+    assert "Unclosed" in grammar_error(StructuredOutput("regex", "(["))
+    assert grammar_error(StructuredOutput("grammar", 'root ::= "a"')) is None

