@@ -13,6 +13,7 @@ import typer
 from app.config_reference import app as config_app
 from app.planning.cli import app as plan_app
 from benchmarks.autoscale import autoscale
+from benchmarks.faults import faults
 from benchmarks.overhead import overhead
 from benchmarks.replay import replay
 from predictor.cli import app as predictor_app
@@ -33,6 +34,7 @@ def _root() -> None:
 cli.command("replay")(replay)
 cli.command("autoscale")(autoscale)
 cli.command("overhead")(overhead)
+cli.command("faults")(faults)
 cli.add_typer(plan_app, name="plan")
 cli.add_typer(predictor_app, name="predictor")
 cli.add_typer(config_app, name="config")

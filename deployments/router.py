@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 
 import ray
 from fastapi import FastAPI, Request
@@ -28,8 +30,8 @@ from app.serving.auth import Access
 from app.serving.config import ServeConfig
 from app.serving.router import EngineClient, LiveRouter
 from app.serving.service import CompletionService, JsonReply
-from deployments.cluster import ENGINE_NAMESPACE, EngineHandle
-from deployments.controller import controller_for
+from deployments.cluster import ENGINE_NAMESPACE, EngineHandle, engine_ids
+from deployments.controller import controller_for, stop_controller
 from deployments.metrics import RayMetricFactory
 
 logger = logging.getLogger(__name__)
@@ -184,3 +186,32 @@ def build_app(config: ServeConfig) -> serve.Application:
         graceful_shutdown_timeout_s=config.shutdown_grace_s,
         graceful_shutdown_wait_loop_s=0.5)
     return deployment.bind(config)
+
+
+@contextmanager
+def serving(config: ServeConfig, app_name: str, port: int | None = None) -> Iterator[str]:
+    """`config`'s router application on the running Ray, on `port` (default a free one),
+    yielding its URL; afterwards Serve, the controller and every engine it started are
+    stopped."""
+    port = port or free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(config), name=app_name, route_prefix="/")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        stop_controller(config.cluster.name)
+        wait_until_gone(config)
+
+
+def wait_until_gone(config: ServeConfig, timeout_s: float = 60.0) -> None:
+    """`ray.kill` returns before the actor is dead: wait until no engine of the cluster
+    is registered, so a later application starts engines of its own under those names."""
+    deadline_s = time.monotonic() + timeout_s
+    for engine_id, _ in engine_ids(config.cluster):
+        while time.monotonic() < deadline_s:
+            try:
+                ray.get_actor(engine_id, namespace=ENGINE_NAMESPACE)
+            except ValueError:  # gone
+                break
+            time.sleep(0.1)

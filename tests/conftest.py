@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -184,37 +183,10 @@ def vllm_pd_config(model_dir: Path, name: str, storage: Path):
 def serving(config, app_name: str) -> Iterator[str]:
     """`config`'s router application on a free port (its URL); afterwards every engine
     it started is stopped."""
-    from ray import serve
+    from deployments.router import serving as serve_application
 
-    from deployments.controller import stop_controller
-    from deployments.router import build_app, free_port
-
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(config), name=app_name, route_prefix="/")
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        stop_controller(config.cluster.name)
-        wait_until_gone(config.cluster)
-
-
-def wait_until_gone(cluster, timeout_s: float = 60.0) -> None:
-    """`ray.kill` returns before the actor is dead: wait until no engine of `cluster` is
-    registered, so the next module's service starts engines of its own under those names."""
-    import ray
-
-    from deployments.cluster import ENGINE_NAMESPACE, engine_ids
-
-    deadline_s = time.monotonic() + timeout_s
-    for engine_id, _ in engine_ids(cluster):
-        while time.monotonic() < deadline_s:
-            try:
-                ray.get_actor(engine_id, namespace=ENGINE_NAMESPACE)
-            except ValueError:  # gone
-                break
-            time.sleep(0.1)
+    with serve_application(config, app_name) as url:
+        yield url
 
 
 def sse_chunks(response) -> Iterator[dict]:

@@ -1,0 +1,228 @@
+"""Faults during a live replay: what happens to every request when an engine actor, a
+router replica or Ray Serve's HTTP proxy is killed mid-run.
+
+Each scenario serves the config (two router replicas), sends greedy completions at a
+fixed rate from client threads, kills one part a third of the way in and waits for
+every request. A request ends one of four ways:
+- completed: a 200 with its tokens (greedy ones are checked against an unfaulted run);
+- rejected: a 4xx / 503 OpenAI error, by its type (`slo_unattainable`, ...);
+- failed: a clear error, by kind (`engine_error`, an HTTP 500 from Ray Serve, a
+  connection the server closed);
+- lost: no answer within the client's timeout (a hang), or no record at all.
+The client retries a request whose connection was refused before it was sent (the
+proxy restarting), as the `openai` client does by default.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from pathlib import Path
+
+import httpx
+import typer
+
+from app.serving.config import ServeConfig
+
+GREEDY_PROMPT = "same every time"
+CONNECT_RETRIES = 3
+
+
+class Fault(StrEnum):
+    NONE = "none"
+    ENGINE = "engine"  # the engine actor carrying the most requests
+    ROUTER = "router"  # one of the router deployment's replicas
+    PROXY = "proxy"  # Ray Serve's HTTP proxy actor
+
+
+@dataclass
+class ScenarioResult:
+    """Every request of one scenario, by how it ended."""
+
+    scenario: str
+    killed: str
+    sent: int = 0
+    completed: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)
+    failed: Counter[str] = field(default_factory=Counter)
+    lost: int = 0
+    greedy_checked: int = 0  # completed greedy requests compared with the unfaulted text
+    greedy_kept: int = 0  # ... and equal to it
+    moved: int = 0  # completed requests that ran on more than one engine
+    retries: int = 0  # connections refused before sending, sent again
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"rejected": dict(self.rejected), "failed": dict(self.failed)}
+
+
+class _Client:
+    """One request per call; classifies how it ended."""
+
+    def __init__(self, url: str, timeout_s: float) -> None:
+        self.url = url
+        self.timeout_s = timeout_s
+
+    def send(self, body: dict) -> tuple[str, str, dict | None, int]:
+        """(outcome, reason, reply body, retries); outcome completed / rejected / failed /
+        lost."""
+        for attempt in range(CONNECT_RETRIES + 1):
+            try:
+                reply = httpx.post(self.url + "/v1/completions", json=body,
+                                   timeout=self.timeout_s)
+            except httpx.ConnectError:
+                if attempt == CONNECT_RETRIES:
+                    return "failed", "connection refused", None, attempt
+                time.sleep(0.5 * (attempt + 1))
+                continue
+            except httpx.TimeoutException:
+                return "lost", "no answer in time", None, attempt
+            except httpx.HTTPError as exc:  # the server closed the connection
+                return "failed", f"connection closed ({type(exc).__name__})", None, attempt
+            return (*self._classify(reply), attempt)
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _classify(reply: httpx.Response) -> tuple[str, str, dict | None]:
+        try:
+            data = reply.json()
+        except ValueError:
+            data = None
+        if reply.status_code == 200 and data is not None:
+            return "completed", "", data
+        error = (data or {}).get("error", {}) if isinstance(data, dict) else {}
+        reason = error.get("type") or f"HTTP {reply.status_code}"
+        if 400 <= reply.status_code < 500 or reply.status_code == 503:
+            return "rejected", reason, data
+        return "failed", reason, data
+
+
+def kill(fault: Fault, url: str, app_name: str) -> str:
+    """Kill the part `fault` names; what was killed."""
+    import ray
+
+    from deployments.cluster import ENGINE_NAMESPACE
+
+    if fault is Fault.NONE:
+        return "nothing"
+    if fault is Fault.ENGINE:
+        rows = httpx.get(url + "/v1/instances", timeout=30).json()["instances"]
+        victim = max(rows, key=lambda r: (r["num_running"] or 0) + (r["num_waiting"] or 0))
+        name = victim["instance_id"]
+        ray.kill(ray.get_actor(name, namespace=ENGINE_NAMESPACE), no_restart=True)
+        return name
+    prefix = f"SERVE_REPLICA::{app_name}#" if fault is Fault.ROUTER else "SERVE_PROXY_ACTOR"
+    names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                   if a["name"].startswith(prefix))
+    if not names:
+        raise RuntimeError(f"no actor named {prefix}* to kill")
+    ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)  # Serve restarts it
+    return names[0]
+
+
+def run_scenario(config: ServeConfig, fault: Fault, num_requests: int, rate: float,
+                 max_tokens: int = 60, timeout_s: float = 120.0) -> ScenarioResult:
+    """Serve `config`, send `num_requests` at `rate`, kill `fault` a third of the way in."""
+    from deployments.router import serving
+
+    app_name = f"faults-{fault.value}"
+    with serving(config, app_name) as url:
+        client = _Client(url, timeout_s)
+        greedy = {"model": config.model_name, "prompt": GREEDY_PROMPT,
+                  "max_tokens": max_tokens, "temperature": 0.0}
+        _, _, unfaulted, _ = client.send(greedy)
+        reference = None if unfaulted is None else unfaulted["choices"][0]["text"]
+        result = ScenarioResult(fault.value, killed="")
+        lock = threading.Lock()
+
+        def one(i: int) -> None:
+            time.sleep(i / rate)
+            body = greedy if i % 5 == 0 else greedy | {"prompt": f"request {i} " * 20}
+            outcome, reason, data, retries = client.send(body)
+            with lock:
+                result.sent += 1
+                result.retries += retries
+                if outcome == "completed":
+                    assert data is not None
+                    result.completed += 1
+                    result.moved += len(set(data["goodserve"]["instance_ids"])) > 1
+                    if body is greedy and reference is not None:
+                        result.greedy_checked += 1
+                        result.greedy_kept += data["choices"][0]["text"] == reference
+                elif outcome == "lost":
+                    result.lost += 1
+                else:
+                    getattr(result, outcome)[reason] += 1
+
+        with concurrent.futures.ThreadPoolExecutor(num_requests) as pool:
+            futures = [pool.submit(one, i) for i in range(num_requests)]
+            time.sleep(num_requests / rate / 3)
+            result.killed = kill(fault, url, app_name)
+            done, _ = concurrent.futures.wait(futures, timeout=num_requests / rate + 2 * timeout_s)
+        result.lost += num_requests - result.sent  # threads that never recorded an end
+        for future in done:
+            future.result()  # a bug in the harness must show
+    return result
+
+
+def faults_config(num_router_replicas: int = 2) -> ServeConfig:
+    """Three simulated engines (H800, A800, A40) behind two router replicas."""
+    from app.config import ClusterConfig, EngineConfig, InstanceGroup
+
+    groups = [InstanceGroup(engine=EngineConfig(gpu_type=g)) for g in ("H800", "A800", "A40")]
+    return ServeConfig(cluster=ClusterConfig(name="faults", groups=groups),
+                       default_slo_s=60.0, num_router_replicas=num_router_replicas)
+
+
+def table(results: list[ScenarioResult]) -> str:
+    """The scenarios as a markdown table."""
+    def counts(counter: Counter[str]) -> str:
+        return ", ".join(f"{n} {reason}" for reason, n in counter.most_common()) or "0"
+
+    lines = ["| fault | killed | sent | completed | rejected | failed | lost | greedy text kept |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        kept = f"{r.greedy_kept}/{r.greedy_checked}" if r.greedy_checked else "-"
+        lines.append(f"| {r.scenario} | {r.killed} | {r.sent} | {r.completed} | "
+                     f"{counts(r.rejected)} | {counts(r.failed)} | {r.lost} | {kept} |")
+    return "\n".join(lines)
+
+
+def write_results(results: list[ScenarioResult], out: Path, setup: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "faults.json").write_text(json.dumps(
+        {"setup": setup, "scenarios": [r.as_dict() for r in results]}, indent=2))
+    (out / "faults.md").write_text(table(results) + "\n")
+
+
+def faults(
+    scenario: list[Fault] = typer.Option(  # noqa: B008
+        [Fault.NONE, Fault.ENGINE, Fault.ROUTER, Fault.PROXY], help="faults to run, in order"),
+    requests: int = typer.Option(60, min=3, help="requests per scenario"),
+    rate: float = typer.Option(10.0, min=0.1, help="arrivals per second"),
+    out: Path = typer.Option(Path("results/faults"), help="where faults.json and .md go"),  # noqa: B008
+) -> None:
+    """Kill an engine, a router replica or the HTTP proxy during a live replay on
+    simulated engines; print how every request ended."""
+    import ray
+
+    from deployments.cluster import init_local_ray
+
+    config = faults_config()
+    init_local_ray(config.cluster)
+    results = []
+    try:
+        for fault in scenario:
+            typer.echo(f"scenario {fault.value}: {requests} requests at {rate:g} req/s ...")
+            results.append(run_scenario(config, fault, requests, rate))
+    finally:
+        ray.shutdown()
+    setup = {"engines": [e.instance.name for e in config.cluster.engines()],
+             "router_replicas": config.num_router_replicas, "requests": requests,
+             "rate": rate, "max_tokens": 60, "greedy_every": 5}
+    write_results(results, out, setup)
+    typer.echo(table(results))
