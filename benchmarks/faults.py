@@ -191,12 +191,15 @@ def table(results: list[ScenarioResult]) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for r in results:
         kept = f"{r.greedy_kept}/{r.greedy_checked}" if r.greedy_checked else "-"
-        lines.append(f"| {r.scenario} | {r.killed} | {r.sent} | {r.completed} | "
+        killed = ("1 of 2 router replicas" if r.killed.startswith("SERVE_REPLICA")
+                  else "HTTP proxy" if r.killed.startswith("SERVE_PROXY") else r.killed)
+        lines.append(f"| {r.scenario} | {killed} | {r.sent} | {r.completed} | "
                      f"{counts(r.rejected)} | {counts(r.failed)} | {r.lost} | {kept} |")
     return "\n".join(lines)
 
 
 def write_results(results: list[ScenarioResult], out: Path, setup: dict) -> None:
+    """faults.json (every figure, the setup) and faults.md (the table)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "faults.json").write_text(json.dumps(
         {"setup": setup, "scenarios": [r.as_dict() for r in results]}, indent=2))

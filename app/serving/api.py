@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
@@ -88,11 +89,12 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
 NO_EFFECT_FIELDS = frozenset({"request_id", "session_id", "truncation_side"})
 
 
-def unsupported_field(data: dict[str, Any]) -> str | None:
-    """The first field of a request body this server cannot honour, if any."""
+def unsupported_field(data: dict[str, Any], schema: type[BaseModel]) -> str | None:
+    """The first field of a request body this server cannot honour, if any (a field
+    `schema` defines is honoured: `tools` in chat, not in completions)."""
     for name, neutral in UNSUPPORTED_FIELDS.items():
         value = data.get(name)
-        if value is not None and value not in neutral:
+        if value is not None and value not in neutral and name not in schema.model_fields:
             return name
     return None
 
@@ -273,31 +275,175 @@ class TextPart(BaseModel):
     text: str
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """A tool call an assistant message made earlier in the conversation."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: required unless an assistant message makes tool calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("tool_call_id: required in a tool message")
+        return self
 
     @property
     def text(self) -> str:
         """The message's text (text parts joined, as chat templates see them)."""
-        if isinstance(self.content, str):
-            return self.content
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         return "".join(part.text for part in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates take it."""
+        return self.model_dump(exclude_none=True) | {"content": self.text}
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(BaseModel):
+    """A function the model may call (OpenAI's `tools` entry)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+def _parameters(function: FunctionSpec) -> dict[str, Any]:
+    return function.parameters or {"type": "object", "properties": {}}
+
+
+def tool_calls_schema(tools: Sequence[ToolSpec], parallel_tool_calls: bool | None) -> dict:
+    """The JSON schema `tool_choice: "required"` constrains the output to (vLLM's): a
+    list of at least one {name, parameters} of the given functions."""
+    choices = [{"properties": {"name": {"type": "string", "enum": [t.function.name]},
+                               "parameters": _parameters(t.function)},
+                "required": ["name", "parameters"]} for t in tools]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                              "items": {"type": "object", "anyOf": choices}}
+    if parallel_tool_calls is False:
+        schema["maxItems"] = 1
+    return schema
+
+
+def new_tool_call(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
 
 
 class ChatCompletionRequest(_OpenAiBody):
+    """Chat completions; `tools` with `tool_choice` "required" or a named function
+    constrain the output to the calls' JSON (vLLM's structured outputs, no tool parser
+    needed); "auto" needs a tool parser for the model family and is refused, as vLLM's
+    server does without one."""
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
         return self
+
+    @model_validator(mode="after")
+    def _tool_choice_possible(self) -> ChatCompletionRequest:
+        choice = self.tool_choice if self.tool_choice is not None else (
+            "auto" if self.tools else "none")
+        if choice != "none" and not self.tools:
+            raise ValueError("tool_choice: needs tools")
+        if choice == "auto":
+            raise ValueError("tool_choice: 'auto' needs a tool parser for the served model, "
+                             "which this server does not run; use 'required', a named "
+                             "function or 'none'")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {
+                t.function.name for t in self.tools or ()}:
+            raise ValueError(f"tool_choice: no tool named {choice.function.name!r} in tools")
+        if self.calls_tools:
+            if self.stream:
+                raise ValueError("stream: streamed tool calls are not supported")
+            if self.response_format is not None or self.structured_outputs is not None:
+                raise ValueError("tool_choice: cannot be combined with response_format")
+        return self
+
+    @property
+    def calls_tools(self) -> bool:
+        """The reply is tool calls ("required" or a named function)."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
+    @property
+    def structured(self) -> StructuredOutput | None:
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            function = next(t.function for t in self.tools or () if t.function.name == name)
+            return StructuredOutput("json", json.dumps(_parameters(function)))
+        if self.tool_choice == "required":
+            assert self.tools is not None
+            return StructuredOutput("json", json.dumps(
+                tool_calls_schema(self.tools, self.parallel_tool_calls)))
+        return super().structured
+
+    def tool_calls(self, text: str) -> list[dict[str, Any]] | None:
+        """The reply's tool calls read from the constrained output (None when it is not
+        a tool-calling request or the output was cut before its JSON closed)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [new_tool_call(self.tool_choice.function.name, text)]
+        if self.tool_choice != "required":
+            return None
+        try:
+            calls = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        return [new_tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
+                for c in calls]
 
     @property
     def output_budget(self) -> int:
@@ -350,7 +496,7 @@ def json_object(raw: bytes) -> dict[str, Any]:
 def parse_body(raw: bytes, schema: type[BodyModel]) -> BodyModel:
     """Validate a JSON body; every failure is one clear `invalid_request_error`."""
     data = json_object(raw)
-    unsupported = unsupported_field(data)
+    unsupported = unsupported_field(data, schema)
     if unsupported is not None:
         raise invalid_request(f"{unsupported}: not supported by this server", unsupported)
     try:
@@ -428,10 +574,15 @@ class ResponseMeta:
         }
 
     def choice(self, index: int, text: str, finish_reason: str, stop_reason: str | int | None,
-               logprobs: dict[str, Any] | None) -> dict[str, Any]:
-        """One choice of a full reply."""
-        content = {"message": {"role": "assistant", "content": text}} if self.chat else {
-            "text": text}
+               logprobs: dict[str, Any] | None,
+               tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """One choice of a full reply (a chat reply of tool calls has empty content)."""
+        if tool_calls is not None:
+            content = {"message": {"role": "assistant", "content": "", "tool_calls": tool_calls}}
+        elif self.chat:
+            content = {"message": {"role": "assistant", "content": text}}
+        else:
+            content = {"text": text}
         return {"index": index, **content, "logprobs": logprobs,
                 "finish_reason": finish_reason, "stop_reason": stop_reason}
 

@@ -217,7 +217,7 @@ class CompletionService:
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return self._stream(flights, meta, include_usage)
-        return await self._collect(flights, meta)
+        return await self._collect(flights, meta, body)
 
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [
@@ -279,7 +279,8 @@ class CompletionService:
             raise ApiError(404, f"the model {body.model!r} does not exist; this server serves "
                            f"{self.config.model_name!r}", "not_found_error", "model")
         if chat:
-            text = self.tokenizer.render_chat(body.messages)
+            tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
+            text = self.tokenizer.render_chat(body.messages, tools)
             token_ids = self.tokenizer.encode(text)
         elif isinstance(body.prompt, str):
             text, token_ids = body.prompt, self.tokenizer.encode(body.prompt)
@@ -299,19 +300,20 @@ class CompletionService:
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({budget}) exceeds "
                 f"the model context of {limit} tokens", "max_tokens")
         structured = body.structured
+        constrained_by = "tools" if chat and body.calls_tools else "response_format"
         if self.config.is_simulated:
             if body.num_top_logprobs is not None:
                 raise invalid_request("logprobs: simulated engines compute no token "
                                       "probabilities", "logprobs")
             if structured is not None:
-                raise invalid_request("response_format: simulated engines generate no text "
-                                      "to constrain", "response_format")
+                raise invalid_request(f"{constrained_by}: simulated engines generate no "
+                                      "text to constrain", constrained_by)
         elif structured is not None:
             from app.engines.vllm import grammar_error
 
             error = grammar_error(structured)
             if error is not None:
-                raise invalid_request(f"response_format: {error}", "response_format")
+                raise invalid_request(f"{constrained_by}: {error}", constrained_by)
         sampling = self._sampling(body)
         request_id = f"{next(self._ids)}-{uuid.uuid4().hex[:12]}"
         arrival_s = self.router.clock()
@@ -408,7 +410,8 @@ class CompletionService:
         return usage(len(flights[0].request.prompt_token_ids),
                      sum(len(f.output_token_ids) for f in flights))
 
-    async def _collect(self, flights: list[Flight], meta: ResponseMeta) -> JsonReply:
+    async def _collect(self, flights: list[Flight], meta: ResponseMeta,
+                       body: Any) -> JsonReply:
         async def drain(flight: Flight) -> None:
             async for _ in self.router.stream(flight):
                 pass
@@ -422,10 +425,15 @@ class CompletionService:
         choices = []
         for index, flight in enumerate(flights):
             assert flight.output is not None
+            finish_reason = flight.finish_reason or "stop"
+            tool_calls = body.tool_calls(flight.output.text) if meta.chat else None
+            if tool_calls is not None and body.tool_choice == "required" and (
+                    finish_reason == "stop"):
+                finish_reason = "tool_calls"  # as OpenAI's; a named call ends in "stop"
             choices.append(meta.choice(
-                index, flight.output.text, flight.finish_reason or "stop", flight.stop_reason,
+                index, flight.output.text, finish_reason, flight.stop_reason,
                 self._logprobs(flight, self._formatter(flight, meta.chat), 0,
-                               len(flight.output_token_ids))))
+                               len(flight.output_token_ids)), tool_calls))
         return JsonReply(200, meta.full(choices, self._usage(flights),
                                         [self._summary(f) for f in flights]))
 

@@ -13,6 +13,7 @@ import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from app.serving.api import ChatMessage, render_chat
 
@@ -28,8 +29,9 @@ class Tokenizer(ABC):
     def decode(self, token_ids: Sequence[int]) -> str:
         """Token ids -> text."""
 
-    def render_chat(self, messages: Sequence[ChatMessage]) -> str:
-        """Chat messages -> one prompt string."""
+    def render_chat(self, messages: Sequence[ChatMessage],
+                    tools: Sequence[dict[str, Any]] | None = None) -> str:
+        """Chat messages (and the tools offered) -> one prompt string."""
         return render_chat(messages)
 
     def token_text(self, token_id: int) -> str:
@@ -54,12 +56,13 @@ class HfTokenizer(Tokenizer):
     def token_text(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id])  # special tokens by name, as vLLM's
 
-    def render_chat(self, messages: Sequence[ChatMessage]) -> str:
+    def render_chat(self, messages: Sequence[ChatMessage],
+                    tools: Sequence[dict[str, Any]] | None = None) -> str:
         if not getattr(self._tokenizer, "chat_template", None):
             return render_chat(messages)
         return self._tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.text} for m in messages], tokenize=False,
-            add_generation_prompt=True)
+            [m.for_template() for m in messages], tools=list(tools) if tools else None,
+            tokenize=False, add_generation_prompt=True)
 
 
 class WordHashTokenizer(Tokenizer):

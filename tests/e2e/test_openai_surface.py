@@ -39,6 +39,10 @@ def reference_command(model_dir: Path, port: int) -> list[str]:
             "--max-model-len", str(engine.max_model_len),
             "--max-num-seqs", str(sched.max_num_seqs),
             "--max-num-batched-tokens", str(sched.max_num_batched_tokens),
+            # vLLM wants a tool parser even for "required" and named tool choices (which
+            # it serves with structured outputs, not the parser); pythonic needs no
+            # special tokens
+            "--enable-auto-tool-choice", "--tool-call-parser", "pythonic",
             "--host", "127.0.0.1", "--port", str(port)]
 
 
@@ -364,3 +368,51 @@ def test_a_structured_reply_parses_after_a_forced_move_and_after_a_failover(
     assert len(summary["instance_ids"]) == 2  # ran again on the other engine
     assert text == expected.choices[0].text
     parsed(text)
+
+
+# ---- tools ---------------------------------------------------------------------------------
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "weather", "description": "today's weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"enum": ["Oslo", "Lima"]}}}}}
+CLOCK_TOOL = {"type": "function", "function": {
+    "name": "clock", "parameters": {"type": "object", "additionalProperties": False,
+                                    "properties": {"utc": {"type": "boolean"}},
+                                    "required": ["utc"]}}}
+
+
+def calls(reply) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments))
+            for c in reply.choices[0].message.tool_calls or ()]
+
+
+@pytest.mark.parametrize("tool_choice", [
+    "required", {"type": "function", "function": {"name": "weather"}}],
+    ids=["required", "named"])
+def test_tool_calls_match_vllm(router_url, reference_url, no_whitespace, tool_choice):
+    params = {"model": "goodserve", "temperature": 0.0, "max_completion_tokens": 60,
+              "logit_bias": no_whitespace, "tools": [WEATHER_TOOL, CLOCK_TOOL],
+              "tool_choice": tool_choice,
+              "messages": [{"role": "user", "content": "weather in oslo?"}]}
+    ours = client(router_url).chat.completions.create(**params)
+    theirs = client(reference_url).chat.completions.create(**params)
+    assert calls(ours) == calls(theirs) and calls(ours)
+    assert ours.choices[0].finish_reason == theirs.choices[0].finish_reason
+    assert ours.choices[0].message.content == theirs.choices[0].message.content == ""
+    names = {t["function"]["name"] for t in (WEATHER_TOOL, CLOCK_TOOL)}
+    assert {name for name, _ in calls(ours)} <= names
+
+
+def test_a_conversation_with_tool_results_matches_vllm(router_url, reference_url):
+    """The assistant's call and the tool's result go back to the model as messages."""
+    params = {"model": "goodserve", "temperature": 0.0, "max_completion_tokens": 12,
+              "tools": [WEATHER_TOOL], "tool_choice": "none", "messages": [
+                  {"role": "user", "content": "weather in oslo?"},
+                  {"role": "assistant", "content": None, "tool_calls": [
+                      {"id": "call-1", "type": "function", "function": {
+                          "name": "weather", "arguments": '{"city": "Oslo"}'}}]},
+                  {"role": "tool", "tool_call_id": "call-1", "content": "12 C and rain"}]}
+    ours = client(router_url).chat.completions.create(**params)
+    theirs = client(reference_url).chat.completions.create(**params)
+    assert ours.usage.prompt_tokens == theirs.usage.prompt_tokens
+    assert ours.choices[0].message.content == theirs.choices[0].message.content
