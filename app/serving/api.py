@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -57,6 +57,8 @@ def invalid_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, "invalid_request_error", param)
 
 
+TokenId = Annotated[int, Field(ge=0)]
+TokenIdText = Annotated[str, Field(pattern=r"^[0-9]+$", max_length=12)]  # JSON keys are text
 MAX_CHOICES = 16  # `n` above this is refused (each choice is a request to route)
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
@@ -185,10 +187,11 @@ class _OpenAiBody(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stop: str | list[str] | None = Field(None, validate_default=True)
-    stop_token_ids: list[int] | None = Field(None, validate_default=True)
+    stop_token_ids: list[TokenId] | None = Field(None, validate_default=True)
     include_stop_str_in_output: bool = False
     min_tokens: int = Field(0, ge=0)
-    logit_bias: dict[str, float] | None = Field(None, validate_default=True)
+    logit_bias: dict[TokenIdText, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, validate_default=True)
     ignore_eos: bool = False
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
@@ -207,18 +210,11 @@ class _OpenAiBody(BaseModel):
     @field_validator("stop_token_ids")
     @classmethod
     def _stop_ids(cls, ids: list[int] | None) -> list[int]:
-        if ids and min(ids) < 0:
-            raise ValueError("stop token ids must be >= 0")
         return list(ids or [])
 
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, bias: dict[str, float] | None) -> dict[str, float]:
-        for token, value in (bias or {}).items():
-            if not token.isdigit():
-                raise ValueError(f"logit_bias keys are token ids, got {token!r}")
-            if not -100.0 <= value <= 100.0:
-                raise ValueError("logit_bias values must be in [-100, 100]")
         return dict(bias or {})
 
     @model_validator(mode="after")
@@ -250,7 +246,7 @@ class _OpenAiBody(BaseModel):
 
 
 class CompletionRequest(_OpenAiBody):
-    prompt: str | list[int]
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @field_validator("prompt")
@@ -258,8 +254,6 @@ class CompletionRequest(_OpenAiBody):
     def _non_empty(cls, prompt: str | list[int]) -> str | list[int]:
         if isinstance(prompt, str) and not prompt.strip():
             raise ValueError("prompt must not be empty")
-        if isinstance(prompt, list) and (not prompt or min(prompt) < 0):
-            raise ValueError("prompt token ids must be a non-empty list of ids >= 0")
         return prompt
 
     @property
@@ -292,22 +286,11 @@ class ToolCall(BaseModel):
     function: CalledFunction
 
 
-class ChatMessage(BaseModel):
+class _Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
-    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
-    tool_call_id: str | None = None  # a tool result: the call it answers
     name: str | None = None
-
-    @model_validator(mode="after")
-    def _has_content(self) -> ChatMessage:
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("content: required unless an assistant message makes tool calls")
-        if self.role == "tool" and not self.tool_call_id:
-            raise ValueError("tool_call_id: required in a tool message")
-        return self
 
     @property
     def text(self) -> str:
@@ -319,6 +302,41 @@ class ChatMessage(BaseModel):
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates take it."""
         return self.model_dump(exclude_none=True) | {"content": self.text}
+
+
+class InstructionMessage(_Message):
+    role: Literal["system", "developer"]
+    content: str | list[TextPart]
+
+
+class UserMessage(_Message):
+    role: Literal["user"]
+    content: str | list[TextPart]
+
+
+class AssistantMessage(_Message):
+    """An earlier assistant turn: its text, its tool calls, or both."""
+
+    role: Literal["assistant"]
+    tool_calls: list[ToolCall] | None = None
+
+    @model_validator(mode="after")
+    def _says_something(self) -> AssistantMessage:
+        if self.content is None and not self.tool_calls:
+            raise ValueError("content: required unless the message makes tool calls")
+        return self
+
+
+class ToolMessage(_Message):
+    """A tool's result, answering the call `tool_call_id`."""
+
+    role: Literal["tool"]
+    content: str | list[TextPart]
+    tool_call_id: str
+
+
+ChatMessage = Annotated[InstructionMessage | UserMessage | AssistantMessage | ToolMessage,
+                        Field(discriminator="role")]
 
 
 class FunctionSpec(BaseModel):
@@ -502,10 +520,22 @@ def parse_body(raw: bytes, schema: type[BodyModel]) -> BodyModel:
     try:
         return schema.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or None
-        message = first["msg"].removeprefix("Value error, ")
+        error = _most_telling(exc.errors())
+        where = ".".join(str(p) for p in error["loc"] if not _is_union_member(p)) or None
+        message = error["msg"].removeprefix("Value error, ")
         raise invalid_request(f"{where}: {message}" if where else message, where) from None
+
+
+def _most_telling(errors: Sequence[Any]) -> Any:
+    """The error to report: for a value a union takes in several forms (a prompt as
+    text or token ids), the form it was written in fails on something other than
+    its type."""
+    return next((e for e in errors if not e["type"].endswith("_type")), errors[0])
+
+
+def _is_union_member(part: str | int) -> bool:
+    """Pydantic names the union member in an error's location (`list[constrained-int]`)."""
+    return isinstance(part, str) and ("[" in part or part.startswith("constrained-"))
 
 
 def render_chat(messages: Sequence[ChatMessage]) -> str:

@@ -53,11 +53,19 @@ def send(client: httpx.Client, case) -> tuple[int, bytes]:
     return response.status_code, response.content
 
 
+# what simulated engines refuse (no text to constrain, no token probabilities)
+SIMULATION_REFUSES = ("logprobs", "top_logprobs", "response_format", "structured_outputs",
+                      "tools", "tool_choice")
+
+
 def served_model(case):
-    """Half the generated bodies name the served model, so they get past the model
-    check and through routing to the engines (a random name is a 404)."""
+    """Half the generated bodies name the served model and leave out what simulated
+    engines refuse, so they get past those checks and through routing to the engines
+    (a random name is a 404)."""
     if isinstance(case.body, dict) and "model" in case.body and len(str(case.body)) % 2:
         case.body["model"] = MODEL
+        for name in SIMULATION_REFUSES:
+            case.body.pop(name, None)
     return case
 
 

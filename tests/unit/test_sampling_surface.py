@@ -405,8 +405,9 @@ def test_tool_calls_are_read_from_the_constrained_output():
     ({"tools": [WEATHER], "tool_choice": "required", "stream": True}, "streamed tool calls"),
     ({"tools": [WEATHER], "tool_choice": "required",
       "response_format": {"type": "json_object"}}, "cannot be combined"),
-    ({"messages": [{"role": "tool", "content": "12 C"}]}, "tool_call_id: required"),
-    ({"messages": [{"role": "user"}]}, "content: required"),
+    ({"messages": [{"role": "tool", "content": "12 C"}]}, "tool.tool_call_id: Field required"),
+    ({"messages": [{"role": "user"}]}, "user.content: Field required"),
+    ({"messages": [{"role": "assistant"}]}, "content: required unless the message makes"),
 ])
 def test_impossible_tool_requests_are_refused(fields, message):
     from app.serving.api import ChatCompletionRequest
