@@ -113,9 +113,7 @@ def kill(fault: Fault, url: str, app_name: str) -> str:
     if fault is Fault.NONE:
         return "nothing"
     if fault is Fault.ENGINE:
-        rows = httpx.get(url + "/v1/instances", timeout=30).json()["instances"]
-        victim = max(rows, key=lambda r: (r["num_running"] or 0) + (r["num_waiting"] or 0))
-        name = victim["instance_id"]
+        name = busiest_engine(url)
         ray.kill(ray.get_actor(name, namespace=ENGINE_NAMESPACE), no_restart=True)
         return name
     prefix = f"SERVE_REPLICA::{app_name}#" if fault is Fault.ROUTER else "SERVE_PROXY_ACTOR"
@@ -127,6 +125,19 @@ def kill(fault: Fault, url: str, app_name: str) -> str:
     return names[0]
 
 
+def busiest_engine(url: str, wait_s: float = 10.0) -> str:
+    """The engine carrying the most requests, once one carries any (up to `wait_s`)."""
+    give_up_s = time.monotonic() + wait_s
+    while True:
+        rows = httpx.get(url + "/v1/instances", timeout=30).json()["instances"]
+        load = {r["instance_id"]: (r["num_running"] or 0) + (r["num_waiting"] or 0)
+                for r in rows}
+        busiest = max(load, key=load.__getitem__)
+        if load[busiest] > 0 or time.monotonic() > give_up_s:
+            return busiest
+        time.sleep(0.05)
+
+
 def run_scenario(config: ServeConfig, fault: Fault, num_requests: int, rate: float,
                  max_tokens: int = 60, timeout_s: float = 120.0) -> ScenarioResult:
     """Serve `config`, send `num_requests` at `rate`, kill `fault` a third of the way in."""
@@ -136,7 +147,7 @@ def run_scenario(config: ServeConfig, fault: Fault, num_requests: int, rate: flo
     with serving(config, app_name) as url:
         client = _Client(url, timeout_s)
         greedy = {"model": config.model_name, "prompt": GREEDY_PROMPT,
-                  "max_tokens": max_tokens, "temperature": 0.0}
+                  "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
         _, _, unfaulted, _ = client.send(greedy)
         reference = None if unfaulted is None else unfaulted["choices"][0]["text"]
         result = ScenarioResult(fault.value, killed="")

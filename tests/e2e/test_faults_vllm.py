@@ -20,7 +20,7 @@ def test_a_vllm_engine_killed_mid_replay_loses_no_request(ray_session, tiny_mode
 
     cluster = vllm_cluster_config(tiny_model_dir).model_copy(update={"name": "e2e-faults"})
     config = ServeConfig(cluster=cluster, default_slo_s=300.0, num_router_replicas=2)
-    result = run_scenario(config, Fault.ENGINE, REQUESTS, RATE)
+    result = run_scenario(config, Fault.ENGINE, REQUESTS, RATE, max_tokens=200)
     assert result.killed.startswith("e2e-faults-cpu-")
     assert (result.sent, result.completed, result.lost) == (REQUESTS, REQUESTS, 0), result
     assert result.greedy_kept == result.greedy_checked > 0, result
