@@ -86,7 +86,7 @@ class _InstanceState:
     num_samples: int = 0
     seen_iterations: int = 0  # counters from polled EngineStatus
     seen_queue_waits: int = 0
-    seen_prefill: PrefillTotals = PrefillTotals()
+    seen_prefill: PrefillTotals | None = None  # None until the first polled report
     departures: _Departures = field(default_factory=_Departures)
 
 
@@ -183,12 +183,18 @@ class StatusEstimator(StepListener):
     def _take_new_prefill(state: _InstanceState, totals: PrefillTotals) -> None:
         """The prefill iterations since the last poll, as that many samples of their
         mean duration and mean tokens: the EMAs `observe_iteration` keeps per
-        iteration, fed from counters so no iteration between polls is lost."""
-        new = totals.since(state.seen_prefill)
-        if new.num_iterations > 0 and new.num_tokens > 0:
-            count = new.num_iterations
-            state.prefill_step_s.update_repeated(new.busy_s / count, count)
-            state.prefill_step_tokens.update_repeated(new.num_tokens / count, count)
+        iteration, fed from counters so no iteration between polls is lost.
+
+        The first report only sets the baseline: its totals span the engine's whole
+        life (a router replica may join an engine that has run for hours, on other
+        work), and a mean over them would stand for the engine's speed until many
+        fresh iterations outweighed it."""
+        if state.seen_prefill is not None:
+            new = totals.since(state.seen_prefill)
+            if new.num_iterations > 0 and new.num_tokens > 0:
+                count = new.num_iterations
+                state.prefill_step_s.update_repeated(new.busy_s / count, count)
+                state.prefill_step_tokens.update_repeated(new.num_tokens / count, count)
         state.seen_prefill = totals
 
     def _take_new_finishes(self, instance_id: InstanceId, status: EngineStatus, now: float):

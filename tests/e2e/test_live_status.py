@@ -45,9 +45,9 @@ def test_router_p_g_moves_from_its_prior_to_the_engines_prefill_time(vllm_engine
     """The router is told the engine is a V100, so its prior p_g is ~1000x too fast for
     a CPU; after a few prompts p_g must match what the engine measured instead.
 
-    The engine is shared with other tests, so the router's first poll may already
-    carry earlier prefill work (which it rightly learns from); the prior is therefore
-    the catalog's figure, not a reading taken after the first poll."""
+    The engine is shared with other tests: its first report carries their prefill
+    work (grammar compiles included), which the router takes as the baseline only and
+    does not learn from."""
     handle = EngineHandle(vllm_engine.engine_id,
                           vllm_engine.config.model_copy(update={"gpu_type": "V100"}),
                           vllm_engine.actor)

@@ -198,7 +198,10 @@ def test_a_stream_with_usage_matches_the_full_reply(router_url, reference_url):
     assert chunks[-1].usage.completion_tokens == theirs.usage.completion_tokens == 20
 
 
-def late_substring(text: str, width: int = 4) -> str:
+MOVED_TOKENS = 300  # long enough to be in flight when the move arrives (~1 s here)
+
+
+def late_substring(text: str, width: int = 5) -> str:
     """A piece of the last third of `text` that does not occur before it."""
     start = 2 * len(text) // 3
     for i in range(start, len(text) - width):
@@ -212,10 +215,10 @@ def test_a_request_moved_mid_stream_keeps_vllms_reply(router_url, reference_url)
     """Stop string, token budget and logprobs of a greedy request moved to the other
     engine after a few chunks: the reply is the reference's, logprobs of the tokens
     sent before the move included."""
-    full = completion(reference_url, max_tokens=80, temperature=0.0,
+    full = completion(reference_url, max_tokens=MOVED_TOKENS, temperature=0.0,
                       extra_body={"ignore_eos": True}).choices[0].text
     stop_string = late_substring(full)
-    params = {"max_tokens": 80, "temperature": 0.0, "logprobs": 2, "stop": [stop_string]}
+    params = {"max_tokens": MOVED_TOKENS, "temperature": 0.0, "logprobs": 2, "stop": [stop_string]}
     theirs = completion(reference_url, extra_body={"ignore_eos": True}, **params)
     body = {"model": "goodserve", "prompt": PROMPT, "stream": True, "ignore_eos": True,
             **params}
@@ -231,7 +234,7 @@ def test_a_request_moved_mid_stream_keeps_vllms_reply(router_url, reference_url)
             tokens += choice["logprobs"]["tokens"]
             token_logprobs += choice["logprobs"]["token_logprobs"]
             finish = choice["finish_reason"] or finish
-            if len(texts) == 4:
+            if len(texts) == 2:
                 move = httpx.post(router_url + "/admin/migrate", timeout=30,
                                   json={"request_id": chunk["id"].removeprefix("cmpl-")})
                 assert move.status_code == 200, move.text

@@ -129,13 +129,29 @@ def test_polled_prefill_counters_move_p_g_from_the_prior_to_the_measured_rate():
     assert estimator.estimate(view).prefill_s_per_token == pytest.approx(measured)
 
 
+def test_an_engines_history_before_the_first_report_is_not_its_speed():
+    """A router replica joining an engine that ran slow work for a long time (100x
+    slower per token) learns the engine's current speed from the reports after, not
+    from that history."""
+    estimator = StatusEstimator(alpha=0.2)
+    view = make_view("A40", running=1)
+    fast_s_per_token = 1e-4
+    lifetime = PrefillTotals(1000, 1000 * 500, 1000 * 500 * 100 * fast_s_per_token)
+    estimator.on_status(make_status(lifetime), 0.0)
+    estimator.on_status(make_status(PrefillTotals(
+        lifetime.num_iterations + 1, lifetime.num_tokens + 500,
+        lifetime.busy_s + 500 * fast_s_per_token)), 1.0)
+    assert estimator.estimate(view).prefill_s_per_token == pytest.approx(fast_s_per_token)
+
+
 def test_a_repeated_report_adds_nothing_and_a_restart_is_not_negative_work():
     estimator = StatusEstimator(alpha=0.5)
     view = make_view("A40", running=1)
-    estimator.on_status(make_status(PrefillTotals(2, 1000, 0.2)), 0.0)
-    first = estimator.estimate(view).prefill_s_per_token
+    estimator.on_status(make_status(PrefillTotals()), 0.0)
     estimator.on_status(make_status(PrefillTotals(2, 1000, 0.2)), 1.0)
-    estimator.on_status(make_status(PrefillTotals(0, 0, 0.0)), 2.0)  # engine restarted
+    first = estimator.estimate(view).prefill_s_per_token
+    estimator.on_status(make_status(PrefillTotals(2, 1000, 0.2)), 2.0)
+    estimator.on_status(make_status(PrefillTotals(0, 0, 0.0)), 3.0)  # engine restarted
     assert estimator.estimate(view).prefill_s_per_token == first == pytest.approx(2e-4)
 
 
@@ -149,6 +165,7 @@ def test_polled_counters_learn_the_same_p_g_as_per_iteration_step_reports():
     steps = [(0.010, 100), (0.030, 400), (0.020, 200), (0.050, 900), (0.012, 120), (0.040, 500)]
     stepped, polled = StatusEstimator(alpha=0.3), StatusEstimator(alpha=0.3)
     totals = PrefillTotals()
+    polled.on_status(make_status(totals), -1.0)  # the router's first poll: the baseline
     for i, (duration_s, tokens) in enumerate(steps):
         totals = totals.add(duration_s, tokens)
         stepped.on_step("A40", _step(duration_s, tokens, totals), float(i))
