@@ -56,7 +56,7 @@ class StructuredOutput:
 class SamplingSpec:
     """What an engine samples with: the OpenAI / vLLM sampling surface the router passes
     on. Stop strings are not here: the router matches them on the text it decodes (so a
-    match spanning a move is found), see `app/serving/stops.py`."""
+    match spanning a move is found), see `OutputText` in `app/serving/tokenizer.py`."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -138,7 +138,6 @@ class TokenLogprobs:
     """A sampled token's log-probability and the most likely alternatives (rank order)."""
 
     logprob: float
-    rank: int  # the sampled token's rank in the distribution (1 = most likely)
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
 
 

@@ -189,10 +189,10 @@ def build_app(config: ServeConfig) -> serve.Application:
 
 
 @contextmanager
-def serving(config: ServeConfig, app_name: str, port: int | None = None) -> Iterator[str]:
+def serve_application(config: ServeConfig, app_name: str,
+                      port: int | None = None) -> Iterator[str]:
     """`config`'s router application on the running Ray, on `port` (default a free one),
-    yielding its URL; afterwards Serve, the controller and every engine it started are
-    stopped."""
+    yielding its URL; Serve is shut down afterwards (the engines stay)."""
     port = port or free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(config), name=app_name, route_prefix="/")
@@ -200,6 +200,15 @@ def serving(config: ServeConfig, app_name: str, port: int | None = None) -> Iter
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
+
+
+@contextmanager
+def serving(config: ServeConfig, app_name: str, port: int | None = None) -> Iterator[str]:
+    """`serve_application`, then the controller and every engine it started stopped."""
+    try:
+        with serve_application(config, app_name, port) as url:
+            yield url
+    finally:
         stop_controller(config.cluster.name)
         wait_until_gone(config)
 

@@ -213,8 +213,7 @@ def token_logprobs(step: Any, token_id: int, num_top: int) -> TokenLogprobs:
     sampled = step[token_id]
     ranked = sorted(((lp.rank, tid, lp.logprob) for tid, lp in step.items()
                      if lp.rank is not None and lp.rank <= num_top))
-    return TokenLogprobs(sampled.logprob, sampled.rank or 0,
-                         tuple((tid, logprob) for _, tid, logprob in ranked))
+    return TokenLogprobs(sampled.logprob, tuple((tid, logprob) for _, tid, logprob in ranked))
 
 
 class VllmBackend(EngineBackendBase):

@@ -798,9 +798,9 @@ class LiveRouter:
             return None
         if not flight.resumable:
             raise ValueError(
-                f"request {request_id} samples with presence / frequency penalties or a seed: "
-                "continuing it elsewhere by token ids would change its output, so it is not "
-                "moved")
+                f"request {request_id} samples with penalties on its output, a seed or a "
+                "grammar: continuing it elsewhere by token ids would change its output, so it "
+                "is not moved")
         if target_id is None:
             try:
                 target_id = self._choose_elsewhere(flight)

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from app.engine_types import SamplingSpec, TokenEvent
+from app.engine_types import SamplingSpec, StructuredOutput, TokenEvent
 from app.routing.base import RejectCode
 from app.routing.registry import RoutingOptions, build_routing
 from app.routing.view import RouteRequest
@@ -209,7 +209,7 @@ class CompletionService:
             self.check_size(len(raw))
             body = parse_body(raw, ChatCompletionRequest if chat else CompletionRequest)
             request_id, requests = self._generation_requests(body, chat)
-            flights = await self._submit_all(requests, body, chat)
+            flights = await self._submit_all(requests, body)
         except ApiError as exc:
             return JsonReply(exc.status_code, exc.body())
         meta = ResponseMeta.new(f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
@@ -314,7 +314,7 @@ class CompletionService:
             error = grammar_error(structured)
             if error is not None:
                 raise invalid_request(f"{constrained_by}: {error}", constrained_by)
-        sampling = self._sampling(body)
+        sampling = self._sampling(body, structured)
         request_id = f"{next(self._ids)}-{uuid.uuid4().hex[:12]}"
         arrival_s = self.router.clock()
         requests = []
@@ -333,7 +333,7 @@ class CompletionService:
         return request_id, requests
 
     @staticmethod
-    def _sampling(body: Any) -> SamplingSpec:
+    def _sampling(body: Any, structured: StructuredOutput | None) -> SamplingSpec:
         """The engines' sampling parameters (unset ones take OpenAI's / vLLM's defaults)."""
         def given(value: Any, default: Any) -> Any:
             return default if value is None else value
@@ -353,11 +353,10 @@ class CompletionService:
             stop_token_ids=tuple(body.stop_token_ids),
             logit_bias=tuple((int(t), v) for t, v in body.logit_bias.items()),
             logprobs=body.num_top_logprobs,
-            structured=body.structured,
+            structured=structured,
         )
 
-    async def _submit_all(self, requests: list[GenerationRequest], body: Any,
-                          chat: bool) -> list[Flight]:
+    async def _submit_all(self, requests: list[GenerationRequest], body: Any) -> list[Flight]:
         """Route every choice; when one is refused, those already routed are dropped."""
         flights: list[Flight] = []
         try:

@@ -143,17 +143,21 @@ class OutputText:
             batch = batch[:token_stop + 1]
         # the stop token's own text is left out before stop strings are looked for
         shown = batch[:-1] if token_stop is not None and not self.include_stop else batch
+        shown_text = None  # the output through `shown`, once decoded
         if self.stop and len(shown) > eligible:
-            found = self._stop_string_in(shown, eligible)
+            shown_text = self.tokenizer.decode(self.token_ids + shown)
+            found = self._stop_string_in(shown, eligible, shown_text)
             if found is not None:
                 num_tokens, text, reason = found
                 self._end(batch[:num_tokens], text, reason)
                 return StopHit(num_tokens, reason)
+        if shown_text is None and token_stop is not None:
+            shown_text = self.tokenizer.decode(self.token_ids + shown)
         if token_stop is not None:
-            self._end(batch, self.tokenizer.decode(self.token_ids + shown), batch[-1])
+            self._end(batch, shown_text, batch[-1])
             return StopHit(len(batch), batch[-1])
         self.token_ids.extend(batch)
-        self._text = None
+        self._text = shown_text  # shown is the whole batch here; None: decoded when read
         return None
 
     def _end(self, kept: list[int], text: str, reason: str | int) -> None:
@@ -161,13 +165,14 @@ class OutputText:
         self._text = text
         self.stop_reason = reason
 
-    def _stop_string_in(self, batch: list[int], eligible: int) -> tuple[int, str, str] | None:
+    def _stop_string_in(self, batch: list[int], eligible: int,
+                        whole: str) -> tuple[int, str, str] | None:
         """(tokens through the one completing the earliest stop string, the text cut
         there, the stop string), or None when no stop string ends in this batch at or
-        after its token `eligible`."""
+        after its token `eligible`; `whole` is the output decoded through the batch."""
         before = self.tokenizer.decode(self.token_ids + batch[:eligible]) if eligible else self.text
         start = max(len(before) - max(map(len, self.stop)) + 1, 0)
-        if self._earliest_stop(self.tokenizer.decode(self.token_ids + batch), start) is None:
+        if self._earliest_stop(whole, start) is None:
             return None
         for k in range(eligible + 1, len(batch) + 1):  # the token that completes it
             text = self.tokenizer.decode(self.token_ids + batch[:k])

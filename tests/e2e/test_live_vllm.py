@@ -14,17 +14,12 @@ PROMPT = "the quick brown fox jumps over the lazy dog and " * 4
 
 @pytest.fixture(scope="module")
 def vllm_url(vllm_engines, tiny_model_dir):
-    from ray import serve
-
     from app.serving.config import ServeConfig
-    from deployments.router import build_app, free_port
+    from deployments.router import serve_application
 
     config = ServeConfig(cluster=vllm_cluster_config(tiny_model_dir), default_slo_s=120.0)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(config), name="live-vllm", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
+    with serve_application(config, "live-vllm") as url:  # the shared engines stay
+        yield url
 
 
 def complete(url: str, **body) -> dict:

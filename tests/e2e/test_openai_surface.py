@@ -81,17 +81,12 @@ def reference_url(tiny_model_dir, tmp_path_factory) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def router_url(vllm_engines, tiny_model_dir) -> Iterator[str]:
-    from ray import serve
-
     from app.serving.config import ServeConfig
-    from deployments.router import build_app, free_port
+    from deployments.router import serve_application
 
     config = ServeConfig(cluster=vllm_cluster_config(tiny_model_dir), default_slo_s=300.0)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(config), name="openai-surface", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
+    with serve_application(config, "openai-surface") as url:  # the shared engines stay
+        yield url
 
 
 def client(url: str):

@@ -231,9 +231,9 @@ async def test_a_stop_string_ends_a_reply_with_its_reason_and_usage_on_request()
 
 # ---- shapes and the accepted surface ---------------------------------------------------
 def test_logprobs_in_the_completion_and_chat_shapes():
-    entries = [TokenLogprobs(-0.5, 1, ((ord("a"), -0.5), (ord("b"), -1.5))),
-               TokenLogprobs(-3.0, 4, ((ord("c"), -0.1),)),
-               TokenLogprobs(float("-inf"), 9, ())]
+    entries = [TokenLogprobs(-0.5, ((ord("a"), -0.5), (ord("b"), -1.5))),
+               TokenLogprobs(-3.0, ((ord("c"), -0.1),)),
+               TokenLogprobs(float("-inf"), ())]
     completion = LogprobsFormatter(Utf8Bytes(), chat=False)
     first = completion.format(utf8("ab"), entries[:2])
     assert first == {"tokens": ["a", "b"], "token_logprobs": [-0.5, -3.0],
@@ -251,7 +251,7 @@ def test_logprobs_in_the_completion_and_chat_shapes():
 
 def test_a_token_ending_inside_a_character_shows_what_it_completes_as_vllm():
     euro = utf8("€")
-    entries = [TokenLogprobs(-1.0, 1, ((b, -1.0),)) for b in euro]
+    entries = [TokenLogprobs(-1.0, ((b, -1.0),)) for b in euro]
     formatted = LogprobsFormatter(Utf8Bytes(), chat=False).format(euro, entries)
     assert formatted["tokens"] == ["", "", "€"]
     assert formatted["top_logprobs"][2] == {"€": -1.0}
