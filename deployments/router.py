@@ -14,8 +14,9 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 
 import ray
 from fastapi import FastAPI, Request
@@ -43,6 +44,21 @@ def member_client(member: Member) -> ActorEngineClient:
     """A client for a registry member's engine actor (found by name)."""
     actor = ray.get_actor(member.engine_id, namespace=ENGINE_NAMESPACE)
     return ActorEngineClient(EngineHandle(member.engine_id, member.config, actor))
+
+
+async def joining_clients(members: Sequence[Member],
+                          router: LiveRouter) -> dict[str, ActorEngineClient]:
+    """Clients for the members the router does not know yet, found off the event loop
+    (`ray.get_actor` blocks on the cluster's metadata store, and the loop carries every
+    request of the replica)."""
+    joining = [m for m in members if m.engine_id not in router.instances]
+    clients = await asyncio.gather(*(asyncio.to_thread(member_client, m) for m in joining))
+    return {m.engine_id: client for m, client in zip(joining, clients, strict=True)}
+
+
+def found_client(clients: dict[str, ActorEngineClient], member: Member) -> ActorEngineClient:
+    """The client `joining_clients` found for `member`, else one found now."""
+    return clients.get(member.engine_id) or member_client(member)
 
 
 class ActorEngineClient(EngineClient):
@@ -122,10 +138,18 @@ class RouterDeployment:
                                exc, self.registry_key)
                 await asyncio.sleep(REGISTRY_WAIT_S)
                 continue
-            if registry is not None:
-                self.registry_key = registry.key
-                self.service.closing = registry.closing
-                router.follow(registry.members, member_client)
+            if registry is None:
+                continue
+            try:
+                clients = await joining_clients(registry.members, router)
+            except Exception as exc:  # not yet findable: take this registry again
+                logger.warning("engines of registry %s not reachable yet (%s)",
+                               registry.key, exc)
+                await asyncio.sleep(REGISTRY_WAIT_S)
+                continue
+            self.registry_key = registry.key
+            self.service.closing = registry.closing
+            router.follow(registry.members, partial(found_client, clients))
 
     def _denied(self, request: Request, access: Access) -> Response | None:
         """The reply to a request refused before its body is read (key, size)."""
