@@ -78,8 +78,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "return_token_ids": (False,), "return_token_offsets": (False,), "watermarking": (False,),
     "thinking_token_budget": (), "repetition_detection": (), "mm_payload": (),
     "return_mm_kwargs": (False,), "kv_transfer_params": (), "ec_transfer_params": (),
-    "vllm_xargs": (), "skip_special_tokens": (True,),
-    "spaces_between_special_tokens": (True,), "add_special_tokens": (),
+    "vllm_xargs": (), "spaces_between_special_tokens": (True,), "add_special_tokens": (),
     "continue_final_message": (False,), "documents": (), "chat_template": (),
     "chat_template_kwargs": (), "mm_processor_kwargs": (), "audio": (), "modalities": (),
     "prediction": (), "reasoning_effort": (), "include_reasoning": (True,),
@@ -165,7 +164,7 @@ class StreamOptions(BaseModel):
 class _OpenAiBody(BaseModel):
     """Fields shared by completions and chat completions: OpenAI's sampling surface and
     vLLM's extensions to it (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
-    `stop_token_ids`, `include_stop_str_in_output`, `ignore_eos`).
+    `stop_token_ids`, `include_stop_str_in_output`, `ignore_eos`, `skip_special_tokens`).
 
     Unknown fields are ignored (OpenAI clients send many); fields vLLM defines that we
     cannot honour are refused (`UNSUPPORTED_FIELDS`).
@@ -193,6 +192,7 @@ class _OpenAiBody(BaseModel):
     logit_bias: dict[TokenIdText, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
         None, validate_default=True)
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
     user: str | None = None
@@ -395,8 +395,8 @@ def new_tool_call(name: str, arguments: str) -> dict[str, Any]:
 class ChatCompletionRequest(_OpenAiBody):
     """Chat completions; `tools` with `tool_choice` "required" or a named function
     constrain the output to the calls' JSON (vLLM's structured outputs, no tool parser
-    needed); "auto" needs a tool parser for the model family and is refused, as vLLM's
-    server does without one."""
+    needed); "auto" (the default with tools) needs the model family's tool parser, which
+    the server checks (`app/serving/tools.py`)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -418,24 +418,23 @@ class ChatCompletionRequest(_OpenAiBody):
             "auto" if self.tools else "none")
         if choice != "none" and not self.tools:
             raise ValueError("tool_choice: needs tools")
-        if choice == "auto":
-            raise ValueError("tool_choice: 'auto' needs a tool parser for the served model, "
-                             "which this server does not run; use 'required', a named "
-                             "function or 'none'")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in {
                 t.function.name for t in self.tools or ()}:
             raise ValueError(f"tool_choice: no tool named {choice.function.name!r} in tools")
-        if self.calls_tools:
-            if self.stream:
-                raise ValueError("stream: streamed tool calls are not supported")
-            if self.response_format is not None or self.structured_outputs is not None:
-                raise ValueError("tool_choice: cannot be combined with response_format")
+        if self.calls_tools and (
+                self.response_format is not None or self.structured_outputs is not None):
+            raise ValueError("tool_choice: cannot be combined with response_format")
         return self
 
     @property
     def calls_tools(self) -> bool:
         """The reply is tool calls ("required" or a named function)."""
         return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
+    @property
+    def may_call_tools(self) -> bool:
+        """The model chooses whether to call ("auto", the default when tools are given)."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
 
     @property
     def structured(self) -> StructuredOutput | None:
@@ -448,20 +447,6 @@ class ChatCompletionRequest(_OpenAiBody):
             return StructuredOutput("json", json.dumps(
                 tool_calls_schema(self.tools, self.parallel_tool_calls)))
         return super().structured
-
-    def tool_calls(self, text: str) -> list[dict[str, Any]] | None:
-        """The reply's tool calls read from the constrained output (None when it is not
-        a tool-calling request or the output was cut before its JSON closed)."""
-        if isinstance(self.tool_choice, NamedToolChoice):
-            return [new_tool_call(self.tool_choice.function.name, text)]
-        if self.tool_choice != "required":
-            return None
-        try:
-            calls = json.loads(text)
-        except json.JSONDecodeError:
-            return None
-        return [new_tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
-                for c in calls]
 
     @property
     def output_budget(self) -> int:
@@ -603,12 +588,13 @@ class ResponseMeta:
             "choices": choices,
         }
 
-    def choice(self, index: int, text: str, finish_reason: str, stop_reason: str | int | None,
-               logprobs: dict[str, Any] | None,
+    def choice(self, index: int, text: str | None, finish_reason: str,
+               stop_reason: str | int | None, logprobs: dict[str, Any] | None,
                tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        """One choice of a full reply (a chat reply of tool calls has empty content)."""
+        """One choice of a full reply (`tool_calls` None: a reply without the key)."""
         if tool_calls is not None:
-            content = {"message": {"role": "assistant", "content": "", "tool_calls": tool_calls}}
+            content = {"message": {"role": "assistant", "content": text,
+                                   "tool_calls": tool_calls}}
         elif self.chat:
             content = {"message": {"role": "assistant", "content": text}}
         else:
@@ -624,9 +610,13 @@ class ResponseMeta:
             "usage": usage, "goodserve": goodserve_summary(summaries)}
 
     def chunk(self, index: int, text: str, finish_reason: str | None = None,
-              stop_reason: str | int | None = None,
-              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        content = {"delta": {"content": text}} if self.chat else {"text": text}
+              stop_reason: str | int | None = None, logprobs: dict[str, Any] | None = None,
+              delta: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One choice's chunk: `text`, or for chat a `delta` read for tool calls."""
+        if self.chat:
+            content = {"delta": {"content": text} if delta is None else delta}
+        else:
+            content = {"text": text}
         choice = {"index": index, **content, "logprobs": logprobs,
                   "finish_reason": finish_reason}
         if finish_reason is not None:

@@ -92,6 +92,11 @@ class ServeConfig(Frozen):
     tokenizer_path: str | None = Field(
         None, description="local tokenizer directory; default: the vLLM engines' model_path"
     )
+    tool_call_parser: str | None = Field(
+        None, description="vLLM's tool parser for the model family (its "
+        "`--tool-call-parser`: hermes, llama3_json, mistral, pythonic, ...); lets chat "
+        "requests leave the choice to call tools to the model (tool_choice 'auto', the "
+        "default with tools); None: 'auto' is refused")
     poll_interval_s: float = Field(0.1, gt=0, description="engine status poll period")
     num_router_replicas: int = Field(
         1, ge=1, description="router deployment replicas (Ray Serve); each routes its share")
@@ -112,6 +117,13 @@ class ServeConfig(Frozen):
         models = {(e.backend, e.model, e.model_path) for e in engines}
         if len(models) > 1:
             raise ValueError(f"cluster: every engine must serve the same model, got {models}")
+        return self
+
+    @model_validator(mode="after")
+    def _tools_need_text(self) -> ServeConfig:
+        if self.tool_call_parser is not None and self.is_simulated:
+            raise ValueError("tool_call_parser: simulated engines generate no text to read "
+                             "tool calls from")
         return self
 
     @property

@@ -47,6 +47,7 @@ from app.serving.router import (
     RequestRejected,
 )
 from app.serving.tokenizer import HfTokenizer, OutputText, Tokenizer, WordHashTokenizer
+from app.serving.tools import ToolCallReader, ToolParsing, tool_call_reader
 from app.telemetry import MetricFactory, NullFactory, RouterMetrics
 
 if TYPE_CHECKING:
@@ -151,6 +152,8 @@ class CompletionService:
                                  metrics=RouterMetrics(metrics or NullFactory(),
                                                        config.routing.policy))
         self.keys = api_keys(config)
+        self.tool_parsing = (None if config.tool_call_parser is None
+                             else ToolParsing(config.tool_call_parser, self.tokenizer.backend))
         self.closing = False  # shutting down: new requests get a 503, those in flight finish
         self._ids = itertools.count()
         self._start_lock = asyncio.Lock()
@@ -209,15 +212,16 @@ class CompletionService:
             self.check_size(len(raw))
             body = parse_body(raw, ChatCompletionRequest if chat else CompletionRequest)
             request_id, requests = self._generation_requests(body, chat)
-            flights = await self._submit_all(requests, body)
+            readers = self._tool_readers(body, requests, chat)
+            flights = await self._submit_all(requests, body, readers)
         except ApiError as exc:
             return JsonReply(exc.status_code, exc.body())
         meta = ResponseMeta.new(f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
                                 self.config.model_name, chat)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return self._stream(flights, meta, include_usage)
-        return await self._collect(flights, meta, body)
+            return self._stream(flights, readers, meta, include_usage)
+        return await self._collect(flights, readers, meta)
 
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [
@@ -299,6 +303,11 @@ class CompletionService:
             raise invalid_request(
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({budget}) exceeds "
                 f"the model context of {limit} tokens", "max_tokens")
+        if chat and body.may_call_tools and self.tool_parsing is None:
+            raise invalid_request(
+                "tool_choice: 'auto' (the default with tools) needs the model family's tool "
+                "parser, which this server is not configured with (tool_call_parser); use "
+                "'required', a named function or 'none'", "tool_choice")
         structured = body.structured
         constrained_by = "tools" if chat and body.calls_tools else "response_format"
         if self.config.is_simulated:
@@ -356,15 +365,27 @@ class CompletionService:
             structured=structured,
         )
 
-    async def _submit_all(self, requests: list[GenerationRequest], body: Any) -> list[Flight]:
+    def _tool_readers(self, body: Any, requests: list[GenerationRequest],
+                      chat: bool) -> list[ToolCallReader | None]:
+        """A tool-call reader per choice (None where the reply cannot call tools)."""
+        if not chat:
+            return [None] * len(requests)
+        return [tool_call_reader(body, self.tool_parsing, r.prompt_token_ids)
+                for r in requests]
+
+    async def _submit_all(self, requests: list[GenerationRequest], body: Any,
+                          readers: list[ToolCallReader | None]) -> list[Flight]:
         """Route every choice; when one is refused, those already routed are dropped."""
         flights: list[Flight] = []
         try:
-            for request in requests:
+            for request, reader in zip(requests, readers, strict=True):
                 flight = await self._submit(request)
+                skip_special = (body.skip_special_tokens if reader is None
+                                or reader.skip_special_tokens is None
+                                else reader.skip_special_tokens)
                 flight.output = OutputText(self.tokenizer, body.stop, body.stop_token_ids,
                                            body.include_stop_str_in_output,
-                                           request.sampling.min_tokens)
+                                           request.sampling.min_tokens, skip_special)
                 flights.append(flight)
         except ApiError:
             for flight in flights:
@@ -409,8 +430,8 @@ class CompletionService:
         return usage(len(flights[0].request.prompt_token_ids),
                      sum(len(f.output_token_ids) for f in flights))
 
-    async def _collect(self, flights: list[Flight], meta: ResponseMeta,
-                       body: Any) -> JsonReply:
+    async def _collect(self, flights: list[Flight], readers: list[ToolCallReader | None],
+                       meta: ResponseMeta) -> JsonReply:
         async def drain(flight: Flight) -> None:
             async for _ in self.router.stream(flight):
                 pass
@@ -422,24 +443,27 @@ class CompletionService:
             if isinstance(result, BaseException):
                 raise result
         choices = []
-        for index, flight in enumerate(flights):
+        for index, (flight, reader) in enumerate(zip(flights, readers, strict=True)):
             assert flight.output is not None
+            text, tool_calls = flight.output.text, None
             finish_reason = flight.finish_reason or "stop"
-            tool_calls = body.tool_calls(flight.output.text) if meta.chat else None
-            if tool_calls is not None and body.tool_choice == "required" and (
-                    finish_reason == "stop"):
-                finish_reason = "tool_calls"  # as OpenAI's; a named call ends in "stop"
+            if reader is not None:
+                reply = reader.read(text, flight.output_token_ids)
+                text, tool_calls = reply.content, reply.tool_calls
+                finish_reason = reader.finish_reason(finish_reason, streamed=False)
             choices.append(meta.choice(
-                index, flight.output.text, finish_reason, flight.stop_reason,
+                index, text, finish_reason, flight.stop_reason,
                 self._logprobs(flight, self._formatter(flight, meta.chat), 0,
                                len(flight.output_token_ids)), tool_calls))
         return JsonReply(200, meta.full(choices, self._usage(flights),
                                         [self._summary(f) for f in flights]))
 
-    async def _stream(self, flights: list[Flight], meta: ResponseMeta,
-                      include_usage: bool) -> AsyncIterator[str]:
+    async def _stream(self, flights: list[Flight], readers: list[ToolCallReader | None],
+                      meta: ResponseMeta, include_usage: bool) -> AsyncIterator[str]:
         """Chunks of every choice as they come (interleaved, each with its index), then
-        the closing chunk and `[DONE]`; an engine lost ends the stream with an error."""
+        the closing chunk and `[DONE]`; an engine lost ends the stream with an error. A
+        choice that may call tools sends what its reader makes of the text: nothing while
+        a call's name is incomplete, then the call's deltas."""
         queue: asyncio.Queue[tuple[int, list[TokenEvent] | BaseException | None]] = (
             asyncio.Queue())
 
@@ -470,14 +494,23 @@ class CompletionService:
                     return
                 if isinstance(item, BaseException):
                     raise item
-                flight = flights[index]
+                flight, reader = flights[index], readers[index]
                 assert flight.output is not None
                 final = flight.finish_reason is not None and item[-1].finished
                 start, num_sent[index] = num_sent[index], len(flight.output_token_ids)
-                yield sse(meta.chunk(
-                    index, flight.output.delta(final),
-                    flight.finish_reason if final else None, flight.stop_reason,
-                    self._logprobs(flight, formatters[index], start, num_sent[index])))
+                text = flight.output.delta(final)
+                logprobs = self._logprobs(flight, formatters[index], start, num_sent[index])
+                finish_reason = flight.finish_reason if final else None
+                delta = None
+                if reader is not None:
+                    delta = reader.delta(text, flight.output_token_ids[start:], final)
+                    if delta is None and not final and logprobs is None:
+                        continue  # e.g. a call's name still incomplete
+                    delta = delta or {}
+                    if finish_reason is not None:
+                        finish_reason = reader.finish_reason(finish_reason, streamed=True)
+                yield sse(meta.chunk(index, text, finish_reason, flight.stop_reason, logprobs,
+                                     delta))
             yield sse(meta.last_chunk(self._usage(flights) if include_usage else None,
                                       [self._summary(f) for f in flights]))
             yield sse("[DONE]")

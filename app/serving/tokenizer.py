@@ -26,8 +26,13 @@ class Tokenizer(ABC):
         """Prompt text -> token ids (no special tokens added beyond the model's own)."""
 
     @abstractmethod
-    def decode(self, token_ids: Sequence[int]) -> str:
-        """Token ids -> text."""
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Token ids -> text (special tokens left out unless asked for)."""
+
+    @property
+    def backend(self) -> Any:
+        """The tokenizer object vLLM's tool parsers read (None: none)."""
+        return None
 
     def render_chat(self, messages: Sequence[ChatMessage],
                     tools: Sequence[dict[str, Any]] | None = None) -> str:
@@ -50,8 +55,12 @@ class HfTokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text))
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    @property
+    def backend(self) -> Any:
+        return self._tokenizer
 
     def token_text(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id])  # special tokens by name, as vLLM's
@@ -82,7 +91,7 @@ class WordHashTokenizer(Tokenizer):
             for w in text.split()
         ]
 
-    def decode(self, token_ids: Sequence[int]) -> str:
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return "".join(f" <{t}>" for t in token_ids)
 
 
@@ -104,13 +113,15 @@ class OutputText:
     token's text) is left out unless `include_stop`; no stop counts among the first
     `min_tokens` tokens; a stream holds back the last
     `len(longest stop) - 1` characters (they may begin a stop) and a trailing incomplete
-    UTF-8 character until the token that completes it arrives.
+    UTF-8 character until the token that completes it arrives. Special tokens are left
+    out of the text unless not `skip_special_tokens`.
     """
 
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (),
                  stop_token_ids: Sequence[int] = (), include_stop: bool = False,
-                 min_tokens: int = 0) -> None:
+                 min_tokens: int = 0, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(stop)
         self.stop_token_ids = frozenset(stop_token_ids)
         self.include_stop = include_stop
@@ -128,8 +139,11 @@ class OutputText:
     def text(self) -> str:
         """The output text so far (final once a stop ended it)."""
         if self._text is None:
-            self._text = self.tokenizer.decode(self.token_ids)
+            self._text = self._decode(self.token_ids)
         return self._text
+
+    def _decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(token_ids, self.skip_special_tokens)
 
     def observe(self, token_ids: Sequence[int]) -> StopHit | None:
         """Take new output tokens; the hit when a stop ends the output among them."""
@@ -145,14 +159,14 @@ class OutputText:
         shown = batch[:-1] if token_stop is not None and not self.include_stop else batch
         shown_text = None  # the output through `shown`, once decoded
         if self.stop and len(shown) > eligible:
-            shown_text = self.tokenizer.decode(self.token_ids + shown)
+            shown_text = self._decode(self.token_ids + shown)
             found = self._stop_string_in(shown, eligible, shown_text)
             if found is not None:
                 num_tokens, text, reason = found
                 self._end(batch[:num_tokens], text, reason)
                 return StopHit(num_tokens, reason)
         if shown_text is None and token_stop is not None:
-            shown_text = self.tokenizer.decode(self.token_ids + shown)
+            shown_text = self._decode(self.token_ids + shown)
         if token_stop is not None:
             self._end(batch, shown_text, batch[-1])
             return StopHit(len(batch), batch[-1])
@@ -170,12 +184,12 @@ class OutputText:
         """(tokens through the one completing the earliest stop string, the text cut
         there, the stop string), or None when no stop string ends in this batch at or
         after its token `eligible`; `whole` is the output decoded through the batch."""
-        before = self.tokenizer.decode(self.token_ids + batch[:eligible]) if eligible else self.text
+        before = self._decode(self.token_ids + batch[:eligible]) if eligible else self.text
         start = max(len(before) - max(map(len, self.stop)) + 1, 0)
         if self._earliest_stop(whole, start) is None:
             return None
         for k in range(eligible + 1, len(batch) + 1):  # the token that completes it
-            text = self.tokenizer.decode(self.token_ids + batch[:k])
+            text = self._decode(self.token_ids + batch[:k])
             found = self._earliest_stop(text, start)
             if found is not None:
                 position, stop = found

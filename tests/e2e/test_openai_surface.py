@@ -39,9 +39,7 @@ def reference_command(model_dir: Path, port: int) -> list[str]:
             "--max-model-len", str(engine.max_model_len),
             "--max-num-seqs", str(sched.max_num_seqs),
             "--max-num-batched-tokens", str(sched.max_num_batched_tokens),
-            # vLLM wants a tool parser even for "required" and named tool choices (which
-            # it serves with structured outputs, not the parser); pythonic needs no
-            # special tokens
+            # the router's tool_call_parser (pythonic needs no special tokens)
             "--enable-auto-tool-choice", "--tool-call-parser", "pythonic",
             "--host", "127.0.0.1", "--port", str(port)]
 
@@ -84,7 +82,8 @@ def router_url(vllm_engines, tiny_model_dir) -> Iterator[str]:
     from app.serving.config import ServeConfig
     from deployments.router import serve_application
 
-    config = ServeConfig(cluster=vllm_cluster_config(tiny_model_dir), default_slo_s=300.0)
+    config = ServeConfig(cluster=vllm_cluster_config(tiny_model_dir), default_slo_s=300.0,
+                         tool_call_parser="pythonic")
     with serve_application(config, "openai-surface") as url:  # the shared engines stay
         yield url
 
@@ -128,6 +127,8 @@ SAMPLING_CASES = {
     "logit bias": {"max_tokens": 8, "temperature": 0.0, "logit_bias": {"300": 100.0}},
     "min tokens past EOS": {"max_tokens": 16, "temperature": 0.0,
                             "extra_body": {"min_tokens": 12}},
+    "special tokens shown": {"max_tokens": 4, "temperature": 0.0, "logit_bias": {"1": 100.0},
+                             "extra_body": {"ignore_eos": True, "skip_special_tokens": False}},
 }
 
 
@@ -137,6 +138,8 @@ def test_sampling_parameters_give_vllms_reply(router_url, reference_url, params)
     assert_same_choice(ours.choices[0], theirs.choices[0])
     assert ours.usage.completion_tokens == theirs.usage.completion_tokens
     assert ours.usage.prompt_tokens == theirs.usage.prompt_tokens
+    if params.get("extra_body", {}).get("skip_special_tokens") is False:
+        assert ours.choices[0].text == "</s>" * 4
 
 
 def test_stop_strings_and_stop_token_ids_end_the_reply_as_vllm(router_url, reference_url):
@@ -379,26 +382,55 @@ CLOCK_TOOL = {"type": "function", "function": {
                                     "required": ["utc"]}}}
 
 
+# the tiny model writes no calls by itself: a regex makes it write pythonic ones
+PYTHONIC_CALLS = {"structured_outputs": {
+    "regex": r'\[weather\(city="(Oslo|Lima)"\)(, clock\(utc=(True|False)\))?\]'}}
+
+
 def calls(reply) -> list[tuple[str, dict]]:
     return [(c.function.name, json.loads(c.function.arguments))
             for c in reply.choices[0].message.tool_calls or ()]
 
 
-@pytest.mark.parametrize("tool_choice", [
-    "required", {"type": "function", "function": {"name": "weather"}}],
-    ids=["required", "named"])
-def test_tool_calls_match_vllm(router_url, reference_url, no_whitespace, tool_choice):
-    params = {"model": "goodserve", "temperature": 0.0, "max_completion_tokens": 60,
+def streamed_reply(url: str, params: dict) -> tuple[str, list[tuple[str, dict]], str]:
+    """A streamed chat reply as the openai client sees it: (content, calls, finish reason)."""
+    content, parts, finish_reason = "", {}, None
+    for chunk in client(url).chat.completions.create(stream=True, **params):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for part in delta.tool_calls or ():
+            name, arguments = parts.get(part.index, ("", ""))
+            parts[part.index] = (name + (part.function.name or ""),
+                                 arguments + (part.function.arguments or ""))
+        finish_reason = chunk.choices[0].finish_reason or finish_reason
+    return content, [(n, json.loads(a)) for _, (n, a) in sorted(parts.items())], finish_reason
+
+
+TOOL_CASES = {
+    "required": {"tool_choice": "required"},
+    "named": {"tool_choice": {"type": "function", "function": {"name": "weather"}}},
+    "auto, calls": {"tool_choice": "auto", "extra_body": PYTHONIC_CALLS},
+    "auto, text": {},  # tools without tool_choice: auto
+}
+
+
+@pytest.mark.parametrize("fields", TOOL_CASES.values(), ids=TOOL_CASES.keys())
+def test_tool_calls_match_vllm_whole_and_streamed(router_url, reference_url, no_whitespace,
+                                                  fields):
+    params = {"model": "goodserve", "temperature": 0.0, "max_completion_tokens": 40,
               "logit_bias": no_whitespace, "tools": [WEATHER_TOOL, CLOCK_TOOL],
-              "tool_choice": tool_choice,
-              "messages": [{"role": "user", "content": "weather in oslo?"}]}
+              "messages": [{"role": "user", "content": "weather in oslo?"}]} | fields
     ours = client(router_url).chat.completions.create(**params)
     theirs = client(reference_url).chat.completions.create(**params)
-    assert calls(ours) == calls(theirs) and calls(ours)
+    assert calls(ours) == calls(theirs)
+    assert bool(calls(ours)) == bool(fields)
     assert ours.choices[0].finish_reason == theirs.choices[0].finish_reason
-    assert ours.choices[0].message.content == theirs.choices[0].message.content == ""
+    assert ours.choices[0].message.content == theirs.choices[0].message.content
     names = {t["function"]["name"] for t in (WEATHER_TOOL, CLOCK_TOOL)}
     assert {name for name, _ in calls(ours)} <= names
+    assert streamed_reply(router_url, params) == streamed_reply(reference_url, params)
 
 
 def test_a_conversation_with_tool_results_matches_vllm(router_url, reference_url):

@@ -285,7 +285,7 @@ class Utf8Bytes(Tokenizer):
     def encode(self, text: str) -> list[int]:
         return list(text.encode())
 
-    def decode(self, token_ids: Sequence[int]) -> str:
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return bytes(token_ids).decode(errors="replace")
 
 

@@ -52,12 +52,27 @@ class IdWords(Tokenizer):
     def encode(self, text: str) -> list[int]:
         return [int(w) for w in text.split()]
 
-    def decode(self, token_ids: Sequence[int]) -> str:
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return "".join(f" {t}" for t in token_ids)
 
 
 def text_of(*token_ids: int) -> str:
     return IdWords().decode(token_ids)
+
+
+class WithSpecial(IdWords):
+    """Token 0 is a special token, " <s>": left out unless asked for."""
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return "".join(" <s>" if t == 0 else f" {t}" for t in token_ids
+                       if t or not skip_special_tokens)
+
+
+def test_special_tokens_are_shown_only_when_asked():
+    for skip, text in ((True, " 5 6"), (False, " 5 <s> 6")):
+        output = OutputText(WithSpecial(), skip_special_tokens=skip)
+        output.observe([5, 0, 6])
+        assert output.text == text and output.delta(final=True) == text
 
 
 def utf8(text: str) -> list[int]:
@@ -350,7 +365,6 @@ def test_vllm_gets_the_budgets_left_after_a_resume_and_the_constraint():
 # ---- tools -------------------------------------------------------------------------------
 WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-CLOCK = {"type": "function", "function": {"name": "clock"}}
 
 
 def chat_body(**fields) -> bytes:
@@ -358,69 +372,13 @@ def chat_body(**fields) -> bytes:
                       | fields).encode()
 
 
-def test_tool_choices_constrain_the_reply_to_calls_as_vllm_does():
-    from vllm.entrypoints.openai.chat_completion.protocol import (
-        ChatCompletionRequest as VllmChat,
-    )
-    from vllm.tool_parsers.utils import get_json_schema_from_tools
-
-    from app.serving.api import ChatCompletionRequest
-
-    for fields in ({"tool_choice": "required"},
-                   {"tool_choice": "required", "parallel_tool_calls": False},
-                   {"tool_choice": {"type": "function", "function": {"name": "weather"}}},
-                   {"tool_choice": {"type": "function", "function": {"name": "clock"}}}):
-        raw = chat_body(tools=[WEATHER, CLOCK], **fields)
-        ours = parse_body(raw, ChatCompletionRequest)
-        theirs = VllmChat.model_validate(json.loads(raw))
-        expected = get_json_schema_from_tools(theirs.tool_choice, theirs.tools,
-                                              theirs.parallel_tool_calls)
-        assert ours.structured == StructuredOutput("json", json.dumps(expected)), fields
-    assert parse_body(chat_body(tools=[WEATHER], tool_choice="none"),
-                      ChatCompletionRequest).structured is None
-
-
-def test_tool_calls_are_read_from_the_constrained_output():
-    from app.serving.api import ChatCompletionRequest
-
-    required = parse_body(chat_body(tools=[WEATHER, CLOCK], tool_choice="required"),
-                          ChatCompletionRequest)
-    calls = required.tool_calls('[{"name": "weather", "parameters": {"city": "Oslo"}}]')
-    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
-        ("weather", '{"city": "Oslo"}')]
-    assert calls[0]["id"].startswith("chatcmpl-tool-") and calls[0]["type"] == "function"
-    assert required.tool_calls('[{"name": "weath') is None  # cut before the JSON closed
-    named = parse_body(chat_body(tools=[WEATHER], tool_choice={
-        "type": "function", "function": {"name": "weather"}}), ChatCompletionRequest)
-    assert named.tool_calls('{"city": "Oslo"}')[0]["function"] == {
-        "name": "weather", "arguments": '{"city": "Oslo"}'}
-
-
-@pytest.mark.parametrize(("fields", "message"), [
-    ({"tools": [WEATHER]}, "'auto' needs a tool parser"),
-    ({"tools": [WEATHER], "tool_choice": "auto"}, "'auto' needs a tool parser"),
-    ({"tool_choice": "required"}, "tool_choice: needs tools"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
-     "no tool named 'x'"),
-    ({"tools": [WEATHER], "tool_choice": "required", "stream": True}, "streamed tool calls"),
-    ({"tools": [WEATHER], "tool_choice": "required",
-      "response_format": {"type": "json_object"}}, "cannot be combined"),
-    ({"messages": [{"role": "tool", "content": "12 C"}]}, "tool.tool_call_id: Field required"),
-    ({"messages": [{"role": "user"}]}, "user.content: Field required"),
-    ({"messages": [{"role": "assistant"}]}, "content: required unless the message makes"),
-])
-def test_impossible_tool_requests_are_refused(fields, message):
-    from app.serving.api import ChatCompletionRequest
-
-    with pytest.raises(ApiError, match=message):
-        parse_body(chat_body(**fields), ChatCompletionRequest)
-
-
 async def test_tools_on_simulated_engines_are_refused_by_name():
     service = sim_service(ScriptedEngine("e", "A40"))
     reply = await service.complete(chat_body(model="goodserve", tools=[WEATHER],
                                              tool_choice="required"), chat=True)
     assert reply.status_code == 400 and reply.body["error"]["param"] == "tools"
+    auto = await service.complete(chat_body(model="goodserve", tools=[WEATHER]), chat=True)
+    assert auto.status_code == 400 and auto.body["error"]["param"] == "tool_choice"
     completion = await service.complete(body(tools=[WEATHER]), chat=False)
     assert completion.status_code == 400 and "tools: not supported" in (
         completion.body["error"]["message"])
