@@ -14,10 +14,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from app.engine_types import TokenLogprobs
-from app.serving.tokenizer import Tokenizer
+from app.serving.tokenizer import REPLACEMENT_CHAR, Tokenizer
 
 MIN_LOGPROB = -9999.0  # -inf is not JSON; vLLM reports this floor
-REPLACEMENT_CHAR = "\ufffd"
 MAX_CONTEXT_TOKENS = 4  # enough preceding tokens to complete any UTF-8 character
 
 

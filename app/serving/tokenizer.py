@@ -137,10 +137,14 @@ class OutputText:
 
     @property
     def text(self) -> str:
-        """The output text so far (final once a stop ended it)."""
+        """The output text so far (final once a stop ended it). As in vLLM, trailing
+        U+FFFD are held back: an incomplete UTF-8 character the next token may complete,
+        and never shown when it ends the output."""
         if self._text is None:
             self._text = self._decode(self.token_ids)
-        return self._text
+        if isinstance(self.stop_reason, str):  # the text before a stop string is whole
+            return self._text
+        return self._text.rstrip(REPLACEMENT_CHAR)
 
     def _decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(token_ids, self.skip_special_tokens)
@@ -204,10 +208,8 @@ class OutputText:
     def delta(self, final: bool = False) -> str:
         """The text not streamed yet (all of it when `final` or stopped)."""
         text = self.text
-        if not final and self.stop_reason is None:
-            text = text.rstrip(REPLACEMENT_CHAR)
-            if self.stop and not self.include_stop:
-                text = text[:max(len(text) - max(map(len, self.stop)) + 1, len(self._sent))]
+        if not final and self.stop_reason is None and self.stop and not self.include_stop:
+            text = text[:max(len(text) - max(map(len, self.stop)) + 1, len(self._sent))]
         if not text.startswith(self._sent):  # a merge rewrote earlier text: resend nothing
             return ""
         delta = text[len(self._sent):]

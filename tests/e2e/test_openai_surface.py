@@ -419,7 +419,7 @@ TOOL_CASES = {
 @pytest.mark.parametrize("fields", TOOL_CASES.values(), ids=TOOL_CASES.keys())
 def test_tool_calls_match_vllm_whole_and_streamed(router_url, reference_url, no_whitespace,
                                                   fields):
-    params = {"model": "goodserve", "temperature": 0.0, "max_completion_tokens": 40,
+    params = {"model": "goodserve", "temperature": 0.0, "max_completion_tokens": 60,
               "logit_bias": no_whitespace, "tools": [WEATHER_TOOL, CLOCK_TOOL],
               "messages": [{"role": "user", "content": "weather in oslo?"}]} | fields
     ours = client(router_url).chat.completions.create(**params)

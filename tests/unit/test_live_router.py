@@ -297,6 +297,9 @@ def test_output_text_holds_back_an_incomplete_character():
     output.observe(euro[1:])
     assert output.delta() == "€"
     assert output.text == "a€"
+    output.observe([ord("b"), euro[0]])  # the output ends inside a character
+    assert output.text == "a€b"  # as vLLM's detokenizer, which never shows it
+    assert output.delta(final=True) == "b"
 
 
 def sim_service(*engines: ScriptedEngine, **config) -> CompletionService:
