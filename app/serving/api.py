@@ -159,6 +159,8 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False  # a last chunk with the usage of the whole request
+    # with include_usage, every chunk carries its choice's usage so far (vLLM's)
+    continuous_usage_stats: bool = False
 
 
 class _OpenAiBody(BaseModel):

@@ -27,6 +27,7 @@ from app.serving.api import (
     MigrateRequest,
     RequestSummary,
     ResponseMeta,
+    StreamOptions,
     error_body,
     invalid_request,
     parse_body,
@@ -219,8 +220,7 @@ class CompletionService:
         meta = ResponseMeta.new(f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
                                 self.config.model_name, chat)
         if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return self._stream(flights, readers, meta, include_usage)
+            return self._stream(flights, readers, meta, body.stream_options or StreamOptions())
         return await self._collect(flights, readers, meta)
 
     def models(self) -> dict[str, Any]:
@@ -459,7 +459,7 @@ class CompletionService:
                                         [self._summary(f) for f in flights]))
 
     async def _stream(self, flights: list[Flight], readers: list[ToolCallReader | None],
-                      meta: ResponseMeta, include_usage: bool) -> AsyncIterator[str]:
+                      meta: ResponseMeta, options: StreamOptions) -> AsyncIterator[str]:
         """Chunks of every choice as they come (interleaved, each with its index), then
         the closing chunk and `[DONE]`; an engine lost ends the stream with an error. A
         choice that may call tools sends what its reader makes of the text: nothing while
@@ -478,10 +478,19 @@ class CompletionService:
         tasks = [asyncio.create_task(pump(i, f)) for i, f in enumerate(flights)]
         formatters = [self._formatter(f, meta.chat) for f in flights]
         num_sent = [0] * len(flights)
+        num_prompt_tokens = len(flights[0].request.prompt_token_ids)
+
+        def with_usage(chunk: dict[str, Any], num_output_tokens: int) -> dict[str, Any]:
+            """`chunk`, with its choice's usage so far when asked for (vLLM's
+            `continuous_usage_stats`)."""
+            if options.include_usage and options.continuous_usage_stats:
+                chunk["usage"] = usage(num_prompt_tokens, num_output_tokens)
+            return chunk
+
         try:
             if meta.chat:
                 for index in range(len(flights)):
-                    yield sse(meta.opening_chunk(index))
+                    yield sse(with_usage(meta.opening_chunk(index), 0))
             num_open = len(flights)
             while num_open:
                 index, item = await queue.get()
@@ -509,9 +518,9 @@ class CompletionService:
                     delta = delta or {}
                     if finish_reason is not None:
                         finish_reason = reader.finish_reason(finish_reason, streamed=True)
-                yield sse(meta.chunk(index, text, finish_reason, flight.stop_reason, logprobs,
-                                     delta))
-            yield sse(meta.last_chunk(self._usage(flights) if include_usage else None,
+                yield sse(with_usage(meta.chunk(index, text, finish_reason, flight.stop_reason,
+                                                logprobs, delta), num_sent[index]))
+            yield sse(meta.last_chunk(self._usage(flights) if options.include_usage else None,
                                       [self._summary(f) for f in flights]))
             yield sse("[DONE]")
         finally:

@@ -194,6 +194,12 @@ def test_a_stream_with_usage_matches_the_full_reply(router_url, reference_url):
     theirs = completion(reference_url, max_tokens=20, temperature=0.0)
     assert text == theirs.choices[0].text
     assert chunks[-1].usage.completion_tokens == theirs.usage.completion_tokens == 20
+    options = {"include_usage": True, "continuous_usage_stats": True}  # vLLM's extension
+    ours = [c.usage.completion_tokens for c in completion(
+        router_url, max_tokens=20, temperature=0.0, stream=True, stream_options=options)]
+    theirs = [c.usage.completion_tokens for c in completion(
+        reference_url, max_tokens=20, temperature=0.0, stream=True, stream_options=options)]
+    assert ours == sorted(ours) and ours[-2:] == theirs[-2:] == [20, 20]
 
 
 MOVED_TOKENS = 300  # long enough to be in flight when the move arrives (~1 s here)

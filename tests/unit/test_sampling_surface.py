@@ -244,6 +244,25 @@ async def test_a_stop_string_ends_a_reply_with_its_reason_and_usage_on_request()
     service.close()
 
 
+async def test_continuous_usage_counts_each_choice_so_far():
+    service = sim_service(ScriptedEngine("e", "A40"))
+    stream = await service.complete(body(max_tokens=6, n=2, stream=True, stream_options={
+        "include_usage": True, "continuous_usage_stats": True}), chat=False)
+    chunks = [json.loads(line.removeprefix("data: ")) async for line in stream
+              if line != "data: [DONE]\n\n"]
+    counts = {0: [], 1: []}
+    for chunk in chunks[:-1]:
+        counts[chunk["choices"][0]["index"]].append(chunk["usage"]["completion_tokens"])
+        assert chunk["usage"]["prompt_tokens"] == 4
+    assert all(c == sorted(c) and c[-1] == 6 for c in counts.values()), counts
+    assert chunks[-1]["usage"]["completion_tokens"] == 12
+    plain = await service.complete(body(max_tokens=3, stream=True, stream_options={
+        "include_usage": True}), chat=False)
+    assert not any(["usage" in json.loads(line.removeprefix("data: ")) async for line in plain
+                    if line != "data: [DONE]\n\n"][:-1])
+    service.close()
+
+
 # ---- shapes and the accepted surface ---------------------------------------------------
 def test_logprobs_in_the_completion_and_chat_shapes():
     entries = [TokenLogprobs(-0.5, ((ord("a"), -0.5), (ord("b"), -1.5))),
