@@ -94,7 +94,7 @@ def serve(
     from ray import serve as ray_serve
 
     from app.serving.config import default_serve_config, load_serve_config
-    from app.serving.service import api_keys
+    from app.serving.service import api_keys, make_tokenizer, tool_parsing
     from deployments.cluster import init_local_ray
     from deployments.controller import drain_application, stop_controller
     from deployments.router import build_app
@@ -110,6 +110,11 @@ def serve(
         typer.echo(f"error: model directory not found: {model_path} (for the tiny test model "
                    "run `goodserve tiny-model`)", err=True)
         raise typer.Exit(code=2)
+    try:  # a tool parser the model cannot run stops here, not in a replica
+        tool_parsing(serve_config, make_tokenizer(serve_config))
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=2) from None
     http_port = port or serve_config.http_port
     inventory = serve_config.controller.inventory if serve_config.controller else ()
 

@@ -110,6 +110,13 @@ class JsonReply:
     headers: Mapping[str, str] = field(default_factory=dict)
 
 
+def tool_parsing(config: ServeConfig, tokenizer: Tokenizer) -> ToolParsing | None:
+    """The model family's tool parser the config names (ValueError when it cannot run)."""
+    if config.tool_call_parser is None:
+        return None
+    return ToolParsing(config.tool_call_parser, tokenizer.backend)
+
+
 def api_keys(config: ServeConfig) -> ApiKeys:
     """The configured keys (environment and the config's files) with the rate limit."""
     auth = config.auth
@@ -153,8 +160,7 @@ class CompletionService:
                                  metrics=RouterMetrics(metrics or NullFactory(),
                                                        config.routing.policy))
         self.keys = api_keys(config)
-        self.tool_parsing = (None if config.tool_call_parser is None
-                             else ToolParsing(config.tool_call_parser, self.tokenizer.backend))
+        self.tool_parsing = tool_parsing(config, self.tokenizer)
         self.closing = False  # shutting down: new requests get a 503, those in flight finish
         self._ids = itertools.count()
         self._start_lock = asyncio.Lock()

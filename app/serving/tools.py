@@ -66,7 +66,6 @@ class NamedCallReader(ToolCallReader):
 
     def __init__(self, name: str) -> None:
         super().__init__()
-        self.name = name
 
     def read(self, text: str, token_ids: Sequence[int]) -> ToolReply:
         self.called = bool(text.strip())
@@ -182,18 +181,21 @@ class ToolParsing:
     """The served model family's tool parser (vLLM's), for `tool_choice: "auto"`."""
 
     def __init__(self, name: str, tokenizer: Any) -> None:
+        """Raises ValueError for a name vLLM does not know, or a parser the model's
+        tokenizer cannot serve (it lacks the family's call markers)."""
         from vllm.parser import ParserManager
+        from vllm.tool_parsers import ToolParserManager
 
+        known = sorted({*ToolParserManager.tool_parsers, *ToolParserManager.lazy_parsers})
+        if name not in known:
+            raise ValueError(f"tool_call_parser: {name!r} is not one of vLLM's tool parsers "
+                             f"({', '.join(known)})")
         try:
             self.parser_cls = ParserManager.get_parser(
                 tool_parser_name=name, enable_auto_tools=True, tokenizer=tokenizer)
-        except TypeError as exc:
-            from vllm.tool_parsers import ToolParserManager
-
-            known = sorted({*ToolParserManager.tool_parsers, *ToolParserManager.lazy_parsers})
-            raise ValueError(f"tool_call_parser: {name!r} is not one of vLLM's tool parsers "
-                             f"({', '.join(known)})") from exc
-        self.name = name
+        except TypeError as exc:  # vLLM's check of the tokenizer
+            raise ValueError(f"tool_call_parser: {name!r} cannot read this model's output: "
+                             f"{exc.__cause__ or exc}") from exc
         self.tokenizer = tokenizer
 
     def reader(self, body: ChatCompletionRequest,

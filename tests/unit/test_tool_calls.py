@@ -21,7 +21,7 @@ from app.engine_types import EngineRequest, StructuredOutput, TokenEvent
 from app.serving.api import ApiError, ChatCompletionRequest, parse_body
 from app.serving.config import RoutingConfig, ServeConfig
 from app.serving.service import CompletionService
-from app.serving.tokenizer import Tokenizer
+from app.serving.tokenizer import HfTokenizer, Tokenizer
 from app.serving.tools import (
     NamedCallReader,
     ParsedCallsReader,
@@ -200,6 +200,15 @@ def test_no_reader_where_the_reply_cannot_call_tools(pythonic):
 def test_an_unknown_tool_parser_is_refused_with_the_known_ones():
     with pytest.raises(ValueError, match="'nope' is not one of vLLM's tool parsers.*pythonic"):
         ToolParsing("nope", None)
+
+
+def test_a_tool_parser_the_tokenizer_cannot_serve_is_refused(tiny_model_dir):
+    """The tiny llama has no `<|python_tag|>`, the llama3_json family's call marker."""
+    tokenizer = HfTokenizer(str(tiny_model_dir)).backend
+    with pytest.raises(ValueError, match="'llama3_json' cannot read this model's output.*"
+                                         "python_tag"):
+        ToolParsing("llama3_json", tokenizer)
+    ToolParsing("pythonic", tokenizer)  # needs no marker
 
 
 @pytest.mark.parametrize(("fields", "message"), [
