@@ -66,6 +66,7 @@ class NamedCallReader(ToolCallReader):
 
     def __init__(self, name: str) -> None:
         super().__init__()
+        self.name = name
 
     def read(self, text: str, token_ids: Sequence[int]) -> ToolReply:
         self.called = bool(text.strip())
