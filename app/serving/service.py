@@ -110,6 +110,37 @@ class JsonReply:
     headers: Mapping[str, str] = field(default_factory=dict)
 
 
+@dataclass
+class ChoiceStream:
+    """One choice of a streamed reply: how far it was sent, how its output is shown."""
+
+    index: int
+    flight: Flight
+    reader: ToolCallReader | None  # reads tool calls out of the text; None: plain text
+    formatter: LogprobsFormatter | None  # None: no logprobs asked for
+    num_sent: int = 0  # output tokens already sent
+
+    def chunk(self, meta: ResponseMeta, batch_finished: bool) -> dict[str, Any] | None:
+        """The chunk for the tokens since the last one (None: nothing to show yet)."""
+        flight = self.flight
+        assert flight.output is not None
+        final = flight.finish_reason is not None and batch_finished
+        start, self.num_sent = self.num_sent, len(flight.output_token_ids)
+        text = flight.output.delta(final)
+        logprobs = None if self.formatter is None else self.formatter.format(
+            flight.output_token_ids[start:], flight.output_logprobs[start:])
+        finish_reason = flight.finish_reason if final else None
+        delta = None
+        if self.reader is not None:
+            delta = self.reader.delta(text, flight.output_token_ids[start:], final)
+            if delta is None and not final and logprobs is None:
+                return None  # e.g. a call's name still incomplete
+            delta = delta or {}
+            if finish_reason is not None:
+                finish_reason = self.reader.finish_reason(finish_reason, streamed=True)
+        return meta.chunk(self.index, text, finish_reason, flight.stop_reason, logprobs, delta)
+
+
 def tool_parsing(config: ServeConfig, tokenizer: Tokenizer) -> ToolParsing | None:
     """The model family's tool parser the config names (ValueError when it cannot run)."""
     if config.tool_call_parser is None:
@@ -420,12 +451,12 @@ class CompletionService:
             predicted_output_tokens=flight.route.predicted_output_tokens,
         )
 
-    def _logprobs(self, flight: Flight, formatter: LogprobsFormatter | None, start: int,
-                  end: int) -> dict[str, Any] | None:
+    def _logprobs(self, flight: Flight, chat: bool) -> dict[str, Any] | None:
+        """The whole output's logprobs, when asked for."""
+        formatter = self._formatter(flight, chat)
         if formatter is None:
             return None
-        return formatter.format(flight.output_token_ids[start:end],
-                                flight.output_logprobs[start:end])
+        return formatter.format(flight.output_token_ids, flight.output_logprobs)
 
     def _formatter(self, flight: Flight, chat: bool) -> LogprobsFormatter | None:
         wanted = flight.request.sampling.logprobs is not None
@@ -459,8 +490,7 @@ class CompletionService:
                 finish_reason = reader.finish_reason(finish_reason, streamed=False)
             choices.append(meta.choice(
                 index, text, finish_reason, flight.stop_reason,
-                self._logprobs(flight, self._formatter(flight, meta.chat), 0,
-                               len(flight.output_token_ids)), tool_calls))
+                self._logprobs(flight, meta.chat), tool_calls))
         return JsonReply(200, meta.full(choices, self._usage(flights),
                                         [self._summary(f) for f in flights]))
 
@@ -482,8 +512,8 @@ class CompletionService:
                 queue.put_nowait((index, exc))
 
         tasks = [asyncio.create_task(pump(i, f)) for i, f in enumerate(flights)]
-        formatters = [self._formatter(f, meta.chat) for f in flights]
-        num_sent = [0] * len(flights)
+        choices = [ChoiceStream(i, flight, reader, self._formatter(flight, meta.chat))
+                   for i, (flight, reader) in enumerate(zip(flights, readers, strict=True))]
         num_prompt_tokens = len(flights[0].request.prompt_token_ids)
 
         def with_usage(chunk: dict[str, Any], num_output_tokens: int) -> dict[str, Any]:
@@ -509,23 +539,9 @@ class CompletionService:
                     return
                 if isinstance(item, BaseException):
                     raise item
-                flight, reader = flights[index], readers[index]
-                assert flight.output is not None
-                final = flight.finish_reason is not None and item[-1].finished
-                start, num_sent[index] = num_sent[index], len(flight.output_token_ids)
-                text = flight.output.delta(final)
-                logprobs = self._logprobs(flight, formatters[index], start, num_sent[index])
-                finish_reason = flight.finish_reason if final else None
-                delta = None
-                if reader is not None:
-                    delta = reader.delta(text, flight.output_token_ids[start:], final)
-                    if delta is None and not final and logprobs is None:
-                        continue  # e.g. a call's name still incomplete
-                    delta = delta or {}
-                    if finish_reason is not None:
-                        finish_reason = reader.finish_reason(finish_reason, streamed=True)
-                yield sse(with_usage(meta.chunk(index, text, finish_reason, flight.stop_reason,
-                                                logprobs, delta), num_sent[index]))
+                chunk = choices[index].chunk(meta, item[-1].finished)
+                if chunk is not None:
+                    yield sse(with_usage(chunk, choices[index].num_sent))
             yield sse(meta.last_chunk(self._usage(flights) if options.include_usage else None,
                                       [self._summary(f) for f in flights]))
             yield sse("[DONE]")
