@@ -9,9 +9,10 @@ every request. A request ends one of four ways:
 - failed: a clear error, by kind (`engine_error`, an HTTP 500 from Ray Serve, a
   connection the server closed);
 - lost: no answer within the client's timeout (a hang), or no record at all.
-A refused connection never reached the server, so the client sends it again for up to
-`CONNECT_WAIT_S` (what a load balancer does in front of several proxies): on one node
-Ray Serve's proxy takes about half a minute to come back after it dies.
+A request the application never saw is sent again for up to `CONNECT_WAIT_S` (what a
+load balancer does in front of several proxies): a refused connection, and Ray Serve's
+plain-text 404 from a new proxy that has not learnt the application's routes yet. On
+one node the proxy takes about half a minute to come back after it dies.
 """
 
 from __future__ import annotations
@@ -55,10 +56,17 @@ class ScenarioResult:
     greedy_checked: int = 0  # completed greedy requests compared with the unfaulted text
     greedy_kept: int = 0  # ... and equal to it
     moved: int = 0  # completed requests that ran on more than one engine
-    retries: int = 0  # connections refused before sending, sent again
+    retries: int = 0  # requests the application never saw (refused, unrouted), sent again
 
     def as_dict(self) -> dict:
         return asdict(self) | {"rejected": dict(self.rejected), "failed": dict(self.failed)}
+
+
+def unrouted(reply: httpx.Response) -> bool:
+    """A proxy's own 404 ("Path ... not found"): it does not know the application's
+    routes yet, so the request never reached the application (whose 404s are OpenAI
+    JSON errors)."""
+    return reply.status_code == 404 and reply.text.startswith("Path '")
 
 
 class _Client:
@@ -87,6 +95,10 @@ class _Client:
                 return "lost", "no answer in time", None, attempt
             except httpx.HTTPError:  # the server closed the connection mid-request
                 return "failed", "connection closed", None, attempt
+            if unrouted(reply) and time.monotonic() <= give_up_s:
+                attempt += 1
+                time.sleep(1.0)
+                continue
             return (*self._classify(reply), attempt)
 
     @staticmethod
