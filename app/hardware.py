@@ -299,9 +299,11 @@ class InstanceSpec:
             return 0.0
         return self.iteration_breakdown(batch).total_s
 
-    def solo_latency_s(self, input_len: int, output_len: int, chunk_size: int = 8192) -> float:
-        """End-to-end time of one request alone on this instance (prefill + decode)."""
-        total, done = 0.0, 0
+    def solo_latency_s(self, input_len: int, output_len: int, chunk_size: int = 8192,
+                       num_cached_tokens: int = 0) -> float:
+        """End-to-end time of one request alone on this instance (prefill + decode);
+        the first `num_cached_tokens` of the prompt are in its prefix cache."""
+        total, done = 0.0, min(num_cached_tokens, input_len - 1)
         while done < input_len:
             n = min(chunk_size, input_len - done)
             total += self.iteration_time_s(BatchShape.build([PrefillChunk(n, done)]))

@@ -17,13 +17,16 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from app.engines.prefix import prefix_block_hashes
 from app.routing.view import RouteRequest
 from predictor.jsonl import iter_jsonl_objects
+
+if TYPE_CHECKING:
+    from app.sessions import SessionGraph
 
 MOONCAKE_BLOCK_TOKENS = 512  # tokens per Mooncake hash_id
 TEXT_BYTES_PER_BLOCK = 64  # ~16 Llama-3 tokens of English text
@@ -43,6 +46,9 @@ class WorkloadRequest:
     task: str | None = None
     slo_s: float = math.inf
     predicted_output_tokens: int | None = None
+    session_id: str | None = None  # agent sessions: the session this step belongs to
+    step_index: int = 0
+    num_appended_tokens: int | None = None  # new tokens beyond the context it extends
 
     @property
     def deadline_s(self) -> float:
@@ -59,6 +65,9 @@ class WorkloadRequest:
             hash_block_size=self.hash_block_size,
             prompt=self.prompt,
             task=self.task,
+            session_id=self.session_id,
+            step_index=self.step_index,
+            num_appended_tokens=self.num_appended_tokens,
             predicted_output_tokens=self.predicted_output_tokens,
             true_output_tokens=self.num_output_tokens if reveal_true_length else None,
         )
@@ -69,12 +78,15 @@ class Workload:
     """Requests sorted by arrival, plus the length of the arrival window.
 
     `duration_s` is the denominator of goodput: the requested window when one was
-    given (Poisson, windowed trace), otherwise last minus first arrival.
+    given (Poisson, windowed trace), otherwise last minus first arrival. With a
+    `graph` (agent sessions) the workload is closed-loop: a request is issued when the
+    ones it waits for have finished, plus its tool wait (`app.sessions`).
     """
 
     requests: tuple[WorkloadRequest, ...]
     duration_s: float
     name: str = "workload"
+    graph: SessionGraph | None = None
 
     def __len__(self) -> int:
         return len(self.requests)

@@ -25,13 +25,19 @@ def reference_instance(model: str, gpu: str = DEFAULT_REFERENCE_GPU, tp: int = 1
 def solo_latencies_s(
     requests: Sequence[WorkloadRequest], reference: InstanceSpec, chunk_size: int = 8192
 ) -> list[float]:
-    """Solo execution time of each request on `reference` (memoised per length pair)."""
-    cache: dict[tuple[int, int], float] = {}
+    """Solo execution time of each request on `reference` (memoised per length pair).
+
+    An agent step's context is cached where its session ran, so its solo time counts
+    only the appended tokens as prefill (scale 1: an idle A800 holding the session).
+    """
+    cache: dict[tuple[int, int, int], float] = {}
     out = []
     for r in requests:
-        key = (r.num_prompt_tokens, r.num_output_tokens)
+        cached = 0 if r.num_appended_tokens is None else r.num_prompt_tokens - r.num_appended_tokens
+        key = (r.num_prompt_tokens, r.num_output_tokens, cached)
         if key not in cache:
-            cache[key] = reference.solo_latency_s(*key, chunk_size=chunk_size)
+            cache[key] = reference.solo_latency_s(key[0], key[1], chunk_size=chunk_size,
+                                                  num_cached_tokens=cached)
         out.append(cache[key])
     return out
 

@@ -135,7 +135,8 @@ class PrefixDirectory:
     def _unpack(self, mask: int) -> np.ndarray:
         size = len(self._bits)
         raw = np.frombuffer(mask.to_bytes((size + 7) // 8, "little"), dtype=np.uint8)
-        return np.unpackbits(raw, bitorder="little")[:size]
+        # int64: runs of more than 255 blocks must not wrap (long agent contexts)
+        return np.unpackbits(raw, bitorder="little")[:size].astype(np.int64)
 
     def _slots_of(self, instance_ids: Sequence[str]) -> np.ndarray:
         if self._slots[0] != instance_ids:

@@ -43,6 +43,11 @@ class RouteRequest:
     hash_block_size: int = 16  # tokens per entry of block_hashes
     prompt: str | None = None  # text, for output-length predictors
     task: str | None = None
+    # agent sessions: the conversation this request continues (None: a lone request),
+    # its step within it (0 = first) and the tokens it appends to the context it extends
+    session_id: str | None = None
+    step_index: int = 0
+    num_appended_tokens: int | None = None
     predicted_output_tokens: int | None = None
     true_output_tokens: int | None = None  # exact lengths only
     num_generated_tokens: int = 0  # > 0 when a migrated request is re-routed

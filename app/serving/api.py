@@ -87,7 +87,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "priority": (0,), "add_generation_prompt": (True,), "return_prompt_text": (False,),
 }
 # Fields vLLM accepts that change nothing in the output; accepted and ignored.
-NO_EFFECT_FIELDS = frozenset({"request_id", "session_id", "truncation_side"})
+NO_EFFECT_FIELDS = frozenset({"request_id", "truncation_side"})
 
 
 def unsupported_field(data: dict[str, Any], schema: type[BaseModel]) -> str | None:
@@ -200,6 +200,11 @@ class _OpenAiBody(BaseModel):
     user: str | None = None
     slo_s: float | None = Field(None, gt=0, description="end-to-end deadline after arrival")
     task: str | None = Field(None, max_length=200)
+    session_id: str | None = Field(
+        None, min_length=1, max_length=200,
+        description="agent session (conversation) this request continues: session-affinity "
+        "routing keeps a session on one engine, and length estimates learn from its "
+        "earlier steps")
 
     @field_validator("stop")
     @classmethod

@@ -101,6 +101,7 @@ class GenerationRequest:
     prompt_text: str | None = None
     task: str | None = None
     streamed: bool = False  # the client sees tokens as they come (a rerun must match them)
+    session_id: str | None = None  # the agent session (conversation) it continues
 
 
 @dataclass(eq=False)
@@ -444,6 +445,7 @@ class LiveRouter:
             block_hashes=prefix_block_hashes(request.prompt_token_ids),
             prompt=request.prompt_text,
             task=request.task,
+            session_id=request.session_id,
             max_output_tokens=request.sampling.max_tokens,
         )
         self._load_report.arrival(route.num_prompt_tokens)

@@ -375,6 +375,7 @@ class CompletionService:
                 prompt_text=text,
                 task=body.task,
                 streamed=body.stream,
+                session_id=body.session_id,
             ))
         return request_id, requests
 

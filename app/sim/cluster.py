@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from app.config import EngineRole
@@ -18,6 +18,7 @@ from app.kv_link import KvLink
 from app.routing.base import ActiveRequest, Reject, RoutingPolicy, StepListener, Watchdog
 from app.routing.disaggregated import DisaggregatedPlacer, LeastTtftPolicy
 from app.routing.view import FinishReport, InstanceId, RouteRequest, StepReport
+from app.sessions import StepReleases
 from app.sim.engine_core import ScheduledStep, SimSequence
 from app.sim.events import (
     ArrivalEvent,
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 class Flight:
     """Simulator-side state of one request between arrival and its end."""
 
+    index: int  # in the workload
     work: WorkloadRequest
     route: RouteRequest
     record: RequestRecord
@@ -76,7 +78,7 @@ class SimCluster:
     def __init__(
         self,
         setups: Sequence[InstanceSetup],
-        requests: Sequence[WorkloadRequest],
+        requests: Sequence[WorkloadRequest] | StepReleases,
         policy: RoutingPolicy,
         *,
         prefill_policy: LeastTtftPolicy | None,
@@ -93,7 +95,9 @@ class SimCluster:
         self.serve_role = EngineRole.DECODE if self.disaggregated else EngineRole.UNIFIED
         if self.disaggregated and prefill_policy is None:
             prefill_policy = LeastTtftPolicy()
-        self.requests = requests
+        self.releases = (requests if isinstance(requests, StepReleases)
+                         else StepReleases(requests))
+        self.requests = self.releases.requests
         self.policy = policy
         self.watchdog = watchdog
         self.link = KvLink(kv_link_gbps)
@@ -115,9 +119,10 @@ class SimCluster:
     # ---- arrivals and routing ----------------------------------------------
     def arrive(self, index: int, now: float) -> list[Event]:
         events: list[Event] = []
-        if index + 1 < len(self.requests):
-            events.append(ArrivalEvent(self.requests[index + 1].arrival_s, index + 1))
-        flight = self._new_flight(index)
+        following = self.releases.after_arrival(index)
+        if following is not None:
+            events.append(ArrivalEvent(following.time_s, following.index))
+        flight = self._new_flight(index, now)
         if self.elastic is not None:
             self.elastic.scaler.window.arrival(flight.work.num_prompt_tokens)
         if self.router_queue:
@@ -130,20 +135,11 @@ class SimCluster:
             events.extend(routed)
         return events
 
-    def _new_flight(self, index: int) -> Flight:
-        work = self.requests[index]
+    def _new_flight(self, index: int, now: float) -> Flight:
+        work = self.releases.issued(index, now)
         route = work.route_request(reveal_true_length=self.reveal_lengths)
-        record = RequestRecord(
-            request_id=work.request_id,
-            arrival_s=work.arrival_s,
-            deadline_s=work.deadline_s,
-            slo_s=work.slo_s,
-            num_prompt_tokens=work.num_prompt_tokens,
-            num_output_tokens=work.num_output_tokens,
-            predicted_output_tokens=work.predicted_output_tokens,
-        )
-        self.records.append(record)
-        flight = Flight(work, route, record, token_seed=self.seed * 1_000_003 + index)
+        record = self._record(work)
+        flight = Flight(index, work, route, record, token_seed=self.seed * 1_000_003 + index)
         self.flights[work.request_id] = flight
         return flight
 
@@ -187,11 +183,39 @@ class SimCluster:
             return None
         return target
 
+    def _record(self, work: WorkloadRequest) -> RequestRecord:
+        record = RequestRecord(
+            request_id=work.request_id,
+            arrival_s=work.arrival_s,
+            deadline_s=work.deadline_s,
+            slo_s=work.slo_s,
+            num_prompt_tokens=work.num_prompt_tokens,
+            num_output_tokens=work.num_output_tokens,
+            predicted_output_tokens=work.predicted_output_tokens,
+        )
+        self.records.append(record)
+        return record
+
     def _reject(self, flight: Flight, reason: str) -> None:
         flight.record.outcome = RequestOutcome.REJECTED
         flight.record.reject_reason = reason
         del self.flights[flight.route.request_id]
         self.num_done += 1
+        self._cancel(self.releases.after_end(flight.index, flight.record.arrival_s, False)[1],
+                     flight.route.request_id, flight.record.arrival_s)
+
+    def _cancel(self, indices: Sequence[int], cause: str, now: float) -> None:
+        """Steps of a session that cannot go on: never issued, counted as rejected."""
+        for index in indices:
+            record = self._record(replace(self.requests[index], arrival_s=now))
+            record.outcome = RequestOutcome.REJECTED
+            record.reject_reason = f"session ended: {cause} was not served"
+            self.num_done += 1
+
+    def _released(self, flight: Flight, now: float) -> list[Event]:
+        """Session steps that the end of `flight` makes ready (closed loop)."""
+        ready, _ = self.releases.after_end(flight.index, now, True)
+        return [ArrivalEvent(r.time_s, r.index) for r in ready]
 
     def _admit(
         self, flight: Flight, inst: SimInstance, now: float, *, num_resumed: int = 0,
@@ -272,6 +296,8 @@ class SimCluster:
             events.append(KvTransferDoneEvent(self.link.enqueue(now, num_bytes), flight))
         else:
             self._finish(flight, inst, now)
+            if self.releases.closed_loop:
+                events.extend(self._released(flight, now))
 
     def _finish(self, flight: Flight, inst: SimInstance, now: float) -> None:
         flight.record.finish_s = now
@@ -362,8 +388,13 @@ class SimCluster:
         return self._admit(flight, target, now, num_resumed=num_generated)
 
     # ---- end of run --------------------------------------------------------------
-    def finalize(self) -> list[RequestRecord]:
-        """Settle outcomes; requests still in flight count as violated."""
+    def finalize(self, now: float) -> list[RequestRecord]:
+        """Settle outcomes; requests still in flight count as violated, session steps
+        never issued (the run stopped first) as rejected."""
+        for index in self.releases.unreleased():
+            record = self._record(replace(self.requests[index], arrival_s=now))
+            record.outcome = RequestOutcome.REJECTED
+            record.reject_reason = "not issued: the run stopped first"
         for flight in self.flights.values():
             if flight.instance is not None:
                 seq = flight.instance.core.requests[flight.route.request_id]

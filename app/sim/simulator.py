@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from app.config import ClusterConfig
 from app.routing.base import RoutingPolicy, Watchdog
 from app.routing.disaggregated import LeastTtftPolicy
+from app.sessions import StepReleases
 from app.sim.cluster import SimCluster
 from app.sim.elastic import ElasticPools, ElasticStats
 from app.sim.events import ArrivalEvent, Event, heap_key
@@ -107,11 +108,12 @@ class Simulator:
     ) -> SimResult:
         """Simulate the workload to the end; `progress(n)` gets newly completed counts."""
         requests = workload.requests if isinstance(workload, Workload) else tuple(workload)
+        graph = workload.graph if isinstance(workload, Workload) else None
         _check_requests(requests)
-        cluster = self._make_cluster(requests)
+        cluster = self._make_cluster(StepReleases(requests, graph))
         started = time.perf_counter()
         makespan_s, num_events = self._loop(cluster, requests, progress)
-        records = tuple(cluster.finalize())
+        records = tuple(cluster.finalize(makespan_s))
         elastic = None if self.elastic is None else self.elastic.close_books(makespan_s)
         if isinstance(workload, Workload):
             duration_s = workload.duration_s
@@ -129,10 +131,10 @@ class Simulator:
             elastic=elastic,
         )
 
-    def _make_cluster(self, requests: Sequence[WorkloadRequest]) -> SimCluster:
+    def _make_cluster(self, releases: StepReleases) -> SimCluster:
         return SimCluster(
             self.instances,
-            requests,
+            releases,
             self.policy,
             prefill_policy=self.prefill_policy,
             watchdog=self.watchdog,
@@ -152,7 +154,7 @@ class Simulator:
         if not requests:
             return 0.0, 0
         stop_s = math.inf
-        if self.max_drain_s is not None:
+        if self.max_drain_s is not None:  # after the last arrival known in advance
             stop_s = requests[-1].arrival_s + self.max_drain_s
         heap: list[tuple[float, int, int, Event]] = []
         seq = itertools.count()
@@ -160,7 +162,9 @@ class Simulator:
         def push(event: Event) -> None:
             heapq.heappush(heap, (*heap_key(event, next(seq)), event))
 
-        push(ArrivalEvent(requests[0].arrival_s, 0))
+        first = cluster.releases.first()
+        assert first is not None
+        push(ArrivalEvent(first.time_s, first.index))
         if cluster.elastic is not None:
             for event in cluster.elastic.attach(cluster, requests[0].arrival_s):
                 push(event)

@@ -1,0 +1,579 @@
+"""Agent sessions: chains of dependent LLM steps with tool waits between them.
+
+Agentic traffic is closed-loop. A session arrives (Poisson or Gamma); each of its
+steps is an LLM call whose prompt is the application's shared prefix (system prompt and
+tools), then the session's own history, then what the last tool returned. A step is
+issued only when every step it waits for has finished, plus a tool wait (heavy-tailed:
+most tools answer in a second, a few take minutes). A step may fan out into parallel
+calls that a later step joins. Every step carries its own end-to-end deadline.
+
+The session graph is drawn once, seeded, with every length fixed; only *when* each
+step is issued depends on the serving system. `StepReleases` is that dependency
+logic, pure and clock-agnostic: the simulator and the live replay client both ask it
+which steps become ready when a step ends.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from app.workload import Arrivals, SyntheticArrivals, Workload, WorkloadRequest
+from predictor.jsonl import iter_jsonl_objects
+
+SESSION_BLOCK_TOKENS = 256  # tokens per prefix-hash block of generated session prompts
+
+
+# ---- the session graph ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AgentStep:
+    """One LLM call of a session, with the lengths it will have."""
+
+    step_id: str  # unique within its session
+    wait_for: tuple[str, ...]  # steps that must finish first; () = issued at session arrival
+    tool_wait_s: float  # after the last of them finishes: tool run time or user think time
+    num_prompt_tokens: int  # the whole context: shared prefix + history + appended
+    num_appended_tokens: int  # new at the end (tool output, user message)
+    num_output_tokens: int
+    block_hashes: tuple[int, ...]  # chained prefix hashes of the prompt
+    hash_block_size: int = SESSION_BLOCK_TOKENS
+
+
+@dataclass(frozen=True)
+class AgentSession:
+    """A session's steps in an order where every step follows the ones it waits for."""
+
+    session_id: str
+    arrival_s: float
+    steps: tuple[AgentStep, ...]
+    app: str = "app"
+
+    def __post_init__(self) -> None:
+        seen: set[str] = set()
+        for step in self.steps:
+            missing = [w for w in step.wait_for if w not in seen]
+            if missing:
+                raise ValueError(f"session {self.session_id}: step {step.step_id} waits for "
+                                 f"{missing}, which do not come before it")
+            if step.step_id in seen:
+                raise ValueError(f"session {self.session_id}: step id {step.step_id} repeats")
+            seen.add(step.step_id)
+        if not self.steps or self.steps[0].wait_for:
+            raise ValueError(f"session {self.session_id}: the first step must wait for nothing")
+
+
+@dataclass(frozen=True)
+class SessionGraph:
+    """Dependencies between the requests of a workload, by request index."""
+
+    parents: tuple[tuple[int, ...], ...]  # index -> indices it waits for
+    tool_wait_s: tuple[float, ...]  # index -> wait after its last parent ends
+
+    def __post_init__(self) -> None:
+        if len(self.parents) != len(self.tool_wait_s):
+            raise ValueError("one tool wait per request")
+
+    @property
+    def roots(self) -> list[int]:
+        return [i for i, p in enumerate(self.parents) if not p]
+
+    def children(self) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in self.parents]
+        for child, parents in enumerate(self.parents):
+            for parent in parents:
+                out[parent].append(child)
+        return out
+
+
+def sessions_workload(
+    sessions: Sequence[AgentSession], duration_s: float, name: str
+) -> Workload:
+    """The sessions' steps as one workload (ids '<session>/<step>'), with their graph.
+
+    A step's `arrival_s` is its session's arrival until it is released; requests are
+    ordered by session arrival, so the first steps are sorted as the simulator needs.
+    """
+    ordered = sorted(sessions, key=lambda s: (s.arrival_s, s.session_id))
+    requests: list[WorkloadRequest] = []
+    parents: list[tuple[int, ...]] = []
+    waits: list[float] = []
+    for session in ordered:
+        index = {}
+        for number, step in enumerate(session.steps):
+            index[step.step_id] = len(requests)
+            requests.append(WorkloadRequest(
+                request_id=f"{session.session_id}/{step.step_id}",
+                arrival_s=session.arrival_s,
+                num_prompt_tokens=step.num_prompt_tokens,
+                num_output_tokens=step.num_output_tokens,
+                block_hashes=step.block_hashes,
+                hash_block_size=step.hash_block_size,
+                task=session.app,
+                session_id=session.session_id,
+                step_index=number,
+                num_appended_tokens=step.num_appended_tokens,
+            ))
+            parents.append(tuple(index[w] for w in step.wait_for))
+            waits.append(step.tool_wait_s)
+    if not requests:
+        raise ValueError("no sessions")
+    return Workload(tuple(requests), duration_s, name, SessionGraph(tuple(parents), tuple(waits)))
+
+
+# ---- release logic ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Release:
+    """Request `index` is issued at `time_s`."""
+
+    time_s: float
+    index: int
+
+
+@dataclass
+class StepReleases:
+    """When each request of a workload is issued: open loop (at its arrival) or, with a
+    session graph, closed loop (when its parents ended, plus its tool wait).
+
+    A request whose parent was rejected, or never finished, is never issued: the
+    session cannot go on without that step's answer. `cancelled` lists them so the
+    substrate can count them as not served.
+    """
+
+    requests: Sequence[WorkloadRequest]
+    graph: SessionGraph | None = None
+    _num_waiting_on: list[int] = field(init=False)
+    _children: list[list[int]] = field(init=False)
+    _roots: list[int] = field(init=False)
+    _root_rank: dict[int, int] = field(init=False)
+    _released: set[int] = field(init=False, default_factory=set)
+
+    def __post_init__(self) -> None:
+        if self.graph is None:
+            self._roots = list(range(len(self.requests)))
+            self._children = []
+            self._num_waiting_on = []
+        else:
+            if len(self.graph.parents) != len(self.requests):
+                raise ValueError("the session graph does not match the requests")
+            self._roots = self.graph.roots
+            self._children = self.graph.children()
+            self._num_waiting_on = [len(p) for p in self.graph.parents]
+        self._root_rank = {index: rank for rank, index in enumerate(self._roots)}
+
+    @property
+    def closed_loop(self) -> bool:
+        return self.graph is not None
+
+    def first(self) -> Release | None:
+        """The first arrival (the others follow one at a time: `after_arrival`)."""
+        return self._root(0)
+
+    def after_arrival(self, index: int) -> Release | None:
+        """The next first-step arrival after request `index` arrived, if it was one."""
+        self._released.add(index)
+        rank = self._root_rank.get(index)
+        return None if rank is None else self._root(rank + 1)
+
+    def _root(self, rank: int) -> Release | None:
+        if rank >= len(self._roots):
+            return None
+        index = self._roots[rank]
+        return Release(self.requests[index].arrival_s, index)
+
+    def after_end(self, index: int, now: float, finished: bool) -> tuple[list[Release], list[int]]:
+        """(requests now ready, requests cancelled) when request `index` ended at `now`;
+        `finished`: it produced its whole output (else it was rejected or lost)."""
+        if self.graph is None:
+            return [], []
+        if not finished:
+            return [], self._cancel_below(index)
+        ready = []
+        for child in self._children[index]:
+            self._num_waiting_on[child] -= 1
+            if self._num_waiting_on[child] == 0 and child not in self._released:
+                ready.append(Release(now + self.graph.tool_wait_s[child], child))
+        return ready, []
+
+    def _cancel_below(self, index: int) -> list[int]:
+        cancelled, stack = [], list(self._children[index])
+        while stack:
+            child = stack.pop()
+            if child in self._released:
+                continue
+            self._released.add(child)
+            cancelled.append(child)
+            stack.extend(self._children[child])
+        return sorted(cancelled)
+
+    def unreleased(self) -> list[int]:
+        """Requests never issued (the run stopped first), in index order."""
+        return [i for i in range(len(self.requests)) if i not in self._released]
+
+    def issued(self, index: int, now: float) -> WorkloadRequest:
+        """Request `index` as issued at `now` (its deadline counts from then)."""
+        request = self.requests[index]
+        if self.graph is None or request.arrival_s == now:
+            return request
+        return replace(request, arrival_s=now)
+
+
+# ---- presets ----------------------------------------------------------------------
+
+
+class SessionPreset(StrEnum):
+    CODING_AGENT = "coding-agent"
+    CHAT_AGENT = "chat-agent"
+
+
+@dataclass(frozen=True)
+class LogNormal:
+    """A log-normal length or time: `median` and sigma of its log."""
+
+    median: float
+    sigma: float
+
+    def draw(self, rng: np.random.Generator) -> float:
+        return float(self.median * math.exp(self.sigma * rng.standard_normal()))
+
+
+@dataclass(frozen=True)
+class ToolWait:
+    """Heavy-tailed tool time: log-normal, except a `long_share` of calls that run
+    log-uniformly between `long_min_s` and `long_max_s` (TraceLab: about 4% of tool
+    calls exceed a minute and hold 85% of tool time)."""
+
+    short: LogNormal
+    long_share: float
+    long_min_s: float
+    long_max_s: float
+
+    def draw(self, rng: np.random.Generator, num_calls: int = 1) -> float:
+        """The wait for `num_calls` tools run at once: the longest of them."""
+        waits = []
+        for _ in range(max(num_calls, 1)):
+            if rng.random() < self.long_share:
+                waits.append(math.exp(rng.uniform(math.log(self.long_min_s),
+                                                  math.log(self.long_max_s))))
+            else:
+                waits.append(self.short.draw(rng))
+        return max(waits)
+
+
+@dataclass(frozen=True)
+class SessionShape:
+    """The distributions a preset draws sessions from; token figures are fractions of
+    the served model's context limit where they say so, else tokens."""
+
+    app_prefix_share: float  # shared system prompt + tools, share of the context limit
+    first_context_share: LogNormal  # the session's own first context, share of the limit
+    appended_tokens: LogNormal  # per step: tool output or user message
+    output_tokens: LogNormal
+    max_output_tokens: int
+    num_steps: LogNormal  # steps per session (rounded up, at least 1)
+    max_steps: int
+    tool_wait: ToolWait
+    tool_calls_per_step: float  # mean tools run at once (1 + Poisson extra)
+    fan_out_share: float  # steps that fan out into parallel calls joined by the next step
+    max_fan_out: int
+    compact_share: float  # context share past which the agent compacts its history
+    summary_share: float  # what compaction leaves of the history, share of the limit
+    num_apps: int  # applications (each with its own shared prefix)
+
+
+PRESETS: dict[SessionPreset, SessionShape] = {
+    # TraceLab (Claude Code / Codex): median step 116k-126k cached tokens of a 200k
+    # window (~0.6), 875 appended, 214 generated; 9.2 steps per session (p99 137);
+    # 10.8 tool calls per 8.8 steps, parallel calls common; 4% of tools over a minute.
+    SessionPreset.CODING_AGENT: SessionShape(
+        app_prefix_share=0.08, first_context_share=LogNormal(0.3, 0.6),
+        appended_tokens=LogNormal(875, 1.2), output_tokens=LogNormal(214, 1.0),
+        max_output_tokens=4096, num_steps=LogNormal(4.0, 1.25), max_steps=137,
+        tool_wait=ToolWait(LogNormal(1.2, 1.0), 0.04, 60.0, 600.0),
+        tool_calls_per_step=1.23, fan_out_share=0.08, max_fan_out=4,
+        compact_share=0.9, summary_share=0.15, num_apps=2,
+    ),
+    # Mooncake conversation trace: mean input 12k (median 6.9k, p99 85k) of a 128k
+    # window, output mean 343 (median 350, cap 2000), 36.6% of blocks a prefix seen
+    # before; turns separated by user think time, occasional tool calls.
+    SessionPreset.CHAT_AGENT: SessionShape(
+        app_prefix_share=0.015, first_context_share=LogNormal(0.02, 1.2),
+        appended_tokens=LogNormal(600, 1.3), output_tokens=LogNormal(330, 0.7),
+        max_output_tokens=2000, num_steps=LogNormal(2.2, 0.9), max_steps=40,
+        tool_wait=ToolWait(LogNormal(8.0, 0.9), 0.02, 60.0, 300.0),
+        tool_calls_per_step=1.0, fan_out_share=0.0, max_fan_out=1,
+        compact_share=0.9, summary_share=0.05, num_apps=4,
+    ),
+}
+
+
+def _block_id(*key: object) -> int:
+    digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+@dataclass
+class _Context:
+    """A branch of a session's history while it is drawn: its tokens and block ids."""
+
+    num_tokens: int
+    block_hashes: list[int]
+    origin: str  # names the blocks this branch adds
+
+    def extend(self, num_tokens: int, block_size: int) -> _Context:
+        """This context with `num_tokens` more at the end (its own new blocks)."""
+        total = self.num_tokens + num_tokens
+        kept = self.block_hashes[: self.num_tokens // block_size]
+        new = [_block_id(self.origin, k) for k in range(len(kept), total // block_size)]
+        return _Context(total, kept + new, self.origin)
+
+
+@dataclass
+class SessionBuilder:
+    """Draws one session of a preset's shape for a model with `context_limit` tokens."""
+
+    shape: SessionShape
+    context_limit: int
+    rng: np.random.Generator
+    block_size: int = SESSION_BLOCK_TOKENS
+
+    def build(self, session_id: str, arrival_s: float) -> AgentSession:
+        shape, rng = self.shape, self.rng
+        app = int(rng.integers(shape.num_apps))
+        prefix_tokens = max(int(shape.app_prefix_share * self.context_limit), self.block_size)
+        root = _Context(0, [], f"app{app}").extend(prefix_tokens, self.block_size)
+        base = replace(root, origin=session_id)
+        first = self._share(shape.first_context_share)
+        context = base.extend(first, self.block_size)
+        num_steps = min(max(math.ceil(shape.num_steps.draw(rng)), 1), shape.max_steps)
+        steps: list[AgentStep] = []
+        waits: tuple[str, ...] = ()
+        tool_wait, appended = 0.0, first
+        while len(steps) < num_steps:
+            fan = self._fan_out(num_steps - len(steps))
+            branch_ids = []
+            for branch in range(fan):
+                step_id = f"{len(steps)}"
+                origin = f"{session_id}/{step_id}"
+                extra = appended if branch == 0 else self._tokens(shape.appended_tokens)
+                prompt = (context if branch == 0 else
+                          replace(context, origin=origin).extend(extra, self.block_size))
+                output = min(max(round(shape.output_tokens.draw(rng)), 1),
+                             shape.max_output_tokens)
+                output = min(output, self.context_limit - prompt.num_tokens - 1)
+                steps.append(AgentStep(step_id, waits, tool_wait, prompt.num_tokens, extra,
+                                       max(output, 1), tuple(prompt.block_hashes),
+                                       self.block_size))
+                branch_ids.append((step_id, prompt, max(output, 1)))
+            context, appended = self._next_context(base, branch_ids, session_id)
+            waits = tuple(b[0] for b in branch_ids)
+            tool_wait = shape.tool_wait.draw(rng, 1 + int(rng.poisson(
+                max(shape.tool_calls_per_step - 1.0, 0.0))))
+        return AgentSession(session_id, arrival_s, tuple(steps), f"app{app}")
+
+    def _next_context(self, base: _Context, branches: list[tuple[str, _Context, int]],
+                      session_id: str) -> tuple[_Context, int]:
+        """The next step's prompt: the first branch's context and output, the other
+        branches' outputs and the tool output appended; compacted past the limit."""
+        _, main, output = branches[0]
+        joined = sum(b[2] for b in branches[1:])
+        appended = self._tokens(self.shape.appended_tokens) + joined
+        grown = main.extend(output, self.block_size)
+        grown = replace(grown, origin=f"{session_id}/{branches[0][0]}+")
+        if grown.num_tokens + appended > self.shape.compact_share * self.context_limit:
+            summary = self._share(LogNormal(self.shape.summary_share, 0.2))
+            fresh = replace(base, origin=f"{session_id}/{branches[0][0]}#")
+            grown = fresh.extend(summary, self.block_size)
+            appended = min(appended, self.context_limit // 4)
+        return grown.extend(appended, self.block_size), appended
+
+    def _fan_out(self, steps_left: int) -> int:
+        if steps_left < 2 or self.rng.random() >= self.shape.fan_out_share:
+            return 1
+        return int(self.rng.integers(2, min(self.shape.max_fan_out, steps_left) + 1))
+
+    def _tokens(self, dist: LogNormal) -> int:
+        return min(max(round(dist.draw(self.rng)), 1), self.context_limit // 4)
+
+    def _share(self, dist: LogNormal) -> int:
+        share = min(dist.draw(self.rng), self.shape.compact_share * 0.8)
+        return max(round(share * self.context_limit), 1)
+
+
+def preset_workload(
+    preset: SessionPreset | str,
+    arrivals: SyntheticArrivals,
+    context_limit: int,
+    seed: int = 0,
+) -> Workload:
+    """Sessions of `preset` arriving by `arrivals` (rate in sessions/s), for a model with
+    `context_limit` tokens (prompt + output), as a closed-loop workload."""
+    preset = SessionPreset(preset)
+    if arrivals.kind not in (Arrivals.POISSON, Arrivals.GAMMA):
+        raise ValueError(f"sessions arrive by poisson or gamma, not {arrivals.kind.value}")
+    if context_limit < 4 * SESSION_BLOCK_TOKENS:
+        raise ValueError(f"context limit {context_limit} is too small for agent sessions")
+    times = arrivals.times(seed)
+    if not times:
+        raise ValueError(f"no sessions arrive: rate {arrivals.rate}/s over "
+                         f"{arrivals.duration_s} s")
+    builder = SessionBuilder(PRESETS[preset], context_limit, np.random.default_rng(seed + 1))
+    sessions = [builder.build(f"s{i}", t) for i, t in enumerate(times)]
+    return sessions_workload(sessions, arrivals.duration_s, f"{preset.value}-{arrivals.label}")
+
+
+# ---- session trace files -----------------------------------------------------------
+
+
+def _number(row: dict[str, Any], name: str, where: str, minimum: float,
+            default: float | None = None) -> float:
+    value = row.get(name, default)
+    if value is None:
+        raise ValueError(f"{where}: missing field {name!r}")
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{where}: field {name!r}: expected a number, got {value!r}")
+    if not value >= minimum:
+        raise ValueError(f"{where}: field {name!r}: must be >= {minimum}, got {value!r}")
+    return float(value)
+
+
+def _parents(row: dict[str, Any], where: str) -> tuple[str, ...]:
+    parent = row.get("parent")
+    if parent is None:
+        return ()
+    if isinstance(parent, str | int) and not isinstance(parent, bool):
+        return (str(parent),)
+    if isinstance(parent, list) and all(isinstance(p, str | int) for p in parent):
+        return tuple(str(p) for p in parent)
+    raise ValueError(f"{where}: field 'parent': expected a step id or a list of them")
+
+
+@dataclass
+class _FileSession:
+    arrival_s: float | None = None
+    rows: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+
+
+def load_session_trace(path: str | Path, block_size: int = SESSION_BLOCK_TOKENS
+                       ) -> list[AgentSession]:
+    """Sessions from a JSONL agent log, one step per line:
+
+    `session_id`, `step_id`, `parent` (a step id, a list of them, or null for the
+    first step), `input_tokens` (the whole prompt), `appended_tokens` (new at its end;
+    the rest is shared with its first parent's prompt and output), `output_tokens`,
+    `tool_wait_ms` (after the parents finish; default 0), `arrival_ms` (the session's
+    start, on its first step; default 0), `app` (optional: sessions of one app share
+    the prefix given by `app_prefix_tokens`). Steps come in any order after the ones
+    they wait for. ValueError names the file, line and field.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"file not found: {path}")
+    grouped: dict[str, _FileSession] = {}
+    for where, _, row in iter_jsonl_objects(path):
+        if not isinstance(row.get("session_id"), str | int):
+            raise ValueError(f"{where}: field 'session_id': expected a string")
+        entry = grouped.setdefault(str(row["session_id"]), _FileSession())
+        if "arrival_ms" in row or not entry.rows:
+            arrival = _number(row, "arrival_ms", where, 0, 0.0) / 1000
+            entry.arrival_s = arrival if entry.arrival_s is None else min(entry.arrival_s,
+                                                                          arrival)
+        entry.rows.append((where, row))
+    if not grouped:
+        raise ValueError(f"{path}: no sessions in file")
+    return [_file_session(sid, entry, block_size) for sid, entry in grouped.items()]
+
+
+def _file_session(session_id: str, entry: _FileSession, block_size: int) -> AgentSession:
+    contexts: dict[str, tuple[_Context, int]] = {}  # step id -> (prompt, output)
+    steps = []
+    app = None
+    for where, row in entry.rows:
+        step_id = str(row.get("step_id", len(steps)))
+        parents = _parents(row, where)
+        prompt_tokens = int(_number(row, "input_tokens", where, 1))
+        appended = int(_number(row, "appended_tokens", where, 0, prompt_tokens))
+        output = int(_number(row, "output_tokens", where, 1))
+        wait = _number(row, "tool_wait_ms", where, 0, 0.0) / 1000
+        if appended > prompt_tokens:
+            raise ValueError(f"{where}: appended_tokens exceeds input_tokens")
+        unknown = [p for p in parents if p not in contexts]
+        if unknown:
+            raise ValueError(f"{where}: parent {unknown[0]!r} is not an earlier step of "
+                             f"session {session_id!r}")
+        app = app or (str(row["app"]) if row.get("app") is not None else None)
+        shared = prompt_tokens - appended
+        base = _app_context(row, where, block_size, session_id)
+        if parents:
+            parent_prompt, parent_output = contexts[parents[0]]
+            history = parent_prompt.extend(parent_output, block_size)
+            keep = min(shared, history.num_tokens)
+            base = _Context(keep, history.block_hashes[: keep // block_size],
+                            f"{session_id}/{step_id}")
+        prompt = replace(base, origin=f"{session_id}/{step_id}").extend(
+            prompt_tokens - base.num_tokens, block_size) if prompt_tokens > base.num_tokens \
+            else base
+        contexts[step_id] = (prompt, output)
+        steps.append(AgentStep(step_id, parents, wait, prompt_tokens, appended, output,
+                               tuple(prompt.block_hashes[: prompt_tokens // block_size]),
+                               block_size))
+    return AgentSession(session_id, entry.arrival_s or 0.0, tuple(steps), app or "app")
+
+
+def _app_context(row: dict[str, Any], where: str, block_size: int,
+                 session_id: str) -> _Context:
+    """A first step's shared application prefix (none without `app`)."""
+    if row.get("app") is None:
+        return _Context(0, [], session_id)
+    tokens = int(_number(row, "app_prefix_tokens", where, 0, 0.0))
+    tokens = min(tokens, int(_number(row, "input_tokens", where, 1)))
+    return _Context(0, [], f"app:{row['app']}").extend(tokens, block_size)
+
+
+def iter_session_rows(sessions: Sequence[AgentSession]) -> Iterator[dict[str, Any]]:
+    """The sessions as rows of the JSONL format `load_session_trace` reads."""
+    for session in sessions:
+        for number, step in enumerate(session.steps):
+            row: dict[str, Any] = {
+                "session_id": session.session_id, "step_id": step.step_id,
+                "parent": list(step.wait_for) or None, "input_tokens": step.num_prompt_tokens,
+                "appended_tokens": step.num_appended_tokens,
+                "output_tokens": step.num_output_tokens,
+                "tool_wait_ms": round(step.tool_wait_s * 1000, 3),
+            }
+            if number == 0:
+                row["arrival_ms"] = round(session.arrival_s * 1000, 3)
+            yield row
+
+
+def file_workload(path: str | Path, *, rate: float | None = None,
+                  duration_s: float | None = None) -> Workload:
+    """A session trace as a closed-loop workload; `rate` (sessions/s) rescales the
+    session arrivals, `duration_s` keeps sessions arriving within it."""
+    sessions = sorted(load_session_trace(path), key=lambda s: s.arrival_s)
+    start = sessions[0].arrival_s
+    span = sessions[-1].arrival_s - start
+    factor = 1.0
+    if rate is not None:
+        if rate <= 0:
+            raise ValueError(f"rate must be > 0, got {rate}")
+        if len(sessions) < 2 or span <= 0:
+            raise ValueError("rescaling needs sessions starting at different times")
+        factor = (len(sessions) - 1) / span / rate
+    sessions = [replace(s, arrival_s=(s.arrival_s - start) * factor) for s in sessions]
+    if duration_s is not None:
+        sessions = [s for s in sessions if s.arrival_s < duration_s]
+    if not sessions:
+        raise ValueError("the window selects no sessions")
+    window = duration_s if duration_s is not None else max(sessions[-1].arrival_s, 1e-9)
+    return sessions_workload(sessions, window, Path(path).name)
