@@ -303,21 +303,24 @@ class InstanceSpec:
                        num_cached_tokens: int = 0) -> float:
         """End-to-end time of one request alone on this instance (prefill + decode);
         the first `num_cached_tokens` of the prompt are in its prefix cache."""
-        total, done = 0.0, min(num_cached_tokens, input_len - 1)
+        ttft, tpot = self.solo_phases_s(input_len, output_len, chunk_size, num_cached_tokens)
+        return ttft + max(output_len - 1, 0) * tpot
+
+    def solo_phases_s(self, input_len: int, output_len: int, chunk_size: int = 8192,
+                      num_cached_tokens: int = 0) -> tuple[float, float]:
+        """(TTFT, mean TPOT) of one request alone on this instance."""
+        ttft, done = 0.0, min(num_cached_tokens, input_len - 1)
         while done < input_len:
             n = min(chunk_size, input_len - done)
-            total += self.iteration_time_s(BatchShape.build([PrefillChunk(n, done)]))
+            ttft += self.iteration_time_s(BatchShape.build([PrefillChunk(n, done)]))
             done += n
         # The first output token comes out of the last prefill step. For one sequence
         # every decode term is affine in the context length, so the sum over steps
         # equals (steps) x (time at the mean context): exact and O(1).
-        num_decode_steps = output_len - 1
-        if num_decode_steps > 0:
-            mean_context = input_len + output_len / 2
-            total += num_decode_steps * self.iteration_time_s(
-                BatchShape(num_decode_seqs=1, decode_context_tokens=round(mean_context))
-            )
-        return total
+        mean_context = input_len + output_len / 2
+        tpot = self.iteration_time_s(
+            BatchShape(num_decode_seqs=1, decode_context_tokens=round(mean_context)))
+        return ttft, tpot
 
     def decode_time_per_token_s(self, context_len: int = 1024, batch_size: int = 1) -> float:
         """Unloaded TPOT: the capability figure used to rank instances."""

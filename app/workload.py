@@ -49,6 +49,8 @@ class WorkloadRequest:
     session_id: str | None = None  # agent sessions: the session this step belongs to
     step_index: int = 0
     num_appended_tokens: int | None = None  # new tokens beyond the context it extends
+    ttft_slo_s: float | None = None  # the SLO's TTFT and TPOT parts (assigned with slo_s)
+    tpot_slo_s: float | None = None
 
     @property
     def deadline_s(self) -> float:
@@ -68,6 +70,8 @@ class WorkloadRequest:
             session_id=self.session_id,
             step_index=self.step_index,
             num_appended_tokens=self.num_appended_tokens,
+            ttft_slo_s=self.ttft_slo_s,
+            tpot_slo_s=self.tpot_slo_s,
             predicted_output_tokens=self.predicted_output_tokens,
             true_output_tokens=self.num_output_tokens if reveal_true_length else None,
         )
@@ -380,6 +384,20 @@ def batch_arrivals(
 def _check_rate(rate: float, duration_s: float, process: str) -> None:
     if rate <= 0 or duration_s <= 0:
         raise ValueError(f"{process} arrivals need rate and duration > 0, got {rate}, {duration_s}")
+
+
+class ContentMode(StrEnum):
+    """What the requests are, the other half of a workload."""
+
+    TRACE = "trace"  # the trace's own input/output lengths and prefix blocks
+    PROMPTS = "prompts"  # real prompts with real output lengths (prompt_lengths.jsonl)
+    CODING_AGENT = "coding-agent"  # closed-loop agent sessions, TraceLab-like
+    CHAT_AGENT = "chat-agent"  # closed-loop agent sessions, Mooncake-like
+    SESSIONS = "sessions"  # closed-loop agent sessions from a JSONL session log
+
+    @property
+    def is_preset(self) -> bool:
+        return self in (ContentMode.CODING_AGENT, ContentMode.CHAT_AGENT)
 
 
 class Arrivals(StrEnum):

@@ -29,12 +29,14 @@ from app.routing.registry import (
     RoutingOptions,
     build_routing,
 )
+from app.sessions import SessionPreset, file_workload, preset_workload
 from app.sim.metrics import summarize
 from app.sim.records import RequestOutcome, RequestRecord
 from app.sim.simulator import SimResult, Simulator
 from app.workload import (
     Arrivals,
     BurstDistribution,
+    ContentMode,
     SyntheticArrivals,
     Workload,
     load_prompts,
@@ -47,8 +49,9 @@ from benchmarks.slo import (
     DEFAULT_REFERENCE_GPU,
     assign_slos,
     parse_scales,
+    phases_total_s,
     reference_instance,
-    solo_latencies_s,
+    solo_phases_s,
 )
 
 if TYPE_CHECKING:
@@ -116,9 +119,23 @@ def build_workload(
     burstiness: float = 1.0,
     mean_burst: float = 16.0,
     burst_distribution: BurstDistribution = BurstDistribution.GEOMETRIC,
+    content: ContentMode | None = None,
+    sessions: Path | None = None,
+    context_limit: int | None = None,
 ) -> Workload:
-    """Arrivals from the trace or a synthetic process; content from --prompts or the
-    trace's lengths."""
+    """Arrivals from the trace or a synthetic process; content by `content` (default:
+    prompts when --prompts is given, else the trace's own lengths). Agent sessions
+    (presets or a session log) are closed-loop: `rate` counts sessions per second."""
+    content = content or (ContentMode.PROMPTS if prompts is not None else ContentMode.TRACE)
+    if content.is_preset or content == ContentMode.SESSIONS:
+        return _session_workload(content, arrivals, sessions, rate, duration_s, seed,
+                                 burstiness, context_limit)
+    if content == ContentMode.PROMPTS and prompts is None:
+        raise ValueError("--content prompts needs --prompts")
+    if content == ContentMode.TRACE:
+        if trace is None:
+            raise ValueError("--content trace needs --trace")
+        prompts = None
     rows = load_trace(trace) if trace is not None else None
     prompt_rows = load_prompts(prompts) if prompts is not None else None
     if arrivals == Arrivals.TRACE:
@@ -130,19 +147,38 @@ def build_workload(
         )
     if rate is None or duration_s is None:
         raise ValueError(f"--arrivals {arrivals.value} needs --rate and --duration")
-    if prompt_rows is not None:
-        pool = [p.content() for p in prompt_rows]
-    elif rows is not None:
-        pool = [r.content for r in rows]
-    else:
-        raise ValueError(
-            f"--arrivals {arrivals.value} needs --prompts or --trace for request content")
+    pool = ([p.content() for p in prompt_rows] if prompt_rows is not None
+            else [r.content for r in rows])
     process = SyntheticArrivals(arrivals, rate, duration_s, burstiness, mean_burst,
                                 burst_distribution)
     workload = synthetic_workload(process, pool, seed=seed)
     if max_requests is not None:
         workload = workload.with_requests(workload.requests[:max_requests])
     return workload
+
+
+def _session_workload(
+    content: ContentMode, arrivals: Arrivals, sessions: Path | None, rate: float | None,
+    duration_s: float | None, seed: int, burstiness: float, context_limit: int | None,
+) -> Workload:
+    if content == ContentMode.SESSIONS:
+        if sessions is None:
+            raise ValueError("--content sessions needs --sessions (a JSONL session log)")
+        return file_workload(sessions, rate=rate, duration_s=duration_s)
+    if arrivals not in (Arrivals.POISSON, Arrivals.GAMMA):
+        raise ValueError(f"--content {content.value}: sessions arrive by --arrivals poisson "
+                         "or gamma")
+    if rate is None or duration_s is None:
+        raise ValueError(f"--content {content.value} needs --rate (sessions/s) and --duration")
+    if context_limit is None:
+        raise ValueError("agent sessions need the served model's context limit")
+    process = SyntheticArrivals(arrivals, rate, duration_s, burstiness)
+    return preset_workload(SessionPreset(content.value), process, context_limit, seed)
+
+
+def context_limit_of(cluster: ClusterConfig) -> int:
+    """The context every engine of the cluster takes (the smallest)."""
+    return min(e.max_model_len for e in cluster.engines())
 
 
 def _simulate(
@@ -178,19 +214,21 @@ def _reuses_runs(spec: ReplaySpec, kind: PolicyKind) -> bool:
 
 
 def _policy_cells(
-    spec: ReplaySpec, kind: PolicyKind, workload: Workload, solo_s: Sequence[float],
-    progress: Callable[[int], None] | None,
+    spec: ReplaySpec, kind: PolicyKind, workload: Workload,
+    phases_s: Sequence[tuple[float, float]], progress: Callable[[int], None] | None,
 ) -> list[RunOutcome]:
     """One policy at every scale; wall_s is 0 for cells re-scored from an earlier run."""
     cells: list[RunOutcome] = []
     shared: SimResult | None = None
+    solo_s = phases_total_s(workload.requests, phases_s)
     for scale in spec.slo_scales:
         if shared is not None:
             factor = scale / spec.slo_scales[0]
             records = [r.rescored(factor) for r in shared.records]
             cells.append(_outcome(kind, scale, shared, records, 0.0))
             continue
-        result = _simulate(spec, kind, assign_slos(workload, solo_s, scale), progress)
+        result = _simulate(spec, kind, assign_slos(workload, solo_s, scale, phases_s),
+                           progress)
         cells.append(_outcome(kind, scale, result, result.records, result.wall_s))
         if _reuses_runs(spec, kind):
             shared = result
@@ -202,10 +240,10 @@ def run_replay(
 ) -> list[RunOutcome]:
     """All (policy, scale) cells, in policy-major order."""
     reference = reference_instance(cluster_model(spec.cluster), spec.reference_gpu)
-    solo_s = solo_latencies_s(workload.requests, reference)
+    phases_s = solo_phases_s(workload.requests, reference)
     return [
         cell for kind in spec.policies
-        for cell in _policy_cells(spec, kind, workload, solo_s, progress)
+        for cell in _policy_cells(spec, kind, workload, phases_s, progress)
     ]
 
 
@@ -389,6 +427,14 @@ def replay(
     out: Annotated[Path, typer.Option(help="output directory")],
     trace: Annotated[Path | None, typer.Option(help="Mooncake .jsonl or Azure .csv")] = None,
     prompts: Annotated[Path | None, typer.Option(help="prompt_lengths.jsonl content")] = None,
+    content: Annotated[
+        ContentMode | None,
+        typer.Option(help="trace (the trace's own lengths and prefix blocks) | prompts | "
+                     "coding-agent | chat-agent (closed-loop agent sessions; --rate in "
+                     "sessions/s) | sessions (a JSONL session log, --sessions); default: "
+                     "prompts with --prompts, else trace")] = None,
+    sessions: Annotated[
+        Path | None, typer.Option(help="JSONL agent session log (--content sessions)")] = None,
     policies: Annotated[str, typer.Option(help="comma-separated names, or 'all'")] = "all",
     slo_scales: Annotated[str, typer.Option(help="comma-separated")] = "1,1.5,2,2.5,3",
     backend: Annotated[Backend, typer.Option(help="sim | live")] = Backend.SIM,
@@ -438,6 +484,7 @@ def replay(
             arrivals=arrivals, trace=trace, prompts=prompts, rate=rate,
             duration_s=duration, max_requests=max_requests, seed=seed,
             burstiness=burstiness, mean_burst=burst_size, burst_distribution=burst_distribution,
+            content=content, sessions=sessions, context_limit=context_limit_of(spec.cluster),
         )
         if predictor is not None:
             workload = attach_predictions(workload, spec.routing.length_factory())
@@ -451,6 +498,8 @@ def replay(
         "backend": backend.value, "cluster": f"{cluster} ({spec.cluster.name})",
         "instances": ", ".join(e.instance.name for e in spec.cluster.engines()),
         "model": cluster_model(spec.cluster), "trace": trace, "prompts": prompts,
+        "content": workload.name if workload.graph is not None else (
+            content or ("prompts" if prompts else "trace")),
         "arrivals": workload.name if arrivals != Arrivals.TRACE else arrivals.value,
         "rate_rps": rate, "requests": len(workload),
         "duration_s": workload.duration_s, "seed": seed, "slo_reference": slo_reference_gpu,
@@ -522,7 +571,8 @@ def run_live_replay(
             raise ValueError(f"policy {kind.value!r} needs true output lengths: sim backend only")
     base = ServeConfig(cluster=spec.cluster)
     reference = reference_instance(cluster_model(spec.cluster), spec.reference_gpu)
-    solo_s = solo_latencies_s(workload.requests, reference)
+    phases_s = solo_phases_s(workload.requests, reference)
+    solo_s = phases_total_s(workload.requests, phases_s)
     init_local_ray(spec.cluster)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -533,7 +583,7 @@ def run_live_replay(
                 base, kind.value, **goodserve_knobs(spec.routing.goodserve), seed=spec.seed,
                 predictor_dir=None if predictor_dir is None else str(predictor_dir))
             for scale in spec.slo_scales:
-                cell = assign_slos(workload, solo_s, scale)
+                cell = assign_slos(workload, solo_s, scale, phases_s)
                 records, wall_s = live_cell(config, cell, f"http://127.0.0.1:{port}", progress)
                 makespan_s = max((r.finish_s for r in records if r.finish_s is not None),
                                  default=0.0)

@@ -48,6 +48,10 @@ class RouteRequest:
     session_id: str | None = None
     step_index: int = 0
     num_appended_tokens: int | None = None
+    # per-request TTFT and TPOT targets (llm-d's x-slo-ttft-ms / x-slo-tpot-ms), for
+    # policies that take them instead of the end-to-end deadline
+    ttft_slo_s: float | None = None
+    tpot_slo_s: float | None = None
     predicted_output_tokens: int | None = None
     true_output_tokens: int | None = None  # exact lengths only
     num_generated_tokens: int = 0  # > 0 when a migrated request is re-routed

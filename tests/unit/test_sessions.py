@@ -203,3 +203,36 @@ def test_session_trace_errors_name_the_line_and_field(tmp_path, line, message):
     path.write_text(json.dumps(line) + "\n")
     with pytest.raises(ValueError, match=message):
         load_session_trace(path)
+
+
+def _replay_workload(tmp_path, **kwargs):
+    from benchmarks.replay import build_workload
+
+    base = dict(arrivals=Arrivals.POISSON, trace=None, prompts=None, rate=0.1,
+                duration_s=100.0, max_requests=None, seed=0, context_limit=LIMIT)
+    return build_workload(**(base | kwargs))
+
+
+def test_content_modes_of_the_replay_command(tmp_path):
+    from app.workload import ContentMode
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(json.dumps({"timestamp": 100 * i, "input_length": 600 + i,
+                                           "output_length": 7, "hash_ids": [0, i]})
+                               for i in range(20)))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt_id": "a", "prompt": "hi there", "prompt_tokens": 3,
+                                   "output_tokens": 4}))
+    lengths = _replay_workload(tmp_path, arrivals=Arrivals.TRACE, trace=trace, prompts=prompts,
+                               content=ContentMode.TRACE, rate=None, duration_s=None)
+    assert [r.num_prompt_tokens for r in lengths.requests] == [600 + i for i in range(20)]
+    assert lengths.requests[3].block_hashes == (0, 3) and lengths.graph is None
+    texts = _replay_workload(tmp_path, arrivals=Arrivals.TRACE, trace=trace, prompts=prompts,
+                             rate=None, duration_s=None)
+    assert {r.prompt for r in texts.requests} == {"hi there"}
+    agents = _replay_workload(tmp_path, content=ContentMode.CHAT_AGENT)
+    assert agents.graph is not None and agents.requests[0].session_id == "s0"
+    with pytest.raises(ValueError, match="needs --sessions"):
+        _replay_workload(tmp_path, content=ContentMode.SESSIONS)
+    with pytest.raises(ValueError, match="poisson or gamma"):
+        _replay_workload(tmp_path, content=ContentMode.CODING_AGENT, arrivals=Arrivals.BATCH)
