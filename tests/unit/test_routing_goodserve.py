@@ -367,6 +367,21 @@ def test_admission_control_rejects_early_with_reason():
     assert policy.choose(make_request(math.inf), cluster, 0.0) == "A40"
 
 
+def test_admission_control_admits_what_meets_the_deadline_without_headroom():
+    """Placement keeps half of T in reserve; admission control turns away only requests
+    no instance meets even with none to spare (long prompts under overload, where a
+    stricter rule turned away requests that would have met)."""
+    status = StatusEstimator(alpha=1.0)
+    for gpu, d in {"H800": 0.01, "A40": 0.04}.items():
+        set_speed(status, gpu, d)
+    policy = JustEnoughPolicy(status, TrueLength(), GoodServeConfig(
+        headroom=0.5, admission_control=True, triage=True))
+    cluster = make_cluster(make_view("H800"), make_view("A40"))
+    # 200 tokens on the H800 take ~2.1 s: met at 2.5 s, but with less than 0.5 x T spare
+    assert policy.choose(make_request(2.5, rid="tight"), cluster, 0.0) == "H800"
+    assert isinstance(policy.choose(make_request(1.5, rid="late"), cluster, 0.0), Reject)
+
+
 def test_prefix_hit_makes_a_weaker_instance_feasible():
     policy = policy_with_speeds(H800=0.01, A40=0.02)
     policy.status.observe_iteration("A40", 0.01 * 1000, 1000, 0, 0.0)  # 10 ms per prompt token

@@ -61,7 +61,8 @@ class GoodServeConfig(Frozen):
         "would finish with less spare time counts as infeasible")
     admission_control: bool = Field(
         False, description="reject early, with the reason, when no instance can meet the "
-        "deadline (else best effort on the least harmful fastest instance)")
+        "deadline even without headroom (else best effort on the least harmful fastest "
+        "instance)")
     triage: bool | None = Field(
         None, description="a request that no instance can finish by its deadline even with "
         "an optimistic length goes to the most backlogged instance, where it takes least "

@@ -69,7 +69,8 @@ class JustEnoughPolicy(RoutingPolicy):
         arrival.record_arrival(scored)
         if chosen is not None:
             self.admissions.record(chosen.instance_id, chosen.latency_s)
-        elif self.config.admission_control and request.has_deadline:
+        elif (self.config.admission_control and request.has_deadline
+              and not arrival.meets_deadline(scored)):
             return Reject(
                 f"no instance can meet the deadline: best estimate "
                 f"{arrival.fastest_s(scored):.2f} s for {request.deadline_s - now:.2f} s left"
@@ -147,6 +148,11 @@ class Arrival(ABC):
     @abstractmethod
     def fastest_s(self, scored: Any) -> float: ...
 
+    @abstractmethod
+    def meets_deadline(self, scored: Any) -> bool:
+        """Whether some instance may take the request and meet its deadline, with no
+        headroom to spare (admission control turns away only requests none meets)."""
+
 
 class PlainArrival(Arrival):
     """Per-instance `Candidate`s (`JustEnoughPlacer`): the reference path."""
@@ -165,6 +171,9 @@ class PlainArrival(Arrival):
 
     def fastest_s(self, scored: list[Candidate]) -> float:
         return min(c.latency_s for c in scored)
+
+    def meets_deadline(self, scored: list[Candidate]) -> bool:
+        return any(c.feasible(0.0) for c in scored)
 
 
 class ColumnArrival(Arrival):
@@ -201,3 +210,6 @@ class ColumnArrival(Arrival):
 
     def fastest_s(self, scored: vectorised.Scored) -> float:
         return float(scored.latency_s.min())
+
+    def meets_deadline(self, scored: vectorised.Scored) -> bool:
+        return bool(scored.feasible(0.0).any())
