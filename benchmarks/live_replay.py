@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 
 from app.serving.config import RoutingConfig, ServeConfig
+from app.sessions import Release, StepReleases
 from app.sim.records import RequestOutcome, RequestRecord
 from app.workload import Workload, WorkloadRequest
 
@@ -82,36 +83,82 @@ async def drive(
     timeout_s: float = 600.0,
     progress: Callable[[int], None] | None = None,
 ) -> list[RequestRecord]:
-    """Send every request at its arrival time; one record per request, in order."""
+    """Send every request when it is issued: at its arrival time, or, for agent
+    sessions, when the steps it waits for have come back plus its tool wait (a step
+    whose parent failed is never sent). One record per request, in workload order."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=100)
+    releases = StepReleases(workload.requests, workload.graph)
+    records: dict[int, RequestRecord] = {}
     async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits) as client:
         start = time.monotonic()
+        tasks: set[asyncio.Task] = set()
 
-        async def one(request: WorkloadRequest) -> RequestRecord:
-            await asyncio.sleep(max(0.0, start + request.arrival_s - time.monotonic()))
-            body: dict[str, Any] = {
-                "model": model_name,
-                "prompt": prompt_token_ids(request, vocab_size),
-                "max_tokens": request.num_output_tokens,
-                "ignore_eos": True,
-                "temperature": 0.0,
-            }
-            if math.isfinite(request.slo_s):
-                body["slo_s"] = request.slo_s
-            if request.task is not None:
-                body["task"] = request.task
-            sent = time.monotonic()
-            reply, error = None, None
-            try:
-                reply = await client.post("/v1/completions", json=body)
-            except httpx.HTTPError as exc:
-                error = f"{type(exc).__name__}: {exc}"
-            record = _record(request, sent, time.monotonic(), reply, error)
+        def issue(release: Release) -> None:
+            task = asyncio.create_task(one(release))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+        async def one(release: Release) -> None:
+            await asyncio.sleep(max(0.0, start + release.time_s - time.monotonic()))
+            following = releases.after_arrival(release.index)
+            if following is not None:
+                issue(following)
+            request = releases.issued(release.index, time.monotonic() - start)
+            record = await send(client, request, model_name, vocab_size)
+            records[release.index] = record
             if progress is not None:
                 progress(1)
-            return record
+            done_s = time.monotonic() - start
+            ready, cancelled = releases.after_end(
+                release.index, done_s, record.outcome != RequestOutcome.REJECTED
+                and record.finish_s is not None)
+            for index in cancelled:
+                records[index] = _cancelled(workload.requests[index], done_s, request)
+            for r in ready:
+                issue(r)
 
-        return list(await asyncio.gather(*(one(r) for r in workload.requests)))
+        first = releases.first()
+        if first is not None:
+            issue(first)
+        while tasks:
+            await asyncio.gather(*list(tasks))
+    return [records[i] for i in sorted(records)]
+
+
+async def send(client: httpx.AsyncClient, request: WorkloadRequest, model_name: str,
+               vocab_size: int) -> RequestRecord:
+    """One request as a completion; its record as the client measured it."""
+    body: dict[str, Any] = {
+        "model": model_name,
+        "prompt": prompt_token_ids(request, vocab_size),
+        "max_tokens": request.num_output_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+    }
+    if math.isfinite(request.slo_s):
+        body["slo_s"] = request.slo_s
+    if request.task is not None:
+        body["task"] = request.task
+    if request.session_id is not None:
+        body["session_id"] = request.session_id
+    sent = time.monotonic()
+    reply, error = None, None
+    try:
+        reply = await client.post("/v1/completions", json=body)
+    except httpx.HTTPError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    return _record(request, sent, time.monotonic(), reply, error)
+
+
+def _cancelled(request: WorkloadRequest, now: float, cause: WorkloadRequest) -> RequestRecord:
+    """A session step never sent because a step it waits for was not served."""
+    record = RequestRecord(
+        request_id=request.request_id, arrival_s=now, deadline_s=now + request.slo_s,
+        slo_s=request.slo_s, num_prompt_tokens=request.num_prompt_tokens,
+        num_output_tokens=request.num_output_tokens,
+        outcome=RequestOutcome.REJECTED,
+        reject_reason=f"session ended: {cause.request_id} was not served")
+    return record
 
 
 def live_cell(
