@@ -289,6 +289,9 @@ class SessionShape:
     compact_share: float  # context share past which the agent compacts its history
     summary_share: float  # what compaction leaves of the history, share of the limit
     num_apps: int  # applications (each with its own shared prefix)
+    # share of the output length's log-variance that is the session's own (its steps are
+    # alike: one agent, task and tool set); the rest varies step to step
+    session_output_share: float = 0.5
 
 
 PRESETS: dict[SessionPreset, SessionShape] = {
@@ -356,6 +359,12 @@ class SessionBuilder:
         first = self._share(shape.first_context_share)
         context = base.extend(first, self.block_size)
         num_steps = min(max(math.ceil(shape.num_steps.draw(rng)), 1), shape.max_steps)
+        spread = shape.output_tokens.sigma
+        own = shape.session_output_share
+        outputs = LogNormal(
+            shape.output_tokens.median * math.exp(spread * math.sqrt(own)
+                                                  * rng.standard_normal()),
+            spread * math.sqrt(1.0 - own))
         steps: list[AgentStep] = []
         waits: tuple[str, ...] = ()
         tool_wait, appended = 0.0, first
@@ -368,8 +377,7 @@ class SessionBuilder:
                 extra = appended if branch == 0 else self._tokens(shape.appended_tokens)
                 prompt = (context if branch == 0 else
                           replace(context, origin=origin).extend(extra, self.block_size))
-                output = min(max(round(shape.output_tokens.draw(rng)), 1),
-                             shape.max_output_tokens)
+                output = min(max(round(outputs.draw(rng)), 1), shape.max_output_tokens)
                 output = min(output, self.context_limit - prompt.num_tokens - 1)
                 steps.append(AgentStep(step_id, waits, tool_wait, prompt.num_tokens, extra,
                                        max(output, 1), tuple(prompt.block_hashes),

@@ -102,27 +102,29 @@ def test_poisson_arrivals_with_trace_content(tmp_path) -> None:
 
 
 def test_routing_knobs_reach_the_policy_and_the_report(tmp_path) -> None:
-    """--headroom feeds just-enough: with admission control and a reserve of 1000 x T no
-    instance qualifies, so every request is rejected; 0 admits them."""
+    """The knobs reach the report, and admission control reaches the policy: at an SLO
+    scale no instance can meet, every request is rejected; at scale 3 most are served
+    (admission turns away only what no instance meets, whatever the headroom)."""
     rejected = {}
-    for reserve in ("0", "1000"):
-        out = tmp_path / reserve
+    for reserve, scale in (("0", "3"), ("1000", "3"), ("0", "0.001")):
+        out = tmp_path / f"{reserve}-{scale}"
         result = invoke(
             "--trace", str(small_trace(tmp_path / "t.jsonl")), "--cluster", str(PAPER_CLUSTER),
-            "--policies", "goodserve-admission", "--slo-scales", "3", "--out", str(out),
+            "--policies", "goodserve-admission", "--slo-scales", scale, "--out", str(out),
             "--headroom", reserve, "--migration-margin", "0.25",
             "--migration-cost-quantile", "0.75", "--reservation-quantile", "0.8",
             "--stall-factor", "0.5", "--confidence-quantile", "0.75", "--no-progress",
         )
         assert result.exit_code == 0, result.output
         (row,) = list(csv.DictReader((out / "summary.csv").open()))
-        rejected[reserve] = int(row["rejected"])
+        rejected[(reserve, scale)] = int(row["rejected"])
         report = (out / "report.md").read_text()
         assert f"- headroom: {float(reserve):g}" in report and "- migration_margin: 0.25" in report
         assert "- migration_cost_quantile: 0.75" in report
         assert "- reservation_quantile: 0.8" in report and "- stall_factor: 0.5" in report
         assert "- confidence_quantile: 0.75" in report
-    assert rejected["1000"] == 60 and rejected["0"] < 60
+    assert rejected[("0", "0.001")] == 60
+    assert rejected[("0", "3")] < 30 and rejected[("1000", "3")] < 30
 
 
 @pytest.mark.parametrize(
