@@ -25,8 +25,11 @@ from app.routing.goodserve import (
     JustEnoughVariant,
     make_goodserve,
 )
+from app.routing.kv_router import KvRouterPolicy
 from app.routing.length import OutputLengthEstimator, RunningHistoryLength, TrueLength
 from app.routing.load_aware import LlumnixBalancer, LlumnixPolicy, LowestTpmPolicy
+from app.routing.predicted_latency import PredictedLatencyPolicy
+from app.routing.session_affinity import SessionAffinityPolicy
 from app.routing.status import StatusEstimator
 
 
@@ -44,6 +47,9 @@ class PolicyKind(StrEnum):
     PREBLE = "preble"
     LLUMNIX = "llumnix"
     SLO_PACK = "slo-pack"
+    LLM_D = "llm-d"  # llm-d predicted-latency routing (per-request TTFT/TPOT SLOs)
+    SESSION_AFFINITY = "session-affinity"  # consistent hash on the session id
+    DYNAMO_KV = "dynamo-kv"  # Dynamo KV router cost
     # ablations and variants: by name only, not part of `all`
     GOODSERVE_NO_MIGRATION = "goodserve-no-migration"
     GOODSERVE_HISTORY = "goodserve-history"
@@ -172,6 +178,9 @@ for _kind, _builder in {
         LlumnixPolicy(seed=o.seed), LlumnixBalancer(o.goodserve.tau_iterations)
     ),
     PolicyKind.SLO_PACK: _slo_pack,
+    PolicyKind.LLM_D: _seeded(PredictedLatencyPolicy),
+    PolicyKind.SESSION_AFFINITY: lambda o: RoutingStack(SessionAffinityPolicy()),
+    PolicyKind.DYNAMO_KV: _seeded(KvRouterPolicy),
     PolicyKind.GOODSERVE_NO_MIGRATION: lambda o: _goodserve(
         o, o.goodserve_length(), max_migrations_per_request=0
     ),

@@ -45,20 +45,20 @@ def test_replay_writes_summary_records_plots_and_report(tmp_path) -> None:
     assert result.exit_code == 0, result.output
     with (out / "summary.csv").open() as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 11 * 3  # `all`: every policy of the issue, not the ablations
+    assert len(rows) == 14 * 3  # `all`: every policy of the issue, not the ablations
     for column in ("policy", "slo_scale", "requests", "met", "goodput_rps",
                    "slo_violation_ratio", "p50_e2e_s", "p99_e2e_s", "migrations", "rejected"):
         assert column in rows[0]
     assert {r["policy"] for r in rows} == {
         "goodserve", "goodserve-exact-lengths", "random", "p2c", "round-robin", "least-request",
         "prefix-cache",
-        "lowest-tpm", "preble", "llumnix", "slo-pack"}
+        "lowest-tpm", "preble", "llumnix", "slo-pack", "llm-d", "session-affinity", "dynamo-kv"}
     for policy in ("random", "p2c", "round-robin", "least-request", "preble"):
         met = [int(r["met"]) for r in rows if r["policy"] == policy]
         assert met == sorted(met)  # looser SLOs never lose requests
         assert all(int(r["requests"]) == 60 for r in rows if r["policy"] == policy)
     table = pq.read_table(out / "requests.parquet")
-    assert table.num_rows == 33 * 60
+    assert table.num_rows == 42 * 60
     assert {"policy", "slo_scale", "outcome", "deadline_s", "instance_ids"} <= set(
         table.column_names)
     assert (out / "goodput.png").stat().st_size > 1000
