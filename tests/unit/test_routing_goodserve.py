@@ -737,6 +737,22 @@ def test_slack_budgets_track_the_smallest_admitted_slack():
     assert len(budgets) == 2
 
 
+@pytest.mark.parametrize("triage, long_sink", [(None, "A40"), (False, "H800")])
+def test_label_free_history_triages_long_contexts_only(triage, long_sink):
+    """With the running history, triage is off, except for requests whose context is
+    long (their T is mostly the known queue and prefill): a hopeless 5,000-token
+    request goes to the most backlogged instance (the A40, largest T), a hopeless
+    short one to the fastest; `triage=False` turns both off."""
+    status = StatusEstimator(alpha=1.0)
+    for gpu, d in {"H800": 0.01, "A40": 0.04}.items():
+        set_speed(status, gpu, d)
+    policy = JustEnoughPolicy(status, RunningHistoryLength(), GoodServeConfig(
+        triage=triage, triage_min_context_tokens=2048))
+    cluster = make_cluster(make_view("H800"), make_view("A40"))
+    assert policy.choose(make_request(0.5, prompt=5000, rid="long"), cluster, 0.0) == long_sink
+    assert policy.choose(make_request(0.01, prompt=100, rid="short"), cluster, 0.0) == "H800"
+
+
 def test_late_request_avoids_instances_whose_admitted_requests_its_prefill_would_stall():
     policy = policy_with_speeds(H800=0.01, A800=0.015, A40=0.04, triage=False)
     cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))

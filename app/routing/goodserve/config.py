@@ -69,6 +69,11 @@ class GoodServeConfig(Frozen):
         "from requests that still can; None = on with a trained predictor or exact "
         "lengths, off with the label-free history (whose pessimistic estimates under "
         "steady overload would triage requests that can still meet)")
+    triage_min_context_tokens: int | None = Field(
+        2048, ge=1, description="where triage is left off for the label-free history "
+        "(triage unset), requests with at least this many context tokens are triaged all "
+        "the same: their latency is mostly the known queue and prefill, so the history's "
+        "guess cannot make them look hopeless; None = never (triage false: never either)")
     triage_quantile: float = Field(
         0.1, ge=0, le=0.5, description="the optimistic length triage assumes: this quantile "
         "of the length estimator's spread (one token when it knows none)")
@@ -122,6 +127,8 @@ class GoodServeConfig(Frozen):
             update["stall_factor"] = stall_factor_for(length)
         if self.triage is None:
             update["triage"] = not isinstance(length, RunningHistoryLength)
+        elif not self.triage:  # off by choice: long contexts too
+            update["triage_min_context_tokens"] = None
         return self.model_copy(update=update) if update else self
 
     @property

@@ -100,10 +100,19 @@ class JustEnoughPolicy(RoutingPolicy):
             return None, None
         return arrival.place(confident, cold)
 
+    def triages(self, request: RouteRequest) -> bool:
+        """Whether a hopeless `request` goes to the triage sink: always when triage is
+        on; else when its context is long enough that its latency is mostly the known
+        queue and prefill, not the guessed output (`triage_min_context_tokens`)."""
+        if self.config.triage:
+            return True
+        floor = self.config.triage_min_context_tokens
+        return floor is not None and request.num_context_tokens >= floor
+
     def _optimistic_output(self, request: RouteRequest, output: float) -> float:
         """The output length triage assumes before calling a request hopeless: the
         estimator's `triage_quantile` when it knows its spread, else one more token."""
-        if not self.config.triage:
+        if not self.triages(request):
             return output
         low = self.length.confident_output(request, self.config.triage_quantile)
         if low is None:
@@ -167,7 +176,7 @@ class PlainArrival(Arrival):
                                               self.policy.config.headroom)
 
     def fallback(self, scored: list[Candidate]) -> Candidate:
-        return fallback(scored, self.policy.config.triage)
+        return fallback(scored, self.policy.triages(self.request))
 
     def fastest_s(self, scored: list[Candidate]) -> float:
         return min(c.latency_s for c in scored)
@@ -206,7 +215,7 @@ class ColumnArrival(Arrival):
                                   self.policy.config.headroom)
 
     def fallback(self, scored: vectorised.Scored) -> Candidate:
-        return scored.candidate(vectorised.fallback(scored, self.policy.config.triage))
+        return scored.candidate(vectorised.fallback(scored, self.policy.triages(self.request)))
 
     def fastest_s(self, scored: vectorised.Scored) -> float:
         return float(scored.latency_s.min())
