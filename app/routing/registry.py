@@ -129,7 +129,7 @@ def _slo_pack(options: RoutingOptions) -> RoutingStack:
     config = GoodServeConfig(
         alpha=options.goodserve.alpha, variant=JustEnoughVariant.LEAST_SLACK, headroom=0.0,
         protect_admitted=False, reservation_quantile=1.0, confidence_quantile=0.5,
-        fast_while_cold=False, stall_factor=1.0,
+        fast_while_cold=False, stall_factor=1.0, triage=False,
     )
     return RoutingStack(JustEnoughPolicy(status, RunningHistoryLength(), config),
                         estimator=status)

@@ -34,7 +34,7 @@ from app.routing.length import (
 from app.routing.quantiles import kaplan_meier_quantile
 from app.routing.registry import PolicyKind, RoutingOptions, build_routing
 from app.routing.status import InstanceEstimate, StatusEstimator, catalog_prior
-from app.routing.view import ClusterView, FinishReport
+from app.routing.view import ClusterView, FinishReport, RouteRequest
 from tests.unit.routing_utils import (
     SPECS,
     fixed_length_predictor,
@@ -281,6 +281,11 @@ def test_confidence_quantile_reaches_goodserve_but_not_slo_pack():
     # the cold-start rule is GoodServe's, not the baseline's
     assert build_routing(PolicyKind.GOODSERVE, options).policy.config.fast_while_cold
     assert not build_routing(PolicyKind.SLO_PACK, options).policy.config.fast_while_cold
+    # so is triage, long contexts included
+    slo_pack = build_routing(PolicyKind.SLO_PACK, options).policy
+    assert not slo_pack.triages(RouteRequest("r", 0.0, 1.0, 100_000))
+    assert build_routing(PolicyKind.GOODSERVE, options).policy.triages(
+        RouteRequest("r", 0.0, 1.0, 100_000))
     off = RoutingOptions(goodserve=GoodServeConfig(fast_while_cold=False))
     assert not build_routing(PolicyKind.GOODSERVE, off).policy.config.fast_while_cold
     with pytest.raises(ValueError, match="confidence_quantile"):
