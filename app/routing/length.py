@@ -40,6 +40,9 @@ class OutputLengthEstimator(StepListener, ABC):
     """Predicts a request's total output length (tokens, >= num_generated + 1)."""
 
     needs_true_output_length: ClassVar[bool] = False  # only exact lengths do
+    # learns from finished requests alone, no trained model: its guess can make a short
+    # request look hopeless, so triage stays off for short contexts
+    label_free: ClassVar[bool] = False
 
     @abstractmethod
     def predict_total(self, request: RouteRequest, num_generated: int = 0) -> float:
@@ -98,6 +101,8 @@ class RunningHistoryLength(OutputLengthEstimator):
     alone are biased short while long generations are still running - the first
     half-minute of a run, or after a shift to longer outputs.
     """
+
+    label_free: ClassVar[bool] = True
 
     def __init__(self, window_size: int = 2000, default_tokens: int = DEFAULT_OUTPUT_TOKENS):
         if window_size < 1:

@@ -30,6 +30,7 @@ from app.routing.length import OutputLengthEstimator, RunningHistoryLength, True
 from app.routing.load_aware import LlumnixBalancer, LlumnixPolicy, LowestTpmPolicy
 from app.routing.predicted_latency import PredictedLatencyPolicy
 from app.routing.session_affinity import SessionAffinityPolicy
+from app.routing.session_length import SessionHistoryLength
 from app.routing.status import StatusEstimator
 
 
@@ -55,6 +56,7 @@ class PolicyKind(StrEnum):
     GOODSERVE_HISTORY = "goodserve-history"
     GOODSERVE_LEAST_SLACK = "goodserve-least-slack"
     GOODSERVE_ADMISSION = "goodserve-admission"
+    GOODSERVE_SESSION_LENGTHS = "goodserve-session-lengths"
 
     @classmethod
     def from_str(cls, name: str) -> PolicyKind:
@@ -75,6 +77,7 @@ SIM_ONLY = frozenset({PolicyKind.GOODSERVE_EXACT})
 ABLATIONS = frozenset({
     PolicyKind.GOODSERVE_NO_MIGRATION, PolicyKind.GOODSERVE_HISTORY,
     PolicyKind.GOODSERVE_LEAST_SLACK, PolicyKind.GOODSERVE_ADMISSION,
+    PolicyKind.GOODSERVE_SESSION_LENGTHS,
 })
 
 
@@ -191,6 +194,7 @@ for _kind, _builder in {
     PolicyKind.GOODSERVE_ADMISSION: lambda o: _goodserve(
         o, o.goodserve_length(), admission_control=True
     ),
+    PolicyKind.GOODSERVE_SESSION_LENGTHS: lambda o: _goodserve(o, SessionHistoryLength()),
 }.items():
     POLICY_REGISTRY.register(_kind, _builder)
 

@@ -907,3 +907,15 @@ def test_triage_defaults_per_length_estimator(kind, trained, expected):
     assert stack.policy.config.triage is expected and stack.watchdog.config.triage is expected
     forced = build_routing(kind, replace(options, goodserve=GoodServeConfig(triage=True)))
     assert forced.policy.config.triage is True
+
+
+def test_session_length_variant_is_label_free():
+    """`goodserve-session-lengths` predicts from sessions' own steps; like the running
+    history it learns from finishes alone, so triage stays off below long contexts."""
+    from app.routing.session_length import SessionHistoryLength
+
+    policy = build_routing(PolicyKind.GOODSERVE_SESSION_LENGTHS).policy
+    assert isinstance(policy.length, SessionHistoryLength)
+    assert policy.config.triage is False
+    assert policy.triages(RouteRequest("r", 0.0, 1.0, 100_000))
+    assert not policy.triages(RouteRequest("r", 0.0, 1.0, 100))

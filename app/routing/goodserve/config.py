@@ -15,7 +15,7 @@ from enum import StrEnum
 from pydantic import ConfigDict, Field
 
 from app.config import Frozen
-from app.routing.length import OutputLengthEstimator, PredictorLength, RunningHistoryLength
+from app.routing.length import OutputLengthEstimator, PredictorLength
 
 # The stall factor's default depends on the length estimator's errors: a trained
 # predictor over-predicts the requests it calls late, exact and label-free lengths do
@@ -126,7 +126,7 @@ class GoodServeConfig(Frozen):
         if self.stall_factor is None:
             update["stall_factor"] = stall_factor_for(length)
         if self.triage is None:
-            update["triage"] = not isinstance(length, RunningHistoryLength)
+            update["triage"] = not length.label_free
         elif not self.triage:  # off by choice: long contexts too
             update["triage_min_context_tokens"] = None
         return self.model_copy(update=update) if update else self
