@@ -398,6 +398,20 @@ def test_prefix_hit_makes_a_weaker_instance_feasible():
     assert policy.choose(request, with_hit, 0.0) == "A40"
 
 
+@pytest.mark.parametrize("affinity, chosen", [(2048, "A800"), (None, "A40")])
+def test_cache_affinity_keeps_a_cached_long_context_where_it_is_cached(affinity, chosen):
+    """Both weaker GPUs meet the deadline; the A800 holds 9,600 of the 10,000 context
+    tokens. Just-enough alone takes the weakest (A40) and recomputes the context there;
+    with cache affinity only instances within 2,048 uncached tokens of the best count."""
+    policy = policy_with_speeds(H800=0.01, A800=0.015, A40=0.02)
+    config = policy.config.model_copy(update={"cache_affinity_tokens": affinity})
+    policy = JustEnoughPolicy(policy.status, TrueLength(), config)
+    cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"),
+                           hits={"A800": 600})  # 600 blocks x 16 tokens
+    request = make_request(60.0, prompt=10_000, block_hashes=tuple(range(625)))
+    assert policy.choose(request, cluster, 0.0) == chosen
+
+
 def test_no_memory_room_makes_instance_infeasible():
     policy = policy_with_speeds(H800=0.01, A40=0.04)
     cluster = make_cluster(make_view("H800"), make_view("A40", free_blocks=10))

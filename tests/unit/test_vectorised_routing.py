@@ -36,7 +36,8 @@ def random_config(rng: random.Random) -> GoodServeConfig:
         admission_control=rng.random() < 0.3, triage=rng.choice([None, True, False]),
         protect_admitted=rng.random() < 0.8, confidence_quantile=rng.choice([0.5, 0.9]),
         fast_while_cold=rng.random() < 0.7, reservation_quantile=rng.choice([0.8, 1.0]),
-        admissions_window=rng.choice([8, 64]), min_slo_samples=rng.choice([1, 20]))
+        admissions_window=rng.choice([8, 64]), min_slo_samples=rng.choice([1, 20]),
+        cache_affinity_tokens=rng.choice([None, 0, 2048]))
 
 
 def random_views(rng: random.Random, n: int, now: float) -> tuple[InstanceView, ...]:

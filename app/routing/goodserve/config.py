@@ -59,6 +59,11 @@ class GoodServeConfig(Frozen):
     headroom: float = Field(
         0.5, ge=0, description="slack kept in reserve, fraction of T: an instance that "
         "would finish with less spare time counts as infeasible")
+    cache_affinity_tokens: int | None = Field(
+        2048, ge=0, description="cache affinity: just-enough picks only among the feasible "
+        "instances whose uncached prompt is within this many tokens of the least uncached "
+        "one, so a long context cached on a capable GPU is not recomputed on a weaker one; "
+        "None = off")
     admission_control: bool = Field(
         False, description="reject early, with the reason, when no instance can meet the "
         "deadline even without headroom (else best effort on the least harmful fastest "

@@ -73,6 +73,7 @@ class Candidate:
     stall_s: float = 0.0
     shortest_stall_s: float = math.inf  # smallest stall an admitted request tolerates
     reserved: bool = False  # kept for tighter deadlines (`reserve_strongest`)
+    uncached_tokens: int = 0  # context it would prefill there (cache affinity)
 
     def feasible(self, headroom: float = 0.0) -> bool:
         """Meets the deadline with `headroom` x T to spare and may take the request."""
@@ -132,6 +133,7 @@ def score_instances(
             latency_floor_s=floor,
             stall_s=stall_factor * prefill,
             shortest_stall_s=budgets.shortest_stall_s(iid) if budgets else math.inf,
+            uncached_tokens=max(request.num_context_tokens - hit, 0),
         ))
     return scored
 

@@ -22,14 +22,17 @@ from app.routing.view import ClusterView, InstanceView, RouteRequest
 
 
 def pick_just_enough(
-    candidates: Sequence[Candidate], variant: JustEnoughVariant, headroom: float = 0.0
+    candidates: Sequence[Candidate], variant: JustEnoughVariant, headroom: float = 0.0,
+    affinity_tokens: int | None = None,
 ) -> Candidate | None:
     """The feasible candidate the variant prefers; None when none is feasible.
 
     `headroom` keeps part of the slack in reserve: a request admitted with zero slack
-    misses as soon as later arrivals slow its instance down.
+    misses as soon as later arrivals slow its instance down. `affinity_tokens` narrows
+    the choice to the feasible instances that hold the request's context cached
+    (`near_cache`).
     """
-    feasible = [c for c in candidates if c.feasible(headroom)]
+    feasible = near_cache([c for c in candidates if c.feasible(headroom)], affinity_tokens)
     if not feasible:
         return None
     if variant == JustEnoughVariant.LEAST_SLACK:
@@ -37,11 +40,25 @@ def pick_just_enough(
     return min(feasible, key=lambda c: (-c.capability_s_per_token, c.slack_s, c.instance_id))
 
 
+def near_cache(feasible: list[Candidate], affinity_tokens: int | None) -> list[Candidate]:
+    """Cache affinity (project addition): the candidates whose uncached prompt is within
+    `affinity_tokens` of the least uncached one. Just-enough ranks by speed alone, so a
+    long context cached on one GPU would be recomputed on a weaker one that still
+    meets the deadline: the recompute costs that GPU's time, and every request queued
+    behind it. Short prompts are within any sensible margin, so it changes nothing there.
+    """
+    if affinity_tokens is None or not feasible:
+        return feasible
+    least = min(c.uncached_tokens for c in feasible)
+    return [c for c in feasible if c.uncached_tokens <= least + affinity_tokens]
+
+
 def pick_while_cold(
     candidates: Sequence[Candidate],
     variant: JustEnoughVariant,
     headroom: float,
     admissions: RecentAdmissions,
+    affinity_tokens: int | None = None,
 ) -> Candidate | None:
     """Just-enough while the length estimator is cold (`OutputLengthEstimator.warm`):
     the fastest feasible instance with capacity to spare, else the variant's pick.
@@ -55,10 +72,11 @@ def pick_while_cold(
              if c.feasible(headroom) and not admissions.contended(c.instance_id)]
     if spare:
         return min(spare, key=lambda c: (c.latency_s, c.instance_id))
-    return pick_just_enough(candidates, variant, headroom)
+    return pick_just_enough(candidates, variant, headroom, affinity_tokens)
 
 
-def fallback(candidates: Sequence[Candidate], triage: bool) -> Candidate:
+def fallback(candidates: Sequence[Candidate], triage: bool,
+             affinity_tokens: int | None = None) -> Candidate:
     """Best effort when no instance meets the deadline with headroom.
 
     First the just-enough pick among instances that meet it with none to spare. Else,
@@ -70,7 +88,7 @@ def fallback(candidates: Sequence[Candidate], triage: bool) -> Candidate:
     """
     meeting = [c for c in candidates if c.feasible(headroom=0.0)]
     if meeting:
-        return pick_just_enough(meeting, JustEnoughVariant.WEAKEST)
+        return pick_just_enough(meeting, JustEnoughVariant.WEAKEST, 0.0, affinity_tokens)
     if triage and not any(c.could_meet_deadline() for c in candidates):
         return triage_sink(candidates)
     admissible = [c for c in candidates if c.admissible()] or candidates
@@ -144,11 +162,13 @@ class JustEnoughPlacer:
                                  guard, self.config.charged_stall_factor, floor_output_tokens)
         candidates = reserve_strongest(request, scored, view, self.admissions,
                                        self.config.reservation_quantile)
+        affinity = self.config.cache_affinity_tokens
         if cold:
             chosen = pick_while_cold(candidates, self.config.variant, self.config.headroom,
-                                     self.admissions)
+                                     self.admissions, affinity)
         else:
-            chosen = pick_just_enough(candidates, self.config.variant, self.config.headroom)
+            chosen = pick_just_enough(candidates, self.config.variant, self.config.headroom,
+                                      affinity)
         return chosen, candidates
 
     def admit(self, request: RouteRequest, chosen: Candidate) -> None:

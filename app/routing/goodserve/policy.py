@@ -176,7 +176,8 @@ class PlainArrival(Arrival):
                                               self.policy.config.headroom)
 
     def fallback(self, scored: list[Candidate]) -> Candidate:
-        return fallback(scored, self.policy.triages(self.request))
+        return fallback(scored, self.policy.triages(self.request),
+                        self.policy.config.cache_affinity_tokens)
 
     def fastest_s(self, scored: list[Candidate]) -> float:
         return min(c.latency_s for c in scored)
@@ -203,11 +204,13 @@ class ColumnArrival(Arrival):
         scored = vectorised.reserve_strongest(
             self.request, self.scorer.score(output_tokens, floor_output_tokens), self.view,
             admissions, config.reservation_quantile)
+        affinity = config.cache_affinity_tokens
         if cold:
             row = vectorised.pick_while_cold(scored, config.variant, config.headroom,
-                                             admissions)
+                                             admissions, affinity)
         else:
-            row = vectorised.pick_just_enough(scored, config.variant, config.headroom)
+            row = vectorised.pick_just_enough(scored, config.variant, config.headroom,
+                                              affinity_tokens=affinity)
         return (None if row is None else scored.candidate(row)), scored
 
     def record_arrival(self, scored: vectorised.Scored) -> None:
@@ -215,7 +218,8 @@ class ColumnArrival(Arrival):
                                   self.policy.config.headroom)
 
     def fallback(self, scored: vectorised.Scored) -> Candidate:
-        return scored.candidate(vectorised.fallback(scored, self.policy.triages(self.request)))
+        return scored.candidate(vectorised.fallback(
+            scored, self.policy.triages(self.request), self.policy.config.cache_affinity_tokens))
 
     def fastest_s(self, scored: vectorised.Scored) -> float:
         return float(scored.latency_s.min())

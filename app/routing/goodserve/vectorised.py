@@ -37,6 +37,7 @@ class Scored:
     stall_s: np.ndarray
     shortest_stall_s: np.ndarray
     reserved: np.ndarray
+    uncached_tokens: np.ndarray
 
     @property
     def capability(self) -> np.ndarray:
@@ -62,7 +63,8 @@ class Scored:
         return Candidate(self.arrays.ids[i], float(self.latency_s[i]), float(self.slack_s[i]),
                          float(self.capability[i]), bool(self.has_memory_room[i]),
                          float(self.latency_floor_s[i]), float(self.stall_s[i]),
-                         float(self.shortest_stall_s[i]), bool(self.reserved[i]))
+                         float(self.shortest_stall_s[i]), bool(self.reserved[i]),
+                         int(self.uncached_tokens[i]))
 
     def first(self, mask: np.ndarray, *keys: np.ndarray) -> int | None:
         """Row of the smallest (keys..., id) among `mask` (the first key is primary)."""
@@ -93,6 +95,7 @@ class InstanceScorer:
     has_memory_room: np.ndarray
     stall_s: np.ndarray
     shortest_stall_s: np.ndarray
+    uncached_tokens: np.ndarray
 
     @classmethod
     def build(cls, request: RouteRequest, instances: tuple[InstanceView, ...] | list,
@@ -110,7 +113,8 @@ class InstanceScorer:
                     else np.full(len(arrays), math.inf))
         return cls(request, arrays, now, kv_wait_s(request, now), queue + prefill, decode,
                    arrays.column("kv_free_tokens") >= context - hits,
-                   stall_factor * prefill, shortest)
+                   stall_factor * prefill, shortest,
+                   np.maximum(context - hits, 0).astype(np.int64))
 
     def score(self, output_tokens: float, floor_output_tokens: float = 1.0) -> Scored:
         generated = self.request.num_generated_tokens
@@ -121,7 +125,7 @@ class InstanceScorer:
                                * self.decode_s)
         return Scored(self.arrays, latency, self.request.deadline_s - (self.now + latency),
                       floor, self.has_memory_room, self.stall_s, self.shortest_stall_s,
-                      np.zeros(len(self.arrays), dtype=bool))
+                      np.zeros(len(self.arrays), dtype=bool), self.uncached_tokens)
 
 
 def reserve_strongest(request: RouteRequest, scored: Scored, view: ClusterView,
@@ -140,31 +144,39 @@ def reserve_strongest(request: RouteRequest, scored: Scored, view: ClusterView,
 
 
 def pick_just_enough(scored: Scored, variant: JustEnoughVariant, headroom: float = 0.0,
-                     among: np.ndarray | None = None) -> int | None:
+                     among: np.ndarray | None = None,
+                     affinity_tokens: int | None = None) -> int | None:
     """`placer.pick_just_enough` over columns (`among` narrows the rows)."""
     feasible = scored.feasible(headroom)
     if among is not None:
         feasible &= among
+    if affinity_tokens is not None and feasible.any():  # `placer.near_cache`
+        least = scored.uncached_tokens[feasible].min()
+        feasible &= scored.uncached_tokens <= least + affinity_tokens
     if variant == JustEnoughVariant.LEAST_SLACK:
         return scored.first(feasible, scored.slack_s)
     return scored.first(feasible, -scored.capability, scored.slack_s)
 
 
 def pick_while_cold(scored: Scored, variant: JustEnoughVariant, headroom: float,
-                    admissions: RecentAdmissions) -> int | None:
+                    admissions: RecentAdmissions,
+                    affinity_tokens: int | None = None) -> int | None:
     """`placer.pick_while_cold` over columns."""
     spare = scored.feasible(headroom)
     for i in np.flatnonzero(spare):
         spare[i] = not admissions.contended(scored.arrays.ids[i])
     spare_row = scored.first(spare, scored.latency_s)
-    return spare_row if spare_row is not None else pick_just_enough(scored, variant, headroom)
+    if spare_row is not None:
+        return spare_row
+    return pick_just_enough(scored, variant, headroom, affinity_tokens=affinity_tokens)
 
 
-def fallback(scored: Scored, triage: bool) -> int:
+def fallback(scored: Scored, triage: bool, affinity_tokens: int | None = None) -> int:
     """`placer.fallback` over columns."""
     meeting = scored.feasible(0.0)
     if meeting.any():
-        chosen = pick_just_enough(scored, JustEnoughVariant.WEAKEST, 0.0, among=meeting)
+        chosen = pick_just_enough(scored, JustEnoughVariant.WEAKEST, 0.0, among=meeting,
+                                  affinity_tokens=affinity_tokens)
         assert chosen is not None
         return chosen
     if triage and not scored.could_meet_deadline().any():
