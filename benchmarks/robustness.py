@@ -49,6 +49,7 @@ from benchmarks.goodput_experiments import (
     held_out_prompts,
     train_moe,
 )
+from benchmarks.matrix_io import append_rows, read_rows
 from benchmarks.replay import ReplaySpec, attach_predictions, run_replay
 
 SCALES = (1.0, 1.5, 2.0, 3.0)
@@ -109,21 +110,11 @@ def run_workload(setup: MatrixSetup, process: str, rate: float, seed: int,
 
 
 def read_cells(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    with path.open() as f:
-        return [{**row, "rate_rps": float(row["rate_rps"]), "seed": int(row["seed"]),
-                 "slo_scale": float(row["slo_scale"]), "goodput_rps": float(row["goodput_rps"])}
-                for row in csv.DictReader(f)]
+    return read_rows(path, numeric=("rate_rps", "slo_scale", "goodput_rps"), integer=("seed",))
 
 
 def append_cells(path: Path, rows: Sequence[dict]) -> None:
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CELL_FIELDS)
-        if new:
-            writer.writeheader()
-        writer.writerows(rows)
+    append_rows(path, rows, CELL_FIELDS)
 
 
 def missing_runs(
