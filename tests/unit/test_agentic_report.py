@@ -6,6 +6,7 @@ import pytest
 
 from benchmarks.agentic import (
     TARGET_MET_SHARE,
+    Unreachable,
     aggregate,
     calibrate,
     collapse_ratios,
@@ -75,3 +76,8 @@ def test_markdown_names_the_best_baseline_and_the_noise(tmp_path):
     text = path.read_text()
     assert "| 1x | 2 | 1.20 | round-robin | 0.00 | - |" in text
     assert "coding-agent on small: 0.1 sessions/s" in text
+
+
+def test_calibration_says_when_the_target_is_out_of_reach():
+    with pytest.raises(Unreachable):
+        calibrate(lambda rate: 0.5, 1.0)
