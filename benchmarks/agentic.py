@@ -1,26 +1,50 @@
 """Agentic matrix (simulator): GoodServe against the baselines users deploy, on the
 traffic it exists for.
 
-Workloads: the Mooncake conversation trace with its own lengths and prefix blocks
-(`--content trace`, rate in req/s), and closed-loop `coding-agent` and `chat-agent`
-sessions (rate in sessions/s, Poisson session arrivals). Clusters: `small`
-(configs/paper-4gpu.yaml) and `large` (configs/mixed-16gpu.yaml, sixteen engines of
-four kinds). SLO = scale x solo time on an A800 (an agent step's context counted as
-cached).
+Setup. Workloads: `mooncake`, the Mooncake conversation trace with its own lengths and
+prefix blocks (ContentMode.TRACE; --trace, default ../shared/data/traces/ from the
+repository root, skipped with a message when absent), stretched to the rate (req/s),
+each seed a --duration window at its own seeded offset in the stretched trace (so seeds
+see different conversations, and the trace's opening burst is no likelier than any
+other part); `coding-agent` and `chat-agent`, closed-loop session presets with Poisson
+session arrivals (rate in sessions/s). Clusters: `small` (configs/paper-4gpu.yaml) and
+`large` (configs/mixed-16gpu.yaml, sixteen engines of four kinds). SLO = scale x solo
+time on an A800 (an agent step's context counted as cached).
 
-Load: for each (workload, cluster), the reference rate L* is where the best of the
-calibration baselines (round-robin, least-request, prefix-cache) meets 80% of requests
-at SLO scale 2, found by geometric bisection on a calibration seed (100) that is not
-reported; the matrix runs 0.5, 0.8, 1.0 and 1.5 x L*. Every (workload, cluster, load,
-seed) unit runs every policy at scales 1, 1.5, 2 and 3; cells.csv keeps each unit, so
-an interrupted matrix resumes where it stopped (--resume).
+Load. Per (workload, cluster), the reference rate L* is where the best calibration
+baseline (--calibration-policies: round-robin, least-request, prefix-cache) stops
+meeting 80% of requests at SLO scale 2: a bracket by doubling or halving from a
+per-engine starting rate, then 6 geometric bisections, on a calibration seed (100) that
+is never reported. A rate whose window holds fewer than 50 requests is too coarse to
+bisect on; if the cheap baselines are still under 80% there, every baseline is tried,
+and a pair that no baseline brings to 80% is skipped with the reason (Mooncake on the
+small cluster: its long prompts miss scale 2 on the A40 and V100 even when idle, the
+best baseline meeting 60-74% from 0.11 to 1.2 req/s). The matrix runs 0.5, 0.8, 1.0
+and 1.5 x L*; each (workload, cluster, load, seed) unit runs every policy (GoodServe,
+GoodServe with exact lengths, every registered baseline) at scales 1, 1.5, 2 and 3.
+Seeds: 0, 1, 2 on small, 0 on large.
 
-Writes under --out: calibration.csv, cells.csv (one row per unit, policy and scale),
-matrix.csv and matrix.md (per workload, cluster, load and scale: GoodServe / best
-baseline with the best baseline named, exact lengths / GoodServe, mean and range over
-seeds; the best baseline's seed-to-seed spread as the noise; GoodServe's met at 1.5x
-over its met at 1.0x load) and matrix.png (GoodServe / best baseline as heat maps).
+Cost, measured on this 2-core machine in CPU seconds per unit (11 policies x 4 scales)
+at about L*, with a 300 s window: coding-agent small 6 (48 requests), chat-agent small
+50 (320), Mooncake small 35 (at 1 req/s, 335); chat-agent large about 430 (3,423
+requests: round-robin 13 and GoodServe 74, each 5.6x its time with a 60 s window, where
+the whole unit took 77); with a 60 s window, coding-agent large 8 and Mooncake large 21.
+Per cell (one policy at one scale) that is 0.03 s (round-robin on coding-agent small,
+simulated once and re-scored at every scale) to about 38 s (llm-d on chat-agent large).
+Cost grows a little faster than the window (5.6x for 5x). A calibration is about ten
+runs of the three cheap baselines at one scale (Mooncake large with a 500 s window: 144
+CPU s, L* = 4.06 req/s). The default --duration 500 puts the 36 units (Mooncake small
+is skipped) and 6 calibrations at about 1.8 CPU-hours, under an hour of wall clock with
+--jobs 2; chat-agent on the large cluster is over half of it.
+
+Writes under --out: calibration.csv (L* per pair), cells.csv (one row per unit, policy
+and scale; --resume skips the units it holds at the current L*), matrix.csv and
+matrix.md (per workload, cluster, load and scale: GoodServe met / best baseline met with
+the best baseline named, exact lengths / GoodServe, mean and range over seeds; the best
+baseline's seed-to-seed spread as the noise; GoodServe's met at 1.5x over its met at 1.0x
+load) and matrix.png (GoodServe / best baseline heat maps per workload and cluster).
 Usage: python -m benchmarks.agentic [--jobs 2] [--resume] [--only-clusters small]
+       [--only-workloads chat-agent] [--duration 500] [--policies goodserve,round-robin]
 """
 
 from __future__ import annotations
@@ -28,41 +52,74 @@ from __future__ import annotations
 import argparse
 import csv
 import math
-import statistics
+import random
 from collections import Counter, defaultdict
-from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
 from app.config import load_cluster_config
 from app.routing.registry import PolicyKind, RoutingOptions
-from app.workload import Arrivals, ContentMode, Workload
-from benchmarks.matrix_io import append_rows, read_rows
+from app.workload import (
+    Arrivals,
+    ContentMode,
+    Workload,
+    load_trace,
+    scale_and_window,
+    trace_workload,
+)
+from benchmarks.matrix_io import (
+    append_rows,
+    draw_ratio_grid,
+    mean_range_text,
+    ratio,
+    read_rows,
+)
 from benchmarks.replay import ReplaySpec, build_workload, context_limit_of, run_replay
+
+if TYPE_CHECKING:
+    from app.config import ClusterConfig
 
 REPO = Path(__file__).resolve().parents[1]
 TRACE = REPO.parent / "shared" / "data" / "traces" / "mooncake_conversation_trace.jsonl"
 WORKLOADS = ("mooncake", "coding-agent", "chat-agent")
 CLUSTERS = {"small": REPO / "configs" / "paper-4gpu.yaml",
             "large": REPO / "configs" / "mixed-16gpu.yaml"}
-DURATION_S = {"small": 600.0, "large": 300.0}  # arrival windows: ~1.5 CPU-hours in all
 LOAD_FACTORS = (0.5, 0.8, 1.0, 1.5)
+COLLAPSE_FACTORS = (1.5, 1.0)  # GoodServe's met at the first load over its met at the second
 SCALES = (1.0, 1.5, 2.0, 3.0)
+DURATION_S = 500.0  # arrivals per run: the default matrix in about two CPU-hours
 CALIBRATION_SCALE = 2.0
 TARGET_MET_SHARE = 0.8
 CALIBRATION_SEED = 100
+CALIBRATION_STEPS = 6
+MIN_CALIBRATION_REQUESTS = 50  # a met share over fewer requests is too coarse to bisect on
 GOODSERVE, EXACT = PolicyKind.GOODSERVE.value, PolicyKind.GOODSERVE_EXACT.value
-BASELINES = ("round-robin", "least-request", "prefix-cache", "preble", "llumnix", "slo-pack",
-             "llm-d", "session-affinity", "dynamo-kv")
+# the baselines users deploy; llm-d, session-affinity and dynamo-kv run where the
+# policy registry has them (membership in PolicyKind), and count as baselines in any case
+CANDIDATE_BASELINES = ("round-robin", "least-request", "prefix-cache", "preble", "llumnix",
+                       "slo-pack", "llm-d", "session-affinity", "dynamo-kv")
+BASELINES = tuple(n for n in CANDIDATE_BASELINES if n in {k.value for k in PolicyKind})
 POLICIES = (GOODSERVE, EXACT, *BASELINES)
 CALIBRATION_POLICIES = ("round-robin", "least-request", "prefix-cache")
-# a first guess of L* per engine, for the bracket search (req/s or sessions/s)
+# a first guess of L* per engine, where the bracket search starts (req/s or sessions/s)
 START_RATE_PER_ENGINE = {"mooncake": 0.3, "coding-agent": 0.03, "chat-agent": 0.2}
 CELL_FIELDS = ["workload", "cluster", "load_factor", "rate", "seed", "policy", "slo_scale",
                "requests", "met", "goodput_rps"]
+CALIBRATION_FIELDS = ["workload", "cluster", "duration_s", "seed", "rate", "policies", "note"]
+
+
+@dataclass(frozen=True)
+class MatrixSetup:
+    """What every worker needs besides its unit."""
+
+    duration_s: float  # arrival window of every unit and calibration run
+    trace: Path  # the Mooncake conversation trace
+    policies: tuple[str, ...]  # run on every unit
 
 
 @dataclass(frozen=True)
@@ -72,7 +129,7 @@ class Unit:
     workload: str
     cluster: str
     load_factor: float
-    rate: float
+    rate: float  # load_factor x L*: req/s (mooncake) or sessions/s
     seed: int
 
     @property
@@ -80,59 +137,82 @@ class Unit:
         return (self.workload, self.cluster, self.load_factor, self.seed)
 
 
-def make_workload(workload: str, cluster: str, rate: float, seed: int,
-                  duration_s: float) -> Workload:
-    config = load_cluster_config(CLUSTERS[cluster])
+# ---- workloads and runs ----------------------------------------------------------------
+
+
+def trace_window(trace: Path, rate: float, duration_s: float, seed: int) -> Workload:
+    """The trace's own requests stretched to `rate` req/s, in a `duration_s` window at a
+    seeded offset (the whole stretched trace when it is shorter)."""
+    scaled, span_s = scale_and_window(load_trace(trace), rate=rate)
+    offset_s = random.Random(seed).uniform(0.0, max(span_s - duration_s, 0.0))
+    kept = [r for r in scaled if offset_s <= r.arrival_s < offset_s + duration_s]
+    return trace_workload(kept, duration_s=duration_s, name="mooncake")
+
+
+def make_workload(workload: str, cluster: ClusterConfig, rate: float, seed: int,
+                  setup: MatrixSetup) -> Workload:
     if workload == "mooncake":
-        return build_workload(arrivals=Arrivals.TRACE, trace=TRACE, prompts=None, rate=rate,
-                              duration_s=duration_s, max_requests=None, seed=seed,
-                              content=ContentMode.TRACE)
+        return trace_window(setup.trace, rate, setup.duration_s, seed)
     return build_workload(arrivals=Arrivals.POISSON, trace=None, prompts=None, rate=rate,
-                          duration_s=duration_s, max_requests=None, seed=seed,
-                          content=ContentMode(workload),
-                          context_limit=context_limit_of(config))
+                          duration_s=setup.duration_s, max_requests=None, seed=seed,
+                          content=ContentMode(workload), context_limit=context_limit_of(cluster))
 
 
-def run_cells(workload: str, cluster: str, rate: float, seed: int, duration_s: float,
+def run_cells(workload: str, cluster: str, rate: float, seed: int, setup: MatrixSetup,
               policies: Sequence[str], scales: Sequence[float]) -> list[dict]:
     """`policies` at `scales` on one workload: one row per (policy, scale)."""
-    spec = ReplaySpec(load_cluster_config(CLUSTERS[cluster]),
-                      tuple(PolicyKind.from_str(p) for p in policies), tuple(scales),
+    config = load_cluster_config(CLUSTERS[cluster])
+    spec = ReplaySpec(config, tuple(PolicyKind.from_str(p) for p in policies), tuple(scales),
                       seed=seed, routing=RoutingOptions(seed))
-    cells = run_replay(spec, make_workload(workload, cluster, rate, seed, duration_s))
+    cells = run_replay(spec, make_workload(workload, config, rate, seed, setup))
     return [{"policy": c.policy, "slo_scale": c.slo_scale, "requests": c.summary["requests"],
              "met": c.summary["met"], "goodput_rps": c.summary["goodput_rps"]} for c in cells]
 
 
-def best_met_share(rows: Sequence[dict]) -> float:
-    return max(int(r["met"]) / max(int(r["requests"]), 1) for r in rows)
+def run_unit(unit: Unit, setup: MatrixSetup) -> list[dict]:
+    rows = run_cells(unit.workload, unit.cluster, unit.rate, unit.seed, setup, setup.policies,
+                     SCALES)
+    return [{"workload": unit.workload, "cluster": unit.cluster,
+             "load_factor": unit.load_factor, "rate": unit.rate, "seed": unit.seed, **row}
+            for row in rows]
 
 
-class Unreachable(ValueError):
-    """The policies never meet the target share, however light the load."""
+# ---- calibration --------------------------------------------------------------------------
 
 
-def calibrate(share_at: Callable[[float], float], start: float, *, steps: int = 5,
-              max_doublings: int = 8) -> float:
+class NoCrossing(ValueError):
+    """The met share does not cross the target within the rates searched."""
+
+    def __init__(self, message: str, *, always_below: bool) -> None:
+        super().__init__(message)
+        self.always_below = always_below  # under the target even at the lightest rate
+
+
+def bracket(share_at: Callable[[float], float], start: float, *, min_rate: float = 0.0,
+            max_steps: int = 8) -> tuple[float, float]:
+    """(low, high), at most a factor 2 apart, with share(low) >= TARGET_MET_SHARE >
+    share(high): doubling from `start` while the target is met, halving while it is
+    not, never below `min_rate`."""
+    rate = max(start, min_rate)
+    meets = share_at(rate) >= TARGET_MET_SHARE
+    for _ in range(max_steps):
+        step = rate * 2 if meets else max(rate / 2, min_rate)
+        if step == rate:
+            break
+        if (share_at(step) >= TARGET_MET_SHARE) != meets:
+            return (rate, step) if meets else (step, rate)
+        rate = step
+    where = "up to" if meets else "down to"
+    side = "above" if meets else "below"
+    raise NoCrossing(f"the best met share at scale {CALIBRATION_SCALE:g} stays {side} "
+                     f"{TARGET_MET_SHARE:.0%} {where} {rate:.3g}", always_below=not meets)
+
+
+def calibrate(share_at: Callable[[float], float], start: float, *, min_rate: float = 0.0,
+              steps: int = CALIBRATION_STEPS) -> float:
     """The rate where a non-increasing met share crosses TARGET_MET_SHARE: a bracket
-    by doubling or halving from `start`, then `steps` geometric bisections."""
-    low = high = start
-    if share_at(start) >= TARGET_MET_SHARE:
-        for _ in range(max_doublings):
-            high *= 2
-            if share_at(high) < TARGET_MET_SHARE:
-                break
-            low = high
-        else:
-            return high
-    else:
-        for _ in range(max_doublings):
-            low /= 2
-            if share_at(low) >= TARGET_MET_SHARE:
-                break
-            high = low
-        else:
-            raise Unreachable(f"the met share stays below {TARGET_MET_SHARE} down to {low:.3g}")
+    (see `bracket`), then `steps` geometric bisections; the bracket's geometric middle."""
+    low, high = bracket(share_at, start, min_rate=min_rate)
     for _ in range(steps):
         middle = math.sqrt(low * high)
         if share_at(middle) >= TARGET_MET_SHARE:
@@ -142,249 +222,429 @@ def calibrate(share_at: Callable[[float], float], start: float, *, steps: int = 
     return math.sqrt(low * high)
 
 
-def calibrate_unit(workload: str, cluster: str, duration_s: float,
-                   policies: Sequence[str]) -> float:
-    """L* by the cheap calibration policies; by every baseline when those never meet
-    the target (long prompts on weak GPUs miss even when idle unless a deadline-aware
-    baseline keeps them off those GPUs)."""
-    engines = len(load_cluster_config(CLUSTERS[cluster]).engines())
+def best_met_share(rows: Sequence[dict]) -> float:
+    return max(ratio(int(r["met"]), int(r["requests"])) for r in rows)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """L* of one (workload, cluster); rate None when no baseline reaches the target."""
+
+    workload: str
+    cluster: str
+    duration_s: float
+    seed: int
+    rate: float | None
+    policies: tuple[str, ...]  # the baselines whose best met share was bisected on
+    note: str = ""  # why there is no rate
+
+    def as_row(self) -> dict:
+        return {"workload": self.workload, "cluster": self.cluster,
+                "duration_s": self.duration_s, "seed": self.seed,
+                "rate": "" if self.rate is None else self.rate,
+                "policies": " ".join(self.policies), "note": self.note}
+
+    @classmethod
+    def from_row(cls, row: dict) -> Calibration:
+        return cls(row["workload"], row["cluster"], float(row["duration_s"]), int(row["seed"]),
+                   float(row["rate"]) if row["rate"] else None, tuple(row["policies"].split()),
+                   row["note"])
+
+
+def calibrate_pair(workload: str, cluster: str, setup: MatrixSetup, seed: int,
+                   policies: Sequence[str]) -> Calibration:
+    """L* by `policies`, then by every baseline when those stay under the target down
+    to the lightest measurable rate (long prompts miss on weak GPUs even when idle,
+    unless a baseline keeps them off those GPUs)."""
+    config = load_cluster_config(CLUSTERS[cluster])
+    start = START_RATE_PER_ENGINE[workload] * len(config.engines())
+    num_requests = len(make_workload(workload, config, start, seed, setup).requests)
+    min_rate = start * MIN_CALIBRATION_REQUESTS / max(num_requests, 1)
 
     def share_by(names: Sequence[str]) -> Callable[[float], float]:
         return lambda rate: best_met_share(run_cells(
-            workload, cluster, rate, CALIBRATION_SEED, duration_s, names,
-            (CALIBRATION_SCALE,)))
+            workload, cluster, rate, seed, setup, names, (CALIBRATION_SCALE,)))
 
-    start = START_RATE_PER_ENGINE[workload] * engines
-    try:
-        return calibrate(share_by(policies), start)
-    except Unreachable:
-        return calibrate(share_by(BASELINES), start)
+    note = ""
+    for names in dict.fromkeys((tuple(policies), BASELINES)):
+        try:
+            rate = calibrate(share_by(names), start, min_rate=min_rate)
+            return Calibration(workload, cluster, setup.duration_s, seed, rate, names)
+        except NoCrossing as e:
+            note = str(e)
+            if not e.always_below:
+                break
+    return Calibration(workload, cluster, setup.duration_s, seed, None, names, note)
 
 
-def reference_rates(out: Path, pairs: Sequence[tuple[str, str]], jobs: int,
-                    policies: Sequence[str]) -> dict[tuple[str, str], float]:
-    """L* per (workload, cluster), from calibration.csv where it was found before."""
+def read_calibrations(path: Path) -> list[Calibration]:
+    """The rows of calibration.csv in this format (older rows are left out)."""
+    return [Calibration.from_row(r) for r in read_rows(path)
+            if all(k in r and r[k] is not None for k in CALIBRATION_FIELDS)]
+
+
+def reference_rates(out: Path, pairs: Sequence[tuple[str, str]], setup: MatrixSetup,
+                    seed: int, policies: Sequence[str], jobs: int) -> list[Calibration]:
+    """L* per pair, reusing calibration.csv rows of the same window and seed."""
     path = out / "calibration.csv"
-    known = {(r["workload"], r["cluster"]): r["rate"]
-             for r in read_rows(path, numeric=("rate",))}
-    todo = [p for p in pairs if p not in known]
+    kept = read_calibrations(path)
+    path.unlink(missing_ok=True)
+    append_rows(path, [c.as_row() for c in kept], CALIBRATION_FIELDS)
+    known = {(c.workload, c.cluster): c for c in kept
+             if (c.duration_s, c.seed) == (setup.duration_s, seed)}
+    todo = [(*p, setup, seed, tuple(policies)) for p in pairs if p not in known]
+    for found in in_pool(calibrate_pair, todo, jobs, "calibrate L*", "pair"):
+        append_rows(path, [found.as_row()], CALIBRATION_FIELDS)
+        known[(found.workload, found.cluster)] = found
+    return [known[p] for p in pairs]
+
+
+# ---- units and resumption ------------------------------------------------------------------
+
+
+def plan_units(calibrations: Sequence[Calibration],
+               seeds: dict[str, Sequence[int]]) -> list[Unit]:
+    """Every (load factor, seed) unit of each calibrated pair, seed-major."""
+    return [Unit(c.workload, c.cluster, f, c.rate * f, s)
+            for c in calibrations if c.rate is not None
+            for s in seeds[c.cluster] for f in LOAD_FACTORS]
+
+
+def pending_units(units: Sequence[Unit], cells: Sequence[dict]) -> list[Unit]:
+    """The units `cells` holds no row of at their rate (a row at another rate was run
+    against an earlier L*)."""
+    rates: dict[tuple[str, str, float, int], set[float]] = defaultdict(set)
+    for c in cells:
+        rates[_cell_key(c)].add(float(c["rate"]))
+    return [u for u in units
+            if not any(math.isclose(r, u.rate, rel_tol=1e-9) for r in rates[u.key])]
+
+
+def stale_cells(units: Sequence[Unit], cells: Sequence[dict]) -> list[dict]:
+    """The rows of `units` at a rate other than theirs now."""
+    by_key = {u.key: u for u in units}
+    return [c for c in cells if _cell_key(c) in by_key
+            and not math.isclose(float(c["rate"]), by_key[_cell_key(c)].rate, rel_tol=1e-9)]
+
+
+def _cell_key(cell: dict) -> tuple[str, str, float, int]:
+    return (cell["workload"], cell["cluster"], float(cell["load_factor"]), int(cell["seed"]))
+
+
+def in_pool(fn: Callable[..., Any], tasks: Sequence[tuple], jobs: int, desc: str,
+            unit: str) -> Iterator[Any]:
+    """fn(*task) per task as each finishes, in `jobs` processes (in this one for 1),
+    under a progress bar."""
+    if jobs <= 1:
+        yield from (fn(*task) for task in tqdm(tasks, desc=desc, unit=unit))
+        return
     with ProcessPoolExecutor(max_workers=jobs) as pool:
-        futures = {p: pool.submit(calibrate_unit, *p, DURATION_S[p[1]], policies) for p in todo}
-        for pair, future in tqdm(futures.items(), desc="calibrate", unit="pair"):
-            known[pair] = future.result()
-            append_rows(path, [{"workload": pair[0], "cluster": pair[1], "rate": known[pair]}],
-                        ["workload", "cluster", "rate"])
-    return known
+        futures = [pool.submit(fn, *task) for task in tasks]
+        for future in tqdm(as_completed(futures), total=len(futures), desc=desc, unit=unit):
+            yield future.result()
 
 
-def run_unit(unit: Unit, policies: Sequence[str]) -> list[dict]:
-    rows = run_cells(unit.workload, unit.cluster, unit.rate, unit.seed,
-                     DURATION_S[unit.cluster], policies, SCALES)
-    return [{"workload": unit.workload, "cluster": unit.cluster,
-             "load_factor": unit.load_factor, "rate": unit.rate, "seed": unit.seed, **row}
-            for row in rows]
+def run_matrix(out: Path, units: Sequence[Unit], setup: MatrixSetup, jobs: int) -> None:
+    """Run the units cells.csv lacks, appending each as it finishes."""
+    path = out / "cells.csv"
+    cells = read_cells(path)
+    if stale := stale_cells(units, cells):
+        print(f"dropping {len(stale)} cells run at an earlier L*")
+        path.unlink()
+        append_rows(path, [c for c in cells if c not in stale], CELL_FIELDS)
+    for rows in in_pool(run_unit, [(u, setup) for u in pending_units(units, cells)], jobs,
+                        "agentic matrix", "unit"):
+        append_rows(path, rows, CELL_FIELDS)
 
 
-def done_units(cells: Sequence[dict]) -> set[tuple[str, str, float, int]]:
-    return {(c["workload"], c["cluster"], float(c["load_factor"]), int(c["seed"]))
-            for c in cells}
+def read_cells(path: Path) -> list[dict]:
+    return read_rows(path, numeric=("load_factor", "rate", "slo_scale", "goodput_rps"),
+                     integer=("seed", "requests", "met"))
 
 
 # ---- aggregation ----------------------------------------------------------------------
 
 
-def _met_by(cells: Sequence[dict]) -> dict[tuple, dict[str, int]]:
-    """(workload, cluster, load_factor, scale, seed) -> policy -> met."""
-    out: dict[tuple, dict[str, int]] = defaultdict(dict)
+MetKey = tuple[str, str, float, float, int]  # (workload, cluster, load_factor, scale, seed)
+
+
+def met_table(cells: Sequence[dict]) -> dict[MetKey, dict[str, tuple[int, int]]]:
+    """(workload, cluster, load factor, scale, seed) -> policy -> (met, requests)."""
+    out: dict[MetKey, dict[str, tuple[int, int]]] = defaultdict(dict)
     for c in cells:
         key = (c["workload"], c["cluster"], float(c["load_factor"]), float(c["slo_scale"]),
                int(c["seed"]))
-        out[key][c["policy"]] = int(c["met"])
+        out[key][c["policy"]] = (int(c["met"]), int(c["requests"]))
     return out
 
 
-def _summary(values: Sequence[float]) -> tuple[float, float, float]:
-    return statistics.fmean(values), min(values), max(values)
+def best_baseline(met: dict[str, tuple[int, int]]) -> str | None:
+    """The baseline meeting the most requests (the earlier in CANDIDATE_BASELINES on a tie)."""
+    ran = [b for b in CANDIDATE_BASELINES if b in met]
+    return max(ran, key=lambda b: (met[b][0], -ran.index(b))) if ran else None
 
 
-def aggregate(cells: Sequence[dict]) -> list[dict]:
-    """One row per (workload, cluster, load factor, scale): ratios over seeds."""
-    met = _met_by(cells)
-    groups: dict[tuple, list[int]] = defaultdict(list)
-    for workload, cluster, factor, scale, seed in met:
-        groups[(workload, cluster, factor, scale)].append(seed)
-    rows = []
-    for key in sorted(groups):
-        per_seed = [met[(*key, seed)] for seed in sorted(groups[key])]
-        if not all(GOODSERVE in m and any(b in m for b in BASELINES) for m in per_seed):
-            continue
-        best = [max((b for b in BASELINES if b in m), key=lambda b: (m[b], b))
-                for m in per_seed]
-        ratio = [m[GOODSERVE] / max(m[b], 1) for m, b in zip(per_seed, best, strict=True)]
-        exact = [m[EXACT] / max(m[GOODSERVE], 1) for m in per_seed if EXACT in m]
-        best_met = [m[b] for m, b in zip(per_seed, best, strict=True)]
-        row = {"workload": key[0], "cluster": key[1], "load_factor": key[2],
-               "slo_scale": key[3], "seeds": len(per_seed),
-               "goodserve_met": statistics.fmean(m[GOODSERVE] for m in per_seed),
-               "best_baseline": Counter(best).most_common(1)[0][0],
-               "best_baseline_met": statistics.fmean(best_met),
-               "best_baseline_spread": (max(best_met) - min(best_met))
-               / max(statistics.fmean(best_met), 1)}
-        row.update(zip(("ratio_mean", "ratio_min", "ratio_max"), _summary(ratio), strict=True))
-        if exact:
-            row.update(zip(("exact_mean", "exact_min", "exact_max"), _summary(exact),
-                           strict=True))
-        rows.append(row)
-    return rows
+@dataclass(frozen=True)
+class MatrixRow:
+    """One (workload, cluster, load factor, scale) cell over its seeds."""
+
+    workload: str
+    cluster: str
+    load_factor: float
+    slo_scale: float
+    seeds: tuple[int, ...]
+    goodserve_share: tuple[float, ...]  # GoodServe's met / requests, per seed
+    vs_best: tuple[float, ...]  # GoodServe met / best baseline met, per seed
+    best: tuple[str, ...]  # the best baseline, per seed
+    best_met: tuple[int, ...]  # the best baseline's met requests, per seed
+    exact_vs_goodserve: tuple[float, ...]  # exact lengths met / GoodServe met, seeds with both
+    collapse: tuple[float, ...]  # at 1.5x: GoodServe met here / at 1.0x, seeds with both
+
+    @property
+    def best_named(self) -> str:
+        """The baseline best on most seeds."""
+        return Counter(self.best).most_common(1)[0][0]
+
+    @property
+    def noise(self) -> float | None:
+        """The best baseline's seed-to-seed spread, (max - min) / mean of its met
+        requests; None with one seed."""
+        if len(self.best_met) < 2:
+            return None
+        return ratio(max(self.best_met) - min(self.best_met),
+                     sum(self.best_met) / len(self.best_met))
 
 
-def collapse_ratios(cells: Sequence[dict]) -> dict[tuple[str, str, float], float]:
-    """GoodServe's met at 1.5x load over its met at 1.0x, mean over seeds, per
-    (workload, cluster, scale)."""
-    met = _met_by(cells)
-    out: dict[tuple[str, str, float], list[float]] = defaultdict(list)
-    for (workload, cluster, factor, scale, seed), m in met.items():
-        base = met.get((workload, cluster, 1.0, scale, seed), {})
-        if factor == 1.5 and GOODSERVE in m and base.get(GOODSERVE):
-            out[(workload, cluster, scale)].append(m[GOODSERVE] / base[GOODSERVE])
-    return {k: statistics.fmean(v) for k, v in out.items()}
+def aggregate(cells: Sequence[dict]) -> list[MatrixRow]:
+    """One row per (workload, cluster, load factor, scale), over the seeds where
+    GoodServe and at least one baseline ran."""
+    table = met_table(cells)
+    seeds: dict[tuple[str, str, float, float], list[int]] = defaultdict(list)
+    for (workload, cluster, factor, scale, seed), met in table.items():
+        if GOODSERVE in met and best_baseline(met):
+            seeds[(workload, cluster, factor, scale)].append(seed)
+    return [_matrix_row(table, key, sorted(seeds[key])) for key in sorted(seeds, key=_order)]
 
 
-def _ratio_text(row: dict, prefix: str) -> str:
-    mean, low, high = (row[f"{prefix}_{s}"] for s in ("mean", "min", "max"))
-    return f"{mean:.2f}" if row["seeds"] == 1 else f"{mean:.2f} [{low:.2f}, {high:.2f}]"
+def _order(key: tuple[str, str, float, float]) -> tuple:
+    workload, cluster, factor, scale = key
+    return (_rank(workload, WORKLOADS), workload, _rank(cluster, list(CLUSTERS)), cluster,
+            factor, scale)
 
 
-def write_markdown(path: Path, rows: Sequence[dict], collapse: dict, calibration: dict) -> None:
+def _rank(name: str, known: Sequence[str]) -> int:
+    return known.index(name) if name in known else len(known)
+
+
+def _matrix_row(table: dict[MetKey, dict[str, tuple[int, int]]],
+                key: tuple[str, str, float, float], seeds: Sequence[int]) -> MatrixRow:
+    workload, cluster, factor, scale = key
+    per_seed = [table[(*key, s)] for s in seeds]
+    best = [best_baseline(m) or "" for m in per_seed]
+    ours = [m[GOODSERVE][0] for m in per_seed]
+    collapse: list[float] = []
+    if factor == COLLAPSE_FACTORS[0]:
+        for seed, met in zip(seeds, ours, strict=True):
+            at_base = table.get((workload, cluster, COLLAPSE_FACTORS[1], scale, seed), {})
+            if GOODSERVE in at_base:
+                collapse.append(ratio(met, at_base[GOODSERVE][0]))
+    return MatrixRow(
+        workload, cluster, factor, scale, tuple(seeds),
+        goodserve_share=tuple(ratio(*m[GOODSERVE]) for m in per_seed),
+        vs_best=tuple(ratio(o, m[b][0]) for o, m, b in zip(ours, per_seed, best, strict=True)),
+        best=tuple(best), best_met=tuple(m[b][0] for m, b in zip(per_seed, best, strict=True)),
+        exact_vs_goodserve=tuple(ratio(m[EXACT][0], o)
+                                 for o, m in zip(ours, per_seed, strict=True) if EXACT in m),
+        collapse=tuple(collapse))
+
+
+# ---- report ----------------------------------------------------------------------------
+
+
+def _stats(values: Sequence[float]) -> list[str]:
+    if not values:
+        return ["", "", ""]
+    return [f"{x:.3f}" for x in (sum(values) / len(values), min(values), max(values))]
+
+
+def write_matrix_csv(path: Path, rows: Sequence[MatrixRow]) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["workload", "cluster", "load_factor", "slo_scale", "seeds",
+                         "goodserve_met_share", "vs_best_mean", "vs_best_min", "vs_best_max",
+                         "best_baseline", "best_baselines", "best_baseline_noise",
+                         "exact_vs_goodserve_mean", "exact_vs_goodserve_min",
+                         "exact_vs_goodserve_max", "collapse_mean", "collapse_min",
+                         "collapse_max"])
+        for r in rows:
+            writer.writerow([r.workload, r.cluster, r.load_factor, r.slo_scale,
+                             " ".join(map(str, r.seeds)), _stats(r.goodserve_share)[0],
+                             *_stats(r.vs_best), r.best_named, " ".join(r.best),
+                             "" if r.noise is None else f"{r.noise:.3f}",
+                             *_stats(r.exact_vs_goodserve), *_stats(r.collapse)])
+
+
+def _text(values: Sequence[float]) -> str:
+    return mean_range_text(values) if values else "-"
+
+
+def _calibration_lines(calibrations: Sequence[Calibration]) -> list[str]:
+    lines = [f"Reference loads L* (the best of the named baselines meets "
+             f"{TARGET_MET_SHARE:.0%} at scale {CALIBRATION_SCALE:g}; calibration seed, "
+             "window):", ""]
+    for c in calibrations:
+        unit = "req/s" if c.workload == "mooncake" else "sessions/s"
+        what = f"{c.rate:.3g} {unit}" if c.rate is not None else f"skipped: {c.note}"
+        lines.append(f"- {c.workload} on {c.cluster}: {what} ({', '.join(c.policies)}; "
+                     f"seed {c.seed}, {c.duration_s:g} s)")
+    return lines
+
+
+def write_markdown(path: Path, rows: Sequence[MatrixRow],
+                   calibrations: Sequence[Calibration]) -> None:
     lines = ["# Agentic matrix (simulator)", "",
-             "Per cell: mean [min, max] over seeds. GoodServe / best baseline (the best "
-             "baseline of each seed; the one best most often is named), exact lengths / "
-             "GoodServe, and the best baseline's seed-to-seed spread ((max - min) / mean "
-             "of its met requests), the noise a ratio must clear.", "",
-             "Reference loads L* (best calibration baseline meets 80% at scale 2, seed "
-             f"{CALIBRATION_SEED}):", ""]
-    lines += [f"- {w} on {c}: {rate:.3g} {'req/s' if w == 'mooncake' else 'sessions/s'}"
-              for (w, c), rate in sorted(calibration.items())]
-    for workload in WORKLOADS:
-        for cluster in CLUSTERS:
-            mine = [r for r in rows if r["workload"] == workload and r["cluster"] == cluster]
-            if not mine:
-                continue
-            lines += ["", f"## {workload}, {cluster} cluster", "",
-                      "| load | scale | GoodServe / best | best baseline | spread | "
-                      "exact / GoodServe |", "|---|---|---|---|---|---|"]
-            for r in mine:
-                exact = _ratio_text(r, "exact") if "exact_mean" in r else "-"
-                lines.append(f"| {r['load_factor']:g}x | {r['slo_scale']:g} | "
-                             f"{_ratio_text(r, 'ratio')} | {r['best_baseline']} | "
-                             f"{r['best_baseline_spread']:.2f} | {exact} |")
-            kept = [(s, v) for (w, c, s), v in sorted(collapse.items())
-                    if w == workload and c == cluster]
-            if kept:
-                lines += ["", "GoodServe met at 1.5x load / at 1.0x: " + ", ".join(
-                    f"scale {s:g}: {v:.2f}" for s, v in kept)]
+             "Per cell: mean [min, max] over seeds. GoodServe met / best baseline met (each "
+             "seed's best baseline; the one best on most seeds is named), the noise (the best "
+             "baseline's seed-to-seed spread, (max - min) / mean of its met requests: a "
+             "ratio within it of 1 is a tie), and exact lengths / GoodServe.", "",
+             *_calibration_lines(calibrations)]
+    for workload, cluster in dict.fromkeys((r.workload, r.cluster) for r in rows):
+        mine = [r for r in rows if (r.workload, r.cluster) == (workload, cluster)]
+        lines += ["", f"## {workload}, {cluster} cluster", "",
+                  "| load | scale | GoodServe met | GoodServe / best | best baseline | noise | "
+                  "exact / GoodServe |", "|---|---|---|---|---|---|---|"]
+        for r in mine:
+            noise = "-" if r.noise is None else f"{r.noise:.2f}"
+            lines.append(f"| {r.load_factor:g}x | {r.slo_scale:g} | "
+                         f"{sum(r.goodserve_share) / len(r.goodserve_share):.0%} | "
+                         f"{_text(r.vs_best)} | {r.best_named} | {noise} | "
+                         f"{_text(r.exact_vs_goodserve)} |")
+        collapse = [f"scale {r.slo_scale:g}: {_text(r.collapse)}" for r in mine if r.collapse]
+        if collapse:
+            lines += ["", f"GoodServe met at {COLLAPSE_FACTORS[0]:g}x load / at "
+                      f"{COLLAPSE_FACTORS[1]:g}x: " + ", ".join(collapse)]
     path.write_text("\n".join(lines) + "\n")
 
 
-def write_heatmaps(path: Path, rows: Sequence[dict]) -> None:
+def write_heatmaps(path: Path, rows: Sequence[MatrixRow]) -> None:
+    """GoodServe / best baseline: a panel per (workload, cluster), rows load factor,
+    columns scale."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    panels = sorted({(r["workload"], r["cluster"]) for r in rows},
-                    key=lambda p: (WORKLOADS.index(p[0]), list(CLUSTERS).index(p[1])))
-    if not panels:
+    workloads = list(dict.fromkeys(r.workload for r in rows))
+    clusters = sorted({r.cluster for r in rows}, key=lambda c: (_rank(c, list(CLUSTERS)), c))
+    if not rows:
         return
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.0), squeeze=False)
-    for ax, (workload, cluster) in zip(axes[0], panels, strict=True):
+    fig, axes = plt.subplots(len(workloads), len(clusters), squeeze=False,
+                             layout="constrained",
+                             figsize=(3.6 * len(clusters) + 1.2, 2.6 * len(workloads) + 0.4))
+    for (i, workload), (j, cluster) in ((w, c) for w in enumerate(workloads)
+                                         for c in enumerate(clusters)):
         grid = np.full((len(LOAD_FACTORS), len(SCALES)), np.nan)
         for r in rows:
-            if (r["workload"], r["cluster"]) == (workload, cluster):
-                grid[LOAD_FACTORS.index(r["load_factor"]),
-                     SCALES.index(r["slo_scale"])] = r["ratio_mean"]
-        ax.imshow(grid, cmap="RdYlGn", vmin=0.5, vmax=1.5, origin="lower")
-        for (i, j), value in np.ndenumerate(grid):
-            if not np.isnan(value):
-                ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8)
-        ax.set_xticks(range(len(SCALES)), [f"{s:g}" for s in SCALES])
-        ax.set_yticks(range(len(LOAD_FACTORS)), [f"{f:g}x" for f in LOAD_FACTORS])
-        ax.set_xlabel("SLO scale")
+            if (r.workload, r.cluster) == (workload, cluster):
+                values = [min(v, 10.0) for v in r.vs_best]
+                grid[LOAD_FACTORS.index(r.load_factor), SCALES.index(r.slo_scale)] = (
+                    sum(values) / len(values))
+        ax = axes[i][j]
+        image = draw_ratio_grid(ax, grid, [f"{s:g}" for s in SCALES],
+                                [f"{f:g}x" for f in LOAD_FACTORS])
         ax.set_title(f"{workload}, {cluster}", fontsize=9)
-    axes[0][0].set_ylabel("load / L*")
-    fig.suptitle("GoodServe met / best baseline met", fontsize=10)
-    fig.tight_layout()
+        ax.set_xlabel("SLO scale")
+        ax.set_ylabel("load / L*")
+    fig.colorbar(image, ax=axes, label="log2 (GoodServe met / best baseline met)")
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def write_report(out: Path, calibration: dict) -> None:
-    cells = read_agentic_cells(out / "cells.csv")
-    rows = aggregate(cells)
-    if rows:
-        with (out / "matrix.csv").open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]) + [
-                k for k in ("exact_mean", "exact_min", "exact_max") if k not in rows[0]])
-            writer.writeheader()
-            writer.writerows(rows)
-    write_markdown(out / "matrix.md", rows, collapse_ratios(cells), calibration)
+def write_report(out: Path, calibrations: Sequence[Calibration]) -> list[MatrixRow]:
+    rows = aggregate(read_cells(out / "cells.csv"))
+    write_matrix_csv(out / "matrix.csv", rows)
+    write_markdown(out / "matrix.md", rows, calibrations)
     write_heatmaps(out / "matrix.png", rows)
-
-
-def read_agentic_cells(path: Path) -> list[dict]:
-    return read_rows(path, numeric=("load_factor", "rate", "slo_scale", "goodput_rps"),
-                     integer=("seed",))
+    return rows
 
 
 # ---- command line ------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
+def _names(text: str, known: Sequence[str], what: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if bad := [n for n in names if n not in known]:
+        raise ValueError(f"unknown {what} {bad[0]!r}; known: {', '.join(known)}")
+    return names
+
+
+def _seeds(text: str) -> list[int]:
+    return [int(s) for s in text.split(",") if s.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=REPO / "results" / "agentic")
-    parser.add_argument("--only-workloads", default=",".join(WORKLOADS))
-    parser.add_argument("--only-clusters", default=",".join(CLUSTERS))
-    parser.add_argument("--seeds", default="0,1,2", help="small cluster")
-    parser.add_argument("--large-seeds", default="0")
-    parser.add_argument("--policies", default=",".join(POLICIES))
-    parser.add_argument("--calibration-policies", default=",".join(CALIBRATION_POLICIES))
-    parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--resume", action="store_true", help="keep units in cells.csv")
-    parser.add_argument("--report-only", action="store_true")
-    args = parser.parse_args(argv)
-    workloads = [w for w in args.only_workloads.split(",") if w]
-    if "mooncake" in workloads and not TRACE.is_file():
-        print(f"skipping mooncake: {TRACE} is absent")
-        workloads.remove("mooncake")
-    clusters = [c for c in args.only_clusters.split(",") if c]
+    add = parser.add_argument
+    add("--out", type=Path, default=REPO / "results" / "agentic")
+    add("--trace", type=Path, default=TRACE, help="Mooncake conversation trace (JSONL)")
+    add("--only-workloads", default=",".join(WORKLOADS))
+    add("--only-clusters", default=",".join(CLUSTERS))
+    add("--seeds", default="0,1,2", help="reported seeds on the small cluster")
+    add("--large-seeds", default="0", help="reported seeds on the large cluster")
+    add("--calibration-seed", type=int, default=CALIBRATION_SEED,
+        help="seed of the L* search; must not be a reported seed")
+    add("--policies", default=",".join(POLICIES),
+        help="policies per unit (the report needs goodserve and a baseline)")
+    add("--calibration-policies", default=",".join(CALIBRATION_POLICIES),
+        help="baselines whose best met share L* is bisected on")
+    add("--duration", type=float, default=DURATION_S, help="arrival window per run, s")
+    add("--jobs", type=int, default=2, help="units simulated at once (processes)")
+    add("--resume", action="store_true",
+        help="keep --out/calibration.csv and cells.csv; run only what they lack")
+    add("--report-only", action="store_true",
+        help="rewrite matrix.* from --out/cells.csv and calibration.csv, running nothing")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        workloads = _names(args.only_workloads, WORKLOADS, "workload")
+        clusters = _names(args.only_clusters, list(CLUSTERS), "cluster")
+        policies = _names(args.policies, POLICIES, "policy")
+        calibration_policies = _names(args.calibration_policies, BASELINES, "baseline")
+        seeds = {"small": _seeds(args.seeds), "large": _seeds(args.large_seeds)}
+    except ValueError as e:
+        print(f"error: {e}")
+        return 2
+    if args.calibration_seed in {*seeds["small"], *seeds["large"]}:
+        print(f"error: the calibration seed {args.calibration_seed} is a reported seed")
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    pairs = [(w, c) for w in workloads for c in clusters]
-    policies = [p for p in args.policies.split(",") if p]
-    calibration = reference_rates(args.out, pairs, args.jobs,
-                                  args.calibration_policies.split(","))
-    if not args.report_only:
-        _run_matrix(args, pairs, calibration, policies)
-    write_report(args.out, calibration)
-    print(f"wrote {args.out}/matrix.md, matrix.csv, matrix.png")
+    if args.report_only:
+        latest = {(c.workload, c.cluster): c
+                  for c in read_calibrations(args.out / "calibration.csv")}
+        write_report(args.out, list(latest.values()))
+        print(f"wrote {args.out}/matrix.md, matrix.csv, matrix.png")
+        return 0
+    if "mooncake" in workloads and not args.trace.is_file():
+        print(f"skipping mooncake: the trace {args.trace} is absent")
+        workloads.remove("mooncake")
+    if not args.resume:
+        for name in ("calibration.csv", "cells.csv"):
+            (args.out / name).unlink(missing_ok=True)
+    setup = MatrixSetup(args.duration, args.trace, tuple(policies))
+    calibrations = reference_rates(args.out, [(w, c) for w in workloads for c in clusters],
+                                   setup, args.calibration_seed, calibration_policies,
+                                   args.jobs)
+    for c in calibrations:
+        if c.rate is None:
+            print(f"skipping {c.workload} on {c.cluster}: {c.note}")
+    run_matrix(args.out, plan_units(calibrations, seeds), setup, args.jobs)
+    write_report(args.out, calibrations)
+    print(f"wrote {args.out}/cells.csv, matrix.md, matrix.csv, matrix.png")
     return 0
-
-
-def _run_matrix(args: argparse.Namespace, pairs: Sequence[tuple[str, str]],
-                calibration: dict, policies: Sequence[str]) -> None:
-    cells_path = args.out / "cells.csv"
-    if not args.resume and cells_path.exists():
-        cells_path.unlink()
-    done = done_units(read_agentic_cells(cells_path))
-    seeds = {"small": [int(s) for s in args.seeds.split(",")],
-             "large": [int(s) for s in args.large_seeds.split(",")]}
-    units = [Unit(w, c, f, calibration[(w, c)] * f, s)
-             for w, c in pairs for f in LOAD_FACTORS for s in seeds[c]]
-    todo = [u for u in units if u.key not in done]
-    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        futures = [pool.submit(run_unit, u, policies) for u in todo]
-        for future in tqdm(futures, desc="agentic matrix", unit="workload"):
-            append_rows(cells_path, future.result(), CELL_FIELDS)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,17 @@
 """Cells of a benchmark matrix as CSV rows, appended as units finish (so a matrix
-interrupted midway resumes from what it wrote)."""
+interrupted midway resumes from what it wrote), and the arithmetic and drawing the
+matrix reports share."""
 
 from __future__ import annotations
 
 import csv
+import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 def read_rows(path: Path, *, numeric: Sequence[str] = (),
@@ -27,3 +33,33 @@ def append_rows(path: Path, rows: Sequence[dict], fieldnames: Sequence[str]) -> 
         if new:
             writer.writeheader()
         writer.writerows(rows)
+
+
+def ratio(a: float, b: float) -> float:
+    """a / b, with 0 / 0 = 1 (both fail alike) and a / 0 = inf."""
+    if b == 0:
+        return math.inf if a > 0 else 1.0
+    return a / b
+
+
+def mean_range_text(values: Sequence[float]) -> str:
+    """"mean [min, max]", or the mean alone for one value."""
+    mean = sum(values) / len(values)
+    if len(values) == 1:
+        return f"{mean:.2f}"
+    return f"{mean:.2f} [{min(values):.2f}, {max(values):.2f}]"
+
+
+def draw_ratio_grid(ax: Any, grid: np.ndarray, columns: Sequence[str],
+                    rows: Sequence[str]) -> Any:
+    """`grid` (ratios, NaN where empty) as a log2 heat map from 0.5x to 2x on `ax`,
+    each cell annotated with its value; returns the image for a colour bar."""
+    import numpy as np
+
+    image = ax.imshow(np.log2(grid), cmap="RdYlGn", vmin=-1, vmax=1, aspect="auto")
+    for (i, j), value in np.ndenumerate(grid):
+        if not np.isnan(value):
+            ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8)
+    ax.set_xticks(range(len(columns)), list(columns))
+    ax.set_yticks(range(len(rows)), list(rows))
+    return image

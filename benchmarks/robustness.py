@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import math
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -49,7 +48,13 @@ from benchmarks.goodput_experiments import (
     held_out_prompts,
     train_moe,
 )
-from benchmarks.matrix_io import append_rows, read_rows
+from benchmarks.matrix_io import (
+    append_rows,
+    draw_ratio_grid,
+    mean_range_text,
+    ratio,
+    read_rows,
+)
 from benchmarks.replay import ReplaySpec, attach_predictions, run_replay
 
 SCALES = (1.0, 1.5, 2.0, 3.0)
@@ -152,12 +157,6 @@ class MatrixCell:
     goodserve_rps: float  # mean over seeds
 
 
-def _ratio(a: float, b: float) -> float:
-    if b == 0:
-        return math.inf if a > 0 else 1.0
-    return a / b
-
-
 def matrix(cells: Sequence[dict]) -> list[MatrixCell]:
     goodput = {(c["process"], c["rate_rps"], c["seed"], c["policy"], c["slo_scale"]):
                c["goodput_rps"] for c in cells}
@@ -177,22 +176,15 @@ def matrix(cells: Sequence[dict]) -> list[MatrixCell]:
         for seed in seeds:
             ours = goodput[process, rate, seed, PolicyKind.GOODSERVE.value, scale]
             name = max(baselines, key=lambda n: goodput.get((process, rate, seed, n, scale), 0))
-            vs_best.append(_ratio(ours, goodput[process, rate, seed, name, scale]))
+            vs_best.append(ratio(ours, goodput[process, rate, seed, name, scale]))
             best.append(name)
-            exact.append(_ratio(goodput[process, rate, seed, PolicyKind.GOODSERVE_EXACT.value,
-                                        scale], ours))
+            exact.append(ratio(goodput[process, rate, seed, PolicyKind.GOODSERVE_EXACT.value,
+                                       scale], ours))
         mean_ours = sum(goodput[process, rate, s, PolicyKind.GOODSERVE.value, scale]
                         for s in seeds) / len(seeds)
         out.append(MatrixCell(process, rate, scale, tuple(seeds), tuple(vs_best), tuple(best),
                               tuple(exact), mean_ours))
     return out
-
-
-def _summary(values: Sequence[float]) -> str:
-    mean = sum(values) / len(values)
-    if len(values) == 1:
-        return f"{mean:.2f}"
-    return f"{mean:.2f} [{min(values):.2f}, {max(values):.2f}]"
 
 
 def write_matrix(out: Path, rows: Sequence[MatrixCell]) -> None:
@@ -224,7 +216,7 @@ def write_matrix(out: Path, rows: Sequence[MatrixCell]) -> None:
                   "|---|---|" + "---|" * len(scales)]
         for process, rate in dict.fromkeys((r.process, r.rate_rps) for r in rows):
             by_scale = {r.slo_scale: r for r in rows if (r.process, r.rate_rps) == (process, rate)}
-            cells = [_summary(pick(by_scale[s])) if s in by_scale else "" for s in scales]
+            cells = [mean_range_text(pick(by_scale[s])) if s in by_scale else "" for s in scales]
             lines.append(f"| {process} | {rate:g} | " + " | ".join(cells) + " |")
         lines.append("")
     lines += ["## Best baseline per cell", "", "| process | rate | scale | best baselines "
@@ -252,12 +244,8 @@ def write_heatmap(path: Path, rows: Sequence[MatrixCell], scales: Sequence[float
             values = [min(v, 10.0) for v in pick(r)]
             grid[labels.index((r.process, r.rate_rps)), scales.index(r.slo_scale)] = (
                 sum(values) / len(values))
-        image = ax.imshow(np.log2(grid), cmap="RdYlGn", vmin=-1, vmax=1, aspect="auto")
-        for (i, j), value in np.ndenumerate(grid):
-            if not np.isnan(value):
-                ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8)
-        ax.set_xticks(range(len(scales)), [f"{s:g}" for s in scales])
-        ax.set_yticks(range(len(labels)), [f"{p} @ {r:g}" for p, r in labels])
+        image = draw_ratio_grid(ax, grid, [f"{s:g}" for s in scales],
+                                [f"{p} @ {r:g}" for p, r in labels])
         ax.set_xlabel("SLO scale")
         ax.set_title(title)
         fig.colorbar(image, ax=ax, label="log2 ratio")
