@@ -78,7 +78,7 @@ class SimCluster:
     def __init__(
         self,
         setups: Sequence[InstanceSetup],
-        requests: Sequence[WorkloadRequest] | StepReleases,
+        releases: StepReleases,
         policy: RoutingPolicy,
         *,
         prefill_policy: LeastTtftPolicy | None,
@@ -95,9 +95,8 @@ class SimCluster:
         self.serve_role = EngineRole.DECODE if self.disaggregated else EngineRole.UNIFIED
         if self.disaggregated and prefill_policy is None:
             prefill_policy = LeastTtftPolicy()
-        self.releases = (requests if isinstance(requests, StepReleases)
-                         else StepReleases(requests))
-        self.requests = self.releases.requests
+        self.releases = releases
+        self.requests = releases.requests
         self.policy = policy
         self.watchdog = watchdog
         self.link = KvLink(kv_link_gbps)
