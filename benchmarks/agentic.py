@@ -4,7 +4,7 @@ traffic it exists for.
 Setup. Workloads: `mooncake`, the Mooncake conversation trace with its own lengths and
 prefix blocks (ContentMode.TRACE; --trace, default ../shared/data/traces/ from the
 repository root, skipped with a message when absent), stretched to the rate (req/s),
-each seed a --duration window at its own seeded offset in the stretched trace (so seeds
+each seed a window (--duration) at its own seeded offset in the stretched trace (so seeds
 see different conversations, and the trace's opening burst is no likelier than any
 other part); `coding-agent` and `chat-agent`, closed-loop session presets with Poisson
 session arrivals (rate in sessions/s). Clusters: `small` (configs/paper-4gpu.yaml) and
@@ -24,18 +24,24 @@ and 1.5 x L*; each (workload, cluster, load, seed) unit runs every policy (GoodS
 GoodServe with exact lengths, every registered baseline) at scales 1, 1.5, 2 and 3.
 Seeds: 0, 1, 2 on small, 0 on large.
 
+Windows (--duration): 500 s of arrivals for Mooncake and chat-agent, 5,000 s for
+coding-agent. Coding sessions run for minutes and arrive ~10x less often: 500 s of them
+was 25-60 steps per unit at 0.8x L*, and the best baseline's seed-to-seed spread of met
+steps was 0.4-0.8, too wide to tell policies apart; 5,000 s holds about 2,000.
+
 Cost, measured on this 2-core machine in CPU seconds per unit (11 policies x 4 scales)
 at about L*, with a 300 s window: coding-agent small 6 (48 requests), chat-agent small
 50 (320), Mooncake small 35 (at 1 req/s, 335); chat-agent large about 430 (3,423
 requests: round-robin 13 and GoodServe 74, each 5.6x its time with a 60 s window, where
 the whole unit took 77); with a 60 s window, coding-agent large 8 and Mooncake large 21.
+With the 5,000 s window, one GoodServe run of coding-agent small is 14 s; with 3,000 s on
+the large cluster, GoodServe 24 s, llm-d 48 s, round-robin 14 s.
 Per cell (one policy at one scale) that is 0.03 s (round-robin on coding-agent small,
 simulated once and re-scored at every scale) to about 38 s (llm-d on chat-agent large).
 Cost grows a little faster than the window (5.6x for 5x). A calibration is about ten
 runs of the three cheap baselines at one scale (Mooncake large with a 500 s window: 144
-CPU s, L* = 4.06 req/s). The default --duration 500 puts the 36 units (Mooncake small
-is skipped) and 6 calibrations at about 1.8 CPU-hours, under an hour of wall clock with
---jobs 2; chat-agent on the large cluster is over half of it.
+CPU s, L* = 4.06 req/s). chat-agent on the large cluster is over half of a full matrix;
+the committed matrix leaves it out (--only-workloads).
 
 Writes under --out: calibration.csv (L* per pair), cells.csv (one row per unit, policy
 and scale; --resume skips the units it holds at the current L*), matrix.csv and
@@ -44,7 +50,8 @@ the best baseline named, exact lengths / GoodServe, mean and range over seeds; t
 baseline's seed-to-seed spread as the noise; GoodServe's met at 1.5x over its met at 1.0x
 load) and matrix.png (GoodServe / best baseline heat maps per workload and cluster).
 Usage: python -m benchmarks.agentic [--jobs 2] [--resume] [--only-clusters small]
-       [--only-workloads chat-agent] [--duration 500] [--policies goodserve,round-robin]
+       [--only-workloads chat-agent] [--duration coding-agent=5000]
+       [--policies goodserve,round-robin]
 """
 
 from __future__ import annotations
@@ -92,7 +99,10 @@ CLUSTERS = {"small": REPO / "configs" / "paper-4gpu.yaml",
 LOAD_FACTORS = (0.5, 0.8, 1.0, 1.5)
 COLLAPSE_FACTORS = (1.5, 1.0)  # GoodServe's met at the first load over its met at the second
 SCALES = (1.0, 1.5, 2.0, 3.0)
-DURATION_S = 500.0  # arrivals per run: the default matrix in about two CPU-hours
+# arrivals per run, per workload: coding-agent sessions run for minutes and arrive
+# ~10x less often than chat sessions, so 500 s of them is a few dozen steps (25-60 per
+# unit at 0.8x L*; the best baseline's seed-to-seed spread was 0.4-0.8)
+DURATION_S = {"mooncake": 500.0, "coding-agent": 5000.0, "chat-agent": 500.0}
 CALIBRATION_SCALE = 2.0
 TARGET_MET_SHARE = 0.8
 CALIBRATION_SEED = 100
@@ -117,9 +127,12 @@ CALIBRATION_FIELDS = ["workload", "cluster", "duration_s", "seed", "rate", "poli
 class MatrixSetup:
     """What every worker needs besides its unit."""
 
-    duration_s: float  # arrival window of every unit and calibration run
+    durations_s: dict[str, float]  # arrival window of each workload's units and calibration
     trace: Path  # the Mooncake conversation trace
     policies: tuple[str, ...]  # run on every unit
+
+    def duration_s(self, workload: str) -> float:
+        return self.durations_s[workload]
 
 
 @dataclass(frozen=True)
@@ -152,9 +165,9 @@ def trace_window(trace: Path, rate: float, duration_s: float, seed: int) -> Work
 def make_workload(workload: str, cluster: ClusterConfig, rate: float, seed: int,
                   setup: MatrixSetup) -> Workload:
     if workload == "mooncake":
-        return trace_window(setup.trace, rate, setup.duration_s, seed)
+        return trace_window(setup.trace, rate, setup.duration_s(workload), seed)
     return build_workload(arrivals=Arrivals.POISSON, trace=None, prompts=None, rate=rate,
-                          duration_s=setup.duration_s, max_requests=None, seed=seed,
+                          duration_s=setup.duration_s(workload), max_requests=None, seed=seed,
                           content=ContentMode(workload), context_limit=context_limit_of(cluster))
 
 
@@ -269,12 +282,12 @@ def calibrate_pair(workload: str, cluster: str, setup: MatrixSetup, seed: int,
     for names in dict.fromkeys((tuple(policies), BASELINES)):
         try:
             rate = calibrate(share_by(names), start, min_rate=min_rate)
-            return Calibration(workload, cluster, setup.duration_s, seed, rate, names)
+            return Calibration(workload, cluster, setup.duration_s(workload), seed, rate, names)
         except NoCrossing as e:
             note = str(e)
             if not e.always_below:
                 break
-    return Calibration(workload, cluster, setup.duration_s, seed, None, names, note)
+    return Calibration(workload, cluster, setup.duration_s(workload), seed, None, names, note)
 
 
 def read_calibrations(path: Path) -> list[Calibration]:
@@ -291,7 +304,7 @@ def reference_rates(out: Path, pairs: Sequence[tuple[str, str]], setup: MatrixSe
     path.unlink(missing_ok=True)
     append_rows(path, [c.as_row() for c in kept], CALIBRATION_FIELDS)
     known = {(c.workload, c.cluster): c for c in kept
-             if (c.duration_s, c.seed) == (setup.duration_s, seed)}
+             if (c.duration_s, c.seed) == (setup.duration_s(c.workload), seed)}
     todo = [(*p, setup, seed, tuple(policies)) for p in pairs if p not in known]
     for found in in_pool(calibrate_pair, todo, jobs, "calibrate L*", "pair"):
         append_rows(path, [found.as_row()], CALIBRATION_FIELDS)
@@ -579,6 +592,24 @@ def _names(text: str, known: Sequence[str], what: str) -> list[str]:
     return names
 
 
+def _durations(text: str) -> dict[str, float]:
+    """DURATION_S, overridden by `text`: one number (every workload) or name=seconds."""
+    durations = dict(DURATION_S)
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    for part in parts:
+        name, _, seconds = part.rpartition("=")
+        if not name and len(parts) > 1:
+            raise ValueError(f"duration {part!r}: give workload=seconds for each workload")
+        for workload in _names(name, WORKLOADS, "workload") if name else WORKLOADS:
+            try:
+                durations[workload] = float(seconds)
+            except ValueError:
+                raise ValueError(f"duration {part!r}: {seconds!r} is not a number") from None
+            if not durations[workload] > 0:
+                raise ValueError(f"duration {part!r}: the window must be positive")
+    return durations
+
+
 def _seeds(text: str) -> list[int]:
     return [int(s) for s in text.split(",") if s.strip()]
 
@@ -598,7 +629,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="policies per unit (the report needs goodserve and a baseline)")
     add("--calibration-policies", default=",".join(CALIBRATION_POLICIES),
         help="baselines whose best met share L* is bisected on")
-    add("--duration", type=float, default=DURATION_S, help="arrival window per run, s")
+    add("--duration", default="",
+        help="arrival window per run, s: one number for every workload, or "
+        "workload=seconds pairs (default: " + ", ".join(f"{w} {d:g}" for w, d in
+                                                   DURATION_S.items()) + ")")
     add("--jobs", type=int, default=2, help="units simulated at once (processes)")
     add("--resume", action="store_true",
         help="keep --out/calibration.csv and cells.csv; run only what they lack")
@@ -615,6 +649,7 @@ def main(argv: list[str] | None = None) -> int:
         policies = _names(args.policies, POLICIES, "policy")
         calibration_policies = _names(args.calibration_policies, BASELINES, "baseline")
         seeds = {"small": _seeds(args.seeds), "large": _seeds(args.large_seeds)}
+        durations = _durations(args.duration)
     except ValueError as e:
         print(f"error: {e}")
         return 2
@@ -634,7 +669,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.resume:
         for name in ("calibration.csv", "cells.csv"):
             (args.out / name).unlink(missing_ok=True)
-    setup = MatrixSetup(args.duration, args.trace, tuple(policies))
+    setup = MatrixSetup(durations, args.trace, tuple(policies))
     calibrations = reference_rates(args.out, [(w, c) for w in workloads for c in clusters],
                                    setup, args.calibration_seed, calibration_policies,
                                    args.jobs)

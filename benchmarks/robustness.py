@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import multiprocessing
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -311,7 +312,9 @@ def main(argv: list[str] | None = None) -> int:
                         REPO / "configs" / "paper-4gpu.yaml")
     # seed-major: an interrupted run leaves whole seeds behind it
     todo = missing_runs(cells, workloads, policies)
-    with ProcessPoolExecutor(args.jobs) as pool:
+    # spawned workers: a fork after the predictor's training can inherit torch's
+    # thread pool locks held, and the worker never starts
+    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = [pool.submit(run_workload, setup, *workload, missing)
                    for workload, missing in todo]
         for future in tqdm(futures, desc="workloads", unit="workload"):

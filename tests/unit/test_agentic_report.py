@@ -105,7 +105,7 @@ def test_calibration_falls_back_to_every_baseline_only_when_the_cheap_ones_never
 
     monkeypatch.setattr(agentic, "run_cells", fake_cells)
     monkeypatch.setattr(agentic, "make_workload", lambda *args: FakeWorkload())
-    setup = MatrixSetup(300.0, agentic.TRACE, ("goodserve",))
+    setup = MatrixSetup(dict.fromkeys(agentic.WORKLOADS, 300.0), agentic.TRACE, ("goodserve",))
     found = agentic.calibrate_pair("chat-agent", "small", setup, 100, ("round-robin",))
     assert found.policies == BASELINES and found.rate == pytest.approx(3, rel=0.02)
 
@@ -242,7 +242,8 @@ def test_without_resume_the_matrix_starts_over(tmp_path, monkeypatch):
 
     def fake_calibration(workload, cluster, setup, seed, policies):
         calibrated.append((workload, cluster, seed))
-        return Calibration(workload, cluster, setup.duration_s, seed, None, policies, "no")
+        return Calibration(workload, cluster, setup.duration_s(workload), seed, None, policies,
+                           "no")
 
     monkeypatch.setattr(agentic, "calibrate_pair", fake_calibration)
     assert main(["--out", str(tmp_path), "--jobs", "1", "--only-workloads", "chat-agent",
@@ -251,9 +252,38 @@ def test_without_resume_the_matrix_starts_over(tmp_path, monkeypatch):
     assert read_cells(tmp_path / "cells.csv") == []
 
 
+def test_each_workload_has_its_own_window_unless_one_is_given():
+    assert agentic._durations("") == agentic.DURATION_S
+    assert agentic.DURATION_S["coding-agent"] > agentic.DURATION_S["chat-agent"]
+    assert set(agentic._durations("30").values()) == {30.0}
+    assert agentic._durations("coding-agent=900") == {**agentic.DURATION_S, "coding-agent": 900.0}
+
+
+def test_a_calibration_at_another_window_is_run_again(tmp_path, monkeypatch):
+    """L* found with one window is not reused for a workload whose window changed."""
+    old = Calibration("coding-agent", "small", 500.0, 100, 0.2, ("round-robin",))
+    append_rows(tmp_path / "calibration.csv", [old.as_row()], agentic.CALIBRATION_FIELDS)
+    calibrated = []
+
+    def fake_calibration(workload, cluster, setup, seed, policies):
+        calibrated.append(setup.duration_s(workload))
+        return Calibration(workload, cluster, setup.duration_s(workload), seed, None, policies,
+                           "no")
+
+    monkeypatch.setattr(agentic, "calibrate_pair", fake_calibration)
+    monkeypatch.setattr(agentic, "run_unit", lambda unit, setup: [])
+    argv = ["--out", str(tmp_path), "--resume", "--jobs", "1", "--only-workloads",
+            "coding-agent", "--only-clusters", "small", "--seeds", "0"]
+    assert main([*argv, "--duration", "500"]) == 0 and calibrated == []
+    assert main(argv) == 0 and calibrated == [agentic.DURATION_S["coding-agent"]]
+
+
 @pytest.mark.parametrize("argv", [["--policies", "goodserve,nope"],
                                   ["--only-workloads", "poisson"],
-                                  ["--seeds", "0,100"]])
+                                  ["--seeds", "0,100"],
+                                  ["--duration", "coding=10"],
+                                  ["--duration", "coding-agent=-1"],
+                                  ["--duration", "600,coding-agent=10"]])
 def test_bad_arguments_are_refused(tmp_path, argv):
     assert main(["--out", str(tmp_path), *argv]) == 2
 
