@@ -4,10 +4,11 @@
 # Test layers: every test carries exactly one marker, the name of its directory under
 # tests/ (tests/conftest.py refuses to collect any other test):
 #   make test-unit         unit: fast, no Ray, no server (under a minute on 2 cores)
+#   make test-scripts      scripts: the benchmark scripts' own logic (benchmarks/), no Ray
 #   make test-slow         slow: benchmark-sized runs without Ray (a few minutes)
 #   make test-integration  integration: Ray or a real server, simulated engines
 #   make test-e2e          e2e: Ray Serve + vLLM CPU engines on a tiny local model
-#   make test              all four layers
+#   make test              all five layers
 #   make soak              the long fault runs (minutes; not part of make test)
 # Tests run in a shuffled order so that none can lean on another; pytest-randomly prints
 # the seed in the header. Replay an order with PYTEST_ARGS=--randomly-seed=N, or run in
@@ -23,7 +24,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 PYTEST := $(PY) -m pytest -p no:cacheprovider $(PYTEST_ARGS)
 
-.PHONY: install prometheus run test test-unit test-slow test-integration test-e2e soak lint clean
+.PHONY: install prometheus run test test-unit test-scripts test-slow test-integration test-e2e soak lint clean
 
 install: $(STAMP)
 
@@ -47,10 +48,13 @@ run: install
 	$(VENV)/bin/goodserve demo
 
 test: install prometheus
-	$(PYTEST) -m "unit or slow or integration or e2e"
+	$(PYTEST) -m "unit or scripts or slow or integration or e2e"
 
 test-unit: install
 	$(PYTEST) -m unit tests/unit
+
+test-scripts: install
+	$(PYTEST) -m scripts tests/scripts
 
 test-slow: install
 	$(PYTEST) -m slow tests/slow

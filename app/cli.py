@@ -1,7 +1,7 @@
 """`goodserve` command line: one subcommand per job.
 
 Subcommand groups live next to their code (predictor/cli.py, app/planning/cli.py,
-benchmarks/...) and are mounted here.
+app/experiments/) and are mounted here.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from pathlib import Path
 import typer
 
 from app.config_reference import app as config_app
+from app.experiments.autoscale_cli import autoscale
+from app.experiments.faults import faults
+from app.experiments.overhead import overhead
+from app.experiments.replay import replay
 from app.planning.cli import app as plan_app
-from benchmarks.autoscale import autoscale
-from benchmarks.faults import faults
-from benchmarks.overhead import overhead
-from benchmarks.replay import replay
 from predictor.cli import app as predictor_app
 
 cli = typer.Typer(
@@ -54,8 +54,8 @@ def demo(
     import ray
 
     from app.demo import DEMO_POLICIES, demo_workload, format_comparison
+    from app.experiments.replay import ReplaySpec, run_live_with_progress, run_replay
     from app.serving.config import default_serve_config
-    from benchmarks.replay import ReplaySpec, run_live_with_progress, run_replay
     from deployments.cluster import init_local_ray
 
     config = default_serve_config()

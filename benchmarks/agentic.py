@@ -70,6 +70,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from app.config import load_cluster_config
+from app.experiments.replay import ReplaySpec, build_workload, context_limit_of, run_replay
 from app.routing.registry import PolicyKind, RoutingOptions
 from app.workload import (
     Arrivals,
@@ -86,7 +87,6 @@ from benchmarks.matrix_io import (
     ratio,
     read_rows,
 )
-from benchmarks.replay import ReplaySpec, build_workload, context_limit_of, run_replay
 
 if TYPE_CHECKING:
     from app.config import ClusterConfig

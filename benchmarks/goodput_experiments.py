@@ -32,6 +32,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from app.config import load_cluster_config
+from app.experiments.replay import (
+    ReplaySpec,
+    RunOutcome,
+    attach_predictions,
+    read_keyed_rows,
+    run_replay,
+    write_outputs,
+    write_summary_csv,
+)
+from app.knob_cli import add_knob_arguments, knobs_from_args
 from app.routing.goodserve import goodserve_knobs, stall_factor_label
 from app.routing.length import PredictorLength
 from app.routing.registry import (
@@ -41,16 +51,6 @@ from app.routing.registry import (
 )
 from app.workload import Workload, load_prompts, load_trace, trace_workload
 from benchmarks.migration_effect import EffectTable, paired_effect, write_effects
-from benchmarks.replay import (
-    ReplaySpec,
-    RunOutcome,
-    attach_predictions,
-    read_keyed_rows,
-    run_replay,
-    write_outputs,
-    write_summary_csv,
-)
-from benchmarks.routing_cli import add_knob_arguments, knobs_from_args
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data"

@@ -33,8 +33,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from app.experiments.replay import read_keyed_rows, write_rows_csv
 from app.sim.records import RequestOutcome, RequestRecord
-from benchmarks.replay import read_keyed_rows, write_rows_csv
 
 
 @dataclass(frozen=True)

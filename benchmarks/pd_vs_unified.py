@@ -29,8 +29,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from app.config import ClusterConfig, EngineRole, load_cluster_config
+from app.experiments.autoscale import observed
+from app.experiments.replay import ReplaySpec, attach_predictions, cluster_model, run_replay
 from app.planning.params import ModelParams
-from app.planning.pools import Observation
 from app.planning.split import (
     EngineKind,
     PoolSplit,
@@ -41,10 +42,9 @@ from app.planning.split import (
 from app.routing.goodserve import GoodServeConfig
 from app.routing.length import PredictorLength
 from app.routing.registry import PolicyKind, RoutingOptions
+from app.slo import reference_instance
 from app.workload import Workload, load_prompts, load_trace, trace_workload
 from benchmarks.goodput_experiments import REPO, add_data_arguments, held_out_prompts, train_moe
-from benchmarks.replay import ReplaySpec, attach_predictions, cluster_model, run_replay
-from benchmarks.slo import reference_instance
 
 SCALES = (1.0, 1.5, 2.0, 2.5, 3.0)
 UNIFIED = "unified"
@@ -83,19 +83,6 @@ def every_prefill_pool(kinds: Counter[EngineKind]) -> list[dict[str, int]]:
     ordered = sorted(kinds)
     return [{k.name: n for k, n in zip(ordered, counts, strict=True) if n}
             for counts in prefill_counts([kinds[k] for k in ordered])]
-
-
-def observed(workload: Workload) -> Observation:
-    """The workload's rate and length moments, as a controller would measure them (a CV
-    below 0.05 counts as 0.05: the length models need some spread)."""
-    inputs = [r.num_prompt_tokens for r in workload.requests]
-    outputs = [r.num_output_tokens for r in workload.requests]
-    mean_in = statistics.fmean(inputs)
-    return Observation(
-        rate_rps=len(workload) / workload.duration_s, mean_input_len=mean_in,
-        cv_input_len=max(statistics.pstdev(inputs) / mean_in, 0.05),
-        mean_output_len=statistics.fmean(outputs),
-    )
 
 
 def recommend(cluster: ClusterConfig, workload: Workload, scale: float,

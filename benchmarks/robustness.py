@@ -29,6 +29,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from app.config import load_cluster_config
+from app.experiments.replay import ReplaySpec, attach_predictions, run_replay
 from app.routing.goodserve import GoodServeConfig
 from app.routing.length import PredictorLength
 from app.routing.registry import PolicyKind, RoutingOptions
@@ -56,7 +57,6 @@ from benchmarks.matrix_io import (
     ratio,
     read_rows,
 )
-from benchmarks.replay import ReplaySpec, attach_predictions, run_replay
 
 SCALES = (1.0, 1.5, 2.0, 3.0)
 PROCESSES = ("poisson", "mooncake", "gamma-cv4", "gamma-cv13", "batch")

@@ -13,7 +13,7 @@ import ray
 
 from app.config import EngineConfig
 from app.engine_types import EngineRequest, EngineStatus, TokenEvent
-from app.engines.base import make_backend
+from app.engines.factory import make_backend
 from app.serving.streams import coalesce
 
 

@@ -1,4 +1,4 @@
-"""Output-length prediction for GoodServe routing (DESIGN.md section 5).
+"""Output-length prediction for GoodServe routing (docs/predictor.md).
 
 Public names are imported lazily (PEP 562) so that `import predictor` stays cheap and
 torch/transformers load only when a model is built or loaded.

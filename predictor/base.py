@@ -2,7 +2,7 @@
 
 The router and the simulator only see `Predictor`: `predict` a batch of
 `PredictionInput`s, `observe` finished lengths, `save`/`load`. Estimators follow the
-scikit-learn contract (STYLE 21): `__init__` stores hyperparameters verbatim, `fit`
+scikit-learn contract: `__init__` stores hyperparameters verbatim, `fit`
 returns `self`, learned state lives in trailing-underscore attributes.
 """
 

@@ -1,8 +1,10 @@
 """Test layers, and shared fixtures: one Ray, one tiny model and one vLLM engine per session.
 
 Every test belongs to exactly one layer, named by its marker and by its directory:
-`unit` (fast, no Ray, no server), `slow` (benchmark-sized, no Ray), `integration` (Ray
-or a real server, simulated engines) and `e2e` (Ray Serve + vLLM CPU engines).
+`unit` (fast, no Ray, no server), `scripts` (the benchmark scripts' own logic: fast, no
+Ray), `slow` (benchmark-sized, no Ray), `integration` (Ray or a real server, simulated
+engines) and `e2e` (Ray Serve + vLLM CPU engines). Only `scripts` tests import
+`benchmarks/`.
 Engines take ~20-40 s to start on 2 cores, so every e2e test reuses them.
 """
 
@@ -16,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-LAYERS = ("unit", "slow", "integration", "e2e")
-RAY_FREE_LAYERS = ("unit", "slow")
+LAYERS = ("unit", "scripts", "slow", "integration", "e2e")
+RAY_FREE_LAYERS = ("unit", "scripts", "slow")
 TESTS_DIR = Path(__file__).resolve().parent
 
 SHARED_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 
-from app.config import EngineBackend, EngineConfig
+from app.config import EngineConfig
 from app.engine_types import EngineRequest, EngineStatus, TokenEvent
 
 STATUS_WINDOW = 32  # recent iterations / queue waits kept for status()
@@ -41,16 +41,3 @@ class EngineBackendBase(ABC):
     @abstractmethod
     async def shutdown(self) -> None:
         """Release the engine (processes, memory)."""
-
-
-def make_backend(engine_id: str, config: EngineConfig) -> EngineBackendBase:
-    """The backend `config.backend` names (vLLM is imported only when used)."""
-    if config.backend == EngineBackend.SIM:
-        from app.engines.sim import SimBackend
-
-        return SimBackend(engine_id, config)
-    if config.backend == EngineBackend.VLLM:
-        from app.engines.vllm import VllmBackend
-
-        return VllmBackend(engine_id, config)
-    raise ValueError(f"unknown engine backend {config.backend!r}")

@@ -13,10 +13,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from app.routing.view import InstanceId, InstanceView
+if TYPE_CHECKING:
+    from app.routing.view import InstanceId, InstanceView
 
 # numeric columns, in `ViewColumns.table` order; the unloaded decode time per token is
 # both the capability just-enough ranks by and the estimator's catalog prior for d_g

@@ -18,10 +18,10 @@ import numpy as np
 from app.config import EngineRole
 from app.engine_types import EngineStatus
 from app.hardware import InstanceSpec
+from app.routing.arrays import ViewArrays
 
 if TYPE_CHECKING:
     from app.engines.prefix import PrefixDirectory
-    from app.routing.arrays import ViewArrays
 
 InstanceId = str
 
@@ -166,8 +166,6 @@ class ClusterView:
         """`instances` as columns (vectorised routing): the substrate's, else built."""
         if self.columns is not None:
             return self.columns
-        from app.routing.arrays import ViewArrays
-
         return ViewArrays.of(self.instances)
 
     def get(self, instance_id: InstanceId) -> InstanceView:

@@ -1,4 +1,4 @@
-"""Run-level metrics from per-request records (DESIGN section 4).
+"""Run-level metrics from per-request records.
 
 goodput = requests finished within their deadline / duration of the arrival
 window (the workload's `duration_s`); SLO violation ratio = 1 - met / total, so

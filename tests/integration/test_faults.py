@@ -1,4 +1,4 @@
-"""Faults during live traffic (`benchmarks/faults.py`, short versions; `make soak` runs
+"""Faults during live traffic (`app/experiments/faults.py`, short versions; `make soak` runs
 the long ones): an engine actor, a router replica (of two) or Ray Serve's HTTP proxy
 killed while requests arrive. Every request completes or gets a clear error; none
 hangs and none is lost; greedy requests keep the text an unfaulted run gives."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.faults import Fault, faults_config, run_scenario
+from app.experiments.faults import Fault, faults_config, run_scenario
 
 pytestmark = pytest.mark.integration
 

@@ -7,11 +7,11 @@ import random
 import pytest
 
 from app.config import load_cluster_config
+from app.experiments.replay import ReplaySpec, run_replay
 from app.routing.goodserve import GoodServeConfig
 from app.routing.registry import PolicyKind, RoutingOptions
 from app.workload import Arrivals, Content, SyntheticArrivals, synthetic_workload
 from benchmarks.bimodal_goodput import PAPER_CLUSTER
-from benchmarks.replay import ReplaySpec, run_replay
 
 pytestmark = pytest.mark.slow
 

@@ -6,9 +6,9 @@ import pytest
 import typer
 
 from app.config import load_cluster_config
+from app.experiments.replay import ReplaySpec, run_replay
 from app.routing.registry import PolicyKind
 from benchmarks.bimodal_goodput import PAPER_CLUSTER, bimodal_workload
-from benchmarks.replay import ReplaySpec, run_replay
 
 pytestmark = pytest.mark.slow
 

@@ -13,9 +13,9 @@ from typer.testing import CliRunner
 
 from app.cli import cli
 from app.control.config import ControllerConfig
+from app.experiments.autoscale import DEFAULT_CONFIG, STRATEGIES, load_autoscale_config
 from app.planning.inventory import DECODE, PREFILL
 from app.workload import Content, LoadShape, RateProfile, TraceRow, shaped_trace_workload
-from benchmarks.autoscale import DEFAULT_CONFIG, STRATEGIES, load_autoscale_config
 
 pytestmark = pytest.mark.unit
 
@@ -120,7 +120,7 @@ def test_autoscale_input_errors_are_one_line(tmp_path, args, message):
 def test_calibration_finds_the_rate_an_engine_sustains_within_its_deadlines():
     """The measured rate meets p_slo in the simulator and a third more does not (or the
     search hit its cap); the factor is their ratio."""
-    from benchmarks.calibrate import MAX_FACTOR, Calibrator, factors
+    from app.experiments.calibrate import MAX_FACTOR, Calibrator, factors
 
     config = load_autoscale_config(DEFAULT_CONFIG).model_copy(update={"mode": "unified"})
     controller = config.controller.model_copy(update={"inventory": [
@@ -141,7 +141,7 @@ def test_calibration_skips_a_stage_whose_helpers_would_be_the_bottleneck():
     """Small decode batches (the live config's max_num_seqs 8) cannot keep up with a fast
     prefill engine: the prefill measurement would be of the decoders, so it is skipped;
     the large-batch experiment's decoders keep up."""
-    from benchmarks.calibrate import Calibrator
+    from app.experiments.calibrate import Calibrator
 
     pool = [Content(300 + 40 * (i % 10), 60 + 20 * (i % 7), (i,)) for i in range(200)]
     live = load_autoscale_config(DEFAULT_CONFIG.parent / "autoscale-live.yaml")

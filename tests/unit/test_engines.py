@@ -10,7 +10,7 @@ import pytest
 
 from app.config import EngineBackend, EngineConfig
 from app.engine_types import EngineRequest, EngineStatus, PrefillTotals, SamplingSpec
-from app.engines.base import make_backend
+from app.engines.factory import make_backend
 from app.engines.prefix import PrefixCache, prefix_block_hashes
 from app.engines.sim import SimBackend
 from app.engines.vllm import VllmStatsRecorder

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from benchmarks.faults import unrouted
+from app.experiments.faults import unrouted
 
 pytestmark = pytest.mark.unit
 

@@ -408,8 +408,8 @@ def test_word_hash_tokenizer_is_stable_and_in_vocab():
 
 
 def test_live_replay_prompts_reproduce_lengths_and_shared_prefixes():
+    from app.experiments.live_replay import prompt_token_ids
     from app.workload import WorkloadRequest
-    from benchmarks.live_replay import prompt_token_ids
 
     a = WorkloadRequest("a", 0.0, 40, 5, block_hashes=(11, -22), hash_block_size=16)
     b = WorkloadRequest("b", 0.0, 50, 5, block_hashes=(11, -22, 33), hash_block_size=16)

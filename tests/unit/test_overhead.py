@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from app.cli import cli
-from benchmarks.overhead import BatchCost, RouterThread, WorkLog, mixed_cluster
+from app.experiments.overhead import BatchCost, RouterThread, WorkLog, mixed_cluster
 
 pytestmark = pytest.mark.unit
 
@@ -81,8 +81,8 @@ def test_the_overhead_command_prints_its_figures():
 
 
 def test_a_trained_predictor_is_timed_in_batches():
+    from app.experiments.overhead import measure
     from app.workload import Content
-    from benchmarks.overhead import measure
     from predictor.base import PredictionInput
     from predictor.history import HistoryPredictor
 

@@ -15,13 +15,13 @@ import yaml
 from pydantic.fields import FieldInfo
 from typer.testing import CliRunner
 
-import benchmarks.replay
+import app.experiments.replay
 from app.cli import cli
+from app.knob_cli import add_knob_arguments, flag, is_flag, knobs_from_args
 from app.routing.goodserve import GoodServeConfig, SloWatchdog
 from app.routing.registry import RoutingStack
 from app.serving.config import load_serve_config
 from app.serving.service import CompletionService
-from benchmarks.routing_cli import add_knob_arguments, flag, is_flag, knobs_from_args
 from tests.unit.test_live_router import ScriptedEngine
 
 pytestmark = pytest.mark.unit
@@ -95,8 +95,8 @@ def cli_args(values: dict[str, Any]) -> list[str]:
 
 def test_every_knob_on_the_replay_command_line_reaches_the_simulator(tmp_path, monkeypatch):
     built: list[RoutingStack] = []
-    build = benchmarks.replay.build_routing
-    monkeypatch.setattr(benchmarks.replay, "build_routing",
+    build = app.experiments.replay.build_routing
+    monkeypatch.setattr(app.experiments.replay, "build_routing",
                         lambda kind, options: built.append(build(kind, options)) or built[-1])
     trace = tmp_path / "trace.jsonl"
     trace.write_text("\n".join(json.dumps({

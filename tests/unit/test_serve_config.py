@@ -99,11 +99,11 @@ def test_nixl_engines_get_one_handshake_port_each():
 def test_the_live_replay_carries_every_knob_into_the_serve_config():
     """`replay --backend live` builds a serve config from the replay's options and the
     service builds the options back from it: non-default knobs survive the trip."""
+    from app.experiments.live_replay import serve_config_for
     from app.routing.goodserve import goodserve_knobs
     from app.routing.registry import RoutingOptions
     from app.serving.config import default_serve_config
     from app.serving.service import routing_options
-    from benchmarks.live_replay import serve_config_for
     from tests.unit.test_routing_knobs import non_default_knobs
 
     options = RoutingOptions(7, GoodServeConfig(**non_default_knobs()))

@@ -22,8 +22,8 @@ from app.sessions import (
 )
 from app.sim.records import RequestOutcome
 from app.sim.simulator import Simulator
+from app.slo import assign_slos, reference_instance, solo_latencies_s
 from app.workload import Arrivals, SyntheticArrivals
-from benchmarks.slo import assign_slos, reference_instance, solo_latencies_s
 
 pytestmark = pytest.mark.unit
 
@@ -206,7 +206,7 @@ def test_session_trace_errors_name_the_line_and_field(tmp_path, line, message):
 
 
 def _replay_workload(tmp_path, **kwargs):
-    from benchmarks.replay import build_workload
+    from app.experiments.replay import build_workload
 
     base = dict(arrivals=Arrivals.POISSON, trace=None, prompts=None, rate=0.1,
                 duration_s=100.0, max_requests=None, seed=0, context_limit=LIMIT)

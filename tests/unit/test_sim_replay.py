@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from app.cli import cli
 from app.config import load_cluster_config
-from benchmarks.replay import Arrivals, ReplaySpec, build_workload, parse_policies, run_replay
+from app.experiments.replay import Arrivals, ReplaySpec, build_workload, parse_policies, run_replay
 
 pytestmark = pytest.mark.unit
 
@@ -182,7 +182,7 @@ def test_malformed_trace_line_is_reported(tmp_path) -> None:
 
 
 def test_renamed_cells_carry_their_label_into_every_output(tmp_path) -> None:
-    from benchmarks.replay import write_outputs
+    from app.experiments.replay import write_outputs
 
     workload = build_workload(
         arrivals=Arrivals.TRACE, trace=small_trace(tmp_path / "t.jsonl", 20), prompts=None,

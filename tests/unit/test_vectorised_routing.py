@@ -157,12 +157,12 @@ def test_vectorised_estimates_equal_the_per_instance_ones():
 def test_a_simulated_run_places_every_request_alike_on_both_paths():
     """The whole loop (watchdog moves, finishes, budgets) over a mixed 24-instance
     cluster: the same outcome for every request."""
+    from app.experiments.overhead import mixed_cluster
     from app.routing.registry import PolicyKind, RoutingOptions, build_routing
     from app.sim.instance import setups_from_config
     from app.sim.simulator import Simulator
+    from app.slo import assign_slos
     from app.workload import Content, poisson_workload
-    from benchmarks.overhead import mixed_cluster
-    from benchmarks.slo import assign_slos
 
     pool = [Content(200 + 300 * (i % 9), 40 + 60 * (i % 7), (i % 5, i)) for i in range(64)]
     workload = poisson_workload(150.0, 4.0, pool, seed=2)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from app.hardware import make_instance
+from app.slo import assign_slos, parse_scales, reference_instance, solo_latencies_s
 from app.workload import (
     Arrivals,
     BurstDistribution,
@@ -32,7 +33,6 @@ from app.workload import (
     text_block_hashes,
     trace_workload,
 )
-from benchmarks.slo import assign_slos, parse_scales, reference_instance, solo_latencies_s
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""GoodServe: just-enough routing and the SLO watchdog (DESIGN section 4).
+"""GoodServe: just-enough routing and the SLO watchdog (docs/goodserve-routing.md).
 
 Latency estimate (paper Eq. 2):  T(r,g) = q_g + (L_in - H_rg) p_g + L_out_hat d_g.
 Just-enough: among instances that can finish r by its deadline, pick the one with

@@ -1,4 +1,4 @@
-"""The just-enough placer (DESIGN section 4), shared by the router and the watchdog.
+"""The just-enough placer, shared by the router and the watchdog (docs/goodserve-routing.md).
 
 Placing a request is four pure steps: score every instance (`score_instances`), mark
 the strongest ones reserved when they strand tight-deadline requests

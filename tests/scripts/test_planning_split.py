@@ -33,7 +33,7 @@ from benchmarks.pd_vs_unified import (
     write_csv,
 )
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.scripts
 
 LLAMA = ModelParams.named("llama-3.1-8b")
 CHAT = Workload(LengthDist.from_moments(300.0, 1.5), 300.0)

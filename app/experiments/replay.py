@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 import typer
 
 from app.config import ClusterConfig, load_cluster_config
+from app.knob_cli import knob_options
 from app.routing.goodserve import GoodServeConfig, goodserve_knobs, stall_factor_label
 from app.routing.length import OutputLengthEstimator, PredictorLength
 from app.routing.registry import (
@@ -33,6 +34,14 @@ from app.sessions import SessionPreset, file_workload, preset_workload
 from app.sim.metrics import summarize
 from app.sim.records import RequestOutcome, RequestRecord
 from app.sim.simulator import SimResult, Simulator
+from app.slo import (
+    DEFAULT_REFERENCE_GPU,
+    assign_slos,
+    parse_scales,
+    phases_total_s,
+    reference_instance,
+    solo_phases_s,
+)
 from app.workload import (
     Arrivals,
     BurstDistribution,
@@ -43,15 +52,6 @@ from app.workload import (
     load_trace,
     synthetic_workload,
     trace_workload,
-)
-from benchmarks.routing_cli import knob_options
-from benchmarks.slo import (
-    DEFAULT_REFERENCE_GPU,
-    assign_slos,
-    parse_scales,
-    phases_total_s,
-    reference_instance,
-    solo_phases_s,
 )
 
 if TYPE_CHECKING:
@@ -561,8 +561,8 @@ def run_live_replay(
     """
     from ray import serve
 
+    from app.experiments.live_replay import live_cell, serve_config_for
     from app.serving.config import ServeConfig
-    from benchmarks.live_replay import live_cell, serve_config_for
     from deployments.cluster import init_local_ray
     from deployments.router import free_port
 

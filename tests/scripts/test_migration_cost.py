@@ -9,7 +9,7 @@ import pytest
 from app.hardware import make_instance
 from benchmarks.migration_cost import LINKS_GBPS, TARGETS, modelled_costs, write
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.scripts
 
 
 def test_kv_moves_pay_bytes_over_the_link_and_token_id_moves_a_reprefill(tmp_path):

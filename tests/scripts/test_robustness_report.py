@@ -16,7 +16,7 @@ from benchmarks.robustness import (
     without_runs,
 )
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.scripts
 
 
 def cells_for(process: str, seed: int, goodserve: float, exact: float,

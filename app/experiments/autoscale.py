@@ -22,15 +22,13 @@ from __future__ import annotations
 import csv
 import json
 import math
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-import typer
 from pydantic import Field, model_validator
-from tqdm import tqdm
 
 from app.config import Frozen
 from app.control.config import ControllerConfig
@@ -44,11 +42,13 @@ from app.control.strategies import (
 )
 from app.planning.inventory import DECODE, PREFILL, UNIFIED, InventorySizer, PoolTargets
 from app.planning.params import ModelParams
+from app.planning.pools import Observation
 from app.routing.registry import PolicyKind, RoutingOptions, build_routing
 from app.sim.elastic import ElasticPools, Scaler, engine_setup
 from app.sim.instance import InstanceSetup
 from app.sim.records import RequestOutcome, RequestRecord
 from app.sim.simulator import SimResult, Simulator
+from app.slo import assign_slos, reference_instance, solo_latencies_s
 from app.workload import (
     Content,
     LoadShape,
@@ -58,11 +58,8 @@ from app.workload import (
     load_trace,
     shaped_trace_workload,
 )
-from benchmarks.pd_vs_unified import observed
-from benchmarks.replay import cli_error
-from benchmarks.slo import assign_slos, reference_instance, solo_latencies_s
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = REPO / "configs" / "autoscale-sim.yaml"
 STRATEGIES = ("static-peak", "static-mean", "queue-length", "throughput-planner",
               "saturation", "sara")
@@ -102,6 +99,19 @@ def load_autoscale_config(path: Path) -> AutoscaleConfig:
     from app.config import load_yaml_model
 
     return load_yaml_model(path, AutoscaleConfig)
+
+
+def observed(workload: Workload) -> Observation:
+    """The workload's rate and length moments, as a controller would measure them (a CV
+    below 0.05 counts as 0.05: the length models need some spread)."""
+    inputs = [r.num_prompt_tokens for r in workload.requests]
+    outputs = [r.num_output_tokens for r in workload.requests]
+    mean_in = statistics.fmean(inputs)
+    return Observation(
+        rate_rps=len(workload) / workload.duration_s, mean_input_len=mean_in,
+        cv_input_len=max(statistics.pstdev(inputs) / mean_in, 0.05),
+        mean_output_len=statistics.fmean(outputs),
+    )
 
 
 def outcome_summary(records: Sequence[RequestRecord], duration_s: float, gpu_hours: float,
@@ -293,74 +303,3 @@ def plot(path: Path, runs: Sequence[StrategyRun]) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-class Backend(StrEnum):
-    SIM = "sim"
-    LIVE = "live"
-
-
-def autoscale(
-    trace: Path = typer.Option(..., help="Mooncake .jsonl or Azure .csv whose arrivals to shape"),
-    prompts: Path | None = typer.Option(None, help="prompt_lengths.jsonl content (else the "
-                                        "trace's own lengths)"),
-    config: Path = typer.Option(DEFAULT_CONFIG, help="autoscaling experiment YAML"),
-    shape: LoadShape = typer.Option(LoadShape.PHASES, help="phases | ramp"),
-    backend: Backend = typer.Option(Backend.SIM, help="sim: every strategy in the simulator; "
-                                    "live: the SARA controller actor on local Ray with "
-                                    "simulated engines, and the same in the simulator"),
-    strategies: str = typer.Option(",".join(STRATEGIES), help="comma-separated"),
-    seed: int = typer.Option(0, help="content sampling and routing seed"),
-    calibrate: bool = typer.Option(False, help="first measure the sizing model's capacity "
-                                   "factors per pool and kind in the simulator (content drawn "
-                                   "with another seed) and size with them"),
-    out: Path | None = typer.Option(None, help="write summary.json, CSVs and the PNG here"),
-    as_json: bool = typer.Option(False, "--json", help="print only the JSON object"),
-) -> None:
-    """Compare the SARA controller with static pools and today's autoscalers on a
-    time-varying load (simulator); one JSON object keyed by strategy."""
-    names = [n.strip() for n in strategies.split(",") if n.strip()]
-    if bad := [n for n in names if n not in STRATEGIES]:
-        raise cli_error(f"unknown strategy {bad[0]!r}; known: {', '.join(STRATEGIES)}")
-    if backend is Backend.LIVE and strategies != ",".join(STRATEGIES) and names != ["sara"]:
-        raise cli_error("--backend live runs the sara strategy only")
-    for path in (trace, config, prompts):
-        if path is not None and not path.exists():
-            raise cli_error(f"{path} does not exist")
-    try:
-        experiment = load_autoscale_config(config)
-        profile = load_profile(experiment, shape)
-        workload = build_workload(experiment, profile, trace, prompts, seed)
-    except ValueError as error:
-        raise cli_error(str(error)) from None
-    measured: dict[str, float] = {}
-    if calibrate:
-        from benchmarks.calibrate import Calibrator, factors
-
-        pool = ([row.content() for row in load_prompts(prompts)] if prompts
-                else contents_of(workload))
-        measured = factors(Calibrator(experiment, pool, seed + CALIBRATION_SEED_OFFSET).run())
-        experiment = experiment.model_copy(update={"controller": experiment.controller.model_copy(
-            update={"capacity_factors": measured})})
-    setup = {"trace": trace.name, "prompts": prompts.name if prompts else None,
-             "config": config.name, "shape": shape.value, "requests": len(workload),
-             "duration_s": workload.duration_s, "mean_rps": round(profile.mean_rps, 2),
-             "seed": seed, "routing": "goodserve (running-history lengths)",
-             "backend": backend.value,
-             "capacity_factors": measured or dict(experiment.controller.capacity_factors)}
-    if backend is Backend.LIVE:
-        from benchmarks.autoscale_live import run_both, write_live_outputs
-
-        live, sim = run_both(experiment, profile, workload, seed)
-        summary = (write_live_outputs(out, live, sim, setup) if out is not None
-                   else {"sara": live.summary(), "sara-sim": sim.summary()})
-        typer.echo(json.dumps(summary, indent=None if as_json else 2))
-        return
-    routing = RoutingOptions(seed=seed)
-    with tqdm(total=len(names), desc="strategies", disable=as_json) as bar:
-        runs = run_experiment(experiment, profile, workload, names, routing,
-                              progress=lambda _: bar.update())
-    summary = (write_outputs(out, runs, setup) if out is not None
-               else {run.name: run.summary() for run in runs})
-    typer.echo(json.dumps(summary, indent=None if as_json else 2))
-

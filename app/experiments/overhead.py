@@ -39,6 +39,7 @@ import typer
 
 from app.config import ClusterConfig
 from app.engine_types import EngineStatus
+from app.experiments.replay import cli_error, moe_factory
 from app.routing.base import ActiveRequest, RouteDecision, RoutingPolicy, Watchdog
 from app.routing.length import OutputLengthEstimator, PredictorLength, RunningHistoryLength
 from app.routing.registry import PolicyKind, RoutingOptions, build_routing
@@ -52,7 +53,6 @@ from app.routing.view import (
 from app.sim.instance import setups_from_config
 from app.sim.simulator import Simulator
 from app.workload import Content, Workload, load_prompts, poisson_workload
-from benchmarks.replay import cli_error, moe_factory
 from predictor.base import PredictionInput, Predictor
 from predictor.batching import use_one_inference_thread
 
@@ -61,7 +61,7 @@ WARM_FINISHES = 2000
 MAX_BATCH_SIZE, MAX_WAIT_S = 64, 0.002  # the router's micro-batcher defaults
 SWEEP_INSTANCES = (8, 32, 128, 512)
 SWEEP_RPS = (1000, 2500, 5000, 10000)
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 
 
 def mixed_cluster(num_instances: int, model: str = "llama-3.1-8b") -> ClusterConfig:

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
+from app.experiments.replay import RunOutcome
 from benchmarks.goodput_experiments import SCALES, SEED_POLICIES, main, seeds_report
-from benchmarks.replay import RunOutcome
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.scripts
 
 
 def test_seeds_report_ratios_use_the_best_baseline_of_each_seed_and_scale():
@@ -30,8 +30,8 @@ def test_seeds_report_ratios_use_the_best_baseline_of_each_seed_and_scale():
 
 
 def test_placement_rows_count_first_placements_and_met_by_output_tercile():
+    from app.experiments.replay import placement_rows
     from app.sim.records import RequestOutcome, RequestRecord
-    from benchmarks.replay import placement_rows
 
     def record(rid: str, output: int, instances: list[str], met: bool) -> RequestRecord:
         outcome = RequestOutcome.MET if met else RequestOutcome.VIOLATED
@@ -62,7 +62,7 @@ def test_bad_knobs_get_a_one_line_error_before_any_work(flag, value, capsys):
 
 
 def test_seeds_runs_pool_from_their_summary_files(tmp_path, capsys):
-    from benchmarks.replay import write_summary_csv
+    from app.experiments.replay import write_summary_csv
 
     for seed in (3, 7):
         cells = [RunOutcome(f"{kind.value} seed={seed}", scale,

@@ -23,18 +23,18 @@ import httpx
 
 from app.config import ClusterConfig, EngineConfig, InstanceGroup
 from app.control.fleet import template_for
-from app.planning.inventory import PoolTargets
-from app.serving.config import RoutingConfig, ServeConfig
-from app.sim.records import RequestRecord
-from app.workload import RateProfile, Workload
-from benchmarks.autoscale import (
+from app.experiments.autoscale import (
     AutoscaleConfig,
     StrategyRun,
     outcome_summary,
     run_strategy,
     sized_pools,
 )
-from benchmarks.live_replay import drive
+from app.experiments.live_replay import drive
+from app.planning.inventory import PoolTargets
+from app.serving.config import RoutingConfig, ServeConfig
+from app.sim.records import RequestRecord
+from app.workload import RateProfile, Workload
 
 LIVE_APP = "goodserve-autoscale"
 LIVE_CLUSTER = "autoscale-live"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from app.experiments.replay import RunOutcome
 from app.sim.records import RequestOutcome, RequestRecord
 from benchmarks.goodput_experiments import SCALES, migration_effects
 from benchmarks.migration_effect import (
@@ -16,9 +17,8 @@ from benchmarks.migration_effect import (
     read_effects,
     write_effects,
 )
-from benchmarks.replay import RunOutcome
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.scripts
 
 
 def record(rid: str, met: bool, moves: int = 0, first: str = "A40") -> RequestRecord:

@@ -1,4 +1,4 @@
-"""E2E-SLO assignment (DESIGN section 8).
+"""End-to-end SLO assignment.
 
 SLO of a request = its solo execution time on a reference instance (A800 by
 default) x a relaxation scale; deadline = arrival + SLO. Solo times come from the

@@ -7,7 +7,7 @@ batch slot busy at the SLO's batch size); sized from them alone, pools come out 
 wherever the model is optimistic. A production planner profiles its engines before it
 plans (NVIDIA Dynamo's pre-deployment profiler does); this is that step for simulated
 engines, and the factors it prints are the controller's `capacity_factors`:
-    python -m benchmarks.calibrate --config configs/autoscale-sim.yaml --prompts P
+    python -m app.experiments.calibrate --config configs/autoscale-sim.yaml --prompts P
 The search doubles the rate from twice the model's until the engine misses its target,
 up to MAX_FACTOR times the model's rate or the most its helpers carry (the factor is then
 a lower bound); a pool kind whose helpers could not carry twice its modelled rate is not
@@ -30,6 +30,13 @@ from pathlib import Path
 
 import typer
 
+from app.experiments.autoscale import (
+    DEFAULT_CONFIG,
+    AutoscaleConfig,
+    load_autoscale_config,
+    observed,
+)
+from app.experiments.replay import cli_error
 from app.planning.inventory import DECODE, PREFILL, UNIFIED, InventorySizer, capacity_key
 from app.planning.params import ModelParams
 from app.planning.split import EngineKind
@@ -38,11 +45,8 @@ from app.sim.elastic import engine_setup
 from app.sim.instance import InstanceSetup
 from app.sim.records import RequestOutcome
 from app.sim.simulator import Simulator
+from app.slo import assign_slos, reference_instance, solo_latencies_s
 from app.workload import Content, Workload, poisson_workload
-from benchmarks.autoscale import DEFAULT_CONFIG, AutoscaleConfig, load_autoscale_config
-from benchmarks.pd_vs_unified import observed
-from benchmarks.replay import cli_error
-from benchmarks.slo import assign_slos, reference_instance, solo_latencies_s
 
 BISECTION_STEPS = 6
 MAX_HELPERS = 16

@@ -28,7 +28,7 @@ from benchmarks.agentic import (
 )
 from benchmarks.matrix_io import append_rows
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.scripts
 
 
 def cell(policy, met, *, seed=0, factor=1.0, scale=2.0, workload="coding-agent",
