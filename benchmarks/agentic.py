@@ -24,10 +24,12 @@ and 1.5 x L*; each (workload, cluster, load, seed) unit runs every policy (GoodS
 GoodServe with exact lengths, every registered baseline) at scales 1, 1.5, 2 and 3.
 Seeds: 0, 1, 2 on small, 0 on large.
 
-Windows (--duration): 500 s of arrivals for Mooncake and chat-agent, 5,000 s for
-coding-agent. Coding sessions run for minutes and arrive ~10x less often: 500 s of them
-was 25-60 steps per unit at 0.8x L*, and the best baseline's seed-to-seed spread of met
-steps was 0.4-0.8, too wide to tell policies apart; 5,000 s holds about 2,000.
+Windows (--duration): 500 s of arrivals for Mooncake and chat-agent, 20,000 s for
+coding-agent. Coding sessions run for minutes with contexts of half the model's limit:
+in 500 s the queues they build have not reached a steady state, so L* came out 6x too
+high (0.046 sessions/s on paper-4gpu against 0.0075 with a 5,000 s window), and a unit
+held 25-60 steps, with the best baseline's seed-to-seed spread of met steps 0.4-0.8.
+20,000 s at L* is about 150 sessions.
 
 Cost, measured on this 2-core machine in CPU seconds per unit (11 policies x 4 scales)
 at about L*, with a 300 s window: coding-agent small 6 (48 requests), chat-agent small
@@ -50,7 +52,7 @@ the best baseline named, exact lengths / GoodServe, mean and range over seeds; t
 baseline's seed-to-seed spread as the noise; GoodServe's met at 1.5x over its met at 1.0x
 load) and matrix.png (GoodServe / best baseline heat maps per workload and cluster).
 Usage: python -m benchmarks.agentic [--jobs 2] [--resume] [--only-clusters small]
-       [--only-workloads chat-agent] [--duration coding-agent=5000]
+       [--only-workloads chat-agent] [--duration coding-agent=20000]
        [--policies goodserve,round-robin]
 """
 
@@ -99,10 +101,9 @@ CLUSTERS = {"small": REPO / "configs" / "paper-4gpu.yaml",
 LOAD_FACTORS = (0.5, 0.8, 1.0, 1.5)
 COLLAPSE_FACTORS = (1.5, 1.0)  # GoodServe's met at the first load over its met at the second
 SCALES = (1.0, 1.5, 2.0, 3.0)
-# arrivals per run, per workload: coding-agent sessions run for minutes and arrive
-# ~10x less often than chat sessions, so 500 s of them is a few dozen steps (25-60 per
-# unit at 0.8x L*; the best baseline's seed-to-seed spread was 0.4-0.8)
-DURATION_S = {"mooncake": 500.0, "coding-agent": 5000.0, "chat-agent": 500.0}
+# arrivals per run, per workload: coding-agent sessions run for minutes, hold long
+# contexts and arrive ~50x less often than chat sessions (see the module docstring)
+DURATION_S = {"mooncake": 500.0, "coding-agent": 20000.0, "chat-agent": 500.0}
 CALIBRATION_SCALE = 2.0
 TARGET_MET_SHARE = 0.8
 CALIBRATION_SEED = 100
