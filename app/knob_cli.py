@@ -1,18 +1,16 @@
 """Command-line options for GoodServe's knobs, generated from `GoodServeConfig`.
 
-Each field of the config becomes one option (`--headroom`, `--fast-while-cold /
---no-fast-while-cold`, ...) with the field's description and bounds as its help, for
-the typer commands (`knob_options`) and the argparse scripts (`add_knob_arguments`);
-values are checked by the config itself, so a bad one fails with the config's message.
+Each field of the config becomes one option of a typer command (`knob_options`):
+`--headroom`, `--fast-while-cold / --no-fast-while-cold`, ..., with the field's
+description and bounds as its help; values are checked by the config itself, so a bad
+one fails with the config's message.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import inspect
 from collections.abc import Callable
-from enum import Enum
 from typing import Annotated, Any, TypeVar, get_args
 
 import typer
@@ -93,29 +91,3 @@ def knob_options(func: F) -> F:
     wrapper.__signature__ = own.replace(parameters=params)  # type: ignore[attr-defined]
     wrapper.__annotations__ = {p.name: p.annotation for p in params}
     return wrapper  # type: ignore[return-value]
-
-
-def add_knob_arguments(parser: argparse.ArgumentParser) -> None:
-    """One argparse option per knob, defaulting to the config's default."""
-    group = parser.add_argument_group("GoodServe knobs")
-    for name, info in GoodServeConfig.model_fields.items():
-        names = [flag(name)] + ([ALIASES[name]] if name in ALIASES else [])
-        if is_flag(info.annotation):
-            group.add_argument(*names, dest=name, action=argparse.BooleanOptionalAction,
-                               default=info.default, help=help_text(info))
-            continue
-        group.add_argument(*names, dest=name, type=_argparse_type(info.annotation),
-                           default=info.default, help=help_text(info))
-
-
-def knobs_from_args(args: argparse.Namespace) -> GoodServeConfig:
-    """The config the parsed knob options describe (ValueError on a bad value)."""
-    return knob_config({name: getattr(args, name) for name in GoodServeConfig.model_fields})
-
-
-def _argparse_type(annotation: Any) -> Callable[[str], Any]:
-    """float for `float | None`, the enum itself for an enum, else the type."""
-    if isinstance(annotation, type) and issubclass(annotation, Enum):
-        return annotation
-    options = [a for a in get_args(annotation) if a is not type(None)]
-    return options[0] if options else annotation

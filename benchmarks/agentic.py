@@ -58,7 +58,6 @@ Usage: python -m benchmarks.agentic [--jobs 2] [--resume] [--only-clusters small
 
 from __future__ import annotations
 
-import argparse
 import csv
 import math
 import random
@@ -67,8 +66,9 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
+import typer
 from tqdm import tqdm
 
 from app.config import load_cluster_config
@@ -82,6 +82,7 @@ from app.workload import (
     scale_and_window,
     trace_workload,
 )
+from benchmarks.cli import run_command
 from benchmarks.matrix_io import (
     append_rows,
     draw_ratio_grid,
@@ -104,6 +105,9 @@ SCALES = (1.0, 1.5, 2.0, 3.0)
 # arrivals per run, per workload: coding-agent sessions run for minutes, hold long
 # contexts and arrive ~50x less often than chat sessions (see the module docstring)
 DURATION_S = {"mooncake": 500.0, "coding-agent": 20000.0, "chat-agent": 500.0}
+DURATION_HELP = ("arrival window per run, s: one number for every workload, or "
+                 "workload=seconds pairs (default: "
+                 + ", ".join(f"{w} {d:g}" for w, d in DURATION_S.items()) + ")")
 CALIBRATION_SCALE = 2.0
 TARGET_MET_SHARE = 0.8
 CALIBRATION_SEED = 100
@@ -615,72 +619,72 @@ def _seeds(text: str) -> list[int]:
     return [int(s) for s in text.split(",") if s.strip()]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add = parser.add_argument
-    add("--out", type=Path, default=REPO / "results" / "agentic")
-    add("--trace", type=Path, default=TRACE, help="Mooncake conversation trace (JSONL)")
-    add("--only-workloads", default=",".join(WORKLOADS))
-    add("--only-clusters", default=",".join(CLUSTERS))
-    add("--seeds", default="0,1,2", help="reported seeds on the small cluster")
-    add("--large-seeds", default="0", help="reported seeds on the large cluster")
-    add("--calibration-seed", type=int, default=CALIBRATION_SEED,
-        help="seed of the L* search; must not be a reported seed")
-    add("--policies", default=",".join(POLICIES),
+def agentic(
+    out: Annotated[Path, typer.Option()] = REPO / "results" / "agentic",
+    trace: Annotated[Path, typer.Option(help="Mooncake conversation trace (JSONL)")] = TRACE,
+    only_workloads: Annotated[str, typer.Option()] = ",".join(WORKLOADS),
+    only_clusters: Annotated[str, typer.Option()] = ",".join(CLUSTERS),
+    seeds: Annotated[str, typer.Option(help="reported seeds on the small cluster")] = "0,1,2",
+    large_seeds: Annotated[str, typer.Option(help="reported seeds on the large cluster")] = "0",
+    calibration_seed: Annotated[int, typer.Option(
+        help="seed of the L* search; must not be a reported seed")] = CALIBRATION_SEED,
+    policies: Annotated[str, typer.Option(
         help="policies per unit (the report needs goodserve and a baseline)")
-    add("--calibration-policies", default=",".join(CALIBRATION_POLICIES),
+    ] = ",".join(POLICIES),
+    calibration_policies: Annotated[str, typer.Option(
         help="baselines whose best met share L* is bisected on")
-    add("--duration", default="",
-        help="arrival window per run, s: one number for every workload, or "
-        "workload=seconds pairs (default: " + ", ".join(f"{w} {d:g}" for w, d in
-                                                   DURATION_S.items()) + ")")
-    add("--jobs", type=int, default=2, help="units simulated at once (processes)")
-    add("--resume", action="store_true",
-        help="keep --out/calibration.csv and cells.csv; run only what they lack")
-    add("--report-only", action="store_true",
+    ] = ",".join(CALIBRATION_POLICIES),
+    duration: Annotated[str, typer.Option(help=DURATION_HELP)] = "",
+    jobs: Annotated[int, typer.Option(help="units simulated at once (processes)")] = 2,
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="keep --out/calibration.csv and cells.csv; run only what they lack")
+    ] = False,
+    report_only: Annotated[bool, typer.Option(
+        "--report-only",
         help="rewrite matrix.* from --out/cells.csv and calibration.csv, running nothing")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    ] = False,
+) -> int:
+    """Calibrate L* per (workload, cluster), run the matrix, write the report."""
     try:
-        workloads = _names(args.only_workloads, WORKLOADS, "workload")
-        clusters = _names(args.only_clusters, list(CLUSTERS), "cluster")
-        policies = _names(args.policies, POLICIES, "policy")
-        calibration_policies = _names(args.calibration_policies, BASELINES, "baseline")
-        seeds = {"small": _seeds(args.seeds), "large": _seeds(args.large_seeds)}
-        durations = _durations(args.duration)
+        workloads = _names(only_workloads, WORKLOADS, "workload")
+        clusters = _names(only_clusters, list(CLUSTERS), "cluster")
+        chosen = _names(policies, POLICIES, "policy")
+        calibrators = _names(calibration_policies, BASELINES, "baseline")
+        reported = {"small": _seeds(seeds), "large": _seeds(large_seeds)}
+        durations = _durations(duration)
     except ValueError as e:
         print(f"error: {e}")
         return 2
-    if args.calibration_seed in {*seeds["small"], *seeds["large"]}:
-        print(f"error: the calibration seed {args.calibration_seed} is a reported seed")
+    if calibration_seed in {*reported["small"], *reported["large"]}:
+        print(f"error: the calibration seed {calibration_seed} is a reported seed")
         return 2
-    args.out.mkdir(parents=True, exist_ok=True)
-    if args.report_only:
+    out.mkdir(parents=True, exist_ok=True)
+    if report_only:
         latest = {(c.workload, c.cluster): c
-                  for c in read_calibrations(args.out / "calibration.csv")}
-        write_report(args.out, list(latest.values()))
-        print(f"wrote {args.out}/matrix.md, matrix.csv, matrix.png")
+                  for c in read_calibrations(out / "calibration.csv")}
+        write_report(out, list(latest.values()))
+        print(f"wrote {out}/matrix.md, matrix.csv, matrix.png")
         return 0
-    if "mooncake" in workloads and not args.trace.is_file():
-        print(f"skipping mooncake: the trace {args.trace} is absent")
+    if "mooncake" in workloads and not trace.is_file():
+        print(f"skipping mooncake: the trace {trace} is absent")
         workloads.remove("mooncake")
-    if not args.resume:
+    if not resume:
         for name in ("calibration.csv", "cells.csv"):
-            (args.out / name).unlink(missing_ok=True)
-    setup = MatrixSetup(durations, args.trace, tuple(policies))
-    calibrations = reference_rates(args.out, [(w, c) for w in workloads for c in clusters],
-                                   setup, args.calibration_seed, calibration_policies,
-                                   args.jobs)
+            (out / name).unlink(missing_ok=True)
+    setup = MatrixSetup(durations, trace, tuple(chosen))
+    calibrations = reference_rates(out, [(w, c) for w in workloads for c in clusters],
+                                   setup, calibration_seed, calibrators, jobs)
     for c in calibrations:
         if c.rate is None:
             print(f"skipping {c.workload} on {c.cluster}: {c.note}")
-    run_matrix(args.out, plan_units(calibrations, seeds), setup, args.jobs)
-    write_report(args.out, calibrations)
-    print(f"wrote {args.out}/cells.csv, matrix.md, matrix.csv, matrix.png")
+    run_matrix(out, plan_units(calibrations, reported), setup, jobs)
+    write_report(out, calibrations)
+    print(f"wrote {out}/cells.csv, matrix.md, matrix.csv, matrix.png")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(agentic, argv, __doc__.split("\n\n")[0])
 
 
 if __name__ == "__main__":

@@ -9,15 +9,16 @@ relative error and writes app/profiles/cpu.json, which app/hardware.py loads as 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import statistics
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
+import typer
 from scipy.optimize import least_squares
 
 from app.config import EngineBackend, EngineConfig, SchedulerConfig
@@ -32,6 +33,7 @@ from app.hardware import (
     get_model,
 )
 from app.tiny_model import build_tiny_llama
+from benchmarks.cli import run_command
 
 PREFILL_LENGTHS = (32, 128, 512, 1536)
 DECODE_BATCHES = (1, 4, 8)
@@ -106,24 +108,24 @@ def fit_profile(measurements: list[Measurement], kv_cache_gb: float) -> GpuSpec:
     return spec_of(least_squares(residuals, x0).x)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=CPU_PROFILE_PATH)
-    parser.add_argument("--model-dir", type=Path, default=Path("/tmp/goodserve-tiny-llama"))
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args(argv)
-    build_tiny_llama(args.model_dir)
+def calibrate(
+    out: Annotated[Path, typer.Option()] = CPU_PROFILE_PATH,
+    model_dir: Annotated[Path, typer.Option()] = Path("/tmp/goodserve-tiny-llama"),
+    repeats: Annotated[int, typer.Option()] = 3,
+) -> int:
+    """Measure the engine, fit the profile, print both and write it to --out."""
+    build_tiny_llama(model_dir)
     kv_cache_gb = 1.0
     config = EngineConfig(
         gpu_type="cpu", model="tiny-llama", backend=EngineBackend.VLLM,
-        model_path=str(args.model_dir),
+        model_path=str(model_dir),
         scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=2048),
     )
     backend = VllmBackend("calibrate", config)
 
     async def run() -> list[Measurement]:
         try:
-            return await measure(backend, args.repeats)
+            return await measure(backend, repeats)
         finally:
             await backend.shutdown()
 
@@ -134,10 +136,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{m.kind:8s} {m.num_prompt_tokens:6d} {m.batch_size:5d} "
               f"{m.seconds * 1e3:11.2f} {_predict(spec, m) * 1e3:9.2f}")
     profile = {"gpu": asdict(spec), "measurements": [asdict(m) for m in measurements]}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(profile, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(profile, indent=2) + "\n")
+    print(f"wrote {out}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(calibrate, argv, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -19,21 +19,23 @@ results/estimator/ is written by (OMP_NUM_THREADS=1 on a 2-core machine):
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Annotated, Literal
 
 import numpy as np
+import typer
 
 from app.config import EngineBackend, EngineConfig, SchedulerConfig
 from app.engine_types import EngineRequest, PrefillTotals, SamplingSpec
 from app.routing.base import RoutingPolicy
 from app.routing.status import InstanceEstimate, StatusEstimator
 from app.routing.view import ClusterView, InstanceView, RouteRequest, StepReport
+from benchmarks.cli import run_command
 
 
 @dataclass(frozen=True)
@@ -257,34 +259,34 @@ def run_sim(
     return points, prefill_outcome(policy.estimator, policy.last_view, policy.last_prefill)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--backend", choices=["vllm", "sim"], default="vllm")
-    parser.add_argument("--rate", type=float, default=4.0, help="requests per second")
-    parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--alpha", type=float, default=0.2, help="EMA weight of a new sample")
-    parser.add_argument("--model-dir", type=Path, default=Path("/tmp/goodserve-tiny-llama"))
-    parser.add_argument("--out", type=Path, default=Path("results/estimator"))
-    args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    if args.backend == "vllm":
+def estimator_quality(
+    backend: Annotated[Literal["vllm", "sim"], typer.Option()] = "vllm",
+    rate: Annotated[float, typer.Option(help="requests per second")] = 4.0,
+    duration: Annotated[float, typer.Option(help="seconds of arrivals")] = 60.0,
+    seed: Annotated[int, typer.Option()] = 0,
+    alpha: Annotated[float, typer.Option(help="EMA weight of a new sample")] = 0.2,
+    model_dir: Annotated[Path, typer.Option()] = Path("/tmp/goodserve-tiny-llama"),
+    out: Annotated[Path, typer.Option()] = Path("results/estimator"),
+) -> int:
+    """Run one substrate; write its report (JSON) and plot under --out, print the report."""
+    out.mkdir(parents=True, exist_ok=True)
+    if backend == "vllm":
         from app.tiny_model import build_tiny_llama
 
-        build_tiny_llama(args.model_dir)
-        points, prefill = asyncio.run(
-            run_vllm(args.model_dir, args.rate, args.duration, args.seed, args.alpha)
-        )
+        build_tiny_llama(model_dir)
+        points, prefill = asyncio.run(run_vllm(model_dir, rate, duration, seed, alpha))
     else:
-        points, prefill = run_sim(args.rate, args.duration, args.seed, args.alpha)
-    report = summarize(args.backend, points, prefill)
-    plot(points, f"EMA estimator vs actual ({args.backend}, {args.rate} req/s)",
-         args.out / f"estimator_{args.backend}.png")
-    (args.out / f"estimator_{args.backend}.json").write_text(json.dumps(asdict(report), indent=2))
+        points, prefill = run_sim(rate, duration, seed, alpha)
+    report = summarize(backend, points, prefill)
+    plot(points, f"EMA estimator vs actual ({backend}, {rate} req/s)",
+         out / f"estimator_{backend}.png")
+    (out / f"estimator_{backend}.json").write_text(json.dumps(asdict(report), indent=2))
     print(json.dumps(asdict(report), indent=2))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(estimator_quality, argv, __doc__)
 
 
 if __name__ == "__main__":

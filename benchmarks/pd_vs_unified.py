@@ -18,14 +18,15 @@ Usage: python -m benchmarks.pd_vs_unified [--seeds 2,3] [--rate 190] [--every-sp
 
 from __future__ import annotations
 
-import argparse
 import csv
 import math
 import statistics
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Annotated
 
+import typer
 from tqdm import tqdm
 
 from app.config import ClusterConfig, EngineRole, load_cluster_config
@@ -44,7 +45,17 @@ from app.routing.length import PredictorLength
 from app.routing.registry import PolicyKind, RoutingOptions
 from app.slo import reference_instance
 from app.workload import Workload, load_prompts, load_trace, trace_workload
-from benchmarks.goodput_experiments import REPO, add_data_arguments, held_out_prompts, train_moe
+from benchmarks.cli import run_command
+from benchmarks.goodput_experiments import (
+    DEFAULT_PROMPTS,
+    DEFAULT_TRACE,
+    REPO,
+    PredictorOption,
+    PromptsOption,
+    TraceOption,
+    held_out_prompts,
+    train_moe,
+)
 
 SCALES = (1.0, 1.5, 2.0, 2.5, 3.0)
 UNIFIED = "unified"
@@ -194,63 +205,68 @@ def plot(path: Path, scales: Sequence[float], cells: Sequence[dict]) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=REPO / "results" / "pd-vs-unified")
-    add_data_arguments(parser)
-    parser.add_argument("--cluster", type=Path, default=REPO / "configs" / "paper-4gpu.yaml")
-    parser.add_argument("--rate", type=float, default=190.0)
-    parser.add_argument("--duration", type=float, default=60.0, help="arrival window, s")
-    parser.add_argument("--seeds", default="2,3", help="workload seeds")
-    parser.add_argument("--scales", default=",".join(f"{s:g}" for s in SCALES))
-    parser.add_argument("--every-split", action="store_true",
-                        help="also simulate every other prefill/decode split")
-    parser.add_argument("--report-only", action="store_true",
-                        help="rewrite report.md and goodput.png from --out's CSVs, running nothing")
-    args = parser.parse_args(argv)
-    if args.report_only:
-        splits, cells = read_csv(args.out / "splits.csv"), read_csv(args.out / "goodput.csv")
-        setup_lines = (args.out / "report.md").read_text().split("## Goodput")[0]
+def pd_vs_unified(
+    out: Annotated[Path, typer.Option()] = REPO / "results" / "pd-vs-unified",
+    trace: TraceOption = DEFAULT_TRACE,
+    prompts: PromptsOption = DEFAULT_PROMPTS,
+    predictor: PredictorOption = None,
+    cluster_path: Annotated[Path, typer.Option("--cluster")] = (
+        REPO / "configs" / "paper-4gpu.yaml"),
+    rate: Annotated[float, typer.Option()] = 190.0,
+    duration: Annotated[float, typer.Option(help="arrival window, s")] = 60.0,
+    seeds: Annotated[str, typer.Option(help="workload seeds")] = "2,3",
+    scales: Annotated[str, typer.Option()] = ",".join(f"{s:g}" for s in SCALES),
+    every_split: Annotated[bool, typer.Option(
+        "--every-split", help="also simulate every other prefill/decode split")] = False,
+    report_only: Annotated[bool, typer.Option(
+        "--report-only",
+        help="rewrite report.md and goodput.png from --out's CSVs, running nothing")] = False,
+) -> int:
+    """Simulate unified and P/D GoodServe per seed and scale (or with --report-only,
+    redraw); write the CSVs and the report under --out."""
+    if report_only:
+        splits, cells = read_csv(out / "splits.csv"), read_csv(out / "goodput.csv")
+        setup_lines = (out / "report.md").read_text().split("## Goodput")[0]
         setup = dict(line[2:].split(": ", 1) for line in setup_lines.splitlines()
                      if line.startswith("- "))
-        report(args.out, setup, splits, cells)
-        print((args.out / "report.md").read_text())
+        report(out, setup, splits, cells)
+        print((out / "report.md").read_text())
         return 0
-    if not args.trace.exists() or not args.prompts.exists():
-        print(f"error: data not found ({args.trace}, {args.prompts})")
+    if not trace.exists() or not prompts.exists():
+        print(f"error: data not found ({trace}, {prompts})")
         return 2
     try:
-        cluster = load_cluster_config(args.cluster)
-        scales = [float(s) for s in args.scales.split(",")]
-        seeds = [int(s) for s in args.seeds.split(",")]
+        cluster = load_cluster_config(cluster_path)
+        scale_list = [float(s) for s in scales.split(",")]
+        seed_list = [int(s) for s in seeds.split(",")]
     except ValueError as error:
         print(f"error: {error}")
         return 2
     if cluster.mode != UNIFIED:
-        print(f"error: {args.cluster} must describe a unified cluster (the split assigns roles)")
+        print(f"error: {cluster_path} must describe a unified cluster (the split assigns roles)")
         return 2
     split_dir = Path.home() / ".cache" / "goodserve" / "prompt-split-seed0"
-    train_path, test_path = held_out_prompts(args.prompts, split_dir, 0)
-    predictor_dir = args.predictor or split_dir / "predictors"
+    train_path, test_path = held_out_prompts(prompts, split_dir, 0)
+    predictor_dir = predictor or split_dir / "predictors"
     if not (predictor_dir / "moe").exists():
         train_moe(train_path, predictor_dir, 0)
     from predictor.registry import load_predictor
 
-    args.out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     splits: list[dict] = []
     cells: list[dict] = []
-    every = every_prefill_pool(inventory(cluster)) if args.every_split else []
-    runs = len(seeds) * len(scales) * (2 + max(0, len(every) - 1))
+    every = every_prefill_pool(inventory(cluster)) if every_split else []
+    runs = len(seed_list) * len(scale_list) * (2 + max(0, len(every) - 1))
     with tqdm(total=runs, desc="simulations") as bar:
-        for seed in seeds:
+        for seed in seed_list:
             routing = RoutingOptions(seed, GoodServeConfig(), lambda: PredictorLength(
                 load_predictor(predictor_dir, "moe")))
             workload = attach_predictions(
-                trace_workload(load_trace(args.trace), rate=args.rate,
-                               duration_s=args.duration, prompts=load_prompts(test_path),
+                trace_workload(load_trace(trace), rate=rate,
+                               duration_s=duration, prompts=load_prompts(test_path),
                                seed=seed, name="mooncake"),
                 routing.length_factory())
-            for scale in scales:
+            for scale in scale_list:
                 split, row = recommend(cluster, workload, scale)
                 splits.append({"seed": seed, **row})
                 pools = [split.prefill] + [p for p in every if p != split.prefill]
@@ -261,19 +277,23 @@ def main(argv: list[str] | None = None) -> int:
                                   "sara_pick": name == split_label(split.prefill),
                                   **simulate(config, workload, scale, seed, routing)})
                     bar.update()
-    write_csv(args.out / "splits.csv", splits)
-    write_csv(args.out / "goodput.csv", cells)
-    setup = {"cluster": args.cluster.name, "rate_rps": args.rate, "duration_s": args.duration,
-             "seeds": args.seeds, "kv_link_gbps": cluster.kv_link_gbps,
+    write_csv(out / "splits.csv", splits)
+    write_csv(out / "goodput.csv", cells)
+    setup = {"cluster": cluster_path.name, "rate_rps": rate, "duration_s": duration,
+             "seeds": seeds, "kv_link_gbps": cluster.kv_link_gbps,
              "arrivals": "Mooncake conversation trace, time-scaled",
              "prompts": "held-out 20% of prompt_lengths.jsonl by prompt_id",
              "predictor": "MoE (K=9) trained on the other 80%",
              "slo": "scale x solo time on an A800; stage targets from stage_slos, p_slo 0.9",
              "policy": "goodserve (P/D: least-TTFT prefill, just-enough decode)",
-             "every_split": args.every_split}
-    report(args.out, setup, splits, cells)
-    print((args.out / "report.md").read_text())
+             "every_split": every_split}
+    report(out, setup, splits, cells)
+    print((out / "report.md").read_text())
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(pd_vs_unified, argv, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

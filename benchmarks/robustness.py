@@ -18,14 +18,15 @@ Usage: python -m benchmarks.robustness [--seeds 2,3,4] [--rates 100,190] [--jobs
 
 from __future__ import annotations
 
-import argparse
 import csv
 import multiprocessing
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
+import typer
 from tqdm import tqdm
 
 from app.config import load_cluster_config
@@ -43,10 +44,15 @@ from app.workload import (
     synthetic_workload,
     trace_workload,
 )
+from benchmarks.cli import run_command
 from benchmarks.goodput_experiments import (
     BASELINES,
+    DEFAULT_PROMPTS,
+    DEFAULT_TRACE,
     REPO,
-    add_data_arguments,
+    PredictorOption,
+    PromptsOption,
+    TraceOption,
     held_out_prompts,
     train_moe,
 )
@@ -255,73 +261,81 @@ def write_heatmap(path: Path, rows: Sequence[MatrixCell], scales: Sequence[float
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=REPO / "results" / "robustness")
-    add_data_arguments(parser)
-    parser.add_argument("--processes", default=",".join(PROCESSES))
-    parser.add_argument("--rates", default="100,190")
-    parser.add_argument("--seeds", default="2,3,4",
-                        help="workload seeds (seed 1 was used while choosing the policy)")
-    parser.add_argument("--duration", type=float, default=60.0, help="arrival window, s")
-    parser.add_argument("--jobs", type=int, default=2, help="workloads simulated at once")
-    parser.add_argument("--resume", action="store_true",
-                        help="keep --out/cells.csv and run only the missing workloads")
-    parser.add_argument("--policies", default=",".join(k.value for k in POLICIES),
-                        help="policies to run (the report needs goodserve, exact lengths "
-                        "and every baseline)")
-    parser.add_argument("--rerun", action="store_true",
-                        help="keep --out/cells.csv but run --policies again on the chosen "
-                        "workloads, replacing their rows (after a policy change)")
-    parser.add_argument("--report-only", action="store_true",
-                        help="rewrite matrix.* from --out/cells.csv, running nothing")
-    args = parser.parse_args(argv)
-    processes = [p.strip() for p in args.processes.split(",") if p.strip()]
-    unknown = [p for p in processes if p not in PROCESSES]
+def robustness(
+    out: Annotated[Path, typer.Option()] = REPO / "results" / "robustness",
+    trace: TraceOption = DEFAULT_TRACE,
+    prompts: PromptsOption = DEFAULT_PROMPTS,
+    predictor: PredictorOption = None,
+    processes: Annotated[str, typer.Option()] = ",".join(PROCESSES),
+    rates: Annotated[str, typer.Option()] = "100,190",
+    seeds: Annotated[str, typer.Option(
+        help="workload seeds (seed 1 was used while choosing the policy)")] = "2,3,4",
+    duration: Annotated[float, typer.Option(help="arrival window, s")] = 60.0,
+    jobs: Annotated[int, typer.Option(help="workloads simulated at once")] = 2,
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="keep --out/cells.csv and run only the missing workloads")] = False,
+    policies: Annotated[str, typer.Option(
+        help="policies to run (the report needs goodserve, exact lengths and every baseline)")
+    ] = ",".join(k.value for k in POLICIES),
+    rerun: Annotated[bool, typer.Option(
+        "--rerun", help="keep --out/cells.csv but run --policies again on the chosen "
+        "workloads, replacing their rows (after a policy change)")] = False,
+    report_only: Annotated[bool, typer.Option(
+        "--report-only", help="rewrite matrix.* from --out/cells.csv, running nothing")
+    ] = False,
+) -> int:
+    """Run the matrix's missing workloads (or with --report-only, none); write the
+    matrix under --out."""
+    process_names = [p.strip() for p in processes.split(",") if p.strip()]
+    unknown = [p for p in process_names if p not in PROCESSES]
     if unknown:
         print(f"error: unknown process {unknown[0]!r}; known: {', '.join(PROCESSES)}")
         return 2
-    names = [p.strip() for p in args.policies.split(",") if p.strip()]
+    names = [p.strip() for p in policies.split(",") if p.strip()]
     known = {k.value: k for k in POLICIES}
     if bad := [n for n in names if n not in known]:
         print(f"error: unknown policy {bad[0]!r}; known: {', '.join(known)}")
         return 2
-    policies = [known[n] for n in names]
-    args.out.mkdir(parents=True, exist_ok=True)
-    cells_path = args.out / "cells.csv"
-    if args.report_only:
-        write_matrix(args.out, matrix(read_cells(cells_path)))
-        print(f"wrote {args.out / 'matrix.md'}")
+    kinds = [known[n] for n in names]
+    out.mkdir(parents=True, exist_ok=True)
+    cells_path = out / "cells.csv"
+    if report_only:
+        write_matrix(out, matrix(read_cells(cells_path)))
+        print(f"wrote {out / 'matrix.md'}")
         return 0
-    if not args.trace.exists() or not args.prompts.exists():
-        print(f"error: data not found ({args.trace}, {args.prompts})")
+    if not trace.exists() or not prompts.exists():
+        print(f"error: data not found ({trace}, {prompts})")
         return 2
-    workloads = [(p, float(r), int(s)) for s in args.seeds.split(",")
-                 for r in args.rates.split(",") for p in processes]  # seed-major
-    cells = read_cells(cells_path) if args.resume or args.rerun else []
-    if args.rerun:
-        cells = without_runs(cells, workloads, policies)
+    workloads = [(p, float(r), int(s)) for s in seeds.split(",")
+                 for r in rates.split(",") for p in process_names]  # seed-major
+    cells = read_cells(cells_path) if resume or rerun else []
+    if rerun:
+        cells = without_runs(cells, workloads, kinds)
     cells_path.unlink(missing_ok=True)
     append_cells(cells_path, cells)
     split_dir = Path.home() / ".cache" / "goodserve" / "prompt-split-seed0"
-    train_path, test_path = held_out_prompts(args.prompts, split_dir, 0)
-    predictor_dir = args.predictor or split_dir / "predictors"
+    train_path, test_path = held_out_prompts(prompts, split_dir, 0)
+    predictor_dir = predictor or split_dir / "predictors"
     if not (predictor_dir / "moe").exists():
         train_moe(train_path, predictor_dir, 0)
-    setup = MatrixSetup(test_path, predictor_dir, args.trace, args.duration,
+    setup = MatrixSetup(test_path, predictor_dir, trace, duration,
                         REPO / "configs" / "paper-4gpu.yaml")
     # seed-major: an interrupted run leaves whole seeds behind it
-    todo = missing_runs(cells, workloads, policies)
+    todo = missing_runs(cells, workloads, kinds)
     # spawned workers: a fork after the predictor's training can inherit torch's
     # thread pool locks held, and the worker never starts
-    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = [pool.submit(run_workload, setup, *workload, missing)
                    for workload, missing in todo]
         for future in tqdm(futures, desc="workloads", unit="workload"):
             append_cells(cells_path, future.result())
-    write_matrix(args.out, matrix(read_cells(cells_path)))
-    print(f"wrote {args.out / 'cells.csv'}, matrix.csv, matrix.md, matrix.png")
+    write_matrix(out, matrix(read_cells(cells_path)))
+    print(f"wrote {out / 'cells.csv'}, matrix.csv, matrix.md, matrix.png")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(robustness, argv, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -12,10 +12,11 @@ paper's examples. Usage: python -m benchmarks.sara_plots --out DIR
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
+from typing import Annotated
 
 import matplotlib
+import typer
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -27,6 +28,7 @@ from app.planning.kv import KvStage  # noqa: E402
 from app.planning.params import DeviceParams, ModelParams, SloTargets  # noqa: E402
 from app.planning.prefill import PrefillStage  # noqa: E402
 from app.planning.queues import Method  # noqa: E402
+from benchmarks.cli import run_command  # noqa: E402
 
 GPT3 = ModelParams("gpt-3-175b", 96, 12288, 49152, 1.0, 16, 350e9, ffn_matrices=2)
 TAILS = {"light (exp)": None, "heavy CV 1.5": 1.5, "heavy CV 2": 2.0}
@@ -181,14 +183,16 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="output directory")
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    for path in (feasible_region(args.out), scaling(args.out), slo_tax(args.out)):
+def plots(out: Annotated[Path, typer.Option(help="output directory")]) -> None:
+    """Write the three figures under --out and print their paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    for path in (feasible_region(out), scaling(out), slo_tax(out)):
         print(path)
 
 
+def main(argv: list[str] | None = None) -> int:
+    return run_command(plots, argv, __doc__.splitlines()[0])
+
+
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

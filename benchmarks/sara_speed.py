@@ -8,10 +8,12 @@ Usage: python -m benchmarks.sara_speed [--repeats 7] [--json]
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
+from typing import Annotated
+
+import typer
 
 from app.planning import (
     AllocationInputs,
@@ -26,6 +28,7 @@ from app.planning import (
     device_candidates,
     size_pools,
 )
+from benchmarks.cli import run_command
 
 MODEL = "llama-3.1-8b"
 SLO = SloTargets(ttft_s=1.5, kv_s=0.2, tpot_s=0.02, p_slo=0.9)
@@ -95,13 +98,13 @@ def run(repeats: int) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--json", action="store_true", help="print JSON rows")
-    args = parser.parse_args()
-    rows = run(args.repeats)
-    if args.json:
+def speed(
+    repeats: Annotated[int, typer.Option()] = 7,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON rows")] = False,
+) -> None:
+    """Print the allocator's cold-start times, as a table or as JSON rows."""
+    rows = run(repeats)
+    if as_json:
         print(json.dumps(rows, indent=2))
         return
     for row in rows:
@@ -111,5 +114,9 @@ def main() -> None:
         )
 
 
+def main(argv: list[str] | None = None) -> int:
+    return run_command(speed, argv, __doc__.splitlines()[0])
+
+
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -12,15 +12,18 @@ Usage: python -m benchmarks.validate_hardware_model [--data ../shared/data/profi
 
 from __future__ import annotations
 
-import argparse
 import csv
 import statistics
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
+
+import typer
 
 from app.hardware import BatchShape, InstanceSpec, PrefillChunk, make_instance
+from benchmarks.cli import run_command
 
 DEFAULT_PROFILING_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "profiling"
 VIDUR_LAYER_OPS = (
@@ -107,22 +110,24 @@ def summarize(comparisons: list[Comparison]) -> dict[str, float]:
     return summary
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=Path, default=DEFAULT_PROFILING_DIR)
-    args = parser.parse_args(argv)
-    if not (args.data / "vidur").is_dir():
-        print(f"error: no profiling data at {args.data}", file=sys.stderr)
+def validate(data: Annotated[Path, typer.Option()] = DEFAULT_PROFILING_DIR) -> int:
+    """Print the model's error against each profile set under --data."""
+    if not (data / "vidur").is_dir():
+        print(f"error: no profiling data at {data}", file=sys.stderr)
         return 2
     for name, comps in (
-        ("Vidur non-attention per-layer time", vidur_comparisons(args.data)),
-        ("Splitwise llama2-70b medians", splitwise_comparisons(args.data)),
+        ("Vidur non-attention per-layer time", vidur_comparisons(data)),
+        ("Splitwise llama2-70b medians", splitwise_comparisons(data)),
     ):
         print(f"\n{name}: {len(comps)} points")
         print(f"{'group':32s} {'median |rel err|':>18s}")
         for group, err in summarize(comps).items():
             print(f"{group:32s} {err * 100:17.1f}%")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(validate, argv, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ def test_placement_rows_count_first_placements_and_met_by_output_tercile():
 ])
 def test_bad_knobs_get_a_one_line_error_before_any_work(flag, value, capsys):
     assert main([flag, value, "--trace", "/nonexistent"]) == 2
-    (line,) = capsys.readouterr().out.strip().splitlines()
+    (line,) = capsys.readouterr().err.strip().splitlines()  # knob_options' line, on stderr
     assert line.startswith(f"error: {flag}: Input should be")
 
 

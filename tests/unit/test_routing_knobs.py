@@ -4,20 +4,20 @@ replay and experiment command lines reaches the simulator's."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
 import pytest
+import typer
 import yaml
 from pydantic.fields import FieldInfo
 from typer.testing import CliRunner
 
 import app.experiments.replay
 from app.cli import cli
-from app.knob_cli import add_knob_arguments, flag, is_flag, knobs_from_args
+from app.knob_cli import flag, is_flag, knob_options
 from app.routing.goodserve import GoodServeConfig, SloWatchdog
 from app.routing.registry import RoutingStack
 from app.serving.config import load_serve_config
@@ -114,12 +114,21 @@ def test_every_knob_on_the_replay_command_line_reaches_the_simulator(tmp_path, m
     assert f"- headroom: {values['headroom']}" in report
 
 
-def test_every_knob_on_the_experiment_command_line_is_parsed():
+def test_every_knob_on_a_script_command_line_is_parsed():
+    """What a benchmark script's command (e.g. goodput_experiments) receives."""
+    parsed: list[GoodServeConfig] = []
+
+    @knob_options
+    def command(goodserve: GoodServeConfig = GoodServeConfig()) -> None:
+        parsed.append(goodserve)
+
+    app = typer.Typer()
+    app.command()(command)
     values = non_default_knobs()
-    parser = argparse.ArgumentParser()
-    add_knob_arguments(parser)
-    assert knobs_from_args(parser.parse_args(cli_args(values))) == GoodServeConfig(**values)
-    assert knobs_from_args(parser.parse_args([])) == GoodServeConfig()
+    for args in (cli_args(values), []):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0, result.output
+    assert parsed == [GoodServeConfig(**values), GoodServeConfig()]
 
 
 def test_a_bad_knob_value_is_one_line_naming_the_option(tmp_path):
