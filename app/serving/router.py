@@ -28,7 +28,7 @@ import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from app.config import EngineConfig, EngineRole
 from app.control.fleet import Member
@@ -37,9 +37,7 @@ from app.control.plan import EngineState
 from app.engine_types import (
     EngineRequest,
     EngineStatus,
-    SamplingSpec,
     TokenEvent,
-    TokenLogprobs,
 )
 from app.engines.prefix import PREFIX_BLOCK_SIZE, PrefixCache, prefix_block_hashes
 from app.hardware import InstanceSpec
@@ -48,6 +46,7 @@ from app.routing.disaggregated import DisaggregatedPlacer, LeastTtftPolicy
 from app.routing.registry import RoutingStack
 from app.routing.status import StatusEstimator
 from app.routing.view import ClusterView, FinishReport, InstanceId, InstanceView, RouteRequest
+from app.serving.flight import Flight, FlightState, GenerationRequest
 from app.serving.kv_transfer import KvTransport
 from app.serving.tokenizer import OutputText
 from app.telemetry import MigrationReason, NullFactory, Outcome, RouterMetrics
@@ -55,6 +54,7 @@ from app.telemetry import MigrationReason, NullFactory, Outcome, RouterMetrics
 logger = logging.getLogger(__name__)
 
 ABORTED = "abort"  # finish reason of a stream we ended ourselves (migration, disconnect)
+MOVABLE = frozenset({FlightState.QUEUED, FlightState.RUNNING})  # what a migration may move
 
 
 class EngineClient(ABC):
@@ -87,97 +87,6 @@ class RequestRejected(Exception):
 
 class EngineLost(Exception):
     """A request's engine failed and no other instance could take it over."""
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """One client request, tokenized."""
-
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    sampling: SamplingSpec
-    arrival_s: float
-    slo_s: float | None = None  # end-to-end deadline after arrival; None = best effort
-    prompt_text: str | None = None
-    task: str | None = None
-    streamed: bool = False  # the client sees tokens as they come (a rerun must match them)
-    session_id: str | None = None  # the agent session (conversation) it continues
-
-
-@dataclass(eq=False)
-class Flight:
-    """Router-side state of one request from routing to its end."""
-
-    request: GenerationRequest
-    route: RouteRequest
-    instance_id: InstanceId
-    instance_ids: list[InstanceId]  # every instance it ran on, in order
-    output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    # the client's view of the output: stop strings and stop token ids end it here, on
-    # whichever engine the tokens came from (None: only the engine ends it)
-    output: OutputText | None = None
-    stop_reason: str | int | None = None  # the stop string or token id that ended it
-    rerun: bool = False  # running again from the start: the tokens sent must come again
-    attempt: int = 0  # engine submissions so far - 1 (each move submits again)
-    num_migrations: int = 0
-    num_failovers: int = 0
-    is_running: bool = False  # produced a token on its current instance
-    move_to: InstanceId | None = None  # set by a migration, taken when the stream ends
-    move_reason: MigrationReason = MigrationReason.OPERATOR  # why that migration moves it
-    engine_lost: bool = False  # its engine failed and no other could continue it
-    # disaggregated: where the prompt is computed (None once the decode stage owns it),
-    # the transfer it took and how many prompt tokens the decode engine loaded
-    prefill_instance_id: InstanceId | None = None
-    kv_transfer_s: float | None = None
-    kv_loaded_tokens: int = 0
-    kv_delivered: bool = False  # the next decode submission finds the prompt's KV there
-    kv_transfer_params: dict | None = None  # the connector's hand-off for that submission
-    kv_released: bool = True  # nothing holds KV for it (set False while a hand-off is open)
-    prefill_end_s: float | None = None
-    prefill_pending: bool = False  # the prefill stage has not ended yet
-    first_token_s: float | None = None
-    finish_s: float | None = None
-    finish_reason: str | None = None
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def engine_request_id(self) -> str:
-        """Unique per submission: an engine must never see an id twice."""
-        if self.prefill_pending:
-            return f"{self.request_id}:prefill"
-        return self.request_id if self.attempt == 0 else f"{self.request_id}@{self.attempt}"
-
-    @property
-    def decode_instance_id(self) -> InstanceId:
-        """Where it decodes (disaggregated) or runs (unified) now or next."""
-        return self.instance_ids[-1]
-
-    @property
-    def resumable(self) -> bool:
-        """Whether another engine can continue it by token ids (see `SamplingSpec`)."""
-        return self.request.sampling.resumable
-
-    def engine_request(self) -> EngineRequest:
-        resume = tuple(self.output_token_ids) if self.resumable else ()
-        return EngineRequest(
-            self.engine_request_id,
-            self.request.prompt_token_ids,
-            self.request.sampling,
-            resume_token_ids=resume,
-            kv_transferred=self.kv_delivered,
-            kv_transfer_params=self.kv_transfer_params if self.kv_delivered else None,
-        )
-
-    def prefill_request(self) -> EngineRequest:
-        """The prefill stage: the prompt and its first token."""
-        sampling = self.request.sampling
-        return EngineRequest(self.engine_request_id, self.request.prompt_token_ids,
-                             replace(sampling, max_tokens=1,
-                                     min_tokens=min(sampling.min_tokens, 1)))
 
 
 @dataclass(eq=False)
@@ -236,13 +145,19 @@ class OwnLoad:
 
     def __init__(self) -> None:
         self._flights: dict[tuple[InstanceId, bool], dict[str, Flight]] = {}
+        self._keys: dict[str, tuple[InstanceId, bool]] = {}  # where each flight is counted
 
-    def add(self, flight: Flight) -> None:
+    def update(self, flight: Flight) -> None:
+        """Count the flight where it is now, as running or waiting."""
+        self.remove(flight)
         key = (flight.instance_id, flight.is_running)
+        self._keys[flight.request_id] = key
         self._flights.setdefault(key, {})[flight.request_id] = flight
 
     def remove(self, flight: Flight) -> None:
-        del self._flights[(flight.instance_id, flight.is_running)][flight.request_id]
+        key = self._keys.pop(flight.request_id, None)
+        if key is not None:
+            del self._flights[key][flight.request_id]
 
     def running(self, instance_id: InstanceId) -> int:
         return len(self._flights.get((instance_id, True), ()))
@@ -414,18 +329,10 @@ class LiveRouter:
                                  num_waiting=self._load.waiting(iid) + inst.others_waiting))
         return ClusterView(now, tuple(views), self._prefix_blocks)
 
-    def _set_state(self, flight: Flight, *, instance_id: InstanceId | None = None,
-                   is_running: bool | None = None) -> None:
-        """Change where a flight is or whether it runs, keeping the load counts true."""
-        tracked = self.flights.get(flight.request_id) is flight
-        if tracked:
-            self._load.remove(flight)
-        if instance_id is not None:
-            flight.instance_id = instance_id
-        if is_running is not None:
-            flight.is_running = is_running
-        if tracked:
-            self._load.add(flight)
+    def _recount(self, flight: Flight) -> None:
+        """Keep the load counts true after a transition of a flight we track."""
+        if self.flights.get(flight.request_id) is flight:
+            self._load.update(flight)
 
     def _prefix_blocks(self, instance_id: InstanceId, hashes: Sequence[int]) -> int:
         """Leading prompt blocks this router has sent the instance (and not yet aged out)."""
@@ -433,8 +340,11 @@ class LiveRouter:
         return 0 if prefixes is None else prefixes.peek(hashes)
 
     # ---- routing -----------------------------------------------------------------
-    async def submit(self, request: GenerationRequest) -> Flight:
-        """Route a request; raises `RequestRejected` with the reason when it is not served."""
+    async def submit(self, request: GenerationRequest, text: OutputText | None = None) -> Flight:
+        """Route a request; raises `RequestRejected` with the reason when it is not served.
+
+        `text` is the client's view of the output (stop strings and stop token ids end it
+        there); without one only the engine ends it."""
         if request.request_id in self.flights:
             raise ValueError(f"duplicate request id {request.request_id}")
         route = RouteRequest(
@@ -462,12 +372,11 @@ class LiveRouter:
             self.metrics.rejected(exc.code)
             raise
         self.metrics.routed(self.instances[target].tags, time.perf_counter() - started)
-        flight = Flight(request, route, prefill or target, [target], prefill_instance_id=prefill,
-                        prefill_pending=prefill is not None)
+        flight = Flight.routed(request, route, target, prefill, self.disaggregated, text)
         for iid in {prefill or target, target}:
             self.instances[iid].remember_prefix(route.block_hashes)
         self.flights[request.request_id] = flight
-        self._load.add(flight)
+        self._load.update(flight)
         self._num_routed += 1
         return flight
 
@@ -506,7 +415,7 @@ class LiveRouter:
         """The policy's pick for the request as it stands now (prompt + generated ids to
         re-prefill), among the instances other than its current one; with no decode
         instance left, a prefill engine (same model) carries on."""
-        resumed = replace(flight.route, num_generated_tokens=len(flight.output_token_ids))
+        resumed = replace(flight.route, num_generated_tokens=len(flight.output.token_ids))
         exclude = frozenset({flight.instance_id})
         try:
             return self._choose(resumed, self.clock(), exclude=exclude)
@@ -518,39 +427,35 @@ class LiveRouter:
 
     async def stream(self, flight: Flight) -> AsyncIterator[list[TokenEvent]]:
         """The request's tokens (indices from 0, one stream across moves); ends the flight."""
-        finished = False
         try:
-            if flight.prefill_pending:
+            if flight.state is FlightState.PREFILLING:
                 async for kept in self._prefill_stage(flight):
                     yield kept
-                if flight.finish_reason is not None:
-                    finished = True
+                if flight.state is FlightState.FINISHED:
                     return
             while True:
                 client = self.instances[flight.instance_id].client
-                self._set_state(flight, is_running=False)
                 try:
                     async for batch in client.generate(flight.engine_request()):
-                        if batch and not flight.kv_released:
+                        if batch and flight.kv is not None and flight.kv.held:
                             self._on_decode_start(flight, batch)
                         kept = self._take(flight, batch)
                         if kept:
                             yield kept
-                        if flight.finish_reason is not None:
-                            finished = True
+                        if flight.state is FlightState.FINISHED:
                             return
                 except EngineLost:
                     raise
                 except Exception as exc:  # our abort for a move, or the engine failed
-                    if flight.move_to is None:
+                    if flight.state is not FlightState.MOVING:
                         self._fail_over(flight, f"{type(exc).__name__}: {exc}")
                         continue
-                if flight.move_to is not None:
-                    self._move(flight, flight.move_to)
+                if flight.state is FlightState.MOVING:
+                    self._move(flight)
                 else:  # ended without finishing and nobody moved it
                     self._fail_over(flight, "stream ended before the last token")
         finally:
-            self._end(flight, finished)
+            self._end(flight)
 
     async def _prefill_stage(self, flight: Flight) -> AsyncIterator[list[TokenEvent]]:
         """Prompt -> first token on the prefill engine, then the prompt's KV to the decode
@@ -564,47 +469,51 @@ class LiveRouter:
                 kept = self._take(flight, self._first_token_only(flight, batch))
                 if kept:
                     yield kept
+        except EngineLost:
+            raise
         except Exception as exc:
             logger.warning("request %s: prefill on %s failed (%s: %s); its decode engine "
                            "prefills it", flight.request_id, inst.instance_id,
                            type(exc).__name__, exc)
             inst.healthy = False
-        flight.prefill_pending = False
-        self._set_state(flight, instance_id=flight.decode_instance_id, is_running=False)
-        if flight.finish_reason is not None or not flight.output_token_ids:
+        if flight.state is FlightState.FINISHED:
             return
-        assert self.kv_transport is not None
-        flight.prefill_end_s = self.clock()
+        if not flight.output.token_ids:
+            flight.decode_without_kv()
+            self._recount(flight)
+            return
+        assert self.kv_transport is not None and flight.kv is not None
+        flight.end_prefill(self.clock())
+        self._recount(flight)
         try:
             handoff = await self.kv_transport.transfer(
                 flight.route.num_prompt_tokens, inst.spec.model.kv_bytes_per_token,
-                flight.prefill_end_s, params)
+                flight.kv.prefill_end_s, params)
         except Exception as exc:
             logger.warning("request %s: KV transfer failed (%s: %s); its decode engine "
                            "prefills it", flight.request_id, type(exc).__name__, exc)
             self.kv_transport.release(params)
+            flight.decode_without_kv()
             return
-        flight.kv_transfer_s = handoff.transfer_s
-        flight.kv_transfer_params = handoff.params
-        flight.kv_delivered = True
-        flight.kv_released = False
+        flight.hand_off(handoff.params, handoff.transfer_s)
 
     def _on_decode_start(self, flight: Flight, batch: list[TokenEvent]) -> None:
         """The decode engine produced its first token: it has the prompt's KV (it tells
         how many tokens it found rather than computed); the hand-off can be freed."""
-        flight.kv_loaded_tokens = batch[0].num_cached_tokens or 0
-        if flight.kv_transfer_s is None and flight.prefill_end_s is not None:
-            flight.kv_transfer_s = self.clock() - flight.prefill_end_s  # load included
-        if flight.kv_transfer_s is not None:
+        kv = flight.kv
+        assert kv is not None
+        kv.loaded_tokens = batch[0].num_cached_tokens or 0
+        if kv.transfer_s is None and kv.prefill_end_s is not None:
+            kv.transfer_s = self.clock() - kv.prefill_end_s  # load included
+        if kv.transfer_s is not None:
             per_token = self.instances[flight.instance_id].spec.model.kv_bytes_per_token
-            self.metrics.kv_transferred(flight.kv_transfer_s,
-                                        flight.route.num_prompt_tokens * per_token)
+            self.metrics.kv_transferred(kv.transfer_s, flight.route.num_prompt_tokens * per_token)
         self._release_kv(flight)
 
     def _release_kv(self, flight: Flight) -> None:
-        if not flight.kv_released and self.kv_transport is not None:
-            flight.kv_released = True
-            self.kv_transport.release(flight.kv_transfer_params)
+        if flight.kv is not None and flight.kv.held and self.kv_transport is not None:
+            flight.kv.held = False
+            self.kv_transport.release(flight.kv.params)
 
     @staticmethod
     def _first_token_only(flight: Flight, batch: list[TokenEvent]) -> list[TokenEvent]:
@@ -625,33 +534,32 @@ class LiveRouter:
         if not batch:
             return []
         now = self.clock()
-        if not flight.is_running:
-            self._set_state(flight, is_running=True)
-            if flight.first_token_s is None:
-                flight.first_token_s = now
+        flight.took_tokens(now)
+        self._recount(flight)
+        output = flight.output
         kept = [
             replace(ev, finish_reason=None) if ev.finish_reason == ABORTED else ev
             for ev in batch
         ]
-        if flight.rerun:
+        if output.replaying:
             kept = self._past_replay(flight, kept)
-        if kept and flight.output is not None:
-            hit = flight.output.observe([ev.token_id for ev in kept])
+        if kept and output.text is not None:
+            hit = output.text.observe([ev.token_id for ev in kept])
             if hit is not None:
                 engine_ended = kept[hit.num_tokens - 1].finished
                 kept = kept[:hit.num_tokens]
                 kept[-1] = replace(kept[-1], finish_reason="stop")
-                flight.stop_reason = hit.reason
+                output.stop_reason = hit.reason
                 if not engine_ended:
                     self._abort_in_background(flight)
         if not kept:
             return []
-        flight.output_token_ids.extend(ev.token_id for ev in kept)
-        flight.output_logprobs.extend(ev.logprobs for ev in kept)
+        output.token_ids.extend(ev.token_id for ev in kept)
+        output.logprobs.extend(ev.logprobs for ev in kept)
         last = kept[-1]
         if last.finish_reason is not None:
-            flight.finish_reason = last.finish_reason
-            flight.finish_s = now
+            flight.finish(last.finish_reason, now)
+            self._recount(flight)
         return kept
 
     @staticmethod
@@ -659,103 +567,93 @@ class LiveRouter:
         """A rerun's tokens beyond those the client already has; the ones before must be
         the same (greedy or seeded sampling reproduces them), else the client's stream
         cannot go on and the request fails with a clear error."""
-        sent = flight.output_token_ids
+        sent = flight.output.token_ids
         for ev in batch:
             if ev.index < len(sent) and (ev.token_id != sent[ev.index] or ev.finished):
-                flight.engine_lost = True
+                flight.lose()
                 raise EngineLost(
                     f"request {flight.request_id}: its engine failed and the rerun from the "
                     f"start produced different tokens from the {len(sent)} already streamed "
                     "(only greedy or seeded sampling reruns the same)")
         return [ev for ev in batch if ev.index >= len(sent)]
 
-    def _move(self, flight: Flight, target: InstanceId) -> None:
-        flight.move_to = None
-        flight.num_migrations += 1
-        if flight.move_reason is MigrationReason.DRAIN:
+    def _move(self, flight: Flight) -> None:
+        """Carry out an asked migration: the flight goes on where it was asked to."""
+        reason = flight.placement.move_reason
+        if reason is MigrationReason.DRAIN:
             self._num_drain_migrations += 1
         else:
             self._num_migrations += 1
-        self.metrics.migrated(flight.move_reason)
-        self._resubmit_on(flight, target)
-
-    def _resubmit_on(self, flight: Flight, target: InstanceId) -> None:
-        """Point the flight at `target`; `stream` submits it there next (a new engine id)."""
-        self.instances[target].remember_prefix(flight.route.block_hashes)
-        flight.attempt += 1
-        flight.kv_delivered = False  # the new engine prefills prompt + generated ids
+        self.metrics.migrated(reason)
         self._release_kv(flight)
-        self._set_state(flight, instance_id=target)
-        flight.instance_ids.append(target)
+        target = flight.placement.move_to
+        assert target is not None
+        self.instances[target].remember_prefix(flight.route.block_hashes)
+        flight.move()
+        self._recount(flight)
 
     def _fail_over(self, flight: Flight, why: str) -> None:
         """Continue on another instance by token ids, or give up with `EngineLost`."""
         lost = flight.instance_id
         logger.warning("request %s lost its engine %s: %s", flight.request_id, lost, why)
         self.instances[lost].healthy = False  # until it answers a poll again
-        if flight.num_failovers >= self.max_failovers:
-            flight.engine_lost = True
+        if flight.placement.num_failovers >= self.max_failovers:
+            flight.lose()
             raise EngineLost(f"request {flight.request_id}: engine {lost} failed ({why})")
         try:
             target = self._choose_elsewhere(flight)
         except RequestRejected as exc:
-            flight.engine_lost = True
+            flight.lose()
             raise EngineLost(f"request {flight.request_id}: engine {lost} failed ({why}) "
                              f"and no other can continue it: {exc}") from None
-        flight.num_failovers += 1
         self._num_failovers += 1
         self.metrics.migrated(MigrationReason.FAILURE)
-        if not flight.resumable:
-            self._restart(flight)
-        self._resubmit_on(flight, target)
+        self._release_kv(flight)
+        self.instances[target].remember_prefix(flight.route.block_hashes)
+        flight.fail_over(target)
+        self._recount(flight)
 
-    @staticmethod
-    def _restart(flight: Flight) -> None:
-        """Run a non-resumable request again from the start: a streamed one must
-        reproduce what the client has; an unstreamed one starts over unseen."""
-        if flight.request.streamed:
-            flight.rerun = True
-            return
-        flight.output_token_ids.clear()
-        flight.output_logprobs.clear()
-        if flight.output is not None:
-            flight.output.reset()
-
-    def _end(self, flight: Flight, finished: bool) -> None:
+    def _end(self, flight: Flight) -> None:
+        """Forget a flight whose stream is over: finished, or cancelled (the client left)
+        or lost (its engine failed) on the way, then abort what its engine still runs."""
         self._release_kv(flight)
         if self.flights.get(flight.request_id) is flight:
             self._load.remove(flight)
             del self.flights[flight.request_id]
         now = self.clock()
-        if finished:
+        output = flight.output
+        if flight.state is FlightState.FINISHED:
             self._num_finished += 1
-            end_s = flight.finish_s or now
-            self._load_report.completion(len(flight.output_token_ids),
-                                         end_s <= flight.route.deadline_s)
-            report = FinishReport(flight.route, flight.instance_id, len(flight.output_token_ids),
-                                  flight.first_token_s, flight.finish_s or now)
+            end_s = output.finish_s or now
+            self._load_report.completion(len(output.token_ids), end_s <= flight.route.deadline_s)
+            report = FinishReport(flight.route, flight.instance_id, len(output.token_ids),
+                                  output.first_token_s, end_s)
             self.metrics.finished(
                 arrival_s=flight.request.arrival_s, deadline_s=flight.route.deadline_s,
-                first_token_s=flight.first_token_s, end_s=end_s,
-                num_output_tokens=len(flight.output_token_ids),
+                first_token_s=output.first_token_s, end_s=end_s,
+                num_output_tokens=len(output.token_ids),
                 predicted_output_tokens=flight.route.predicted_output_tokens)
             for listener in self._listeners:
                 listener.on_finish(report, now)
         else:
             self._num_dropped += 1
-            self.metrics.ended(Outcome.ERROR if flight.engine_lost else Outcome.CANCELLED)
             self._abort_in_background(flight)  # client gone or engine lost: free the engine
+            if flight.state is not FlightState.LOST:
+                flight.cancel()
+            self.metrics.ended(Outcome.ERROR if flight.state is FlightState.LOST
+                               else Outcome.CANCELLED)
             for listener in self._listeners:
                 listener.on_drop(flight.route, now)
-        used = [*flight.instance_ids, flight.prefill_instance_id]
+        used = [*flight.placement.instance_ids, flight.placement.prefill_instance_id]
         self._forget_left([iid for iid in used if iid is not None])
 
     def cancel(self, flight: Flight) -> None:
         """End a flight whose stream will never be read (a sibling choice was refused)."""
         if self.flights.get(flight.request_id) is flight:
-            self._end(flight, finished=False)
+            self._end(flight)
 
     def _abort_in_background(self, flight: Flight) -> None:
+        """Abort the flight's current engine submission (where it is now)."""
         self._spawn(self.instances[flight.instance_id].client.abort(flight.engine_request_id))
 
     def _spawn(self, coroutine: Awaitable) -> None:
@@ -774,10 +672,10 @@ class LiveRouter:
             return
         inst.watched_epoch = epoch
         mine = [f for f in self._load.flights_on(inst.instance_id)
-                if f.move_to is None and f.resumable]
+                if f.state in MOVABLE and f.resumable]
         if not mine:
             return
-        active = [ActiveRequest(f.route, f.instance_id, len(f.output_token_ids), f.is_running)
+        active = [ActiveRequest(f.route, f.instance_id, len(f.output.token_ids), f.is_running)
                   for f in mine]
         view = self.view(now)
         if inst.instance_id not in view.by_id:
@@ -792,11 +690,11 @@ class LiveRouter:
 
         Without `target_id` the policy picks among the other instances. Returns None
         when the request is not in flight (already finished), is already moving or is
-        still in its prefill stage;
+        still in its prefill stage or KV hand-off;
         raises ValueError for an unknown, unhealthy or unavailable target.
         """
         flight = self.flights.get(request_id)
-        if flight is None or flight.move_to is not None or flight.prefill_pending:
+        if flight is None or flight.state not in MOVABLE:
             return None
         if not flight.resumable:
             raise ValueError(
@@ -815,9 +713,9 @@ class LiveRouter:
             raise ValueError(f"request {request_id} is already on {target_id}")
         if target.draining:
             raise ValueError(f"target instance {target_id!r} is leaving its pool")
-        flight.move_to = target_id
-        flight.move_reason = reason
         self._abort_in_background(flight)
+        flight.ask_move(target_id, reason)
+        self._recount(flight)
         return target_id
 
     # ---- reporting ----------------------------------------------------------------------

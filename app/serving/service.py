@@ -36,17 +36,10 @@ from app.serving.api import (
 )
 from app.serving.auth import Access, ApiKeys, RateLimiter
 from app.serving.config import ServeConfig
+from app.serving.flight import Flight, GenerationRequest
 from app.serving.kv_transfer import ConnectorTransport, KvTransport, SimulatedLink
 from app.serving.logprobs import LogprobsFormatter
-from app.serving.router import (
-    EngineClient,
-    EngineLost,
-    Flight,
-    GenerationRequest,
-    LiveRouter,
-    Predict,
-    RequestRejected,
-)
+from app.serving.router import EngineClient, EngineLost, LiveRouter, Predict, RequestRejected
 from app.serving.tokenizer import HfTokenizer, OutputText, Tokenizer, WordHashTokenizer
 from app.serving.tools import ToolCallReader, ToolParsing, tool_call_reader
 from app.telemetry import MetricFactory, NullFactory, RouterMetrics
@@ -122,23 +115,23 @@ class ChoiceStream:
 
     def chunk(self, meta: ResponseMeta, batch_finished: bool) -> dict[str, Any] | None:
         """The chunk for the tokens since the last one (None: nothing to show yet)."""
-        flight = self.flight
-        assert flight.output is not None
-        final = flight.finish_reason is not None and batch_finished
-        start, self.num_sent = self.num_sent, len(flight.output_token_ids)
-        text = flight.output.delta(final)
+        output = self.flight.output
+        assert output.text is not None
+        final = output.finish_reason is not None and batch_finished
+        start, self.num_sent = self.num_sent, len(output.token_ids)
+        text = output.text.delta(final)
         logprobs = None if self.formatter is None else self.formatter.format(
-            flight.output_token_ids[start:], flight.output_logprobs[start:])
-        finish_reason = flight.finish_reason if final else None
+            output.token_ids[start:], output.logprobs[start:])
+        finish_reason = output.finish_reason if final else None
         delta = None
         if self.reader is not None:
-            delta = self.reader.delta(text, flight.output_token_ids[start:], final)
+            delta = self.reader.delta(text, output.token_ids[start:], final)
             if delta is None and not final and logprobs is None:
                 return None  # e.g. a call's name still incomplete
             delta = delta or {}
             if finish_reason is not None:
                 finish_reason = self.reader.finish_reason(finish_reason, streamed=True)
-        return meta.chunk(self.index, text, finish_reason, flight.stop_reason, logprobs, delta)
+        return meta.chunk(self.index, text, finish_reason, output.stop_reason, logprobs, delta)
 
 
 def tool_parsing(config: ServeConfig, tokenizer: Tokenizer) -> ToolParsing | None:
@@ -417,36 +410,37 @@ class CompletionService:
         flights: list[Flight] = []
         try:
             for request, reader in zip(requests, readers, strict=True):
-                flight = await self._submit(request)
                 skip_special = (body.skip_special_tokens if reader is None
                                 or reader.skip_special_tokens is None
                                 else reader.skip_special_tokens)
-                flight.output = OutputText(self.tokenizer, body.stop, body.stop_token_ids,
-                                           body.include_stop_str_in_output,
-                                           request.sampling.min_tokens, skip_special)
-                flights.append(flight)
+                text = OutputText(self.tokenizer, body.stop, body.stop_token_ids,
+                                  body.include_stop_str_in_output, request.sampling.min_tokens,
+                                  skip_special)
+                flights.append(await self._submit(request, text))
         except ApiError:
             for flight in flights:
                 self.router.cancel(flight)
             raise
         return flights
 
-    async def _submit(self, request: GenerationRequest) -> Flight:
+    async def _submit(self, request: GenerationRequest, text: OutputText) -> Flight:
         try:
-            return await self.router.submit(request)
+            return await self.router.submit(request, text)
         except RequestRejected as exc:
             # a prompt no engine can hold is the client's to fix; the rest is load
             status = 400 if exc.code is RejectCode.CONTEXT_TOO_LONG else 503
             raise ApiError(status, f"request not admitted: {exc}", exc.code.value) from None
 
     def _summary(self, flight: Flight) -> RequestSummary:
-        end = flight.finish_s if flight.finish_s is not None else self.router.clock()
+        finish_s = flight.output.finish_s
+        end = finish_s if finish_s is not None else self.router.clock()
+        kv = flight.kv
         return RequestSummary(
-            instance_ids=tuple(flight.instance_ids),
-            prefill_instance=flight.prefill_instance_id,
-            kv_transfer_s=flight.kv_transfer_s,
-            kv_loaded_tokens=flight.kv_loaded_tokens,
-            num_migrations=flight.num_migrations,
+            instance_ids=tuple(flight.placement.instance_ids),
+            prefill_instance=flight.placement.prefill_instance_id,
+            kv_transfer_s=None if kv is None else kv.transfer_s,
+            kv_loaded_tokens=0 if kv is None else kv.loaded_tokens,
+            num_migrations=flight.placement.num_migrations,
             slo_s=flight.request.slo_s,
             e2e_s=end - flight.request.arrival_s,
             predicted_output_tokens=flight.route.predicted_output_tokens,
@@ -457,7 +451,7 @@ class CompletionService:
         formatter = self._formatter(flight, chat)
         if formatter is None:
             return None
-        return formatter.format(flight.output_token_ids, flight.output_logprobs)
+        return formatter.format(flight.output.token_ids, flight.output.logprobs)
 
     def _formatter(self, flight: Flight, chat: bool) -> LogprobsFormatter | None:
         wanted = flight.request.sampling.logprobs is not None
@@ -466,7 +460,7 @@ class CompletionService:
     def _usage(self, flights: Sequence[Flight]) -> dict[str, int]:
         """The prompt counted once (as vLLM does for n > 1), every choice's output."""
         return usage(len(flights[0].request.prompt_token_ids),
-                     sum(len(f.output_token_ids) for f in flights))
+                     sum(len(f.output.token_ids) for f in flights))
 
     async def _collect(self, flights: list[Flight], readers: list[ToolCallReader | None],
                        meta: ResponseMeta) -> JsonReply:
@@ -482,15 +476,16 @@ class CompletionService:
                 raise result
         choices = []
         for index, (flight, reader) in enumerate(zip(flights, readers, strict=True)):
-            assert flight.output is not None
-            text, tool_calls = flight.output.text, None
-            finish_reason = flight.finish_reason or "stop"
+            output = flight.output
+            assert output.text is not None
+            text, tool_calls = output.text.text, None
+            finish_reason = output.finish_reason or "stop"
             if reader is not None:
-                reply = reader.read(text, flight.output_token_ids)
+                reply = reader.read(text, output.token_ids)
                 text, tool_calls = reply.content, reply.tool_calls
                 finish_reason = reader.finish_reason(finish_reason, streamed=False)
             choices.append(meta.choice(
-                index, text, finish_reason, flight.stop_reason,
+                index, text, finish_reason, output.stop_reason,
                 self._logprobs(flight, meta.chat), tool_calls))
         return JsonReply(200, meta.full(choices, self._usage(flights),
                                         [self._summary(f) for f in flights]))

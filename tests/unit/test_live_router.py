@@ -29,14 +29,9 @@ from app.routing.base import ActiveRequest, Watchdog
 from app.routing.registry import RoutingStack, build_routing
 from app.routing.view import ClusterView, InstanceId
 from app.serving.config import ServeConfig
+from app.serving.flight import FlightState, GenerationRequest
 from app.serving.kv_transfer import ConnectorTransport, KvHandoff, KvTransport, SimulatedLink
-from app.serving.router import (
-    EngineClient,
-    EngineLost,
-    GenerationRequest,
-    LiveRouter,
-    RequestRejected,
-)
+from app.serving.router import EngineClient, EngineLost, LiveRouter, RequestRejected
 from app.serving.service import CompletionService, JsonReply
 from app.serving.tokenizer import OutputText, Tokenizer, WordHashTokenizer
 from app.telemetry import RouterMetrics
@@ -146,7 +141,7 @@ async def test_migration_continues_the_stream_by_token_ids():
     assert list(moved.resume_token_ids) == [token_of(PROMPT, i)
                                             for i in range(len(moved.resume_token_ids))]
     assert source.aborted == ["r1"]
-    assert flight.instance_ids == [source.engine_id, target.engine_id]
+    assert flight.placement.instance_ids == [source.engine_id, target.engine_id]
     assert router.counters().num_migrations == 1 and not router.flights
     assert_load_matches_flights(router)
 
@@ -182,7 +177,7 @@ async def test_engine_failure_continues_on_another_instance():
         events.extend(batch)
         assert_load_matches_flights(router)
     assert [e.token_id for e in events] == [token_of(PROMPT, i) for i in range(20)]
-    assert flight.instance_ids == ["broken", "ok"] and flight.num_failovers == 1
+    assert flight.placement.instance_ids == ["broken", "ok"] and flight.placement.num_failovers == 1
     assert list(healthy.received[0].resume_token_ids) == [token_of(PROMPT, i) for i in range(5)]
     assert not router.instances["broken"].healthy  # out of rotation until it answers a poll
     assert "broken" not in router.view(time.time()).by_id
@@ -267,14 +262,14 @@ async def test_watchdog_runs_once_per_tau_iterations_and_its_moves_are_carried_o
     factory = RecordingFactory()
     router = await started(slow, fast, stack=stack, metrics=RouterMetrics(factory))
     flight = await router.submit(request(max_tokens=40))
-    flight.instance_id = flight.instance_ids[0] = "slow"
+    flight.placement.instance_ids[0] = "slow"
     events = []
     async for batch in router.stream(flight):
         events.extend(batch)
         if len(events) in (4, 6, 7):  # slow has done 4, 6, 7 iterations: one epoch crossed
             await router.poll_once()
     assert watchdog.checks.count(("slow", 1)) == 1
-    assert flight.instance_ids == ["slow", "fast"]
+    assert flight.placement.instance_ids == ["slow", "fast"]
     assert factory["goodserve_migrations"].get(reason="slo_risk") == [1.0]
     assert [e.token_id for e in events] == [token_of(PROMPT, i) for i in range(40)]
 
@@ -492,7 +487,7 @@ async def test_prefill_then_decode_with_the_kv_delivered_gives_the_unified_token
     link = SimulatedLink(bandwidth_gbps=1.0)
     router = await started(prefill, decode, spare, policy="round-robin", kv_transport=link)
     flight = await router.submit(request(max_tokens=12))
-    assert flight.instance_id == "p" and flight.prefill_pending
+    assert flight.instance_id == "p" and flight.state is FlightState.PREFILLING
     events = await drain(router, flight)
     assert [e.token_id for e in events] == [token_of(PROMPT, i) for i in range(12)]
     assert [e.index for e in events] == list(range(12))
@@ -502,10 +497,11 @@ async def test_prefill_then_decode_with_the_kv_delivered_gives_the_unified_token
     target = decode if decode.received else spare
     (handed,) = target.received
     assert handed.kv_transferred and list(handed.resume_token_ids) == [token_of(PROMPT, 0)]
-    assert flight.prefill_instance_id == "p" and flight.instance_ids == [target.engine_id]
+    placement = flight.placement
+    assert placement.prefill_instance_id == "p" and placement.instance_ids == [target.engine_id]
     expected_s = len(PROMPT) * prefill.config.instance.model.kv_bytes_per_token / 1e9
-    assert flight.kv_transfer_s == pytest.approx(expected_s, rel=0.05)
-    assert flight.kv_loaded_tokens == len(PROMPT)
+    assert flight.kv.transfer_s == pytest.approx(expected_s, rel=0.05)
+    assert flight.kv.loaded_tokens == len(PROMPT)
     assert link.link.num_transfers == 1 and not router.flights
 
 
@@ -516,7 +512,7 @@ async def test_a_one_token_request_ends_at_its_prefill():
     flight = await router.submit(request(max_tokens=1))
     events = await drain(router, flight)
     assert [e.finish_reason for e in events] == ["length"]
-    assert not decode.received and not spare.received and flight.kv_transfer_s is None
+    assert not decode.received and not spare.received and flight.kv.transfer_s is None
 
 
 @pytest.mark.parametrize("failure", ["prefill", "transfer", "decode"])
@@ -527,7 +523,7 @@ async def test_a_failed_stage_continues_by_token_ids_with_the_same_tokens(failur
     stack = build_routing("round-robin")
     router = await started(prefill, decode, spare, stack=stack, kv_transport=link)
     flights = [await router.submit(request(f"r{i}", max_tokens=10)) for i in range(2)]
-    on_decode = next(f for f in flights if f.decode_instance_id == "d")
+    on_decode = next(f for f in flights if f.placement.instance_ids[-1] == "d")
     events = await drain(router, on_decode)
     assert [e.token_id for e in events] == [token_of(PROMPT, i) for i in range(10)]
     first_decode = decode.received[0]
@@ -539,7 +535,7 @@ async def test_a_failed_stage_continues_by_token_ids_with_the_same_tokens(failur
         assert first_decode.kv_transferred
         moved = spare.received[-1]
         assert len(moved.resume_token_ids) == 5 and not moved.kv_transferred
-        assert on_decode.instance_ids == ["d", "d2"]
+        assert on_decode.placement.instance_ids == ["d", "d2"]
     await drain(router, next(f for f in flights if f is not on_decode))
     assert not router.flights
 
@@ -567,9 +563,9 @@ async def test_the_prefills_connector_parameters_reach_the_decode_request_unchan
     assert [e.token_id for e in events] == [token_of(PROMPT, i) for i in range(6)]
     (handed,) = (decode if decode.received else spare).received
     assert handed.kv_transferred and handed.kv_transfer_params == remote
-    assert flight.kv_loaded_tokens == len(PROMPT)
-    assert flight.kv_transfer_s is not None and flight.kv_transfer_s >= 0  # measured
-    assert factory["goodserve_kv_transfer_seconds"].get() == [flight.kv_transfer_s]
+    assert flight.kv.loaded_tokens == len(PROMPT)
+    assert flight.kv.transfer_s is not None and flight.kv.transfer_s >= 0  # measured
+    assert factory["goodserve_kv_transfer_seconds"].get() == [flight.kv.transfer_s]
     (kv_bytes,) = factory["goodserve_kv_transfer_bytes"].get()
     assert kv_bytes == len(PROMPT) * router.instances["d"].spec.model.kv_bytes_per_token
 
@@ -598,13 +594,13 @@ async def test_registry_changes_take_effect_at_once_and_drain_moves_count_apart(
     later = [await router.submit(request(f"n{i}", max_tokens=5)) for i in range(6)]
     assert {f.instance_id for f in later} == {"b"}
     router.follow([member(a, "draining", evacuate=True), member(b)], None)
-    assert all(f.move_to == "b" for f in on_a) and on_a
+    assert all(f.placement.move_to == "b" for f in on_a) and on_a
     router.follow([member(b), member(c)], lambda m: c)  # a leaves, c joins
     await asyncio.sleep(0.02)
     assert "c" in router.view(time.time()).by_id
     await asyncio.gather(*streams, *(drain(router, f) for f in later))
     for f in on_a:
-        assert f.instance_ids == ["a", "b"]
+        assert f.placement.instance_ids == ["a", "b"]
     counters = router.counters()
     assert counters.num_drain_migrations == len(on_a) and counters.num_migrations == 0
     assert factory["goodserve_migrations"].get(reason="drain") == [float(len(on_a))]

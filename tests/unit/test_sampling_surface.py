@@ -27,9 +27,10 @@ from app.serving.api import (
     CompletionRequest,
     parse_body,
 )
+from app.serving.flight import FlightState, GenerationRequest
 from app.serving.kv_transfer import SimulatedLink
 from app.serving.logprobs import LogprobsFormatter
-from app.serving.router import EngineLost, GenerationRequest
+from app.serving.router import EngineLost
 from app.serving.tokenizer import OutputText, Tokenizer
 from tests.unit.test_live_router import (
     PROMPT,
@@ -136,12 +137,12 @@ async def test_a_stop_string_across_a_failover_is_found_and_the_engine_freed():
     flight = await router.submit(generation(max_tokens=40))
     router.instances["ok"].healthy = True
     stop = text_of(token_of(PROMPT, 4), token_of(PROMPT, 5))  # token 4 before, 5 after
-    flight.output = OutputText(IdWords(), stop=[stop])
+    flight.output.text = OutputText(IdWords(), stop=[stop])
     events = await drain(router, flight)
-    assert flight.instance_ids == ["broken", "ok"]
+    assert flight.placement.instance_ids == ["broken", "ok"]
     assert [e.token_id for e in events] == [token_of(PROMPT, i) for i in range(6)]
-    assert flight.finish_reason == "stop" and flight.stop_reason == stop
-    assert flight.output.text == text_of(*(token_of(PROMPT, i) for i in range(4)))
+    assert flight.output.finish_reason == "stop" and flight.output.stop_reason == stop
+    assert flight.output.text.text == text_of(*(token_of(PROMPT, i) for i in range(4)))
     await router.poll_once()  # lets the background abort run
     assert healthy.aborted == [healthy.received[0].request_id]
     assert not router.flights and router.counters().num_finished == 1
@@ -171,7 +172,7 @@ async def test_a_penalised_request_is_not_moved_and_reruns_from_the_start_on_fai
     assert [e.token_id for e in events] == [token_of(PROMPT, i) for i in range(20)]
     rerun = healthy.received[0]
     assert rerun.resume_token_ids == () and rerun.sampling.max_tokens == 20
-    assert flight.num_failovers == 1 and flight.finish_reason == "length"
+    assert flight.placement.num_failovers == 1 and flight.output.finish_reason == "length"
 
 
 class OtherTokens(ScriptedEngine):
@@ -200,10 +201,10 @@ async def test_an_unstreamed_rerun_starts_over_unseen():
     router.instances["ok"].healthy = False
     flight = await router.submit(generation(temperature=0.8, seed=1))
     router.instances["ok"].healthy = True
-    flight.output = OutputText(IdWords())
+    flight.output.text = OutputText(IdWords())
     await drain(router, flight)
-    assert flight.output_token_ids == [token_of(PROMPT, i) + 1 for i in range(20)]
-    assert flight.output.token_ids == flight.output_token_ids
+    assert flight.output.token_ids == [token_of(PROMPT, i) + 1 for i in range(20)]
+    assert flight.output.text.token_ids == flight.output.token_ids
 
 
 # ---- the service: choices, usage, stops ---------------------------------------------
@@ -318,7 +319,7 @@ async def test_a_request_that_cannot_resume_skips_the_prefill_pool():
                            kv_transport=SimulatedLink(10.0))
     flight = await router.submit(generation(max_tokens=6,
                                             structured=StructuredOutput("json_object")))
-    assert not flight.prefill_pending and flight.instance_id in ("d", "d2")
+    assert flight.state is not FlightState.PREFILLING and flight.instance_id in ("d", "d2")
     events = await drain(router, flight)
     assert [e.token_id for e in events] == [token_of(PROMPT, i) for i in range(6)]
     assert not prefill.received

@@ -80,7 +80,7 @@ async def test_the_live_router_counts_outcomes_rejections_moves_and_instance_sta
         events.extend(batch)
         if len(events) == 2:
             assert router.migrate("ok") == "b"  # operator move; b fails: a failover to a
-    assert flight.instance_ids == ["a", "b", "a"]
+    assert flight.placement.instance_ids == ["a", "b", "a"]
     assert requests.get(outcome="met", reason="") == [1.0]
     moves = factory["goodserve_migrations"]
     assert moves.get(reason=MigrationReason.OPERATOR) == [1.0]

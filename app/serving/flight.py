@@ -1,0 +1,281 @@
+"""One live request's router-side life, as explicit states.
+
+A flight is in exactly one `FlightState`; each transition is one method, which refuses
+(with `InvalidTransition`, changing nothing) when the flight is in a state it does not
+leave that way:
+
+    PREFILLING -> HANDING_OFF -> QUEUED -> RUNNING -> FINISHED
+    (P/D only)    (P/D only)      ^  |       |
+                                  |  v       v
+                                  +-- MOVING (a migration: the old stream is ending)
+    QUEUED / RUNNING -> QUEUED on another instance (fail-over)
+    any live state -> CANCELLED (client gone) or LOST (engine failed, nowhere to go)
+
+Its data is three small records: where it runs (`Placement`), the prompt's KV hand-off
+from a prefill engine (`KvDelivery`, absent in unified mode) and what the client has
+been sent (`OutputLog`). The router does the I/O (engines, KV transport, metrics) and
+keeps its load counts by `Flight.is_running` after each transition.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+
+from app.engine_types import EngineRequest, SamplingSpec, TokenLogprobs
+from app.routing.view import InstanceId, RouteRequest
+from app.serving.tokenizer import OutputText
+from app.telemetry import MigrationReason
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One client request, tokenized."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingSpec
+    arrival_s: float
+    slo_s: float | None = None  # end-to-end deadline after arrival; None = best effort
+    prompt_text: str | None = None
+    task: str | None = None
+    streamed: bool = False  # the client sees tokens as they come (a rerun must match them)
+    session_id: str | None = None  # the agent session (conversation) it continues
+
+
+class FlightState(StrEnum):
+    PREFILLING = "prefilling"  # P/D: the prompt runs on a prefill engine
+    HANDING_OFF = "handing-off"  # P/D: the prompt's KV goes to the decode engine
+    QUEUED = "queued"  # submitted to its instance, no token from it yet
+    RUNNING = "running"  # its instance has produced a token
+    MOVING = "moving"  # a migration was asked: the stream on the old instance is ending
+    FINISHED = "finished"
+    CANCELLED = "cancelled"  # the client left, or a sibling choice was refused
+    LOST = "lost"  # its engine failed and no other instance could continue it
+
+
+TERMINAL = frozenset({FlightState.FINISHED, FlightState.CANCELLED, FlightState.LOST})
+LIVE = frozenset(FlightState) - TERMINAL
+
+
+class InvalidTransition(RuntimeError):
+    """A transition asked of a flight in a state it does not leave that way."""
+
+
+@dataclass
+class Placement:
+    """Where a flight runs: the serving (decode or unified) instances it was sent to, in
+    order (the last is the current or next one), and how it got there."""
+
+    instance_ids: list[InstanceId]
+    prefill_instance_id: InstanceId | None = None  # P/D: where its prompt was computed
+    attempt: int = 0  # engine submissions so far - 1 (each move submits again)
+    num_migrations: int = 0
+    num_failovers: int = 0
+    move_to: InstanceId | None = None  # the asked migration's target, while MOVING
+    move_reason: MigrationReason = MigrationReason.OPERATOR
+
+
+@dataclass
+class KvDelivery:
+    """The prompt's KV from the prefill engine to the decode engine (P/D only)."""
+
+    params: dict | None = None  # the connector's hand-off for the decode submission
+    delivered: bool = False  # the next decode submission finds the prompt's KV there
+    held: bool = False  # the transport holds KV for it until the decode engine starts
+    prefill_end_s: float | None = None
+    transfer_s: float | None = None
+    loaded_tokens: int = 0  # prompt tokens the decode engine loaded rather than computed
+
+
+@dataclass
+class OutputLog:
+    """What the client has been sent, across every engine the flight ran on."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # the client's view of the output: stop strings and stop token ids end it here, on
+    # whichever engine the tokens came from (None: only the engine ends it)
+    text: OutputText | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    replaying: bool = False  # running again from the start: the tokens sent must come again
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    finish_reason: str | None = None
+
+    def restart(self, streamed: bool) -> None:
+        """Run again from the start: a streamed output must be reproduced (the client
+        has it); an unstreamed one starts over unseen."""
+        if streamed:
+            self.replaying = True
+            return
+        self.token_ids.clear()
+        self.logprobs.clear()
+        if self.text is not None:
+            self.text.reset()
+
+
+@dataclass(eq=False)
+class Flight:
+    """Router-side state of one request from routing to its end."""
+
+    request: GenerationRequest
+    route: RouteRequest
+    placement: Placement
+    kv: KvDelivery | None = None  # None in unified mode
+    output: OutputLog = field(default_factory=OutputLog)
+    state: FlightState = FlightState.QUEUED
+
+    @classmethod
+    def routed(cls, request: GenerationRequest, route: RouteRequest, target: InstanceId,
+               prefill: InstanceId | None = None, disaggregated: bool = False,
+               text: OutputText | None = None) -> Flight:
+        """A placed request: on its prefill engine first when it has one."""
+        return cls(request, route, Placement([target], prefill_instance_id=prefill),
+                   KvDelivery() if disaggregated else None, OutputLog(text=text),
+                   FlightState.PREFILLING if prefill else FlightState.QUEUED)
+
+    # ---- reading ----------------------------------------------------------------
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def instance_id(self) -> InstanceId:
+        """The instance it is on: the prefill engine while prefilling, else the last
+        serving instance it was sent to."""
+        if self.state is FlightState.PREFILLING:
+            assert self.placement.prefill_instance_id is not None
+            return self.placement.prefill_instance_id
+        return self.placement.instance_ids[-1]
+
+    @property
+    def is_running(self) -> bool:
+        """Whether it holds a batch slot where it is (else it waits there): it produced a
+        token on its instance (a flight being moved counts as running until it leaves)."""
+        if self.state is FlightState.PREFILLING:
+            return bool(self.output.token_ids)
+        return self.state in (FlightState.RUNNING, FlightState.MOVING)
+
+    @property
+    def engine_request_id(self) -> str:
+        """Unique per submission: an engine must never see an id twice."""
+        if self.state is FlightState.PREFILLING:
+            return f"{self.request_id}:prefill"
+        attempt = self.placement.attempt
+        return self.request_id if attempt == 0 else f"{self.request_id}@{attempt}"
+
+    @property
+    def resumable(self) -> bool:
+        """Whether another engine can continue it by token ids (see `SamplingSpec`)."""
+        return self.request.sampling.resumable
+
+    def engine_request(self) -> EngineRequest:
+        resume = tuple(self.output.token_ids) if self.resumable else ()
+        delivered = self.kv is not None and self.kv.delivered
+        return EngineRequest(
+            self.engine_request_id,
+            self.request.prompt_token_ids,
+            self.request.sampling,
+            resume_token_ids=resume,
+            kv_transferred=delivered,
+            kv_transfer_params=self.kv.params if delivered and self.kv else None,
+        )
+
+    def prefill_request(self) -> EngineRequest:
+        """The prefill stage: the prompt and its first token."""
+        sampling = self.request.sampling
+        return EngineRequest(self.engine_request_id, self.request.prompt_token_ids,
+                             replace(sampling, max_tokens=1,
+                                     min_tokens=min(sampling.min_tokens, 1)))
+
+    # ---- transitions ----------------------------------------------------------------
+    def _leave(self, *states: FlightState) -> None:
+        if self.state not in states:
+            raise InvalidTransition(f"request {self.request_id} is {self.state.value}, "
+                                    f"not {' or '.join(s.value for s in states)}")
+
+    def took_tokens(self, now: float) -> None:
+        """Its instance produced tokens: a queued flight runs; the first is its TTFT."""
+        self._leave(FlightState.PREFILLING, FlightState.QUEUED, FlightState.RUNNING,
+                    FlightState.MOVING)
+        if self.state is FlightState.QUEUED:
+            self.state = FlightState.RUNNING
+        if self.output.first_token_s is None:
+            self.output.first_token_s = now
+
+    def finish(self, reason: str, now: float) -> None:
+        """The last token came (the engine's, or a stop the router found); an asked move
+        is not carried out."""
+        self._leave(FlightState.PREFILLING, FlightState.RUNNING, FlightState.MOVING)
+        if not self.output.token_ids:
+            raise InvalidTransition(f"request {self.request_id} cannot finish before a token")
+        self.output.finish_reason, self.output.finish_s = reason, now
+        self._end(FlightState.FINISHED)
+
+    def end_prefill(self, now: float) -> None:
+        """The prefill engine gave the first token: its KV goes to the decode engine."""
+        self._leave(FlightState.PREFILLING)
+        assert self.kv is not None
+        self.kv.prefill_end_s = now
+        self.state = FlightState.HANDING_OFF
+
+    def hand_off(self, params: dict | None, transfer_s: float | None) -> None:
+        """The KV reached the decode engine's side: the decode submission loads it."""
+        self._leave(FlightState.HANDING_OFF)
+        assert self.kv is not None
+        self.kv.params, self.kv.transfer_s = params, transfer_s
+        self.kv.delivered = self.kv.held = True
+        self.state = FlightState.QUEUED
+
+    def decode_without_kv(self) -> None:
+        """The prefill or the transfer failed: the decode engine computes the prompt (and
+        what was generated) itself, by token ids."""
+        self._leave(FlightState.PREFILLING, FlightState.HANDING_OFF)
+        self.state = FlightState.QUEUED
+
+    def ask_move(self, target: InstanceId, reason: MigrationReason) -> None:
+        """A migration to `target` was asked; it is carried out when the old stream ends."""
+        self._leave(FlightState.QUEUED, FlightState.RUNNING)
+        self.placement.move_to, self.placement.move_reason = target, reason
+        self.state = FlightState.MOVING
+
+    def move(self) -> InstanceId:
+        """The old stream ended: continue on the asked target by token ids."""
+        self._leave(FlightState.MOVING)
+        target = self.placement.move_to
+        assert target is not None
+        self.placement.move_to = None
+        self.placement.num_migrations += 1
+        self._resubmit_on(target)
+        return target
+
+    def fail_over(self, target: InstanceId) -> None:
+        """Its engine failed: continue on `target`, by token ids when it can, else from
+        the start."""
+        self._leave(FlightState.QUEUED, FlightState.RUNNING)
+        self.placement.num_failovers += 1
+        if not self.resumable:
+            self.output.restart(self.request.streamed)
+        self._resubmit_on(target)
+
+    def _resubmit_on(self, target: InstanceId) -> None:
+        self.placement.attempt += 1
+        self.placement.instance_ids.append(target)
+        if self.kv is not None:
+            self.kv.delivered = False  # the new engine prefills prompt + generated ids
+        self.state = FlightState.QUEUED
+
+    def lose(self) -> None:
+        """Its engine failed and nothing can continue it."""
+        self._leave(*LIVE)
+        self._end(FlightState.LOST)
+
+    def cancel(self) -> None:
+        """Nobody will read its stream any more."""
+        self._leave(*LIVE)
+        self._end(FlightState.CANCELLED)
+
+    def _end(self, state: FlightState) -> None:
+        self.placement.move_to = None
+        self.state = state
