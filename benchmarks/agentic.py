@@ -122,7 +122,7 @@ BASELINES = tuple(n for n in CANDIDATE_BASELINES if n in {k.value for k in Polic
 POLICIES = (GOODSERVE, EXACT, *BASELINES)
 CALIBRATION_POLICIES = ("round-robin", "least-request", "prefix-cache")
 # a first guess of L* per engine, where the bracket search starts (req/s or sessions/s)
-START_RATE_PER_ENGINE = {"mooncake": 0.3, "coding-agent": 0.03, "chat-agent": 0.2}
+START_RATE_PER_ENGINE = {"mooncake": 0.3, "coding-agent": 0.002, "chat-agent": 0.2}
 CELL_FIELDS = ["workload", "cluster", "load_factor", "rate", "seed", "policy", "slo_scale",
                "requests", "met", "goodput_rps"]
 CALIBRATION_FIELDS = ["workload", "cluster", "duration_s", "seed", "rate", "policies", "note"]
