@@ -4,7 +4,9 @@ router replica or Ray Serve's HTTP proxy is killed mid-run.
 Each scenario serves the config (two router replicas), sends greedy completions at a
 fixed rate from client threads, kills one part a third of the way in and waits for
 every request. A request ends one of four ways:
-- completed: a 200 with its tokens (greedy ones are checked against an unfaulted run);
+- completed: a 200 with its tokens (the shared-prompt ones are checked against an
+  unfaulted run, and every one that moved between engines is sent again once the
+  fault is over and must give the same text: all requests are greedy);
 - rejected: a 4xx / 503 OpenAI error, by its type (`slo_unattainable`, ...);
 - failed: a clear error, by kind (`engine_error`, an HTTP 500 from Ray Serve, a
   connection the server closed);
@@ -53,10 +55,12 @@ class ScenarioResult:
     rejected: Counter[str] = field(default_factory=Counter)
     failed: Counter[str] = field(default_factory=Counter)
     lost: int = 0
-    greedy_checked: int = 0  # completed greedy requests compared with the unfaulted text
+    greedy_checked: int = 0  # completed shared-prompt requests compared with the unfaulted text
     greedy_kept: int = 0  # ... and equal to it
     moved: int = 0  # completed requests that ran on more than one engine
+    moved_kept: int = 0  # moved ones whose text an unfaulted resend gives again
     retries: int = 0  # requests the application never saw (refused, unrouted), sent again
+    replaced: bool | None = None  # router fault: Serve runs a new replica in its place
 
     def as_dict(self) -> dict:
         return asdict(self) | {"rejected": dict(self.rejected), "failed": dict(self.failed)}
@@ -164,6 +168,7 @@ def run_scenario(config: ServeConfig, fault: Fault, num_requests: int, rate: flo
         reference = None if unfaulted is None else unfaulted["choices"][0]["text"]
         result = ScenarioResult(fault.value, killed="")
         lock = threading.Lock()
+        moved: list[tuple[dict, str]] = []  # (body, text) of completed requests that moved
 
         def one(i: int) -> None:
             time.sleep(i / rate)
@@ -175,7 +180,9 @@ def run_scenario(config: ServeConfig, fault: Fault, num_requests: int, rate: flo
                 if outcome == "completed":
                     assert data is not None
                     result.completed += 1
-                    result.moved += len(set(data["goodserve"]["instance_ids"])) > 1
+                    if len(set(data["goodserve"]["instance_ids"])) > 1:
+                        result.moved += 1
+                        moved.append((body, data["choices"][0]["text"]))
                     if body is greedy and reference is not None:
                         result.greedy_checked += 1
                         result.greedy_kept += data["choices"][0]["text"] == reference
@@ -193,7 +200,30 @@ def run_scenario(config: ServeConfig, fault: Fault, num_requests: int, rate: flo
         result.lost += num_requests - result.sent  # threads that never recorded an end
         for future in done:
             future.result()  # a bug in the harness must show
+        for body, text in moved:  # the same request again, nothing failing now
+            _, _, again, _ = client.send(body)
+            result.moved_kept += again is not None and again["choices"][0]["text"] == text
+        if fault is Fault.ROUTER:
+            result.replaced = replica_replaced(result.killed, app_name,
+                                               config.num_router_replicas)
     return result
+
+
+def replica_replaced(killed: str, app_name: str, num_replicas: int,
+                     wait_s: float = 60.0) -> bool:
+    """Whether Serve runs `num_replicas` router replicas again, none of them `killed`
+    (up to `wait_s`)."""
+    import ray
+
+    give_up_s = time.monotonic() + wait_s
+    while True:
+        names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["name"].startswith(f"SERVE_REPLICA::{app_name}#")}
+        if killed not in names and len(names) >= num_replicas:
+            return True
+        if time.monotonic() > give_up_s:
+            return False
+        time.sleep(0.5)
 
 
 def faults_config(num_router_replicas: int = 2) -> ServeConfig:

