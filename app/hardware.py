@@ -339,6 +339,20 @@ class InstanceSpec:
         return self.prefill_time_per_token_s()
 
     @cached_property
+    def decode_context_slope(self) -> float:
+        """Decode time per token added by each context token, relative to the 1k-context
+        figure (each step reads the whole KV): fitted between 1k and 64k."""
+        far = self.decode_time_per_token_s(65536)
+        return (far / self.unloaded_decode_s_per_token - 1.0) / (65536 - 1024)
+
+    @cached_property
+    def prefill_span_slope(self) -> float:
+        """Prefill time per token added by each token of attended span, relative to the
+        unloaded figure (a 2048-token chunk on an empty cache: mean span 1024)."""
+        far = self.iteration_time_s(BatchShape.build([PrefillChunk(2048, 65536)])) / 2048
+        return (far / self.unloaded_prefill_s_per_token - 1.0) / 65536
+
+    @cached_property
     def decode_batch_line(self) -> tuple[float, float]:
         """(intercept_s, slope_s_per_seq): decode step time vs batch size at a 1k context,
         as a straight line through batch 1 and 256; routers use its ratios to

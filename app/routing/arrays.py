@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 # numeric columns, in `ViewColumns.table` order; the unloaded decode time per token is
 # both the capability just-enough ranks by and the estimator's catalog prior for d_g
 COLUMNS = ("num_running", "num_waiting", "kv_free_tokens", "unloaded_decode_s_per_token",
-           "unloaded_prefill_s_per_token", "batch_intercept", "batch_slope", "max_num_seqs")
+           "unloaded_prefill_s_per_token", "batch_intercept", "batch_slope", "max_num_seqs",
+           "prefill_span_slope", "decode_context_slope")
 _COL = {name: i for i, name in enumerate(COLUMNS)}
 
 
@@ -33,7 +34,8 @@ def view_row(view: InstanceView) -> tuple[float, ...]:
     intercept, slope = spec.decode_batch_line
     return (view.num_running, view.num_waiting, view.kv_free_tokens,
             spec.unloaded_decode_s_per_token, spec.unloaded_prefill_s_per_token,
-            intercept, slope, math.inf if view.max_num_seqs is None else view.max_num_seqs)
+            intercept, slope, math.inf if view.max_num_seqs is None else view.max_num_seqs,
+            spec.prefill_span_slope, spec.decode_context_slope)
 
 
 def rank_of(ids: Sequence[InstanceId]) -> np.ndarray:

@@ -11,7 +11,7 @@ from app.kv_link import KvLink
 from app.routing.base import Reject, RoutingPolicy
 from app.routing.disaggregated import DisaggregatedPlacer, LeastTtftPolicy, PdPlacement
 from app.routing.goodserve import GoodServeConfig, make_goodserve
-from app.routing.goodserve.latency import score_instances
+from app.routing.goodserve.latency import for_context, score_instances
 from app.routing.length import TrueLength
 from app.routing.status import StatusEstimator
 from app.routing.view import ClusterView, InstanceId, RouteRequest
@@ -59,7 +59,9 @@ def test_decode_estimate_waits_for_the_kv_and_computes_no_prefill():
     delivered = replace(plain, kv_ready_s=2.0)
     (without,) = score_instances(plain, view.instances, view, status, 50, 0.5, None, 1.0)
     (with_kv,) = score_instances(delivered, view.instances, view, status, 50, 0.5, None, 1.0)
-    estimate = status.estimate(view.instances[0], 0.5)
+    # its decode per token at its own 4k context (`for_context`)
+    estimate = for_context(status.estimate(view.instances[0], 0.5), view.instances[0].spec,
+                           delivered, 0)
     assert with_kv.latency_s == pytest.approx(1.5 + estimate.queue_delay_s
                                               + 50 * estimate.decode_s_per_token)
     assert with_kv.stall_s == 0.0 and without.stall_s > 0.0  # no prefill compute to charge

@@ -933,3 +933,32 @@ def test_session_length_variant_is_label_free():
     assert policy.config.triage is False
     assert policy.triages(RouteRequest("r", 0.0, 1.0, 100_000))
     assert not policy.triages(RouteRequest("r", 0.0, 1.0, 100))
+
+
+def test_long_context_estimates_follow_the_hardware_model_and_leave_short_ones_alone():
+    """At a 1k-token span the per-token figures stand; on a 60k context the scaled
+    prefill (a full recompute) and decode track the hardware model's own times, where
+    the unscaled figures are about 2x and 1.4x short."""
+    from app.hardware import make_instance
+    from app.routing.goodserve.latency import context_factors, for_context, prefill_time_s
+
+    spec = make_instance("A800", "llama-3.1-8b")
+    short = RouteRequest("s", 0.0, 10.0, num_prompt_tokens=900)
+    assert context_factors(900, 0, spec.prefill_span_slope, spec.decode_context_slope) == (
+        1.0, 1.0)
+    prior = catalog_prior(spec)
+    assert for_context(prior, spec, short, 0) is prior
+    context = 60_000
+    ttft, tpot = spec.solo_phases_s(context, 2)
+    request = RouteRequest("l", 0.0, 100.0, num_prompt_tokens=context)
+    scaled = for_context(prior, spec, request, 0)
+    assert prefill_time_s(request, scaled, 0) == pytest.approx(ttft, rel=0.1)
+    assert prefill_time_s(request, prior, 0) < 0.6 * ttft
+    assert scaled.decode_s_per_token == pytest.approx(spec.decode_time_per_token_s(context),
+                                                      rel=0.05)
+    # appended tokens over a cached context attend to all of it
+    appended = 900
+    hit = context - appended
+    chunk = spec.solo_phases_s(context, 2, num_cached_tokens=hit)[0]
+    assert prefill_time_s(request, for_context(prior, spec, request, hit), hit) == (
+        pytest.approx(chunk, rel=0.15))

@@ -165,7 +165,7 @@ def test_a_simulated_run_places_every_request_alike_on_both_paths():
     from app.workload import Content, poisson_workload
 
     pool = [Content(200 + 300 * (i % 9), 40 + 60 * (i % 7), (i % 5, i)) for i in range(64)]
-    workload = poisson_workload(150.0, 4.0, pool, seed=2)
+    workload = poisson_workload(250.0, 4.0, pool, seed=2)
     workload = assign_slos(workload, [0.5 + 0.1 * (i % 13) for i in range(len(workload))], 2.0)
     runs = []
     for vectorised in (False, True):

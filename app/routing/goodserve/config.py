@@ -64,6 +64,11 @@ class GoodServeConfig(Frozen):
         "instances whose uncached prompt is within this many tokens of the least uncached "
         "one, so a long context cached on a capable GPU is not recomputed on a weaker one; "
         "None = off")
+    long_context_estimates: bool = Field(
+        True, description="scale an instance's per-token prefill and decode estimates to "
+        "the request's own context by the hardware model's growth with attended span "
+        "(the figures hold at a 1k-token span; at 64k prefill is about 3x and decode "
+        "1.5x slower per token); contexts under 1k are unchanged")
     admission_control: bool = Field(
         False, description="reject early, with the reason, when no instance can meet the "
         "deadline even without headroom (else best effort on the least harmful fastest "

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from app.hardware import InstanceSpec
 from app.routing.budgets import SlackBudgets
@@ -24,6 +24,32 @@ from app.routing.view import ClusterView, InstanceId, InstanceView, RouteRequest
 def capability_s_per_token(spec: InstanceSpec) -> float:
     """Unloaded decode time per token: larger = weaker. Load never changes the rank."""
     return spec.unloaded_decode_s_per_token
+
+
+SHORT_SPAN_TOKENS = 1024  # attended span at which the unloaded per-token figures hold
+
+
+def context_factors(num_context_tokens: int, prefix_hit_tokens: int, prefill_span_slope: float,
+                    decode_context_slope: float) -> tuple[float, float]:
+    """How much slower per token this context's prefill and decode are than the figures
+    at a short span: the uncached tokens attend to the hit ones and to half of their own
+    on average; each decode step reads the whole context. Never below 1, so contexts
+    under SHORT_SPAN_TOKENS keep the figures as they are."""
+    uncached = max(num_context_tokens - prefix_hit_tokens, 1)
+    span = prefix_hit_tokens + uncached / 2
+    return (max(1.0, 1.0 + prefill_span_slope * (span - SHORT_SPAN_TOKENS)),
+            max(1.0, 1.0 + decode_context_slope * (num_context_tokens - SHORT_SPAN_TOKENS)))
+
+
+def for_context(estimate: InstanceEstimate, spec: InstanceSpec, request: RouteRequest,
+                prefix_hit_tokens: int) -> InstanceEstimate:
+    """The instance's (p_g, d_g) for this request's own context (`context_factors`)."""
+    prefill, decode = context_factors(request.num_context_tokens, prefix_hit_tokens,
+                                      spec.prefill_span_slope, spec.decode_context_slope)
+    if prefill == 1.0 and decode == 1.0:
+        return estimate
+    return replace(estimate, prefill_s_per_token=estimate.prefill_s_per_token * prefill,
+                   decode_s_per_token=estimate.decode_s_per_token * decode)
 
 
 def estimate_latency_s(
@@ -111,15 +137,20 @@ def score_instances(
     budgets: SlackBudgets | None,
     stall_factor: float,
     floor_output_tokens: float = 1.0,
+    long_context: bool = True,
 ) -> list[Candidate]:
     """T(r,g), slack, memory room and admitted budgets per instance for `request` (O(M));
     the stall its prefill charges is `stall_factor` x the prefill estimate; without
-    `budgets` nothing is protected. The latency floor is T at `floor_output_tokens`."""
+    `budgets` nothing is protected. The latency floor is T at `floor_output_tokens`.
+    `long_context`: the per-token estimates are scaled to the request's context
+    (`for_context`)."""
     scored = []
     wait = kv_wait_s(request, now)
     for inst in instances:
         hit = view.prefix_hit_tokens(inst.instance_id, request)
         estimate = status.estimate(inst, now)
+        if long_context:
+            estimate = for_context(estimate, inst.spec, request, hit)
         prefill = prefill_time_s(request, estimate, hit)
         latency = wait + latency_with_prefill_s(request, estimate, prefill, output_tokens)
         floor = wait + latency_with_prefill_s(request, estimate, prefill, floor_output_tokens)

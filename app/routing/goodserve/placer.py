@@ -159,7 +159,8 @@ class JustEnoughPlacer:
         optimistic length the candidates' latency floors assume."""
         guard = self.budgets if self.config.protect_admitted else None
         scored = score_instances(request, instances, view, self.status, output_tokens, now,
-                                 guard, self.config.charged_stall_factor, floor_output_tokens)
+                                 guard, self.config.charged_stall_factor, floor_output_tokens,
+                                 self.config.long_context_estimates)
         candidates = reserve_strongest(request, scored, view, self.admissions,
                                        self.config.reservation_quantile)
         affinity = self.config.cache_affinity_tokens

@@ -196,7 +196,8 @@ class ColumnArrival(Arrival):
         config = policy.config
         budgets = policy.budgets if config.protect_admitted else None
         self.scorer = vectorised.InstanceScorer.build(
-            request, holding, view, policy.status, now, budgets, config.charged_stall_factor)
+            request, holding, view, policy.status, now, budgets, config.charged_stall_factor,
+            config.long_context_estimates)
 
     def place(self, output_tokens: float, cold: bool = False,
               floor_output_tokens: float = 1.0) -> tuple[Candidate | None, vectorised.Scored]:

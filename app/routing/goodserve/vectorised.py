@@ -19,7 +19,7 @@ from app.routing.arrays import ViewArrays
 from app.routing.budgets import SlackBudgets
 from app.routing.goodserve.admissions import RecentAdmissions
 from app.routing.goodserve.config import JustEnoughVariant
-from app.routing.goodserve.latency import Candidate, kv_wait_s
+from app.routing.goodserve.latency import SHORT_SPAN_TOKENS, Candidate, kv_wait_s
 from app.routing.status import StatusEstimator
 from app.routing.view import ClusterView, InstanceView, RouteRequest
 
@@ -100,11 +100,18 @@ class InstanceScorer:
     @classmethod
     def build(cls, request: RouteRequest, instances: tuple[InstanceView, ...] | list,
               view: ClusterView, status: StatusEstimator, now: float,
-              budgets: SlackBudgets | None, stall_factor: float) -> InstanceScorer:
+              budgets: SlackBudgets | None, stall_factor: float,
+              long_context: bool = True) -> InstanceScorer:
         arrays = view.arrays if instances is view.instances else ViewArrays.of(instances)
         queue, prefill_per_token, decode = status.estimate_arrays(arrays, now)
         context = request.num_context_tokens
         hits = np.asarray(view.prefix_hits_of(request, arrays.ids), dtype=np.float64)
+        if long_context:  # `latency.for_context`, column by column
+            span = hits + np.maximum(context - hits, 1) / 2
+            prefill_per_token = prefill_per_token * np.maximum(
+                1.0, 1.0 + arrays.column("prefill_span_slope") * (span - SHORT_SPAN_TOKENS))
+            decode = decode * np.maximum(
+                1.0, 1.0 + arrays.column("decode_context_slope") * (context - SHORT_SPAN_TOKENS))
         if request.kv_ready_s is not None:
             prefill = np.zeros(len(arrays))
         else:
