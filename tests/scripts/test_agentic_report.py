@@ -208,7 +208,8 @@ def test_resume_skips_units_done_at_their_rate_and_reruns_those_of_an_earlier_ra
 
 def test_main_resumes_only_the_missing_units(tmp_path, monkeypatch):
     """--resume keeps calibration.csv and cells.csv and runs what they lack."""
-    calibration = Calibration("coding-agent", "small", 30.0, 100, 0.2, ("round-robin",))
+    calibration = Calibration("coding-agent", "small", 30.0, 100, 0.2,
+                              agentic.CALIBRATION_POLICIES["coding-agent"])
     append_rows(tmp_path / "calibration.csv", [calibration.as_row()],
                 agentic.CALIBRATION_FIELDS)
     done = [cell(p, 5, factor=0.5, rate=0.1) for p in ("goodserve", "round-robin")]
@@ -261,7 +262,8 @@ def test_each_workload_has_its_own_window_unless_one_is_given():
 
 def test_a_calibration_at_another_window_is_run_again(tmp_path, monkeypatch):
     """L* found with one window is not reused for a workload whose window changed."""
-    old = Calibration("coding-agent", "small", 500.0, 100, 0.2, ("round-robin",))
+    old = Calibration("coding-agent", "small", 500.0, 100, 0.2,
+                      agentic.CALIBRATION_POLICIES["coding-agent"])
     append_rows(tmp_path / "calibration.csv", [old.as_row()], agentic.CALIBRATION_FIELDS)
     calibrated = []
 
@@ -297,3 +299,27 @@ def test_mooncake_is_skipped_with_the_reason_when_the_trace_is_absent(tmp_path, 
     assert main(["--out", str(tmp_path), "--jobs", "1", "--only-workloads", "mooncake",
                  "--trace", str(tmp_path / "absent.jsonl")]) == 0
     assert "skipping mooncake: the trace" in capsys.readouterr().out
+
+
+def test_coding_agent_is_calibrated_on_its_own_baselines_and_others_reuse_theirs(tmp_path,
+                                                                                monkeypatch):
+    """Each workload's L* is bisected on its own calibration baselines; a kept row of
+    other baselines is not reused for it."""
+    setup = MatrixSetup(dict(agentic.DURATION_S), agentic.TRACE, ("goodserve",))
+    kept = [Calibration("chat-agent", "small", agentic.DURATION_S["chat-agent"], 100, 0.4,
+                        agentic.CALIBRATION_POLICIES["chat-agent"]),
+            Calibration("coding-agent", "small", agentic.DURATION_S["coding-agent"], 100,
+                        0.1, agentic.CHEAP_CALIBRATION)]
+    append_rows(tmp_path / "calibration.csv", [c.as_row() for c in kept],
+                agentic.CALIBRATION_FIELDS)
+    asked = []
+
+    def fake_calibration(workload, cluster, setup, seed, policies):
+        asked.append((workload, policies))
+        return Calibration(workload, cluster, setup.duration_s(workload), seed, 0.01, policies)
+
+    monkeypatch.setattr(agentic, "calibrate_pair", fake_calibration)
+    found = agentic.reference_rates(tmp_path, [("chat-agent", "small"), ("coding-agent", "small")],
+                                    setup, 100, dict(agentic.CALIBRATION_POLICIES), 1)
+    assert asked == [("coding-agent", ("preble", "llumnix"))]
+    assert [c.rate for c in found] == [0.4, 0.01]
