@@ -46,7 +46,7 @@ from app.routing.disaggregated import DisaggregatedPlacer, LeastTtftPolicy
 from app.routing.registry import RoutingStack
 from app.routing.status import StatusEstimator
 from app.routing.view import ClusterView, FinishReport, InstanceId, InstanceView, RouteRequest
-from app.serving.flight import Flight, FlightState, GenerationRequest
+from app.serving.flight import Flight, FlightState, GenerationRequest, InvalidTransition
 from app.serving.kv_transfer import KvTransport
 from app.serving.tokenizer import OutputText
 from app.telemetry import MigrationReason, NullFactory, Outcome, RouterMetrics
@@ -444,7 +444,7 @@ class LiveRouter:
                             yield kept
                         if flight.state is FlightState.FINISHED:
                             return
-                except EngineLost:
+                except (EngineLost, InvalidTransition):  # a lost flight, or a bug of ours
                     raise
                 except Exception as exc:  # our abort for a move, or the engine failed
                     if flight.state is not FlightState.MOVING:
@@ -469,7 +469,7 @@ class LiveRouter:
                 kept = self._take(flight, self._first_token_only(flight, batch))
                 if kept:
                     yield kept
-        except EngineLost:
+        except (EngineLost, InvalidTransition):
             raise
         except Exception as exc:
             logger.warning("request %s: prefill on %s failed (%s: %s); its decode engine "

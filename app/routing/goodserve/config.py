@@ -68,7 +68,8 @@ class GoodServeConfig(Frozen):
         True, description="scale an instance's per-token prefill and decode estimates to "
         "the request's own context by the hardware model's growth with attended span "
         "(the figures hold at a 1k-token span; at 64k prefill is about 3x and decode "
-        "1.5x slower per token); contexts under 1k are unchanged")
+        "1.5x slower per token) when scoring instances for placement; contexts under 1k "
+        "are unchanged")
     admission_control: bool = Field(
         False, description="reject early, with the reason, when no instance can meet the "
         "deadline even without headroom (else best effort on the least harmful fastest "

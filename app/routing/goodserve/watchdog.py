@@ -11,7 +11,7 @@ from app.routing.base import ActiveRequest, Watchdog
 from app.routing.budgets import SlackBudgets
 from app.routing.goodserve.admissions import RecentAdmissions
 from app.routing.goodserve.config import GoodServeConfig
-from app.routing.goodserve.latency import Candidate, capability_s_per_token, context_factors
+from app.routing.goodserve.latency import Candidate, capability_s_per_token
 from app.routing.goodserve.placer import JustEnoughPlacer
 from app.routing.length import OutputLengthEstimator, bounded_output
 from app.routing.status import InstanceEstimate, StatusEstimator
@@ -81,15 +81,6 @@ class SloWatchdog(Watchdog):
         waiting = 0.0 if active.is_running else estimate.queue_delay_s
         return active.request.deadline_s - now - waiting
 
-    def decode_s_per_token(self, active: ActiveRequest, estimate: InstanceEstimate,
-                           source: InstanceView) -> float:
-        """d_g for this request's context so far (`latency.context_factors`)."""
-        if not self.config.long_context_estimates:
-            return estimate.decode_s_per_token
-        context = active.request.num_prompt_tokens + active.num_generated_tokens
-        _, factor = context_factors(context, context, 0.0, source.spec.decode_context_slope)
-        return estimate.decode_s_per_token * factor
-
     def check(
         self,
         instance_id: InstanceId,
@@ -117,7 +108,7 @@ class SloWatchdog(Watchdog):
             rid = item.request.request_id
             remaining = max(total - item.num_generated_tokens, 1.0)
             time_left = self.time_left_s(item, estimate, now)
-            late_s = remaining * self.decode_s_per_token(item, estimate, source) - time_left
+            late_s = remaining * estimate.decode_s_per_token - time_left
             if late_s <= 0:  # on track: what it can afford now is its budget
                 self.budgets.admit(instance_id, rid, -late_s)
                 continue
