@@ -18,12 +18,12 @@ import typer
 from app.planning import (
     AllocationInputs,
     LengthDist,
+    LengthMoments,
     Method,
     ModelParams,
     Observation,
     PoolPolicy,
     SloTargets,
-    Workload,
     allocate,
     device_candidates,
     size_pools,
@@ -49,7 +49,7 @@ def time_allocate(
     decode = device_candidates([gpus[1]] if gpus else None, params, "decode")
     times = []
     for i in range(repeats):
-        workload = Workload(_input_len(cv, 1024.0 * (1 + 1e-9 * i)), 256.0)
+        workload = LengthMoments(_input_len(cv, 1024.0 * (1 + 1e-9 * i)), 256.0)
         inputs = AllocationInputs(
             params, workload, SLO, BUDGET_PER_HOUR, prefill, decode, method=method
         )

@@ -26,7 +26,7 @@ from app.control.plan import (
     engines_by_pool,
 )
 from app.hardware import InstanceSpec
-from app.planning.allocator import Workload
+from app.planning.allocator import LengthMoments
 from app.planning.inventory import InventorySizer, PoolLimits, PoolTargets, Stock
 from app.planning.params import ModelParams, SloTargets
 from app.planning.split import DEFAULT_P_SLO, stage_slos
@@ -45,7 +45,7 @@ class StageSlo:
     def targets(self, stats: IntervalStats) -> SloTargets:
         return self.targets_for(stats.observation(1.0).workload)
 
-    def targets_for(self, workload: Workload) -> SloTargets:
+    def targets_for(self, workload: LengthMoments) -> SloTargets:
         if self.fixed is not None:
             return self.fixed
         return stage_slos(self.reference, workload, self.slo_scale, self.p_slo)

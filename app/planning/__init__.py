@@ -4,7 +4,7 @@ Pure, Ray-free and clock-agnostic. Start with `allocate` (goodput under a budget
 `size_pools` (the controller's per-interval call); README.md documents the models.
 """
 
-from app.planning.allocator import AllocationInputs, AllocationPlan, Workload, allocate
+from app.planning.allocator import AllocationInputs, AllocationPlan, LengthMoments, allocate
 from app.planning.distributions import LengthDist, TailKind
 from app.planning.params import DeviceParams, ModelParams, SloTargets
 from app.planning.pools import (
@@ -29,7 +29,7 @@ __all__ = [
     "PoolPolicy",
     "SloTargets",
     "TailKind",
-    "Workload",
+    "LengthMoments",
     "allocate",
     "device_candidates",
     "plan_for_rate",

@@ -31,7 +31,7 @@ BYTES_PER_GB = 1e9
 
 
 @dataclass(frozen=True)
-class Workload:
+class LengthMoments:
     """Length statistics of the traffic (the rate is what the allocator decides)."""
 
     input_len: LengthDist
@@ -47,7 +47,7 @@ class AllocationInputs:
     """Everything `allocate` needs; candidate device tuples enable heterogeneous pools."""
 
     model: ModelParams
-    workload: Workload
+    workload: LengthMoments
     slo: SloTargets
     budget_per_hour: float  # C_max, USD per hour
     prefill_devices: tuple[DeviceParams, ...]  # one entry fixes the prefill GPU type
@@ -154,7 +154,7 @@ class StageSizer:
     def __init__(
         self,
         model: ModelParams,
-        workload: Workload,
+        workload: LengthMoments,
         slo: SloTargets,
         method: Method,
         kv_price_per_gbps_hour: float,

@@ -20,7 +20,7 @@ import typer
 from app.planning.allocator import (
     DEFAULT_KV_PRICE_PER_GBPS_HOUR,
     AllocationInputs,
-    Workload,
+    LengthMoments,
     allocate,
 )
 from app.planning.distributions import LengthDist
@@ -101,7 +101,7 @@ def plan(
         return
     try:
         params = ModelParams.named(model)
-        workload = Workload(_input_dist(input_mean, light, heavy), output_mean)
+        workload = LengthMoments(_input_dist(input_mean, light, heavy), output_mean)
         slo = SloTargets(slo_ttft, slo_kv, slo_tpot, p_slo, p_mem, p_join)
         prefill = device_candidates(_gpu_list(gpu_prefill), params, "prefill")
         decode = device_candidates(_gpu_list(gpu_decode), params, "decode")

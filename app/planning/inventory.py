@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from app.planning.allocator import Workload
+from app.planning.allocator import LengthMoments
 from app.planning.params import DeviceParams, ModelParams, SloTargets
 from app.planning.prefill import PrefillStage
 from app.planning.queues import Method
@@ -86,7 +86,7 @@ class PoolTargets:
 class InventorySizer:
     """Sizes pools from a stock for one workload and SLO; caches per-kind capacities."""
 
-    def __init__(self, model: ModelParams, workload: Workload, slo: SloTargets,
+    def __init__(self, model: ModelParams, workload: LengthMoments, slo: SloTargets,
                  stock: Sequence[Stock], method: Method = Method.REFINED,
                  factors: Mapping[str, float] | None = None) -> None:
         """`factors`: measured / modelled rate per pool and kind (`capacity_key`), from

@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass, field
 from app.hardware import GPU_CATALOG
 from app.planning.allocator import (
     DEFAULT_KV_PRICE_PER_GBPS_HOUR,
+    LengthMoments,
     PoolSizing,
     StageSizer,
-    Workload,
 )
 from app.planning.distributions import LengthDist
 from app.planning.params import DeviceParams, ModelParams, SloTargets
@@ -39,9 +39,9 @@ class Observation:
             raise ValueError(f"observed rate must be >= 0, got {self.rate_rps}")
 
     @property
-    def workload(self) -> Workload:
+    def workload(self) -> LengthMoments:
         input_len = LengthDist.from_moments(self.mean_input_len, self.cv_input_len)
-        return Workload(input_len, self.mean_output_len)
+        return LengthMoments(input_len, self.mean_output_len)
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ def size_pools(
 
 def plan_for_rate(
     rate_rps: float,
-    workload: Workload,
+    workload: LengthMoments,
     slo: SloTargets,
     model: ModelParams,
     prefill_devices: tuple[DeviceParams, ...],

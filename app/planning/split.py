@@ -26,7 +26,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from app.hardware import InstanceSpec
-from app.planning.allocator import Workload
+from app.planning.allocator import LengthMoments
 from app.planning.decode import DecodeStage
 from app.planning.kv import KvStage
 from app.planning.params import DeviceParams, ModelParams, SloTargets
@@ -87,7 +87,7 @@ class PoolSplit:
 
 
 def stage_slos(
-    reference: InstanceSpec, workload: Workload, scale: float, p_slo: float = DEFAULT_P_SLO
+    reference: InstanceSpec, workload: LengthMoments, scale: float, p_slo: float = DEFAULT_P_SLO
 ) -> SloTargets:
     """Stage targets behind end-to-end deadlines of `scale` x solo time on `reference`.
 
@@ -107,7 +107,7 @@ def stage_slos(
 
 
 def engine_capacity(
-    kind: EngineKind, model: ModelParams, workload: Workload, slo: SloTargets,
+    kind: EngineKind, model: ModelParams, workload: LengthMoments, slo: SloTargets,
     method: Method = Method.REFINED,
 ) -> EngineCapacity:
     """Per-stage capacity of one engine (0 where the SLO is out of reach even unloaded)."""
@@ -134,7 +134,7 @@ def engine_capacity(
 
 
 def kv_capacity(
-    model: ModelParams, workload: Workload, slo: SloTargets, link_gbps: float,
+    model: ModelParams, workload: LengthMoments, slo: SloTargets, link_gbps: float,
     method: Method = Method.REFINED,
 ) -> float:
     """Largest rate the link carries with P(T_KV <= tau_KV) >= p_slo."""
@@ -162,7 +162,7 @@ def prefill_counts(counts: Sequence[int]) -> Iterator[tuple[int, ...]]:
 def split_inventory(
     inventory: Mapping[EngineKind, int],
     model: ModelParams,
-    workload: Workload,
+    workload: LengthMoments,
     slo: SloTargets,
     kv_link_gbps: float | None,
     method: Method = Method.REFINED,

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(slots=True, eq=False)
-class Flight:
+class SimFlight:
     """Simulator-side state of one request between arrival and its end."""
 
     index: int  # in the workload
@@ -109,8 +109,8 @@ class SimCluster:
         self.step_listeners = [x for x in listeners if overrides(x, "on_step")]
         self.finish_listeners = [x for x in listeners if overrides(x, "on_finish")]
         self.reveal_lengths = any(getattr(x, "needs_true_output_length", False) for x in listeners)
-        self.router_queue: deque[Flight] = deque()
-        self.flights: dict[str, Flight] = {}  # request_id -> in-flight state
+        self.router_queue: deque[SimFlight] = deque()
+        self.flights: dict[str, SimFlight] = {}  # request_id -> in-flight state
         self.records: list[RequestRecord] = []
         self.num_done = 0  # finished or rejected
         self.num_token_events = 0
@@ -134,15 +134,15 @@ class SimCluster:
             events.extend(routed)
         return events
 
-    def _new_flight(self, index: int, now: float) -> Flight:
+    def _new_flight(self, index: int, now: float) -> SimFlight:
         work = self.releases.issued(index, now)
         route = work.route_request(reveal_true_length=self.reveal_lengths)
         record = self._record(work)
-        flight = Flight(index, work, route, record, token_seed=self.seed * 1_000_003 + index)
+        flight = SimFlight(index, work, route, record, token_seed=self.seed * 1_000_003 + index)
         self.flights[work.request_id] = flight
         return flight
 
-    def _try_route(self, flight: Flight, now: float) -> list[Event] | None:
+    def _try_route(self, flight: SimFlight, now: float) -> list[Event] | None:
         """Route one request; None when every entry instance is at the admission cap."""
         pool = self.pools[self.entry_role]
         view = pool.snapshot(now, self.max_ongoing_requests)
@@ -169,7 +169,7 @@ class SimCluster:
         return self._admit(flight, target, now)
 
     def _target(
-        self, pool: Pool, flight: Flight, decision: InstanceId | Reject, who: str
+        self, pool: Pool, flight: SimFlight, decision: InstanceId | Reject, who: str
     ) -> SimInstance | None:
         """The decided instance; a Reject or a target that cannot hold it is a rejection."""
         if isinstance(decision, Reject):
@@ -195,7 +195,7 @@ class SimCluster:
         self.records.append(record)
         return record
 
-    def _reject(self, flight: Flight, reason: str) -> None:
+    def _reject(self, flight: SimFlight, reason: str) -> None:
         flight.record.outcome = RequestOutcome.REJECTED
         flight.record.reject_reason = reason
         del self.flights[flight.route.request_id]
@@ -211,13 +211,13 @@ class SimCluster:
             record.reject_reason = f"session ended: {cause} was not served"
             self.num_done += 1
 
-    def _released(self, flight: Flight, now: float) -> list[Event]:
+    def _released(self, flight: SimFlight, now: float) -> list[Event]:
         """Session steps that the end of `flight` makes ready (closed loop)."""
         ready, _ = self.releases.after_end(flight.index, now, True)
         return [ArrivalEvent(r.time_s, r.index) for r in ready]
 
     def _admit(
-        self, flight: Flight, inst: SimInstance, now: float, *, num_resumed: int = 0,
+        self, flight: SimFlight, inst: SimInstance, now: float, *, num_resumed: int = 0,
         skip_prefill: bool = False,
     ) -> list[Event]:
         """Hand the request to an engine (prefill instances only compute the first token)."""
@@ -298,7 +298,7 @@ class SimCluster:
             if self.releases.closed_loop:
                 events.extend(self._released(flight, now))
 
-    def _finish(self, flight: Flight, inst: SimInstance, now: float) -> None:
+    def _finish(self, flight: SimFlight, inst: SimInstance, now: float) -> None:
         flight.record.finish_s = now
         flight.instance = None
         del self.flights[flight.route.request_id]
@@ -327,7 +327,7 @@ class SimCluster:
         for listener in self.step_listeners:
             listener.on_step(inst.instance_id, report, now)
 
-    def transfer_done(self, flight: Flight, now: float) -> list[Event]:
+    def transfer_done(self, flight: SimFlight, now: float) -> list[Event]:
         """KV arrived: the decode instance continues from the first token without prefill."""
         assert flight.decode_target is not None
         flight.decode_target.inbound -= 1

@@ -13,7 +13,7 @@ from enum import IntEnum
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
-    from app.sim.cluster import Flight, SimCluster
+    from app.sim.cluster import SimCluster, SimFlight
     from app.sim.engine_core import ScheduledStep
     from app.sim.instance import SimInstance
 
@@ -82,7 +82,7 @@ class KvTransferDoneEvent(Event):
     """A prompt's KV reached its decode instance (disaggregated mode)."""
 
     KIND = EventKind.KV_TRANSFER_DONE
-    flight: Flight
+    flight: SimFlight
 
     def handle(self, cluster: SimCluster) -> list[Event]:
         return cluster.transfer_done(self.flight, self.time_s)

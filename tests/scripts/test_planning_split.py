@@ -10,7 +10,7 @@ import pytest
 
 from app.config import ClusterConfig, EngineRole, load_cluster_config
 from app.hardware import make_instance
-from app.planning.allocator import Workload
+from app.planning.allocator import LengthMoments
 from app.planning.decode import DecodeStage
 from app.planning.distributions import LengthDist
 from app.planning.params import DeviceParams, ModelParams, SloTargets
@@ -36,7 +36,7 @@ from benchmarks.pd_vs_unified import (
 pytestmark = pytest.mark.scripts
 
 LLAMA = ModelParams.named("llama-3.1-8b")
-CHAT = Workload(LengthDist.from_moments(300.0, 1.5), 300.0)
+CHAT = LengthMoments(LengthDist.from_moments(300.0, 1.5), 300.0)
 SLO = SloTargets(ttft_s=0.05, kv_s=0.05, tpot_s=0.03, p_slo=0.9)
 PAPER = {EngineKind("H800"): 1, EngineKind("A800"): 1, EngineKind("A40"): 1,
          EngineKind("V100", 2): 1}
@@ -89,8 +89,8 @@ def test_the_split_is_the_best_of_every_split_by_the_stage_capacities():
 
 
 def test_long_prompts_take_more_engines_to_prefill_than_long_outputs():
-    long_prompts = Workload(LengthDist.from_moments(4000.0, 1.0), 20.0)
-    long_outputs = Workload(LengthDist.from_moments(50.0, 1.0), 800.0)
+    long_prompts = LengthMoments(LengthDist.from_moments(4000.0, 1.0), 20.0)
+    long_outputs = LengthMoments(LengthDist.from_moments(50.0, 1.0), 800.0)
     loose = SloTargets(ttft_s=2.0, kv_s=2.0, tpot_s=0.05, p_slo=0.9)
     eight = {EngineKind("A800"): 8}
     by_prompts = split_inventory(eight, LLAMA, long_prompts, loose, 100.0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.planning.allocator import AllocationInputs, StageSizer, Workload, allocate
+from app.planning.allocator import AllocationInputs, LengthMoments, StageSizer, allocate
 from app.planning.distributions import LengthDist
 from app.planning.params import DeviceParams, ModelParams, SloTargets
 from app.planning.pools import Observation, PoolPolicy, size_pools
@@ -25,7 +25,7 @@ def make_inputs(
     prefill: tuple[DeviceParams, ...] = (FAST,),
     decode: tuple[DeviceParams, ...] = (FAST,),
 ) -> AllocationInputs:
-    workload = Workload(input_len or LengthDist.lognormal(1024, 2.0), 256.0)
+    workload = LengthMoments(input_len or LengthDist.lognormal(1024, 2.0), 256.0)
     return AllocationInputs(MODEL, workload, SLO, budget, prefill, decode, method=method)
 
 

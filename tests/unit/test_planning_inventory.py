@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.planning.allocator import Workload
+from app.planning.allocator import LengthMoments
 from app.planning.distributions import LengthDist
 from app.planning.inventory import (
     DECODE,
@@ -20,7 +20,7 @@ from app.planning.split import EngineKind
 pytestmark = pytest.mark.unit
 
 LLAMA = ModelParams.named("llama-3.1-8b")
-CHAT = Workload(LengthDist.from_moments(300.0, 1.5), 300.0)
+CHAT = LengthMoments(LengthDist.from_moments(300.0, 1.5), 300.0)
 SLO = SloTargets(ttft_s=0.1, kv_s=0.1, tpot_s=0.03, p_slo=0.9)
 H800, A800, A40, V100 = (EngineKind("H800", 1, 256), EngineKind("A800", 1, 256),
                          EngineKind("A40", 1, 256), EngineKind("V100", 2, 256))

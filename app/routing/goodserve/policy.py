@@ -61,7 +61,7 @@ class JustEnoughPolicy(RoutingPolicy):
         output = bounded_output(request, self.length.expected_output(request))
         cold = self.config.fast_while_cold and not self.length.warm(
             self.config.confidence_quantile)
-        arrival = (ColumnArrival if self.config.vectorised else PlainArrival)(
+        arrival = (ColumnScoring if self.config.vectorised else PerInstanceScoring)(
             self, request, holding, view, now)
         chosen, scored = self._place_confidently(arrival, request, output, cold)
         if chosen is None:
@@ -81,7 +81,7 @@ class JustEnoughPolicy(RoutingPolicy):
         return chosen.instance_id
 
     def _place_confidently(
-        self, arrival: Arrival, request: RouteRequest, output: float, cold: bool
+        self, arrival: ArrivalScoring, request: RouteRequest, output: float, cold: bool
     ) -> tuple[Candidate | None, Any]:
         """Just-enough by the confident length, when it says more than the point
         estimate `output`: (None, None) when there is none or no instance qualifies.
@@ -134,7 +134,7 @@ class JustEnoughPolicy(RoutingPolicy):
         self.budgets.remove(request.request_id)
 
 
-class Arrival(ABC):
+class ArrivalScoring(ABC):
     """One arrival's placement by one scoring path: `place` at an output length as
     often as the policy asks, then record, fall back, or report the fastest."""
 
@@ -163,7 +163,7 @@ class Arrival(ABC):
         headroom to spare (admission control turns away only requests none meets)."""
 
 
-class PlainArrival(Arrival):
+class PerInstanceScoring(ArrivalScoring):
     """Per-instance `Candidate`s (`JustEnoughPlacer`): the reference path."""
 
     def place(self, output_tokens: float, cold: bool = False,
@@ -186,7 +186,7 @@ class PlainArrival(Arrival):
         return any(c.feasible(0.0) for c in scored)
 
 
-class ColumnArrival(Arrival):
+class ColumnScoring(ArrivalScoring):
     """The same rules over instance columns (`vectorised`); each instance is read once
     per arrival, whatever the number of lengths tried."""
 
