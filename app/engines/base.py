@@ -4,11 +4,24 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import ClassVar
 
 from app.config import EngineConfig
-from app.engine_types import EngineRequest, EngineStatus, TokenEvent
+from app.engine_types import EngineRequest, EngineStatus, StructuredOutput, TokenEvent
 
 STATUS_WINDOW = 32  # recent iterations / queue waits kept for status()
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What a backend does beyond generating token ids; the service asks before it
+    routes, so a request no engine can serve is the client's clear 400."""
+
+    kind: str  # what the engines are, as an error message names them
+    logprobs: bool  # token log-probabilities
+    structured_outputs: bool  # grammar-constrained decoding
+    text: bool  # real text, which stop strings and tool parsers read
 
 
 class EngineBackendBase(ABC):
@@ -18,9 +31,16 @@ class EngineBackendBase(ABC):
     (`time.time()`), accept token-ID resumes, abort, and report `EngineStatus`.
     """
 
+    CAPABILITIES: ClassVar[EngineCapabilities]
+
     def __init__(self, engine_id: str, config: EngineConfig) -> None:
         self.engine_id = engine_id
         self.config = config
+
+    @staticmethod
+    def constraint_error(structured: StructuredOutput) -> str | None:
+        """Why this backend cannot decode under `structured` (None: it can)."""
+        return None
 
     @abstractmethod
     async def start(self) -> None:

@@ -7,14 +7,19 @@ from app.config import EngineBackend, EngineConfig
 from app.engines.base import EngineBackendBase
 
 
-def make_backend(engine_id: str, config: EngineConfig) -> EngineBackendBase:
-    """The backend `config.backend` names (vLLM is imported only when used)."""
-    if config.backend == EngineBackend.SIM:
+def backend_class(backend: EngineBackend) -> type[EngineBackendBase]:
+    """The class `backend` names (its module, and vLLM's, imported only when asked)."""
+    if backend == EngineBackend.SIM:
         from app.engines.sim import SimBackend
 
-        return SimBackend(engine_id, config)
-    if config.backend == EngineBackend.VLLM:
+        return SimBackend
+    if backend == EngineBackend.VLLM:
         from app.engines.vllm import VllmBackend
 
-        return VllmBackend(engine_id, config)
-    raise ValueError(f"unknown engine backend {config.backend!r}")
+        return VllmBackend
+    raise ValueError(f"unknown engine backend {backend!r}")
+
+
+def make_backend(engine_id: str, config: EngineConfig) -> EngineBackendBase:
+    """The backend `config.backend` names."""
+    return backend_class(config.backend)(engine_id, config)

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from app.config import EngineConfig
 from app.engine_types import EngineRequest, EngineStatus, TokenEvent
-from app.engines.base import STATUS_WINDOW, EngineBackendBase
+from app.engines.base import STATUS_WINDOW, EngineBackendBase, EngineCapabilities
 from app.sim.engine_core import SimEngineCore, SimSequence
 
 
@@ -27,6 +27,9 @@ def prompt_seed(token_ids: list[int] | tuple[int, ...]) -> int:
 
 class SimBackend(EngineBackendBase):
     """Shared engine model driven in real time; `time_scale` stretches iterations."""
+
+    CAPABILITIES = EngineCapabilities("simulated", logprobs=False, structured_outputs=False,
+                                      text=False)
 
     def __init__(
         self, engine_id: str, config: EngineConfig, clock: Callable[[], float] = time.monotonic

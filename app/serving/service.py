@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from app.engine_types import SamplingSpec, StructuredOutput, TokenEvent
+from app.engines.factory import backend_class
 from app.routing.base import RejectCode
 from app.routing.registry import RoutingOptions, build_routing
 from app.routing.view import RouteRequest
@@ -55,7 +56,7 @@ def make_tokenizer(config: ServeConfig) -> Tokenizer:
     path = config.tokenizer_path or config.engine_template.model_path
     if path is not None:
         return HfTokenizer(path)
-    if not config.is_simulated:
+    if config.engine_capabilities.text:
         raise ValueError("tokenizer_path is required for engines without a local model_path")
     return WordHashTokenizer(config.engine_template.instance.model.vocab_size)
 
@@ -174,6 +175,7 @@ class CompletionService:
         shell follows the controller's registry with it); `metrics` makes the
         router's instruments (Ray's in the Serve shell; none by default)."""
         self.config = config
+        self.engines = backend_class(config.engine_template.backend)  # asked what it can do
         self.tokenizer = tokenizer or make_tokenizer(config)
         predictor = load_length_predictor(config)
         predict, self._close_predictor = make_predict(predictor)
@@ -340,17 +342,15 @@ class CompletionService:
                 "'required', a named function or 'none'", "tool_choice")
         structured = body.structured
         constrained_by = "tools" if chat and body.calls_tools else "response_format"
-        if self.config.is_simulated:
-            if body.num_top_logprobs is not None:
-                raise invalid_request("logprobs: simulated engines compute no token "
-                                      "probabilities", "logprobs")
-            if structured is not None:
-                raise invalid_request(f"{constrained_by}: simulated engines generate no "
-                                      "text to constrain", constrained_by)
-        elif structured is not None:
-            from app.engines.vllm import grammar_error
-
-            error = grammar_error(structured)
+        capabilities = self.engines.CAPABILITIES
+        if body.num_top_logprobs is not None and not capabilities.logprobs:
+            raise invalid_request(f"logprobs: {capabilities.kind} engines compute no token "
+                                  "probabilities", "logprobs")
+        if structured is not None:
+            if not capabilities.structured_outputs:
+                raise invalid_request(f"{constrained_by}: {capabilities.kind} engines "
+                                      "generate no text to constrain", constrained_by)
+            error = self.engines.constraint_error(structured)
             if error is not None:
                 raise invalid_request(f"{constrained_by}: {error}", constrained_by)
         sampling = self._sampling(body, structured)

@@ -189,3 +189,19 @@ def test_one_poll_over_identical_iterations_weighs_them_like_that_many_steps():
     assert polled.estimate(view).prefill_s_per_token == pytest.approx(
         stepped.estimate(view).prefill_s_per_token, rel=1e-9
     )
+
+
+def test_each_backend_says_what_it_can_do():
+    """The service asks the backend class, not the config's backend name."""
+    from app.config import EngineBackend
+    from app.engine_types import StructuredOutput
+    from app.engines.factory import backend_class
+
+    sim, vllm = backend_class(EngineBackend.SIM), backend_class(EngineBackend.VLLM)
+    assert sim is SimBackend
+    assert not (sim.CAPABILITIES.logprobs or sim.CAPABILITIES.structured_outputs
+                or sim.CAPABILITIES.text)
+    assert vllm.CAPABILITIES.logprobs and vllm.CAPABILITIES.structured_outputs
+    assert vllm.CAPABILITIES.text
+    assert vllm.constraint_error(StructuredOutput("regex", "[a-z]+")) is None
+    assert vllm.constraint_error(StructuredOutput("regex", "(unclosed")) is not None

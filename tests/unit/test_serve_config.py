@@ -27,7 +27,7 @@ def test_vllm_model_path_expands_home():
     config = load_serve_config(Path(__file__).resolve().parents[2] / "configs" /
                                "local-vllm-cpu.yaml")
     assert config.engine_template.model_path == str(Path.home() / ".cache/goodserve/tiny-llama")
-    assert config.engine_template.max_model_len == 2048 and not config.is_simulated
+    assert config.engine_template.max_model_len == 2048 and config.engine_capabilities.text
 
 
 @pytest.mark.parametrize(("yaml_text", "message"), [
@@ -56,7 +56,7 @@ def test_default_config_is_the_four_gpu_simulated_cluster():
     from app.serving.config import default_serve_config
 
     config = default_serve_config()
-    assert isinstance(config, ServeConfig) and config.is_simulated
+    assert isinstance(config, ServeConfig) and not config.engine_capabilities.text
     assert [e.instance.name for e in config.cluster.engines()] == ["H800", "A800", "A40",
                                                                    "2xV100"]
 
