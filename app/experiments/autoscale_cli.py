@@ -5,7 +5,6 @@ build on `app.experiments.autoscale`."""
 from __future__ import annotations
 
 import json
-from enum import StrEnum
 from pathlib import Path
 
 import typer
@@ -24,14 +23,9 @@ from app.experiments.autoscale import (
 )
 from app.experiments.autoscale_live import run_both, write_live_outputs
 from app.experiments.calibrate import Calibrator, factors
-from app.experiments.replay import cli_error
+from app.experiments.replay import Backend, cli_error
 from app.routing.registry import RoutingOptions
 from app.workload import LoadShape, load_prompts
-
-
-class Backend(StrEnum):
-    SIM = "sim"
-    LIVE = "live"
 
 
 def autoscale(

@@ -132,13 +132,25 @@ def kill(fault: Fault, url: str, app_name: str) -> str:
         name = busiest_engine(url)
         ray.kill(ray.get_actor(name, namespace=ENGINE_NAMESPACE), no_restart=True)
         return name
-    prefix = f"SERVE_REPLICA::{app_name}#" if fault is Fault.ROUTER else "SERVE_PROXY_ACTOR"
-    names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                   if a["name"].startswith(prefix))
+    prefix = replica_prefix(app_name) if fault is Fault.ROUTER else "SERVE_PROXY_ACTOR"
+    names = actor_names(prefix)
     if not names:
         raise RuntimeError(f"no actor named {prefix}* to kill")
     ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)  # Serve restarts it
     return names[0]
+
+
+def replica_prefix(app_name: str) -> str:
+    """How Ray Serve names the actors of an application's replicas."""
+    return f"SERVE_REPLICA::{app_name}#"
+
+
+def actor_names(prefix: str) -> list[str]:
+    """The live named actors whose name starts with `prefix`, in any namespace, sorted."""
+    import ray
+
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["name"].startswith(prefix))
 
 
 def busiest_engine(url: str, wait_s: float = 10.0) -> str:
@@ -213,12 +225,9 @@ def replica_replaced(killed: str, app_name: str, num_replicas: int,
                      wait_s: float = 60.0) -> bool:
     """Whether Serve runs `num_replicas` router replicas again, none of them `killed`
     (up to `wait_s`)."""
-    import ray
-
     give_up_s = time.monotonic() + wait_s
     while True:
-        names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a["name"].startswith(f"SERVE_REPLICA::{app_name}#")}
+        names = actor_names(replica_prefix(app_name))
         if killed not in names and len(names) >= num_replicas:
             return True
         if time.monotonic() > give_up_s:

@@ -240,7 +240,7 @@ class Flight:
         self.placement.move_to, self.placement.move_reason = target, reason
         self.state = FlightState.MOVING
 
-    def move(self) -> InstanceId:
+    def move(self) -> None:
         """The old stream ended: continue on the asked target by token ids."""
         self._leave(FlightState.MOVING)
         target = self.placement.move_to
@@ -248,7 +248,6 @@ class Flight:
         self.placement.move_to = None
         self.placement.num_migrations += 1
         self._resubmit_on(target)
-        return target
 
     def fail_over(self, target: InstanceId) -> None:
         """Its engine failed: continue on `target`, by token ids when it can, else from

@@ -148,9 +148,12 @@ class OwnLoad:
         self._keys: dict[str, tuple[InstanceId, bool]] = {}  # where each flight is counted
 
     def update(self, flight: Flight) -> None:
-        """Count the flight where it is now, as running or waiting."""
-        self.remove(flight)
+        """Count the flight where it is now, as running or waiting (a no-op when that
+        has not changed: every token batch asks)."""
         key = (flight.instance_id, flight.is_running)
+        if self._keys.get(flight.request_id) == key:
+            return
+        self.remove(flight)
         self._keys[flight.request_id] = key
         self._flights.setdefault(key, {})[flight.request_id] = flight
 
@@ -585,12 +588,17 @@ class LiveRouter:
         else:
             self._num_migrations += 1
         self.metrics.migrated(reason)
-        self._release_kv(flight)
         target = flight.placement.move_to
         assert target is not None
-        self.instances[target].remember_prefix(flight.route.block_hashes)
+        self._leave_for(flight, target)
         flight.move()
         self._recount(flight)
+
+    def _leave_for(self, flight: Flight, target: InstanceId) -> None:
+        """Before a flight is submitted again on `target` (a move or a fail-over): the
+        hand-off's KV is freed, and `target` will hold the prompt's blocks."""
+        self._release_kv(flight)
+        self.instances[target].remember_prefix(flight.route.block_hashes)
 
     def _fail_over(self, flight: Flight, why: str) -> None:
         """Continue on another instance by token ids, or give up with `EngineLost`."""
@@ -608,8 +616,7 @@ class LiveRouter:
                              f"and no other can continue it: {exc}") from None
         self._num_failovers += 1
         self.metrics.migrated(MigrationReason.FAILURE)
-        self._release_kv(flight)
-        self.instances[target].remember_prefix(flight.route.block_hashes)
+        self._leave_for(flight, target)
         flight.fail_over(target)
         self._recount(flight)
 
