@@ -29,7 +29,8 @@ from app.engine_types import EngineRequest, EngineStatus, TokenEvent
 from app.serving.api import openapi_request_bodies
 from app.serving.auth import Access
 from app.serving.config import ServeConfig
-from app.serving.router import EngineClient, LiveRouter
+from app.serving.instances import EngineClient
+from app.serving.live_router import LiveRouter
 from app.serving.service import CompletionService, JsonReply
 from deployments.cluster import ENGINE_NAMESPACE, EngineHandle, engine_ids
 from deployments.controller import controller_for, stop_controller

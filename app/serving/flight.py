@@ -19,12 +19,14 @@ keeps its load counts by `Flight.is_running` after each transition.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from typing import Protocol
 
 from app.engine_types import EngineRequest, SamplingSpec, TokenLogprobs
 from app.routing.view import InstanceId, RouteRequest
-from app.serving.tokenizer import OutputText
+from app.serving.tokenizer import StopHit
 from app.telemetry import MigrationReason
 
 
@@ -41,6 +43,19 @@ class GenerationRequest:
     task: str | None = None
     streamed: bool = False  # the client sees tokens as they come (a rerun must match them)
     session_id: str | None = None  # the agent session (conversation) it continues
+
+
+class OutputHook(Protocol):
+    """Output processing given at submit (the service's `OutputText`: stop strings, stop
+    token ids, text). It sees every token the client is sent, on whichever engine it
+    ran, and says where a stop ends the output ("stop at token k"); the router keeps the
+    tokens through k and aborts the engine request, nothing more."""
+
+    def observe(self, token_ids: Sequence[int]) -> StopHit | None:
+        """Take new output tokens; where a stop ends the output among them."""
+
+    def reset(self) -> None:
+        """Forget the output (the request starts over, unseen)."""
 
 
 class FlightState(StrEnum):
@@ -96,7 +111,7 @@ class OutputLog:
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     # the client's view of the output: stop strings and stop token ids end it here, on
     # whichever engine the tokens came from (None: only the engine ends it)
-    text: OutputText | None = None
+    text: OutputHook | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     replaying: bool = False  # running again from the start: the tokens sent must come again
     first_token_s: float | None = None
@@ -129,7 +144,7 @@ class Flight:
     @classmethod
     def routed(cls, request: GenerationRequest, route: RouteRequest, target: InstanceId,
                prefill: InstanceId | None = None, disaggregated: bool = False,
-               text: OutputText | None = None) -> Flight:
+               text: OutputHook | None = None) -> Flight:
         """A placed request: on its prefill engine first when it has one."""
         return cls(request, route, Placement([target], prefill_instance_id=prefill),
                    KvDelivery() if disaggregated else None, OutputLog(text=text),

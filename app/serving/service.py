@@ -38,9 +38,10 @@ from app.serving.api import (
 from app.serving.auth import Access, ApiKeys, RateLimiter
 from app.serving.config import ServeConfig
 from app.serving.flight import Flight, GenerationRequest
+from app.serving.instances import EngineClient
 from app.serving.kv_transfer import ConnectorTransport, KvTransport, SimulatedLink
+from app.serving.live_router import EngineLost, LiveRouter, Predict, RequestRejected
 from app.serving.logprobs import LogprobsFormatter
-from app.serving.router import EngineClient, EngineLost, LiveRouter, Predict, RequestRejected
 from app.serving.tokenizer import HfTokenizer, OutputText, Tokenizer, WordHashTokenizer
 from app.serving.tools import ToolCallReader, ToolParsing, tool_call_reader
 from app.telemetry import MetricFactory, NullFactory, RouterMetrics
@@ -117,7 +118,7 @@ class ChoiceStream:
     def chunk(self, meta: ResponseMeta, batch_finished: bool) -> dict[str, Any] | None:
         """The chunk for the tokens since the last one (None: nothing to show yet)."""
         output = self.flight.output
-        assert output.text is not None
+        assert isinstance(output.text, OutputText)
         final = output.finish_reason is not None and batch_finished
         start, self.num_sent = self.num_sent, len(output.token_ids)
         text = output.text.delta(final)
@@ -477,7 +478,7 @@ class CompletionService:
         choices = []
         for index, (flight, reader) in enumerate(zip(flights, readers, strict=True)):
             output = flight.output
-            assert output.text is not None
+            assert isinstance(output.text, OutputText)
             text, tool_calls = output.text.text, None
             finish_reason = output.finish_reason or "stop"
             if reader is not None:

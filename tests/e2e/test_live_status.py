@@ -13,7 +13,7 @@ from app.engine_types import SamplingSpec
 from app.routing.registry import build_routing
 from app.routing.status import StatusEstimator
 from app.serving.flight import GenerationRequest
-from app.serving.router import LiveRouter
+from app.serving.live_router import LiveRouter
 from deployments.cluster import EngineHandle
 from deployments.router import ActorEngineClient
 

@@ -21,7 +21,7 @@ from app.serving.flight import (
     GenerationRequest,
     InvalidTransition,
 )
-from app.serving.router import EngineLost
+from app.serving.live_router import EngineLost
 from app.telemetry import MigrationReason
 from tests.unit.test_live_router import PROMPT, ScriptedEngine, request, started, token_of
 

@@ -30,8 +30,9 @@ from app.routing.registry import RoutingStack, build_routing
 from app.routing.view import ClusterView, InstanceId
 from app.serving.config import ServeConfig
 from app.serving.flight import FlightState, GenerationRequest
+from app.serving.instances import EngineClient
 from app.serving.kv_transfer import ConnectorTransport, KvHandoff, KvTransport, SimulatedLink
-from app.serving.router import EngineClient, EngineLost, LiveRouter, RequestRejected
+from app.serving.live_router import EngineLost, LiveRouter, RequestRejected
 from app.serving.service import CompletionService, JsonReply
 from app.serving.tokenizer import OutputText, Tokenizer, WordHashTokenizer
 from app.telemetry import RouterMetrics
@@ -104,7 +105,7 @@ def assert_load_matches_flights(router: LiveRouter) -> None:
         mine = [f for f in router.flights.values() if f.instance_id == inst.instance_id]
         running = sum(f.is_running for f in mine)
         assert (inst.num_running, inst.num_waiting) == (running, len(mine) - running)
-        on = router._load.flights_on(inst.instance_id)  # what the watchdog checks there
+        on = router.tracker.load.flights_on(inst.instance_id)  # what the watchdog checks there
         assert sorted(f.request_id for f in on) == sorted(f.request_id for f in mine)
 
 

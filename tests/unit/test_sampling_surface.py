@@ -29,8 +29,8 @@ from app.serving.api import (
 )
 from app.serving.flight import FlightState, GenerationRequest
 from app.serving.kv_transfer import SimulatedLink
+from app.serving.live_router import EngineLost
 from app.serving.logprobs import LogprobsFormatter
-from app.serving.router import EngineLost
 from app.serving.tokenizer import OutputText, Tokenizer
 from tests.unit.test_live_router import (
     PROMPT,

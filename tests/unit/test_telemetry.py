@@ -15,7 +15,7 @@ from app.control.plan import EngineRecord, EngineState, PlanDiff
 from app.planning.inventory import PoolTargets, Stock
 from app.planning.split import EngineKind
 from app.routing.registry import build_routing
-from app.serving.router import EngineLost, LiveRouter, RequestRejected
+from app.serving.live_router import EngineLost, LiveRouter, RequestRejected
 from app.telemetry import ControllerMetrics, MigrationReason, Outcome, RouterMetrics
 from deployments.dashboards import DASHBOARDS, GRAFANA_DIR, all_queries, dashboard_json
 from tests.unit.metrics_utils import RecordingFactory

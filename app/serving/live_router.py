@@ -10,8 +10,9 @@ policy and watchdog objects the simulator runs:
 - `stream` relays the engine's tokens; when the watchdog (or an operator) moves the
   request, or its engine fails, it continues on the new instance by token ids
   (prompt + generated so far), so the client sees one uninterrupted stream;
-- a poll loop feeds engine reports to the status estimator and runs the watchdog
-  every `tau` iterations of an instance.
+- a poll loop (`InstanceTracker`, app/serving/instances.py) feeds engine reports to
+  the status estimator, and the router runs the watchdog every `tau` iterations of an
+  instance.
 Instance load (running / waiting) comes from the router's own bookkeeping (counts
 kept as flights change), which is current at every decision; polled reports supply
 speeds and KV. Prefix hits come from a router-side LRU of the block hashes it sent
@@ -26,55 +27,34 @@ import asyncio
 import logging
 import math
 import time
-from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 
-from app.config import EngineConfig, EngineRole
+from app.config import EngineRole
 from app.control.fleet import Member
 from app.control.observe import LoadReport
-from app.control.plan import EngineState
-from app.engine_types import (
-    EngineRequest,
-    EngineStatus,
-    TokenEvent,
-)
-from app.engines.prefix import PREFIX_BLOCK_SIZE, PrefixCache, prefix_block_hashes
-from app.hardware import InstanceSpec
+from app.engine_types import TokenEvent
+from app.engines.prefix import prefix_block_hashes
 from app.routing.base import ActiveRequest, Reject, RejectCode
 from app.routing.disaggregated import DisaggregatedPlacer, LeastTtftPolicy
 from app.routing.registry import RoutingStack
 from app.routing.status import StatusEstimator
-from app.routing.view import ClusterView, FinishReport, InstanceId, InstanceView, RouteRequest
-from app.serving.flight import Flight, FlightState, GenerationRequest, InvalidTransition
+from app.routing.view import ClusterView, FinishReport, InstanceId, RouteRequest
+from app.serving.flight import (
+    Flight,
+    FlightState,
+    GenerationRequest,
+    InvalidTransition,
+    OutputHook,
+)
+from app.serving.instances import EngineClient, InstanceTracker, LiveInstance
 from app.serving.kv_transfer import KvTransport
-from app.serving.tokenizer import OutputText
 from app.telemetry import MigrationReason, NullFactory, Outcome, RouterMetrics
 
 logger = logging.getLogger(__name__)
 
 ABORTED = "abort"  # finish reason of a stream we ended ourselves (migration, disconnect)
 MOVABLE = frozenset({FlightState.QUEUED, FlightState.RUNNING})  # what a migration may move
-
-
-class EngineClient(ABC):
-    """Transport to one engine: what the router needs and nothing else."""
-
-    def __init__(self, engine_id: str, config: EngineConfig) -> None:
-        self.engine_id = engine_id
-        self.config = config
-
-    @abstractmethod
-    def generate(self, request: EngineRequest) -> AsyncIterator[list[TokenEvent]]:
-        """Stream the request's tokens, a batch per engine iteration."""
-
-    @abstractmethod
-    async def abort(self, request_id: str) -> bool:
-        """Stop a request on the engine; True if it was there."""
-
-    @abstractmethod
-    async def status(self) -> EngineStatus:
-        """The engine's black-box report."""
 
 
 class RequestRejected(Exception):
@@ -87,90 +67,6 @@ class RequestRejected(Exception):
 
 class EngineLost(Exception):
     """A request's engine failed and no other instance could take it over."""
-
-
-@dataclass(eq=False)
-class LiveInstance:
-    client: EngineClient
-    spec: InstanceSpec
-    status: EngineStatus | None = None
-    healthy: bool = False  # reachable at the last poll
-    watched_epoch: int = 0  # num_iterations // tau at the last watchdog check
-    prefixes: PrefixCache | None = None  # block hashes sent here; sized at the first report
-    # what other router replicas had running / waiting here at the last poll
-    others_running: int = 0
-    others_waiting: int = 0
-    draining: bool = False  # out of the registry's serving set: takes no new request
-    left: bool = False  # gone from the registry: forgotten once nothing of ours is on it
-
-    def remember_prefix(self, block_hashes: Sequence[int]) -> None:
-        if self.prefixes is not None:
-            self.prefixes.insert(block_hashes, PREFIX_BLOCK_SIZE)
-
-    def update(self, status: EngineStatus, own_outstanding: int) -> None:
-        """Take a report; the engine's requests beyond this router's own
-        (`own_outstanding`) belong to other replicas, and count as waiting first
-        when the engine has a queue."""
-        self.status, self.healthy = status, True
-        others = max(status.num_running + status.num_waiting - own_outstanding, 0)
-        self.others_waiting = min(others, status.num_waiting)
-        self.others_running = others - self.others_waiting
-        if self.prefixes is None:
-            blocks = status.num_kv_blocks_used + status.num_kv_blocks_free
-            self.prefixes = PrefixCache(blocks * self.client.config.scheduler.block_size)
-
-    @property
-    def instance_id(self) -> InstanceId:
-        return self.client.engine_id
-
-    def reported_view(self) -> InstanceView:
-        """The instance as its latest report shows it (the router adds its own load)."""
-        assert self.status is not None
-        sched = self.client.config.scheduler
-        return InstanceView.from_status(self.status, self.spec, sched.block_size,
-                                        sched.max_num_seqs)
-
-    @property
-    def tags(self) -> dict[str, str]:
-        """The instance's metric tags."""
-        config = self.client.config
-        return {"instance": self.instance_id, "gpu_type": config.gpu_type,
-                "role": config.role.value}
-
-
-class OwnLoad:
-    """This router's flights per instance, split into running and waiting, kept as
-    they change (the views read the counts at every decision and every poll; the
-    watchdog reads one instance's flights at each of its checks)."""
-
-    def __init__(self) -> None:
-        self._flights: dict[tuple[InstanceId, bool], dict[str, Flight]] = {}
-        self._keys: dict[str, tuple[InstanceId, bool]] = {}  # where each flight is counted
-
-    def update(self, flight: Flight) -> None:
-        """Count the flight where it is now, as running or waiting (a no-op when that
-        has not changed: every token batch asks)."""
-        key = (flight.instance_id, flight.is_running)
-        if self._keys.get(flight.request_id) == key:
-            return
-        self.remove(flight)
-        self._keys[flight.request_id] = key
-        self._flights.setdefault(key, {})[flight.request_id] = flight
-
-    def remove(self, flight: Flight) -> None:
-        key = self._keys.pop(flight.request_id, None)
-        if key is not None:
-            del self._flights[key][flight.request_id]
-
-    def running(self, instance_id: InstanceId) -> int:
-        return len(self._flights.get((instance_id, True), ()))
-
-    def waiting(self, instance_id: InstanceId) -> int:
-        return len(self._flights.get((instance_id, False), ()))
-
-    def flights_on(self, instance_id: InstanceId) -> list[Flight]:
-        return [f for running in (True, False)
-                for f in self._flights.get((instance_id, running), {}).values()]
 
 
 @dataclass(frozen=True)
@@ -220,9 +116,6 @@ class LiveRouter:
         for x in (stack.policy, stack.watchdog):
             if x is not None and x.needs_true_output_length:
                 raise ValueError(f"{type(x).__name__} needs true output lengths (simulator only)")
-        self.instances = {c.engine_id: LiveInstance(c, c.config.instance) for c in clients}
-        if len(self.instances) != len(clients):
-            raise ValueError("engine ids must be unique")
         self.policy = stack.policy
         self.watchdog = stack.watchdog
         self.pd_placer: DisaggregatedPlacer | None = None
@@ -238,12 +131,13 @@ class LiveRouter:
         self._listeners = list({id(x): x for x in present}.values())
         self.metrics = metrics or RouterMetrics(NullFactory())
         self.clock = clock
+        self.tracker = InstanceTracker(clients, estimator=self.estimator,
+                                       listeners=self._listeners, metrics=self.metrics,
+                                       clock=clock, status_timeout_s=status_timeout_s)
         self.predict = predict
         self.poll_interval_s = poll_interval_s
-        self.status_timeout_s = status_timeout_s
         self.max_failovers = max_failovers
         self.flights: dict[str, Flight] = {}  # request_id -> flight
-        self._load = OwnLoad()  # the flights' instances and states, counted
         self._poll_task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
         self._num_routed = self._num_rejected = self._num_finished = self._num_dropped = 0
@@ -271,83 +165,35 @@ class LiveRouter:
                 logger.exception("status poll failed")
 
     async def poll_once(self) -> None:
-        await asyncio.gather(*(self._poll(inst) for inst in self.instances.values()))
+        await asyncio.gather(*(self._poll(inst) for inst in self.tracker.instances.values()))
 
     async def _poll(self, inst: LiveInstance) -> None:
-        try:
-            status = await asyncio.wait_for(inst.client.status(), self.status_timeout_s)
-        except Exception as exc:
-            if inst.healthy:
-                logger.warning("engine %s unreachable: %s", inst.instance_id, exc)
-            inst.healthy = False
-            self.metrics.instance_state(inst.tags, {"healthy": 0.0})
-            return
-        iid = inst.instance_id
-        previous = inst.status
-        inst.update(status, self._load.running(iid) + self._load.waiting(iid))
-        now = self.clock()
-        for listener in self._listeners:
-            listener.on_status(status, now)
-        self._export_instance(inst, previous, now)
-        self._watch(inst, now)
+        """Take the instance's report, then run the watchdog over it when it is due."""
+        if await self.tracker.poll(inst):
+            self._watch(inst, self.clock())
 
-    def _export_instance(self, inst: LiveInstance, previous: EngineStatus | None,
-                         now: float) -> None:
-        """The instance's gauges: its load, KV, iteration rate and what the status
-        estimator makes of it (q_g, p_g, d_g for a request joining now)."""
-        status = inst.status
-        assert status is not None
-        rate = 0.0
-        if previous is not None and status.time_s > previous.time_s:
-            rate = (status.num_iterations - previous.num_iterations) / (
-                status.time_s - previous.time_s)
-        estimate = self.estimator.estimate(inst.reported_view(), now)
-        self.metrics.instance_state(inst.tags, {
-            "queue_delay_seconds": estimate.queue_delay_s,
-            "prefill_seconds_per_token": estimate.prefill_s_per_token,
-            "decode_seconds_per_token": estimate.decode_s_per_token,
-            "running": status.num_running,
-            "waiting": status.num_waiting,
-            "kv_usage": status.kv_usage,
-            "iterations_per_second": rate,
-            "healthy": 1.0,
-        })
+    @property
+    def instances(self) -> dict[InstanceId, LiveInstance]:
+        """The engines this router knows, by id."""
+        return self.tracker.instances
 
-    # ---- views -----------------------------------------------------------------
     def view(self, now: float, exclude: frozenset[InstanceId] = frozenset(),
              role: EngineRole | None = None) -> ClusterView:
-        """The healthy instances (of `role`, default the serving role: unified or
-        decode) with their latest reports and their load: this
-        router's requests, current at every decision, plus what other router replicas
-        had there at the last poll (routing on its own requests alone, each replica
-        would see an instance the others fill as idle)."""
-        role = role or self.serve_role
-        views = []
-        for iid, inst in self.instances.items():
-            if (not inst.healthy or inst.status is None or iid in exclude or inst.draining
-                    or inst.client.config.role != role):
-                continue
-            views.append(replace(inst.reported_view(),
-                                 num_running=self._load.running(iid) + inst.others_running,
-                                 num_waiting=self._load.waiting(iid) + inst.others_waiting))
-        return ClusterView(now, tuple(views), self._prefix_blocks)
+        """The healthy instances routing may pick (of `role`, default the serving role:
+        unified or decode), with this router's load there current."""
+        return self.tracker.view(now, role or self.serve_role, exclude)
 
     def _recount(self, flight: Flight) -> None:
         """Keep the load counts true after a transition of a flight we track."""
         if self.flights.get(flight.request_id) is flight:
-            self._load.update(flight)
-
-    def _prefix_blocks(self, instance_id: InstanceId, hashes: Sequence[int]) -> int:
-        """Leading prompt blocks this router has sent the instance (and not yet aged out)."""
-        prefixes = self.instances[instance_id].prefixes
-        return 0 if prefixes is None else prefixes.peek(hashes)
+            self.tracker.load.update(flight)
 
     # ---- routing -----------------------------------------------------------------
-    async def submit(self, request: GenerationRequest, text: OutputText | None = None) -> Flight:
+    async def submit(self, request: GenerationRequest, text: OutputHook | None = None) -> Flight:
         """Route a request; raises `RequestRejected` with the reason when it is not served.
 
         `text` is the client's view of the output (stop strings and stop token ids end it
-        there); without one only the engine ends it."""
+        where it says); without one only the engine ends it."""
         if request.request_id in self.flights:
             raise ValueError(f"duplicate request id {request.request_id}")
         route = RouteRequest(
@@ -379,7 +225,7 @@ class LiveRouter:
         for iid in {prefill or target, target}:
             self.instances[iid].remember_prefix(route.block_hashes)
         self.flights[request.request_id] = flight
-        self._load.update(flight)
+        self.tracker.load.update(flight)
         self._num_routed += 1
         return flight
 
@@ -625,7 +471,7 @@ class LiveRouter:
         or lost (its engine failed) on the way, then abort what its engine still runs."""
         self._release_kv(flight)
         if self.flights.get(flight.request_id) is flight:
-            self._load.remove(flight)
+            self.tracker.load.remove(flight)
             del self.flights[flight.request_id]
         now = self.clock()
         output = flight.output
@@ -652,7 +498,7 @@ class LiveRouter:
             for listener in self._listeners:
                 listener.on_drop(flight.route, now)
         used = [*flight.placement.instance_ids, flight.placement.prefill_instance_id]
-        self._forget_left([iid for iid in used if iid is not None])
+        self.tracker.forget_left([iid for iid in used if iid is not None])
 
     def cancel(self, flight: Flight) -> None:
         """End a flight whose stream will never be read (a sibling choice was refused)."""
@@ -678,7 +524,7 @@ class LiveRouter:
         if epoch <= inst.watched_epoch:
             return
         inst.watched_epoch = epoch
-        mine = [f for f in self._load.flights_on(inst.instance_id)
+        mine = [f for f in self.tracker.load.flights_on(inst.instance_id)
                 if f.state in MOVABLE and f.resumable]
         if not mine:
             return
@@ -746,37 +592,19 @@ class LiveRouter:
     # ---- membership -------------------------------------------------------------------
     def follow(self, members: Sequence[Member],
                make_client: Callable[[Member], EngineClient]) -> None:
-        """Take a new registry: new engines join (routable after their first report),
-        draining ones take no new request (at once) and have their requests moved
-        when asked to evacuate, and engines gone from it are forgotten once no
-        request of this router is on them."""
-        listed = {m.engine_id: m for m in members}
-        for engine_id, member in listed.items():
-            if engine_id not in self.instances:
-                inst = LiveInstance(make_client(member), member.config.instance)
-                self.instances[engine_id] = inst
-                self._spawn(self._poll(inst))
-        for engine_id, inst in self.instances.items():
-            member = listed.get(engine_id)
-            inst.draining = member is None or member.state is not EngineState.ACTIVE
-            inst.left = member is None
+        """Take a new registry (`InstanceTracker.follow`), poll the engines that joined,
+        and move the requests off engines the registry asks to evacuate."""
+        for inst in self.tracker.follow(members, make_client):
+            self._spawn(self._poll(inst))
         for member in members:
             if member.evacuate:
                 self._evacuate(member.engine_id)
-        self._forget_left(list(self.instances))
+        self.tracker.forget_left(list(self.instances))
 
     def _evacuate(self, instance_id: InstanceId) -> None:
-        for flight in self._load.flights_on(instance_id):
+        for flight in self.tracker.load.flights_on(instance_id):
             try:
                 self.migrate(flight.request_id, reason=MigrationReason.DRAIN)
             except ValueError as exc:  # nowhere to go: it finishes where it is
                 logger.info("request %s stays on draining %s: %s", flight.request_id,
                             instance_id, exc)
-
-    def _forget_left(self, instance_ids: Sequence[InstanceId]) -> None:
-        """Drop instances that left the registry once no flight of ours is on them."""
-        for iid in set(instance_ids):
-            inst = self.instances.get(iid)
-            if (inst is not None and inst.draining and inst.left
-                    and not self._load.flights_on(iid)):
-                del self.instances[iid]
