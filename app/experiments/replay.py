@@ -23,6 +23,7 @@ from app.config import ClusterConfig, load_cluster_config
 from app.knob_cli import knob_options
 from app.routing.goodserve import GoodServeConfig, goodserve_knobs, stall_factor_label
 from app.routing.length import OutputLengthEstimator, PredictorLength
+from app.routing.move_path import MoveRule
 from app.routing.registry import (
     POLICY_REGISTRY,
     SIM_ONLY,
@@ -466,12 +467,19 @@ def replay(
         typer.Option(help="directory from `goodserve predictor train`: GoodServe uses its "
                      "MoE (default: a running history of finished lengths)"),
     ] = None,
+    move_path: Annotated[
+        MoveRule | None,
+        typer.Option(help="how migrations reach their target: cheaper | token-ids | kv "
+                     "(default: the cluster config's move_path)")] = None,
     goodserve: GoodServeConfig = GoodServeConfig(),
 ) -> None:
     """Replay a trace against routing policies and SLO scales; write results to --out."""
     try:
+        cluster_config = load_cluster_config(cluster)
+        if move_path is not None:
+            cluster_config = cluster_config.model_copy(update={"move_path": move_path})
         spec = ReplaySpec(
-            cluster=load_cluster_config(cluster),
+            cluster=cluster_config,
             policies=parse_policies(policies),
             slo_scales=parse_scales(slo_scales),
             seed=seed,
@@ -503,6 +511,7 @@ def replay(
         "arrivals": workload.name if arrivals != Arrivals.TRACE else arrivals.value,
         "rate_rps": rate, "requests": len(workload),
         "duration_s": workload.duration_s, "seed": seed, "slo_reference": slo_reference_gpu,
+        "move_path": spec.cluster.move_path.value, "kv_link_gbps": spec.cluster.kv_link_gbps,
         "predictor": predictor or "running history", **goodserve_knobs(goodserve),
         "stall_factor": stall_factor_label(goodserve.stall_factor),
     }

@@ -17,6 +17,7 @@ from app.engine_types import RequestStatus, TokenEvent
 from app.kv_link import KvLink
 from app.routing.base import ActiveRequest, Reject, RoutingPolicy, StepListener, Watchdog
 from app.routing.disaggregated import DisaggregatedPlacer, LeastTtftPolicy
+from app.routing.move_path import MovePath, MoveRule, plan_move
 from app.routing.view import FinishReport, InstanceId, RouteRequest, StepReport
 from app.sessions import StepReleases
 from app.sim.engine_core import ScheduledStep, SimSequence
@@ -87,6 +88,7 @@ class SimCluster:
         max_ongoing_requests: int | None,
         seed: int,
         elastic: ElasticPools | None = None,
+        move_rule: MoveRule = MoveRule.CHEAPER,
     ) -> None:
         self.pools = build_pools(setups)
         self.elastic = elastic
@@ -99,7 +101,8 @@ class SimCluster:
         self.requests = releases.requests
         self.policy = policy
         self.watchdog = watchdog
-        self.link = KvLink(kv_link_gbps)
+        self.link = KvLink(kv_link_gbps)  # P->D hand-offs and KV moves share it
+        self.move_rule = move_rule
         self.pd_placer = (DisaggregatedPlacer(prefill_policy, policy, self.link)
                           if self.disaggregated and prefill_policy is not None else None)
         self.max_ongoing_requests = max_ongoing_requests
@@ -292,7 +295,9 @@ class SimCluster:
         if inst.role == EngineRole.PREFILL and token.index + 1 < record.num_output_tokens:
             num_bytes = flight.work.num_prompt_tokens * inst.spec.model.kv_bytes_per_token
             flight.instance = None  # in transit to its decode instance
-            events.append(KvTransferDoneEvent(self.link.enqueue(now, num_bytes), flight))
+            assert flight.decode_target is not None
+            events.append(KvTransferDoneEvent(self.link.enqueue(now, num_bytes), flight,
+                                              flight.decode_target, 1))
         else:
             self._finish(flight, inst, now)
             if self.releases.closed_loop:
@@ -327,11 +332,12 @@ class SimCluster:
         for listener in self.step_listeners:
             listener.on_step(inst.instance_id, report, now)
 
-    def transfer_done(self, flight: SimFlight, now: float) -> list[Event]:
-        """KV arrived: the decode instance continues from the first token without prefill."""
-        assert flight.decode_target is not None
-        flight.decode_target.inbound -= 1
-        return self._admit(flight, flight.decode_target, now, num_resumed=1, skip_prefill=True)
+    def transfer_done(self, flight: SimFlight, target: SimInstance, num_resumed: int,
+                      now: float) -> list[Event]:
+        """KV arrived (a P->D hand-off or a KV move): the target continues from the
+        `num_resumed` tokens generated so far without computing the context."""
+        target.inbound -= 1
+        return self._admit(flight, target, now, num_resumed=num_resumed, skip_prefill=True)
 
     @property
     def finished(self) -> bool:
@@ -371,7 +377,9 @@ class SimCluster:
     def migrate(
         self, src: SimInstance, request_id: str, target_id: str, now: float
     ) -> list[Event]:
-        """Abort on the source, re-add on the target with the generated tokens as prompt."""
+        """Abort on the source and continue on the target, by the path `plan_move`
+        takes: re-added with the generated tokens as prompt (token ids), or after its
+        KV crossed the link (the source is alive, so its KV is reachable)."""
         pool = self.pools[src.role]
         target = pool.lookup(target_id, "migration")
         seq = src.core.requests.get(request_id)
@@ -379,12 +387,27 @@ class SimCluster:
             raise ValueError(f"cannot migrate {request_id} from {src.instance_id} to {target_id}")
         flight = self.flights[request_id]
         num_generated = seq.num_output_tokens
-        if not target.fits(flight.work.num_prompt_tokens + num_generated):
+        context = flight.work.num_prompt_tokens + num_generated
+        if not target.fits(context):
             raise ValueError(f"{target_id} cannot hold migrated request {request_id}")
+        work = flight.work
+        cached = min(target.core.prefix_cache.peek(work.block_hashes) * work.hash_block_size,
+                     work.num_prompt_tokens)
+        plan = plan_move(target.spec, context, cached, self.link, now, kv_reachable=True,
+                         rule=self.move_rule)
         src.core.abort_request(request_id)
         pool.mark_dirty(src)
-        flight.record.num_migrations += 1
-        return self._admit(flight, target, now, num_resumed=num_generated)
+        record = flight.record
+        record.num_migrations += 1
+        if plan.path is MovePath.TOKEN_IDS:
+            return self._admit(flight, target, now, num_resumed=num_generated)
+        done_s = self.link.enqueue(now, plan.num_kv_bytes)
+        record.num_kv_moves += 1
+        record.kv_moved_bytes += plan.num_kv_bytes
+        record.kv_move_s += done_s - now
+        flight.instance = None  # in transit to the target
+        target.inbound += 1
+        return [KvTransferDoneEvent(done_s, flight, target, num_generated)]
 
     # ---- end of run --------------------------------------------------------------
     def finalize(self, now: float) -> list[RequestRecord]:

@@ -79,13 +79,16 @@ class StepEndEvent(Event):
 
 @dataclass(frozen=True, eq=False)
 class KvTransferDoneEvent(Event):
-    """A prompt's KV reached its decode instance (disaggregated mode)."""
+    """A request's KV reached its target: a prompt's at its decode instance
+    (disaggregated mode, `num_resumed` 1), or a moved request's context."""
 
     KIND = EventKind.KV_TRANSFER_DONE
     flight: SimFlight
+    target: SimInstance
+    num_resumed: int  # output tokens generated before the transfer
 
     def handle(self, cluster: SimCluster) -> list[Event]:
-        return cluster.transfer_done(self.flight, self.time_s)
+        return cluster.transfer_done(self.flight, self.target, self.num_resumed, self.time_s)
 
 
 @dataclass(frozen=True, eq=False)

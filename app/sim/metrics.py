@@ -31,6 +31,7 @@ class RunSummary:
     mean_e2e_s: float
     p50_ttft_s: float
     migrations: int
+    kv_moves: int  # migrations that carried their KV
     duration_s: float
 
     def as_row(self) -> dict[str, Any]:
@@ -66,5 +67,6 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> RunSummary
         mean_e2e_s=float(np.mean(e2e)) if e2e else math.nan,
         p50_ttft_s=_quantile(ttft, 0.5),
         migrations=sum(r.num_migrations for r in records),
+        kv_moves=sum(r.num_kv_moves for r in records),
         duration_s=duration_s,
     )

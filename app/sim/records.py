@@ -34,6 +34,9 @@ class RequestRecord:
     instance_ids: list[str] = field(default_factory=list)  # decode/unified, in visit order
     prefill_instance_id: str | None = None  # disaggregated mode only
     num_migrations: int = 0
+    num_kv_moves: int = 0  # migrations that carried the KV (the rest went by token ids)
+    kv_moved_bytes: float = 0.0
+    kv_move_s: float = 0.0  # time the KV moves took on the link, queueing included
     outcome: RequestOutcome = RequestOutcome.PENDING
     reject_reason: str | None = None
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from app.config import ClusterConfig
 from app.routing.base import RoutingPolicy, Watchdog
 from app.routing.disaggregated import LeastTtftPolicy
+from app.routing.move_path import MoveRule
 from app.sessions import StepReleases
 from app.sim.cluster import SimCluster
 from app.sim.elastic import ElasticPools, ElasticStats
@@ -68,6 +69,7 @@ class Simulator:
         max_drain_s: float | None = None,
         seed: int = 0,
         elastic: ElasticPools | None = None,
+        move_rule: MoveRule = MoveRule.CHEAPER,
     ) -> None:
         """
         prefill_policy: disaggregated mode only; picks the prefill instance (default:
@@ -79,6 +81,8 @@ class Simulator:
             then count as violated (None: run until every request is done).
         elastic: a scaler resizes the pools every interval (the instances given are
             the initial pools); single use, like the policies.
+        move_rule: how migrations reach their target (token ids, KV over the link, or
+            the cheaper of the two per move).
         """
         if max_ongoing_requests is not None and max_ongoing_requests < 1:
             raise ValueError(f"max_ongoing_requests must be >= 1, got {max_ongoing_requests}")
@@ -93,12 +97,15 @@ class Simulator:
         self.max_drain_s = max_drain_s
         self.seed = seed
         self.elastic = elastic
+        self.move_rule = move_rule
 
     @classmethod
     def from_config(
         cls, cluster: ClusterConfig, policy: RoutingPolicy, **kwargs
     ) -> Simulator:
-        return cls(setups_from_config(cluster), policy, kv_link_gbps=cluster.kv_link_gbps, **kwargs)
+        kwargs.setdefault("move_rule", cluster.move_path)
+        return cls(setups_from_config(cluster), policy, kv_link_gbps=cluster.kv_link_gbps,
+                   **kwargs)
 
     def run(
         self,
@@ -142,6 +149,7 @@ class Simulator:
             max_ongoing_requests=self.max_ongoing_requests,
             seed=self.seed,
             elastic=self.elastic,
+            move_rule=self.move_rule,
         )
 
     def _loop(

@@ -7,7 +7,15 @@ import csv
 import pytest
 
 from app.hardware import make_instance
-from benchmarks.migration_cost import LINKS_GBPS, TARGETS, modelled_costs, write
+from benchmarks.migration_cost import (
+    LINKS_GBPS,
+    TARGETS,
+    CostRow,
+    crossover_text,
+    crossovers,
+    modelled_costs,
+    write,
+)
 
 pytestmark = pytest.mark.scripts
 
@@ -28,3 +36,28 @@ def test_kv_moves_pay_bytes_over_the_link_and_token_id_moves_a_reprefill(tmp_pat
     with (tmp_path / "migration_cost.csv").open() as f:
         assert len(list(csv.DictReader(f))) == len(rows)
     assert (tmp_path / "migration_cost.png").stat().st_size > 1000
+
+
+def row(length, ids_s, kv_s, target="H800", link="100 Gb/s"):
+    return CostRow("hardware model", target, link, length, ids_s, kv_s)
+
+
+def test_crossover_is_where_the_kv_path_becomes_faster():
+    rows = [row(256, 1.0, 4.0), row(1024, 1.0, 0.25), row(4096, 1.0, 0.1),  # crosses
+            row(256, 1.0, 2.0, link="10 Gb/s"), row(1024, 1.0, 1.5, link="10 Gb/s"),
+            row(256, 1.0, 0.5, target="A40")]
+    found = {(c.target, c.link): c for c in crossovers(rows)}
+    # log-linear: ratio 4 -> 0.25 over 256 -> 1024 tokens crosses 1 halfway, at 512
+    assert found["H800", "100 Gb/s"].context_tokens == pytest.approx(512)
+    assert found["H800", "10 Gb/s"].context_tokens is None
+    assert crossover_text(found["H800", "10 Gb/s"]) == "token ids throughout"
+    assert found["A40", "100 Gb/s"].kv_faster_from_start
+
+
+def test_modelled_crossover_falls_as_the_link_gets_faster(tmp_path):
+    rows = modelled_costs()
+    h800 = {c.link: c.context_tokens for c in crossovers(rows) if c.target == "H800"}
+    assert h800["100 Gb/s"] > h800["200 Gb/s"] > h800["400 Gb/s"]
+    write(rows, tmp_path)
+    with (tmp_path / "crossover.csv").open() as f:
+        assert len(list(csv.DictReader(f))) == len(TARGETS) * len(LINKS_GBPS)

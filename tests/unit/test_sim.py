@@ -14,6 +14,7 @@ from app.kv_link import KvLink
 from app.routing.base import ActiveRequest, Reject, RoutingPolicy, Watchdog
 from app.routing.baselines import LeastRequestPolicy, RandomPolicy
 from app.routing.disaggregated import LeastTtftPolicy
+from app.routing.move_path import MoveRule
 from app.routing.view import ClusterView, FinishReport, RouteRequest, StepReport
 from app.sim.events import ArrivalEvent, EventKind, StepEndEvent, StepStartEvent, heap_key
 from app.sim.instance import InstanceSetup, Pool, SimInstance
@@ -292,7 +293,8 @@ class Pin(RoutingPolicy):
 def test_watchdog_migrates_by_token_ids() -> None:
     requests = make_requests(4, prompt=500, output=200, gap_s=0.0)
     watchdog = MoveAllOnce("A40-0", "H800-0", tau=20)
-    result = run(make_setups("A40", "H800"), requests, Pin("A40-0"), watchdog=watchdog)
+    result = run(make_setups("A40", "H800"), requests, Pin("A40-0"), watchdog=watchdog,
+                 move_rule=MoveRule.TOKEN_IDS)
     source, active = watchdog.calls[0]
     assert source == "A40-0" and len(active) == 4
     assert all(a.num_generated_tokens > 0 for a in active if a.is_running)
@@ -302,6 +304,35 @@ def test_watchdog_migrates_by_token_ids() -> None:
     assert_conserved(result)
     unmigrated = run(make_setups("A40", "H800"), requests, Pin("A40-0"))
     assert max(r.finish_s for r in result.records) < max(r.finish_s for r in unmigrated.records)
+
+
+def test_long_context_moves_carry_their_kv_when_that_is_cheaper() -> None:
+    """30k-token contexts over a 50 GB/s link: loading the KV beats the H800
+    recomputing it, so each move carries it (its bytes on the record) and the moved
+    requests finish sooner than by token ids; over a 0.05 GB/s link they go by token
+    ids."""
+    requests = make_requests(3, prompt=30_000, output=300, gap_s=0.0)
+    kv_per_token = make_instance("H800", MODEL).model.kv_bytes_per_token
+
+    def moved(gbps: float, rule: MoveRule):
+        watchdog = MoveAllOnce("A40-0", "H800-0", tau=20)
+        result = run(make_setups("A40", "H800"), requests, Pin("A40-0"), watchdog=watchdog,
+                     kv_link_gbps=gbps, move_rule=rule)
+        assert_conserved(result)
+        generated = {a.request.request_id: a.num_generated_tokens for a in watchdog.calls[0][1]}
+        return result, generated
+
+    fast, generated = moved(50.0, MoveRule.CHEAPER)
+    for r in fast.records:
+        assert r.num_migrations == 1 and r.num_kv_moves == 1
+        assert r.kv_moved_bytes == (r.num_prompt_tokens + generated[r.request_id]) * kv_per_token
+        assert r.kv_move_s > 0
+    assert summarize(fast.records, 1.0).kv_moves == 3
+    by_ids, _ = moved(50.0, MoveRule.TOKEN_IDS)
+    assert all(r.num_kv_moves == 0 and r.kv_moved_bytes == 0 for r in by_ids.records)
+    assert max(r.finish_s for r in fast.records) < max(r.finish_s for r in by_ids.records)
+    slow, _ = moved(0.05, MoveRule.CHEAPER)
+    assert sum(r.num_kv_moves for r in slow.records) == 0
 
 
 def test_bad_migration_target_is_an_error() -> None:

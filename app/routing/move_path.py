@@ -1,0 +1,82 @@
+"""How a moved request reaches its target: by token ids or with its KV.
+
+By token ids the target recomputes the context it does not cache (prompt + tokens
+generated so far): cheap for a short chat prompt, a full prefill for a 100k-token
+agent context. With its KV the target loads what the source computed over the link
+between engines and only samples the next token. Which is faster depends on the
+context, the link (and what is already queued on it), the target's speed and what
+the target already caches, so each move estimates both and takes the cheaper
+(`MoveRule.CHEAPER`) when it saves at least one of the target's iterations: the
+estimates are of a request alone, and the engine schedules by iterations, so a
+smaller difference (every short context: its prefill is about one iteration, as is
+the step after a load) is not one the move can count on. The KV path needs KV the
+system can still reach: a move off a failed engine has none, and goes by token ids.
+
+Both estimates leave out the target's queue: either path joins it, so it does not
+decide between them. Plain Python: the simulator and the live router call the same
+function, with the link they model or expect.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from app.hardware import InstanceSpec
+from app.kv_link import KvLink
+
+
+class MovePath(StrEnum):
+    TOKEN_IDS = "token-ids"  # the target recomputes the uncached context
+    KV = "kv"  # the target loads the context's KV over the link
+
+
+class MoveRule(StrEnum):
+    """Which path moves take (a cluster setting)."""
+
+    CHEAPER = "cheaper"  # the one estimated faster, per move
+    TOKEN_IDS = "token-ids"  # always recompute
+    KV = "kv"  # always load the KV when it is reachable
+
+
+@dataclass(frozen=True)
+class MovePlan:
+    """The path a move takes and the two estimates it was chosen on."""
+
+    path: MovePath
+    token_ids_s: float  # the target's prefill of the uncached context
+    kv_s: float | None  # transfer behind the link's queue + one decode step; None: no KV
+    num_kv_bytes: float  # what the KV path moves (the context the target lacks)
+
+    @property
+    def estimate_s(self) -> float:
+        """The chosen path's estimated time until the target samples the next token."""
+        if self.path is MovePath.KV:
+            assert self.kv_s is not None
+            return self.kv_s
+        return self.token_ids_s
+
+
+def recompute_s(target: InstanceSpec, num_context_tokens: int, num_cached_tokens: int) -> float:
+    """The target's prefill of the context beyond its cached prefix, alone."""
+    ttft, _ = target.solo_phases_s(num_context_tokens, 1, num_cached_tokens=num_cached_tokens)
+    return ttft
+
+
+def plan_move(target: InstanceSpec, num_context_tokens: int, num_cached_tokens: int,
+              link: KvLink, now: float, *, kv_reachable: bool,
+              rule: MoveRule = MoveRule.CHEAPER) -> MovePlan:
+    """The path for moving a request whose context (prompt + generated) is
+    `num_context_tokens`, of which the target caches the first `num_cached_tokens`."""
+    if not 0 <= num_cached_tokens <= num_context_tokens:
+        raise ValueError(f"cached tokens {num_cached_tokens} outside the context "
+                         f"[0, {num_context_tokens}]")
+    token_ids_s = recompute_s(target, num_context_tokens, num_cached_tokens)
+    if not kv_reachable or rule is MoveRule.TOKEN_IDS:
+        return MovePlan(MovePath.TOKEN_IDS, token_ids_s, None, 0.0)
+    num_bytes = (num_context_tokens - num_cached_tokens) * target.model.kv_bytes_per_token
+    step_s = target.decode_time_per_token_s(num_context_tokens)
+    kv_s = link.expected_done_s(now, num_bytes) - now + step_s
+    kv_wins = rule is MoveRule.KV or kv_s + step_s < token_ids_s
+    return MovePlan(MovePath.KV if kv_wins else MovePath.TOKEN_IDS, token_ids_s, kv_s,
+                    num_bytes if kv_wins else 0.0)
