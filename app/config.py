@@ -67,7 +67,9 @@ class KvConnectorKind(StrEnum):
 
 
 class KvConnectorConfig(Frozen):
-    """Disaggregated vLLM engines: how the prompt's KV reaches the decode engine."""
+    """How KV moves between vLLM engines: a prompt's from the prefill to the decode
+    engine (disaggregated), and a moved request's to its target (unified engines with
+    the example connector)."""
 
     kind: KvConnectorKind = Field(description="example (shared storage, works on CPU) or nixl")
     shared_storage_path: str = Field(
@@ -88,8 +90,10 @@ class KvConnectorConfig(Frozen):
 
     def vllm_kv_transfer_config(self) -> dict[str, Any]:
         """vLLM's `kv_transfer_config` engine argument for this connector."""
-        if self.kind == KvConnectorKind.EXAMPLE:
-            return {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+        if self.kind == KvConnectorKind.EXAMPLE:  # vLLM's, also loading stored prefixes
+            return {"kv_connector": "PrefixLoadingConnector",
+                    "kv_connector_module_path": "app.engines.kv_prefix_connector",
+                    "kv_role": "kv_both",
                     "kv_connector_extra_config": {
                         "shared_storage_path": self.shared_storage_path}}
         return {"kv_connector": "NixlConnector", "kv_role": "kv_both",
@@ -123,7 +127,8 @@ class EngineConfig(Frozen):
     model_path: str | None = Field(None, description="vllm backend: local model directory")
     vllm_kwargs: dict = Field(default_factory=dict, description="extra vLLM engine args")
     kv_connector: KvConnectorConfig | None = Field(
-        None, description="vllm backend, prefill / decode roles: the KV connector")
+        None, description="vllm backend: the KV connector (prefill / decode roles: the "
+        "P/D hand-off; unified: stores each prompt's KV so a move can load it)")
 
     @field_validator("model_path")
     @classmethod
@@ -189,7 +194,8 @@ class ClusterConfig(Frozen):
     move_path: MoveRule = Field(
         MoveRule.CHEAPER, description="how a migrated request reaches its target: by "
         "token ids (the target recomputes its context), with its KV over the link, or "
-        "the cheaper of the two by estimated time, per move (the simulator; live engines "
+        "the cheaper of the two by estimated time, per move (live, unified vLLM engines "
+        "with the example connector load the prompt's KV it stored; other live engines "
         "move by token ids)"
     )
 

@@ -141,6 +141,27 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
 
 
+KV_PREFIX_PARAM = "kv_prefix_tokens"  # a submission's kv_transfer_params: load this prefix
+
+
+@dataclass(frozen=True)
+class StoredPromptKv:
+    """A prompt's KV a unified engine's connector stored (shared storage): its first
+    `num_tokens` tokens, under `storage_key`; a move can load it on another engine."""
+
+    storage_key: str
+    num_tokens: int
+
+    def as_params(self) -> dict[str, Any]:
+        return {"storage_key": self.storage_key, "stored_tokens": self.num_tokens}
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any] | None) -> StoredPromptKv | None:
+        if not params or "stored_tokens" not in params:
+            return None
+        return cls(str(params["storage_key"]), int(params["stored_tokens"]))
+
+
 @dataclass(frozen=True)
 class TokenEvent:
     """One generated token, timestamped by the engine (wall or virtual seconds)."""
@@ -154,7 +175,9 @@ class TokenEvent:
     # cache, or delivered by a KV connector) instead of computing them
     num_cached_tokens: int | None = None
     # last token of a prefill-stage request: what a decode engine needs to fetch the
-    # prompt's KV (connector-specific; vLLM's kv_transfer_params)
+    # prompt's KV (connector-specific; vLLM's kv_transfer_params); first token of a
+    # unified engine's submission: where its connector stored the prompt's KV
+    # (`StoredPromptKv.as_params`), for a later move to load
     kv_transfer_params: dict[str, Any] | None = None
     logprobs: TokenLogprobs | None = None  # when the request asked for them
 

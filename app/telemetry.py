@@ -151,8 +151,13 @@ class RouterMetrics:
             "goodserve_output_length_ratio", "Predicted / actual output length of finished "
             "requests", RATIO_BUCKETS, ())
         self.migrations = f.counter(
-            "goodserve_migrations", "Requests moved between instances by token ids",
-            ("reason",))
+            "goodserve_migrations", "Requests moved between instances, by why and by path "
+            "(token ids, or with the prompt's stored KV)", ("reason", "path"))
+        self.move_time = f.histogram(
+            "goodserve_move_seconds", "From leaving the old engine to the target's first "
+            "token, by path", LATENCY_BUCKETS_S, ("path",))
+        self.kv_move_bytes = f.counter(
+            "goodserve_kv_move_bytes", "KV bytes moves carried to their targets", ())
         self.kv_transfer = f.histogram(
             "goodserve_kv_transfer_seconds", "Prefill-to-decode KV hand-off time",
             LATENCY_BUCKETS_S, ())
@@ -209,8 +214,14 @@ class RouterMetrics:
     def predicted(self, seconds: float) -> None:
         self.prediction_latency.observe(seconds)
 
-    def migrated(self, reason: MigrationReason) -> None:
-        self.migrations.inc(tags={"reason": reason})
+    def migrated(self, reason: MigrationReason, path: str) -> None:
+        self.migrations.inc(tags={"reason": reason, "path": path})
+
+    def moved(self, path: str, seconds: float, kv_bytes: float) -> None:
+        """A moved request's target produced its first token."""
+        self.move_time.observe(seconds, tags={"path": path})
+        if kv_bytes:
+            self.kv_move_bytes.inc(kv_bytes)
 
     def kv_transferred(self, seconds: float, num_bytes: float) -> None:
         self.kv_transfer.observe(seconds)

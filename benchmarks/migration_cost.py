@@ -70,7 +70,8 @@ def modelled_costs() -> list[CostRow]:
             if length > spec.kv_capacity_tokens:
                 continue  # the target cannot hold the context
             for gbps in LINKS_GBPS:
-                plan = plan_move(spec, length, 0, KvLink(gbps / 8), 0.0, kv_reachable=True)
+                plan = plan_move(spec, length, 0, KvLink(gbps / 8), 0.0,
+                                 num_loadable_tokens=length)
                 assert plan.kv_s is not None
                 rows.append(CostRow("hardware model", spec.name, f"{gbps:g} Gb/s", length,
                                     plan.token_ids_s, plan.kv_s))

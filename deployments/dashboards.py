@@ -140,9 +140,16 @@ ROUTING = Dashboard("goodserve-routing", "GoodServe - routing, prediction, migra
         Query(_quantile(0.1, "output_length_ratio"), "p10"),
         Query(_quantile(0.5, "output_length_ratio"), "p50"),
         Query(_quantile(0.9, "output_length_ratio"), "p90")), "short"),
-    Panel("Migrations by reason", (
-        Query("sum by (reason) (increase(ray_goodserve_migrations_total[5m]))",
-              "{{reason}}"),), "short"),
+    Panel("Migrations by reason and path", (
+        Query("sum by (reason, path) (increase(ray_goodserve_migrations_total[5m]))",
+              "{{reason}} {{path}}"),), "short"),
+    Panel("Move time to the target's first token, by path", (
+        Query("histogram_quantile(0.5, sum by (le, path) "
+              "(rate(ray_goodserve_move_seconds_bucket[5m])))", "p50 {{path}}"),
+        Query("histogram_quantile(0.99, sum by (le, path) "
+              "(rate(ray_goodserve_move_seconds_bucket[5m])))", "p99 {{path}}")), "s"),
+    Panel("KV bytes moves carried per second", (
+        Query(_sum(_rate("kv_move_bytes_total")), "bytes/s"),), "Bps"),
     Panel("KV hand-off (prefill to decode)", (
         Query(_quantile(0.5, "kv_transfer_seconds"), "p50"),
         Query(_quantile(0.99, "kv_transfer_seconds"), "p99")), "s"),

@@ -18,9 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 from app.config import EngineConfig, EngineRole, KvConnectorKind
 from app.engine_types import (
+    KV_PREFIX_PARAM,
     EngineRequest,
     EngineStatus,
     PrefillTotals,
+    StoredPromptKv,
     StructuredOutput,
     TokenEvent,
     TokenLogprobs,
@@ -294,8 +296,10 @@ class VllmBackend(EngineBackendBase):
                     batch.append(TokenEvent(
                         request.request_id, token, index, wall, reason,
                         num_cached_tokens=output.num_cached_tokens if first else None,
-                        kv_transfer_params=self._kv_params_out(output, prompt_ids) if last
-                        else None,
+                        kv_transfer_params=(
+                            self._kv_params_out(output, prompt_ids) if last
+                            else self._stored_prompt(request, prompt_ids) if first
+                            else None),
                         logprobs=None if completion.logprobs is None else token_logprobs(
                             completion.logprobs[pos], token, request.sampling.logprobs or 0)))
                     index += 1
@@ -309,13 +313,34 @@ class VllmBackend(EngineBackendBase):
     def _kv_params_in(self, request: EngineRequest) -> dict[str, Any] | None:
         """NIXL's hand-off, as vLLM's disaggregated proxy does it: a prefill asks the
         engine to keep its KV for a remote decode; a decode passes on what the prefill
-        returned. The shared-storage connector needs none (it finds KV by token ids)."""
+        returned. The shared-storage connector finds a hand-off by token ids, and loads
+        the stored prompt prefix a moved request names (`KV_PREFIX_PARAM`)."""
         connector = self.config.kv_connector
-        if connector is None or connector.kind != KvConnectorKind.NIXL:
+        if connector is None:
             return None
-        if self.config.role == EngineRole.PREFILL:
-            return dict(NIXL_PREFILL_PARAMS)
-        return request.kv_transfer_params
+        if connector.kind == KvConnectorKind.NIXL:
+            if self.config.role == EngineRole.PREFILL:
+                return dict(NIXL_PREFILL_PARAMS)
+            return request.kv_transfer_params
+        prefix = (request.kv_transfer_params or {}).get(KV_PREFIX_PARAM)
+        return None if prefix is None else {KV_PREFIX_PARAM: prefix}
+
+    def _stored_prompt(self, request: EngineRequest, prompt_ids: list[int]) -> dict | None:
+        """Where a unified engine's connector stored this submission's prompt (it stores
+        every prompt it computes; a move's load is not stored again): reported with the
+        first token, so the router can move the request with its KV later."""
+        connector = self.config.kv_connector
+        if (connector is None or connector.kind != KvConnectorKind.EXAMPLE
+                or self.config.role != EngineRole.UNIFIED
+                or KV_PREFIX_PARAM in (request.kv_transfer_params or {})):
+            return None
+        assert self.engine is not None
+        block_size = self.engine.vllm_config.cache_config.block_size
+        num_tokens = (len(prompt_ids) - 1) // block_size * block_size
+        if num_tokens == 0:
+            return None
+        key = example_storage_key(prompt_ids, block_size, connector.shared_storage_path)
+        return StoredPromptKv(key, num_tokens).as_params()
 
     def _kv_params_out(self, output: Any, prompt_ids: list[int]) -> dict[str, Any] | None:
         """What a decode engine needs to fetch this prefill's KV (prefill role only)."""

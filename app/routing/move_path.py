@@ -9,8 +9,10 @@ the target already caches, so each move estimates both and takes the cheaper
 (`MoveRule.CHEAPER`) when it saves at least one of the target's iterations: the
 estimates are of a request alone, and the engine schedules by iterations, so a
 smaller difference (every short context: its prefill is about one iteration, as is
-the step after a load) is not one the move can count on. The KV path needs KV the
-system can still reach: a move off a failed engine has none, and goes by token ids.
+the step after a load) is not one the move can count on. The KV path loads what the
+system can still reach (`num_loadable_tokens` of the context: all of it from a live
+source engine in the simulator; the prompt's blocks a connector stored, live) and
+computes the rest; with nothing reachable the move goes by token ids.
 
 Both estimates leave out the target's queue: either path joins it, so it does not
 decide between them. Plain Python: the simulator and the live router call the same
@@ -45,8 +47,8 @@ class MovePlan:
 
     path: MovePath
     token_ids_s: float  # the target's prefill of the uncached context
-    kv_s: float | None  # transfer behind the link's queue + one decode step; None: no KV
-    num_kv_bytes: float  # what the KV path moves (the context the target lacks)
+    kv_s: float | None  # transfer behind the link's queue + the rest's prefill; None: no KV
+    num_kv_bytes: float  # what the KV path moves (the loadable context the target lacks)
 
     @property
     def estimate_s(self) -> float:
@@ -64,19 +66,26 @@ def recompute_s(target: InstanceSpec, num_context_tokens: int, num_cached_tokens
 
 
 def plan_move(target: InstanceSpec, num_context_tokens: int, num_cached_tokens: int,
-              link: KvLink, now: float, *, kv_reachable: bool,
+              link: KvLink | None, now: float, *, num_loadable_tokens: int,
               rule: MoveRule = MoveRule.CHEAPER) -> MovePlan:
     """The path for moving a request whose context (prompt + generated) is
-    `num_context_tokens`, of which the target caches the first `num_cached_tokens`."""
+    `num_context_tokens`, of which the target caches the first `num_cached_tokens` and
+    the first `num_loadable_tokens` can be loaded over `link` (None: no KV path)."""
     if not 0 <= num_cached_tokens <= num_context_tokens:
         raise ValueError(f"cached tokens {num_cached_tokens} outside the context "
                          f"[0, {num_context_tokens}]")
+    if not 0 <= num_loadable_tokens <= num_context_tokens:
+        raise ValueError(f"loadable tokens {num_loadable_tokens} outside the context "
+                         f"[0, {num_context_tokens}]")
     token_ids_s = recompute_s(target, num_context_tokens, num_cached_tokens)
-    if not kv_reachable or rule is MoveRule.TOKEN_IDS:
+    if (link is None or num_loadable_tokens <= num_cached_tokens
+            or rule is MoveRule.TOKEN_IDS):
         return MovePlan(MovePath.TOKEN_IDS, token_ids_s, None, 0.0)
-    num_bytes = (num_context_tokens - num_cached_tokens) * target.model.kv_bytes_per_token
+    loaded = num_loadable_tokens - num_cached_tokens
+    num_bytes = loaded * target.model.kv_bytes_per_token
+    kv_s = (link.expected_done_s(now, num_bytes) - now
+            + recompute_s(target, num_context_tokens, num_loadable_tokens))
     step_s = target.decode_time_per_token_s(num_context_tokens)
-    kv_s = link.expected_done_s(now, num_bytes) - now + step_s
     kv_wins = rule is MoveRule.KV or kv_s + step_s < token_ids_s
     return MovePlan(MovePath.KV if kv_wins else MovePath.TOKEN_IDS, token_ids_s, kv_s,
                     num_bytes if kv_wins else 0.0)

@@ -548,6 +548,9 @@ class RequestSummary:
     prefill_instance: str | None = None  # disaggregated: where the prompt was computed
     kv_transfer_s: float | None = None  # disaggregated: prefill -> decode KV transfer
     kv_loaded_tokens: int = 0  # prompt tokens whose KV the decode engine loaded
+    # each move (migration or fail-over): target, reason, path (token-ids or kv), KV
+    # bytes, estimated and measured time to the target's first token, tokens it loaded
+    moves: tuple[dict[str, Any], ...] = ()
 
     @property
     def met_deadline(self) -> bool | None:
@@ -566,6 +569,7 @@ class RequestSummary:
             "kv_transfer_s": (None if self.kv_transfer_s is None
                               else round(self.kv_transfer_s, 6)),
             "kv_loaded_tokens": self.kv_loaded_tokens,
+            "moves": list(self.moves),
         }
 
 

@@ -24,7 +24,14 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Protocol
 
-from app.engine_types import EngineRequest, SamplingSpec, TokenLogprobs
+from app.engine_types import (
+    KV_PREFIX_PARAM,
+    EngineRequest,
+    SamplingSpec,
+    StoredPromptKv,
+    TokenLogprobs,
+)
+from app.routing.move_path import MovePath
 from app.routing.view import InstanceId, RouteRequest
 from app.serving.tokenizer import StopHit
 from app.telemetry import MigrationReason
@@ -78,6 +85,28 @@ class InvalidTransition(RuntimeError):
 
 
 @dataclass
+class MoveRecord:
+    """One move (a migration or a fail-over): the path it took, chosen by estimated
+    time, and what it cost."""
+
+    target: InstanceId
+    reason: MigrationReason
+    path: MovePath
+    estimate_s: float  # the chosen path's estimate (`plan_move`)
+    kv_bytes: float  # moved over the link (0 by token ids)
+    load_tokens: int = 0  # the stored prompt prefix the target is asked to load
+    start_s: float = 0.0  # when the flight left its old engine
+    time_s: float | None = None  # until the target's first token
+    loaded_tokens: int | None = None  # context tokens the target found, not computed
+
+    def as_dict(self) -> dict:
+        return {"target": self.target, "reason": self.reason.value, "path": self.path.value,
+                "kv_bytes": self.kv_bytes, "estimate_s": round(self.estimate_s, 6),
+                "time_s": None if self.time_s is None else round(self.time_s, 6),
+                "loaded_tokens": self.loaded_tokens}
+
+
+@dataclass
 class Placement:
     """Where a flight runs: the serving (decode or unified) instances it was sent to, in
     order (the last is the current or next one), and how it got there."""
@@ -89,6 +118,10 @@ class Placement:
     num_failovers: int = 0
     move_to: InstanceId | None = None  # the asked migration's target, while MOVING
     move_reason: MigrationReason = MigrationReason.OPERATOR
+    moves: list[MoveRecord] = field(default_factory=list)  # the last is the latest
+    stored_kv: StoredPromptKv | None = None  # its prompt's KV a connector stored
+    stored_kv_s: float = 0.0  # when the engine reported it
+    started: bool = False  # the current submission has produced a token
 
 
 @dataclass
@@ -185,16 +218,28 @@ class Flight:
         """Whether another engine can continue it by token ids (see `SamplingSpec`)."""
         return self.request.sampling.resumable
 
+    @property
+    def loading_move(self) -> MoveRecord | None:
+        """The move whose target is still to produce its first token."""
+        moves = self.placement.moves
+        if not moves or self.placement.started or self.state is not FlightState.QUEUED:
+            return None
+        return moves[-1]
+
     def engine_request(self) -> EngineRequest:
         resume = tuple(self.output.token_ids) if self.resumable else ()
         delivered = self.kv is not None and self.kv.delivered
+        params = self.kv.params if delivered and self.kv else None
+        move = self.loading_move
+        if move is not None and move.load_tokens:
+            params = {KV_PREFIX_PARAM: move.load_tokens}
         return EngineRequest(
             self.engine_request_id,
             self.request.prompt_token_ids,
             self.request.sampling,
             resume_token_ids=resume,
             kv_transferred=delivered,
-            kv_transfer_params=self.kv.params if delivered and self.kv else None,
+            kv_transfer_params=params,
         )
 
     def prefill_request(self) -> EngineRequest:
@@ -216,6 +261,7 @@ class Flight:
                     FlightState.MOVING)
         if self.state is FlightState.QUEUED:
             self.state = FlightState.RUNNING
+        self.placement.started = True
         if self.output.first_token_s is None:
             self.output.first_token_s = now
 
@@ -241,12 +287,14 @@ class Flight:
         assert self.kv is not None
         self.kv.params, self.kv.transfer_s = params, transfer_s
         self.kv.delivered = self.kv.held = True
+        self.placement.started = False  # the decode submission is next
         self.state = FlightState.QUEUED
 
     def decode_without_kv(self) -> None:
         """The prefill or the transfer failed: the decode engine computes the prompt (and
         what was generated) itself, by token ids."""
         self._leave(FlightState.PREFILLING, FlightState.HANDING_OFF)
+        self.placement.started = False  # the decode submission is next
         self.state = FlightState.QUEUED
 
     def ask_move(self, target: InstanceId, reason: MigrationReason) -> None:
@@ -255,27 +303,30 @@ class Flight:
         self.placement.move_to, self.placement.move_reason = target, reason
         self.state = FlightState.MOVING
 
-    def move(self) -> None:
-        """The old stream ended: continue on the asked target by token ids."""
+    def move(self, record: MoveRecord) -> None:
+        """The old stream ended: continue on the asked target, by `record`'s path."""
         self._leave(FlightState.MOVING)
-        target = self.placement.move_to
-        assert target is not None
+        if record.target != self.placement.move_to:
+            raise InvalidTransition(f"request {self.request_id} was asked to move to "
+                                    f"{self.placement.move_to}, not {record.target}")
         self.placement.move_to = None
         self.placement.num_migrations += 1
-        self._resubmit_on(target)
+        self._resubmit(record)
 
-    def fail_over(self, target: InstanceId) -> None:
-        """Its engine failed: continue on `target`, by token ids when it can, else from
-        the start."""
+    def fail_over(self, record: MoveRecord) -> None:
+        """Its engine failed: continue on `record.target`, by token ids (or with the
+        stored prompt KV) when it can, else from the start."""
         self._leave(FlightState.QUEUED, FlightState.RUNNING)
         self.placement.num_failovers += 1
         if not self.resumable:
             self.output.restart(self.request.streamed)
-        self._resubmit_on(target)
+        self._resubmit(record)
 
-    def _resubmit_on(self, target: InstanceId) -> None:
+    def _resubmit(self, record: MoveRecord) -> None:
         self.placement.attempt += 1
-        self.placement.instance_ids.append(target)
+        self.placement.instance_ids.append(record.target)
+        self.placement.moves.append(record)
+        self.placement.started = False
         if self.kv is not None:
             self.kv.delivered = False  # the new engine prefills prompt + generated ids
         self.state = FlightState.QUEUED

@@ -210,9 +210,9 @@ class InstanceTracker:
             views.append(replace(inst.reported_view(),
                                  num_running=self.load.running(iid) + inst.others_running,
                                  num_waiting=self.load.waiting(iid) + inst.others_waiting))
-        return ClusterView(now, tuple(views), self._prefix_blocks)
+        return ClusterView(now, tuple(views), self.prefix_blocks)
 
-    def _prefix_blocks(self, instance_id: InstanceId, hashes: Sequence[int]) -> int:
+    def prefix_blocks(self, instance_id: InstanceId, hashes: Sequence[int]) -> int:
         """Leading prompt blocks the router has sent the instance (and not yet aged out)."""
         prefixes = self.instances[instance_id].prefixes
         return 0 if prefixes is None else prefixes.peek(hashes)

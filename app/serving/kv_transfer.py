@@ -49,6 +49,10 @@ class KvTransport(ABC):
     def release(self, params: dict[str, Any] | None) -> None:
         """The decode engine has the KV (or will never load it): free what holds it."""
 
+    @abstractmethod
+    def sweep(self) -> None:
+        """Delete stored KV nobody loaded in time."""
+
 
 class SimulatedLink(KvTransport):
     """The simulator's FIFO link in real time, for simulated engines: a transfer
@@ -68,6 +72,9 @@ class SimulatedLink(KvTransport):
 
     def release(self, params: dict[str, Any] | None) -> None:
         """Nothing holds a modelled transfer."""
+
+    def sweep(self) -> None:
+        """Nothing is stored."""
 
 
 class ConnectorTransport(KvTransport):
@@ -90,7 +97,7 @@ class ConnectorTransport(KvTransport):
         if params is None:
             raise RuntimeError("the prefill engine returned no KV transfer parameters")
         self.link.enqueue(now, num_prompt_tokens * kv_bytes_per_token)
-        self._sweep()
+        self.sweep()
         return KvHandoff(None, params)
 
     def release(self, params: dict[str, Any] | None) -> None:
@@ -107,8 +114,9 @@ class ConnectorTransport(KvTransport):
         path = Path(key)
         return path if path.parent == Path(self.connector.shared_storage_path) else None
 
-    def _sweep(self) -> None:
-        """Delete stored KV older than the TTL (at most once per quarter TTL)."""
+    def sweep(self) -> None:
+        """Delete stored KV older than the TTL (at most once per quarter TTL): hand-offs
+        no decode engine loaded, and unified engines' stored prompts (kept for moves)."""
         if self.connector.kind != KvConnectorKind.EXAMPLE:
             return
         now = self.clock()

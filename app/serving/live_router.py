@@ -33,10 +33,11 @@ from dataclasses import dataclass, replace
 from app.config import EngineRole
 from app.control.fleet import Member
 from app.control.observe import LoadReport
-from app.engine_types import TokenEvent
-from app.engines.prefix import prefix_block_hashes
+from app.engine_types import StoredPromptKv, TokenEvent
+from app.engines.prefix import PREFIX_BLOCK_SIZE, prefix_block_hashes
 from app.routing.base import ActiveRequest, Reject, RejectCode
 from app.routing.disaggregated import DisaggregatedPlacer, LeastTtftPolicy
+from app.routing.move_path import MovePath, MoveRule, plan_move
 from app.routing.registry import RoutingStack
 from app.routing.status import StatusEstimator
 from app.routing.view import ClusterView, FinishReport, InstanceId, RouteRequest
@@ -45,10 +46,11 @@ from app.serving.flight import (
     FlightState,
     GenerationRequest,
     InvalidTransition,
+    MoveRecord,
     OutputHook,
 )
 from app.serving.instances import EngineClient, InstanceTracker, LiveInstance
-from app.serving.kv_transfer import KvTransport
+from app.serving.kv_transfer import ConnectorTransport, KvTransport
 from app.telemetry import MigrationReason, NullFactory, Outcome, RouterMetrics
 
 logger = logging.getLogger(__name__)
@@ -101,7 +103,11 @@ class LiveRouter:
         status_timeout_s: float = 5.0,
         max_failovers: int = 2,
         metrics: RouterMetrics | None = None,
+        move_rule: MoveRule = MoveRule.CHEAPER,
     ) -> None:
+        """`kv_transport` moves prompts' KV from prefill to decode engines; with unified
+        engines it is the connector whose stored prompts a move can load (`move_rule`
+        chooses, per move, between that and recomputing by token ids)."""
         if not clients:
             raise ValueError("the router needs at least one engine")
         roles = {c.config.role for c in clients}
@@ -109,6 +115,7 @@ class LiveRouter:
             raise ValueError("engines must all be unified, or prefill and decode pools; got "
                              f"{sorted(r.value for r in roles)}")
         self.disaggregated = EngineRole.PREFILL in roles
+        self.move_rule = move_rule
         self.serve_role = EngineRole.DECODE if self.disaggregated else EngineRole.UNIFIED
         if self.disaggregated and kv_transport is None:
             raise ValueError("prefill and decode pools need a KV transport")
@@ -286,8 +293,8 @@ class LiveRouter:
                 client = self.instances[flight.instance_id].client
                 try:
                     async for batch in client.generate(flight.engine_request()):
-                        if batch and flight.kv is not None and flight.kv.held:
-                            self._on_decode_start(flight, batch)
+                        if batch and not flight.placement.started:
+                            self._on_submission_start(flight, batch)
                         kept = self._take(flight, batch)
                         if kept:
                             yield kept
@@ -433,12 +440,57 @@ class LiveRouter:
             self._num_drain_migrations += 1
         else:
             self._num_migrations += 1
-        self.metrics.migrated(reason)
         target = flight.placement.move_to
         assert target is not None
+        record = self._plan_move(flight, target, reason)  # before the target holds it
         self._leave_for(flight, target)
-        flight.move()
+        flight.move(record)
         self._recount(flight)
+
+    def _plan_move(self, flight: Flight, target: InstanceId,
+                   reason: MigrationReason) -> MoveRecord:
+        """The move's path, by estimated time (`plan_move`): recompute the context the
+        target does not cache, or load the prompt's KV its first engine's connector
+        stored (shared storage outlives an engine) and compute the rest. A store older
+        than half the connector's TTL is not relied on (the sweep may take it)."""
+        now = self.clock()
+        placement = flight.placement
+        context = flight.route.num_prompt_tokens + (
+            len(flight.output.token_ids) if flight.resumable else 0)
+        stored = placement.stored_kv
+        loadable = 0
+        if (stored is not None and isinstance(self.kv_transport, ConnectorTransport)
+                and not self.disaggregated
+                and now - placement.stored_kv_s < self.kv_transport.connector.kv_ttl_s / 2):
+            loadable = min(stored.num_tokens, context)
+        inst = self.instances[target]
+        cached = min(self.tracker.prefix_blocks(target, flight.route.block_hashes)
+                     * PREFIX_BLOCK_SIZE, flight.route.num_prompt_tokens)
+        link = None if self.kv_transport is None else self.kv_transport.link
+        plan = plan_move(inst.spec, context, cached, link, now,
+                         num_loadable_tokens=loadable, rule=self.move_rule)
+        if link is not None and plan.path is MovePath.KV:
+            link.enqueue(now, plan.num_kv_bytes)
+        self.metrics.migrated(reason, plan.path)
+        return MoveRecord(target, reason, plan.path, plan.estimate_s, plan.num_kv_bytes,
+                          load_tokens=loadable if plan.path is MovePath.KV else 0,
+                          start_s=now)
+
+    def _on_submission_start(self, flight: Flight, batch: list[TokenEvent]) -> None:
+        """The first tokens of a serving submission: a P/D hand-off is done, a move's
+        target says what it loaded, and a unified engine says where its connector stored
+        the prompt's KV."""
+        first = batch[0]
+        if flight.kv is not None and flight.kv.held:
+            self._on_decode_start(flight, batch)
+        move = flight.loading_move
+        if move is not None:
+            move.time_s = self.clock() - move.start_s
+            move.loaded_tokens = first.num_cached_tokens or 0
+            self.metrics.moved(move.path, move.time_s, move.kv_bytes)
+        stored = StoredPromptKv.from_params(first.kv_transfer_params)
+        if stored is not None:
+            flight.placement.stored_kv, flight.placement.stored_kv_s = stored, self.clock()
 
     def _leave_for(self, flight: Flight, target: InstanceId) -> None:
         """Before a flight is submitted again on `target` (a move or a fail-over): the
@@ -461,9 +513,9 @@ class LiveRouter:
             raise EngineLost(f"request {flight.request_id}: engine {lost} failed ({why}) "
                              f"and no other can continue it: {exc}") from None
         self._num_failovers += 1
-        self.metrics.migrated(MigrationReason.FAILURE)
+        record = self._plan_move(flight, target, MigrationReason.FAILURE)
         self._leave_for(flight, target)
-        flight.fail_over(target)
+        flight.fail_over(record)
         self._recount(flight)
 
     def _end(self, flight: Flight) -> None:
@@ -497,6 +549,8 @@ class LiveRouter:
                                else Outcome.CANCELLED)
             for listener in self._listeners:
                 listener.on_drop(flight.route, now)
+        if self.kv_transport is not None:
+            self.kv_transport.sweep()
         used = [*flight.placement.instance_ids, flight.placement.prefill_instance_id]
         self.tracker.forget_left([iid for iid in used if iid is not None])
 

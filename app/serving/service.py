@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from app.config import KvConnectorKind
 from app.engine_types import SamplingSpec, StructuredOutput, TokenEvent
 from app.engines.factory import backend_class
 from app.routing.base import RejectCode
@@ -152,10 +153,15 @@ def api_keys(config: ServeConfig) -> ApiKeys:
 
 
 def kv_transport(config: ServeConfig) -> KvTransport | None:
-    """How prompts' KV moves between the pools (None for unified engines)."""
-    if config.cluster.mode != "disaggregated":
-        return None
+    """How prompts' KV moves between the pools, and for unified vLLM engines with the
+    example connector, the store a move can load a prompt's KV from (None: unified
+    engines move by token ids)."""
     engine = config.engine_template
+    if config.cluster.mode != "disaggregated":
+        connector = engine.kv_connector
+        if connector is None or connector.kind != KvConnectorKind.EXAMPLE:
+            return None
+        return ConnectorTransport(connector, config.cluster.kv_link_gbps)
     if engine.kv_connector is not None:
         return ConnectorTransport(engine.kv_connector, config.cluster.kv_link_gbps)
     return SimulatedLink(config.cluster.kv_link_gbps, engine.time_scale)
@@ -184,6 +190,7 @@ class CompletionService:
         self.router = LiveRouter(clients, stack, predict=predict,
                                  poll_interval_s=config.poll_interval_s,
                                  kv_transport=kv_transport(config),
+                                 move_rule=config.cluster.move_path,
                                  metrics=RouterMetrics(metrics or NullFactory(),
                                                        config.routing.policy))
         self.keys = api_keys(config)
@@ -441,6 +448,7 @@ class CompletionService:
             prefill_instance=flight.placement.prefill_instance_id,
             kv_transfer_s=None if kv is None else kv.transfer_s,
             kv_loaded_tokens=0 if kv is None else kv.loaded_tokens,
+            moves=tuple(m.as_dict() for m in flight.placement.moves),
             num_migrations=flight.placement.num_migrations,
             slo_s=flight.request.slo_s,
             e2e_s=end - flight.request.arrival_s,

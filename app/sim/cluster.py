@@ -393,8 +393,8 @@ class SimCluster:
         work = flight.work
         cached = min(target.core.prefix_cache.peek(work.block_hashes) * work.hash_block_size,
                      work.num_prompt_tokens)
-        plan = plan_move(target.spec, context, cached, self.link, now, kv_reachable=True,
-                         rule=self.move_rule)
+        plan = plan_move(target.spec, context, cached, self.link, now,
+                         num_loadable_tokens=context, rule=self.move_rule)
         src.core.abort_request(request_id)
         pool.mark_dirty(src)
         record = flight.record

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.engine_types import SamplingSpec
+from app.engine_types import KV_PREFIX_PARAM, SamplingSpec
+from app.routing.move_path import MovePath
 from app.routing.view import RouteRequest
 from app.serving.flight import (
     LIVE,
@@ -20,6 +21,7 @@ from app.serving.flight import (
     FlightState,
     GenerationRequest,
     InvalidTransition,
+    MoveRecord,
 )
 from app.serving.live_router import EngineLost
 from app.telemetry import MigrationReason
@@ -55,13 +57,21 @@ def apply(flight: Flight, event: str, step: int) -> None:
         case "ask_move":
             flight.ask_move(target, MigrationReason.SLO_RISK)
         case "move":
-            flight.move()
+            flight.move(move_record(flight.placement.move_to or target, step))
         case "fail_over":
-            flight.fail_over(target)
+            flight.fail_over(move_record(target, step))
         case "lose":
             flight.lose()
         case "cancel":
             flight.cancel()
+
+
+def move_record(target: str, step: int) -> MoveRecord:
+    """Odd steps move with the stored prompt KV (2 tokens of it), even ones by token ids."""
+    kv = step % 2 == 1
+    return MoveRecord(target, MigrationReason.SLO_RISK,
+                      MovePath.KV if kv else MovePath.TOKEN_IDS, 0.1, 64.0 if kv else 0.0,
+                      load_tokens=2 if kv else 0)
 
 
 def snapshot(flight: Flight) -> tuple:
@@ -75,6 +85,13 @@ def assert_possible(flight: Flight, disaggregated: bool) -> None:
     p, kv, output = flight.placement, flight.kv, flight.output
     assert flight.state in FlightState
     assert p.attempt == p.num_migrations + p.num_failovers == len(p.instance_ids) - 1
+    assert len(p.moves) == p.attempt and [m.target for m in p.moves] == p.instance_ids[1:]
+    loading = flight.loading_move
+    assert loading is None or (flight.state is FlightState.QUEUED and loading is p.moves[-1])
+    if (flight.state not in TERMINAL and flight.state is not FlightState.PREFILLING
+            and len(output.token_ids) < flight.request.sampling.max_tokens):
+        params = flight.engine_request().kv_transfer_params or {}
+        assert (KV_PREFIX_PARAM in params) == (loading is not None and loading.load_tokens > 0)
     assert (p.move_to is not None) == (flight.state is FlightState.MOVING)
     assert (kv is not None) == disaggregated
     if flight.state in (FlightState.PREFILLING, FlightState.HANDING_OFF):

@@ -271,7 +271,7 @@ async def test_watchdog_runs_once_per_tau_iterations_and_its_moves_are_carried_o
             await router.poll_once()
     assert watchdog.checks.count(("slow", 1)) == 1
     assert flight.placement.instance_ids == ["slow", "fast"]
-    assert factory["goodserve_migrations"].get(reason="slo_risk") == [1.0]
+    assert factory["goodserve_migrations"].get(reason="slo_risk", path="token-ids") == [1.0]
     assert [e.token_id for e in events] == [token_of(PROMPT, i) for i in range(40)]
 
 
@@ -604,8 +604,9 @@ async def test_registry_changes_take_effect_at_once_and_drain_moves_count_apart(
         assert f.placement.instance_ids == ["a", "b"]
     counters = router.counters()
     assert counters.num_drain_migrations == len(on_a) and counters.num_migrations == 0
-    assert factory["goodserve_migrations"].get(reason="drain") == [float(len(on_a))]
-    assert factory["goodserve_migrations"].get(reason="slo_risk") == []
+    assert factory["goodserve_migrations"].get(reason="drain", path="token-ids") == [
+        float(len(on_a))]
+    assert factory["goodserve_migrations"].get(reason="slo_risk", path="token-ids") == []
     assert "a" not in router.instances  # forgotten once its requests moved off
     report = router.take_load_report()
     assert (report.arrivals, report.finished) == (10, 10)

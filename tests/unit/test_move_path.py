@@ -1,5 +1,6 @@
 """Each move takes the path estimated faster: recomputing the uncached context on the
-target, or loading its KV over the link (behind the transfers already queued there)."""
+target, or loading the reachable KV over the link (behind the transfers already queued
+there) and computing the rest."""
 
 from __future__ import annotations
 
@@ -15,58 +16,66 @@ H800 = make_instance("H800", "llama-3.1-8b")
 KV_PER_TOKEN = H800.model.kv_bytes_per_token  # 128 KiB for Llama-3.1-8B
 
 
-def test_estimates_are_the_prefill_and_the_transfer_plus_one_step():
-    plan = plan_move(H800, 60_000, 10_000, KvLink(25.0), now=5.0, kv_reachable=True)
+def plan(context, cached=0, gbps=25.0, loadable=None, link=None, now=0.0, **kwargs):
+    return plan_move(H800, context, cached, link or KvLink(gbps), now,
+                     num_loadable_tokens=context if loadable is None else loadable, **kwargs)
+
+
+def test_estimates_are_the_prefill_and_the_transfer_plus_the_last_token():
+    moved = plan(60_000, cached=10_000, now=5.0)
     assert KV_PER_TOKEN == 131_072
-    assert plan.token_ids_s == pytest.approx(
+    assert moved.token_ids_s == pytest.approx(
         H800.solo_phases_s(60_000, 1, num_cached_tokens=10_000)[0])
-    assert plan.num_kv_bytes == 50_000 * KV_PER_TOKEN
+    assert moved.num_kv_bytes == 50_000 * KV_PER_TOKEN
     transfer_s = 50_000 * KV_PER_TOKEN / 25e9  # 0.262 s
-    assert plan.kv_s == pytest.approx(transfer_s + H800.decode_time_per_token_s(60_000))
-    assert plan.path is MovePath.KV and plan.kv_s < plan.token_ids_s
-    assert plan.estimate_s == plan.kv_s
+    assert moved.kv_s == pytest.approx(transfer_s + recompute_s(H800, 60_000, 60_000))
+    assert moved.path is MovePath.KV and moved.kv_s < moved.token_ids_s
+    assert moved.estimate_s == moved.kv_s
+
+
+def test_a_partly_loadable_context_computes_the_rest():
+    """Live, the connector holds the prompt's blocks: the generated tokens are computed."""
+    moved = plan(60_000, loadable=59_000)
+    assert moved.num_kv_bytes == 59_000 * KV_PER_TOKEN
+    assert moved.kv_s == pytest.approx(59_000 * KV_PER_TOKEN / 25e9
+                                       + recompute_s(H800, 60_000, 59_000))
 
 
 def test_a_slow_or_busy_link_sends_the_move_by_token_ids():
-    slow = plan_move(H800, 2_000, 0, KvLink(0.1), now=0.0, kv_reachable=True)
+    slow = plan(2_000, gbps=0.1)
     assert slow.path is MovePath.TOKEN_IDS and slow.num_kv_bytes == 0
     assert slow.kv_s is not None and slow.kv_s > slow.token_ids_s
     busy = KvLink(25.0)
     busy.enqueue(0.0, 100e9)  # 4 s of transfers ahead
-    queued = plan_move(H800, 60_000, 0, busy, now=1.0, kv_reachable=True)
+    queued = plan(60_000, link=busy, now=1.0)
     assert queued.path is MovePath.TOKEN_IDS
     assert queued.kv_s == pytest.approx(3.0 + 60_000 * KV_PER_TOKEN / 25e9
-                                        + H800.decode_time_per_token_s(60_000))
+                                        + recompute_s(H800, 60_000, 60_000))
 
 
-def test_no_reachable_kv_or_the_token_ids_rule_recomputes():
-    lost = plan_move(H800, 60_000, 0, KvLink(25.0), now=0.0, kv_reachable=False)
+def test_nothing_loadable_beyond_the_cache_or_the_token_ids_rule_recomputes():
+    lost = plan(60_000, loadable=0)
     assert lost.path is MovePath.TOKEN_IDS and lost.kv_s is None
-    ruled = plan_move(H800, 60_000, 0, KvLink(25.0), now=0.0, kv_reachable=True,
-                      rule=MoveRule.TOKEN_IDS)
+    cached = plan(60_000, cached=30_000, loadable=20_000)
+    assert cached.path is MovePath.TOKEN_IDS and cached.kv_s is None
+    ruled = plan(60_000, rule=MoveRule.TOKEN_IDS)
     assert ruled.path is MovePath.TOKEN_IDS
-    forced = plan_move(H800, 2_000, 0, KvLink(0.1), now=0.0, kv_reachable=True,
-                       rule=MoveRule.KV)
+    forced = plan(2_000, gbps=0.1, rule=MoveRule.KV)
     assert forced.path is MovePath.KV and forced.num_kv_bytes == 2_000 * KV_PER_TOKEN
-
-
-def test_a_fully_cached_context_costs_one_token_either_way():
-    plan = plan_move(H800, 4_096, 4_096, KvLink(25.0), now=0.0, kv_reachable=True)
-    assert plan.token_ids_s == pytest.approx(recompute_s(H800, 4_096, 4_095))
-    assert plan.kv_s == pytest.approx(H800.decode_time_per_token_s(4_096))
-
-
-def test_cached_tokens_outside_the_context_are_an_error():
-    with pytest.raises(ValueError, match="outside the context"):
-        plan_move(H800, 100, 101, KvLink(25.0), now=0.0, kv_reachable=True)
 
 
 def test_kv_must_save_a_whole_iteration_of_the_target():
     """512 tokens on an H800 over 50 GB/s: loading is a few ms faster than the prefill,
     less than one decode step, so the move recomputes; at 2,048 tokens it loads."""
-    short = plan_move(H800, 512, 0, KvLink(50.0), now=0.0, kv_reachable=True)
+    short = plan(512, gbps=50.0)
     step_s = H800.decode_time_per_token_s(512)
     assert short.kv_s is not None and short.kv_s < short.token_ids_s < short.kv_s + step_s
     assert short.path is MovePath.TOKEN_IDS
-    longer = plan_move(H800, 2_048, 0, KvLink(50.0), now=0.0, kv_reachable=True)
-    assert longer.path is MovePath.KV
+    assert plan(2_048, gbps=50.0).path is MovePath.KV
+
+
+def test_token_counts_outside_the_context_are_an_error():
+    with pytest.raises(ValueError, match="cached tokens 101 outside"):
+        plan(100, cached=101)
+    with pytest.raises(ValueError, match="loadable tokens 101 outside"):
+        plan(100, loadable=101)

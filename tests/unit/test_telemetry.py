@@ -83,8 +83,8 @@ async def test_the_live_router_counts_outcomes_rejections_moves_and_instance_sta
     assert flight.placement.instance_ids == ["a", "b", "a"]
     assert requests.get(outcome="met", reason="") == [1.0]
     moves = factory["goodserve_migrations"]
-    assert moves.get(reason=MigrationReason.OPERATOR) == [1.0]
-    assert moves.get(reason=MigrationReason.FAILURE) == [1.0]
+    assert moves.get(reason=MigrationReason.OPERATOR, path="token-ids") == [1.0]
+    assert moves.get(reason=MigrationReason.FAILURE, path="token-ids") == [1.0]
 
     router.instances["a"].healthy = False  # only b, which fails at token 3: lost
     router.instances["b"].healthy = True

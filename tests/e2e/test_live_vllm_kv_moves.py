@@ -1,0 +1,60 @@
+"""Moves between unified vLLM CPU engines with the example connector: each engine
+stores the prompts it computes, and a request moved mid-stream reaches its target with
+the stored prompt KV named (`kv_prefix_tokens`), which the target loads instead of
+computing. Its greedy text must equal an unmoved run's on the plain engines."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from app.config import KvConnectorConfig, KvConnectorKind
+from app.routing.move_path import MoveRule
+from app.serving.config import ServeConfig
+from tests.conftest import serving, sse_chunks, vllm_cluster_config
+from tests.e2e.test_live_vllm_pd import body, unified_text
+
+pytestmark = pytest.mark.e2e
+
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 110  # over 1,000 tokens
+
+
+@pytest.fixture(scope="module")
+def kv_moves(ray_session, tiny_model_dir, tmp_path_factory):
+    storage = tmp_path_factory.mktemp("kv-moves")
+    plain = vllm_cluster_config(tiny_model_dir)
+    connector = KvConnectorConfig(kind=KvConnectorKind.EXAMPLE,
+                                  shared_storage_path=str(storage))
+    groups = [g.model_copy(update={"engine": g.engine.model_copy(
+        update={"kv_connector": connector})}) for g in plain.groups]
+    cluster = plain.model_copy(update={"name": "e2e-kv", "groups": groups,
+                                       "move_path": MoveRule.KV})
+    config = ServeConfig(cluster=cluster, model_name="tiny-llama", default_slo_s=300.0)
+    with serving(config, "live-vllm-kv-moves") as url:
+        yield url, config
+
+
+def test_a_moved_greedy_request_loads_its_prompt_kv_and_keeps_its_text(kv_moves,
+                                                                      vllm_engines):
+    url, config = kv_moves
+    texts, summary, moved_to = [], None, None
+    with httpx.stream("POST", url + "/v1/completions", timeout=600,
+                      json=body(PROMPT, 96, stream=True)) as reply:
+        assert reply.status_code == 200, reply.read()
+        for chunk in sse_chunks(reply):
+            if "goodserve" in chunk:
+                summary = chunk["goodserve"]
+                continue
+            texts.append(chunk["choices"][0]["text"])
+            if len(texts) == 4:
+                request_id = chunk["id"].removeprefix("cmpl-")
+                move = httpx.post(url + "/admin/migrate", json={"request_id": request_id},
+                                  timeout=60)
+                assert move.status_code == 200, move.text
+                moved_to = move.json()["target"]
+    assert summary is not None and summary["num_migrations"] == 1
+    (move,) = summary["moves"]
+    assert move["target"] == moved_to and move["path"] == "kv"
+    # the prompt's whole 128-token blocks but the last came from the store, not computed
+    assert move["loaded_tokens"] >= 1024 and move["kv_bytes"] > 0
+    assert "".join(texts) == unified_text(vllm_engines[0], config, PROMPT, 96)
