@@ -52,9 +52,12 @@ matrix.md (per workload, cluster, load and scale: GoodServe met / best baseline 
 the best baseline named, exact lengths / GoodServe, mean and range over seeds; the best
 baseline's seed-to-seed spread as the noise; GoodServe's met at 1.5x over its met at 1.0x
 load) and matrix.png (GoodServe / best baseline heat maps per workload and cluster).
+--move-paths token-ids,kv runs GoodServe again with every move forced to each path
+(cells "goodserve@token-ids", "goodserve@kv"); matrix.md then adds GoodServe, which
+chooses each move's path, over each forced run.
 Usage: python -m benchmarks.agentic [--jobs 2] [--resume] [--only-clusters small]
        [--only-workloads chat-agent] [--duration coding-agent=20000]
-       [--policies goodserve,round-robin]
+       [--policies goodserve,round-robin] [--move-paths token-ids,kv]
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ import random
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -74,6 +77,7 @@ from tqdm import tqdm
 
 from app.config import load_cluster_config
 from app.experiments.replay import ReplaySpec, build_workload, context_limit_of, run_replay
+from app.routing.move_path import MoveRule
 from app.routing.registry import PolicyKind, RoutingOptions
 from app.workload import (
     Arrivals,
@@ -141,6 +145,8 @@ class MatrixSetup:
     durations_s: dict[str, float]  # arrival window of each workload's units and calibration
     trace: Path  # the Mooncake conversation trace
     policies: tuple[str, ...]  # run on every unit
+    # GoodServe again with its moves forced to each of these paths (cells "goodserve@kv")
+    move_paths: tuple[MoveRule, ...] = ()
 
     def duration_s(self, workload: str) -> float:
         return self.durations_s[workload]
@@ -186,11 +192,21 @@ def run_cells(workload: str, cluster: str, rate: float, seed: int, setup: Matrix
               policies: Sequence[str], scales: Sequence[float]) -> list[dict]:
     """`policies` at `scales` on one workload: one row per (policy, scale)."""
     config = load_cluster_config(CLUSTERS[cluster])
+    work = make_workload(workload, config, rate, seed, setup)
     spec = ReplaySpec(config, tuple(PolicyKind.from_str(p) for p in policies), tuple(scales),
                       seed=seed, routing=RoutingOptions(seed))
-    cells = run_replay(spec, make_workload(workload, config, rate, seed, setup))
+    cells = run_replay(spec, work)
+    for rule in setup.move_paths:
+        forced = replace(spec, cluster=config.model_copy(update={"move_path": rule}),
+                         policies=(PolicyKind.GOODSERVE,))
+        cells += [c.renamed(move_path_label(rule)) for c in run_replay(forced, work)]
     return [{"policy": c.policy, "slo_scale": c.slo_scale, "requests": c.summary["requests"],
              "met": c.summary["met"], "goodput_rps": c.summary["goodput_rps"]} for c in cells]
+
+
+def move_path_label(rule: MoveRule) -> str:
+    """The cells of GoodServe with every move forced to `rule`'s path."""
+    return f"{GOODSERVE}@{rule.value}"
 
 
 def run_unit(unit: Unit, setup: MatrixSetup) -> list[dict]:
@@ -426,6 +442,8 @@ class MatrixRow:
     best_met: tuple[int, ...]  # the best baseline's met requests, per seed
     exact_vs_goodserve: tuple[float, ...]  # exact lengths met / GoodServe met, seeds with both
     collapse: tuple[float, ...]  # at 1.5x: GoodServe met here / at 1.0x, seeds with both
+    # per forced move path that ran: GoodServe (each move's path chosen) met / forced met
+    vs_move_paths: tuple[tuple[str, tuple[float, ...]], ...] = ()
 
     @property
     def best_named(self) -> str:
@@ -482,7 +500,12 @@ def _matrix_row(table: dict[MetKey, dict[str, tuple[int, int]]],
         best=tuple(best), best_met=tuple(m[b][0] for m, b in zip(per_seed, best, strict=True)),
         exact_vs_goodserve=tuple(ratio(m[EXACT][0], o)
                                  for o, m in zip(ours, per_seed, strict=True) if EXACT in m),
-        collapse=tuple(collapse))
+        collapse=tuple(collapse),
+        vs_move_paths=tuple(
+            (rule.value, ratios) for rule in MoveRule
+            if (ratios := tuple(ratio(o, m[move_path_label(rule)][0])
+                                for o, m in zip(ours, per_seed, strict=True)
+                                if move_path_label(rule) in m))))
 
 
 # ---- report ----------------------------------------------------------------------------
@@ -546,6 +569,16 @@ def write_markdown(path: Path, rows: Sequence[MatrixRow],
                          f"{sum(r.goodserve_share) / len(r.goodserve_share):.0%} | "
                          f"{_text(r.vs_best)} | {r.best_named} | {noise} | "
                          f"{_text(r.exact_vs_goodserve)} |")
+        forced = list(dict.fromkeys(rule for r in mine for rule, _ in r.vs_move_paths))
+        if forced:
+            lines += ["", "GoodServe (each move's path chosen) / GoodServe with every move "
+                      "forced to one path:", "",
+                      "| load | scale | " + " | ".join(f"/ {p}" for p in forced) + " |",
+                      "|---|---|" + "---|" * len(forced)]
+            for r in mine:
+                by_rule = dict(r.vs_move_paths)
+                lines.append(f"| {r.load_factor:g}x | {r.slo_scale:g} | " + " | ".join(
+                    _text(by_rule.get(p, ())) for p in forced) + " |")
         collapse = [f"scale {r.slo_scale:g}: {_text(r.collapse)}" for r in mine if r.collapse]
         if collapse:
             lines += ["", f"GoodServe met at {COLLAPSE_FACTORS[0]:g}x load / at "
@@ -654,6 +687,9 @@ def agentic(
         "--report-only",
         help="rewrite matrix.* from --out/cells.csv and calibration.csv, running nothing")
     ] = False,
+    move_paths: Annotated[str, typer.Option(
+        help="also run GoodServe with every move forced to these paths (token-ids, kv), "
+        "against its default of choosing per move")] = "",
 ) -> int:
     """Calibrate L* per (workload, cluster), run the matrix, write the report."""
     try:
@@ -665,6 +701,9 @@ def agentic(
                        else dict(CALIBRATION_POLICIES))
         reported = {"small": _seeds(seeds), "large": _seeds(large_seeds)}
         durations = _durations(duration)
+        forced = [MoveRule(p) for p in _names(move_paths, [r.value for r in MoveRule
+                                                           if r is not MoveRule.CHEAPER],
+                                              "move path")]
     except ValueError as e:
         print(f"error: {e}")
         return 2
@@ -684,7 +723,7 @@ def agentic(
     if not resume:
         for name in ("calibration.csv", "cells.csv"):
             (out / name).unlink(missing_ok=True)
-    setup = MatrixSetup(durations, trace, tuple(chosen))
+    setup = MatrixSetup(durations, trace, tuple(chosen), tuple(forced))
     calibrations = reference_rates(out, [(w, c) for w in workloads for c in clusters],
                                    setup, calibration_seed, calibrators, jobs)
     for c in calibrations:

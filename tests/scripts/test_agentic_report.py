@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 
 import benchmarks.agentic as agentic
+from app.routing.move_path import MoveRule
+from app.routing.registry import PolicyKind
 from benchmarks.agentic import (
     BASELINES,
     CANDIDATE_BASELINES,
@@ -184,6 +186,39 @@ def test_markdown_names_the_best_baseline_the_noise_and_the_calibration(tmp_path
     assert "mooncake on small: skipped: too slow" in text
 
 
+def test_forced_move_paths_are_compared_with_goodserve_and_never_a_baseline(tmp_path):
+    cells = [cell("goodserve", 60), cell("round-robin", 50), cell("goodserve@token-ids", 50),
+             cell("goodserve@kv", 75), cell("goodserve", 66, seed=1),
+             cell("round-robin", 60, seed=1), cell("goodserve@token-ids", 60, seed=1)]
+    (row,) = aggregate(cells)
+    assert row.best == ("round-robin", "round-robin")
+    by_path = dict(row.vs_move_paths)
+    assert by_path["token-ids"] == pytest.approx((1.2, 1.1))
+    assert by_path["kv"] == pytest.approx((0.8,)) and set(by_path) == {"token-ids", "kv"}
+    path = tmp_path / "matrix.md"
+    write_markdown(path, [row], [])
+    text = path.read_text()
+    assert "| load | scale | / token-ids | / kv |" in text
+    assert "| 1x | 2 | 1.15 [1.10, 1.20] | 0.80 |" in text
+
+
+def test_move_paths_run_goodserve_again_with_every_move_forced(monkeypatch):
+    ran = []
+
+    def fake_replay(spec, workload):
+        ran.append((spec.cluster.move_path, spec.policies))
+        return []
+
+    monkeypatch.setattr(agentic, "run_replay", fake_replay)
+    monkeypatch.setattr(agentic, "make_workload", lambda *args: None)
+    setup = MatrixSetup(dict(agentic.DURATION_S), agentic.TRACE, ("goodserve", "round-robin"),
+                        (MoveRule.TOKEN_IDS, MoveRule.KV))
+    agentic.run_cells("chat-agent", "small", 0.1, 0, setup, setup.policies, (2.0,))
+    goodserve = (PolicyKind.GOODSERVE,)
+    assert ran == [(MoveRule.CHEAPER, (PolicyKind.GOODSERVE, PolicyKind.ROUND_ROBIN)),
+                   (MoveRule.TOKEN_IDS, goodserve), (MoveRule.KV, goodserve)]
+
+
 # ---- units and resumption ----------------------------------------------------------------
 
 
@@ -285,7 +320,8 @@ def test_a_calibration_at_another_window_is_run_again(tmp_path, monkeypatch):
                                   ["--seeds", "0,100"],
                                   ["--duration", "coding=10"],
                                   ["--duration", "coding-agent=-1"],
-                                  ["--duration", "600,coding-agent=10"]])
+                                  ["--duration", "600,coding-agent=10"],
+                                  ["--move-paths", "cheaper"]])
 def test_bad_arguments_are_refused(tmp_path, argv):
     assert main(["--out", str(tmp_path), *argv]) == 2
 
