@@ -34,6 +34,7 @@ LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10
                      60.0, 120.0, 300.0)
 DECISION_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01,
                       0.025, 0.05, 0.1)
+BYTE_BUCKETS = (1e6, 1e7, 1e8, 1e9, 1e10, 1e11)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5, 2.0, 4.0)
 
@@ -156,8 +157,9 @@ class RouterMetrics:
         self.move_time = f.histogram(
             "goodserve_move_seconds", "From leaving the old engine to the target's first "
             "token, by path", LATENCY_BUCKETS_S, ("path",))
-        self.kv_move_bytes = f.counter(
-            "goodserve_kv_move_bytes", "KV bytes moves carried to their targets", ())
+        self.move_bytes = f.histogram(
+            "goodserve_move_kv_bytes", "KV bytes each move carried to its target (0 by "
+            "token ids)", BYTE_BUCKETS, ("path",))
         self.kv_transfer = f.histogram(
             "goodserve_kv_transfer_seconds", "Prefill-to-decode KV hand-off time",
             LATENCY_BUCKETS_S, ())
@@ -220,8 +222,7 @@ class RouterMetrics:
     def moved(self, path: str, seconds: float, kv_bytes: float) -> None:
         """A moved request's target produced its first token."""
         self.move_time.observe(seconds, tags={"path": path})
-        if kv_bytes:
-            self.kv_move_bytes.inc(kv_bytes)
+        self.move_bytes.observe(kv_bytes, tags={"path": path})
 
     def kv_transferred(self, seconds: float, num_bytes: float) -> None:
         self.kv_transfer.observe(seconds)

@@ -144,12 +144,11 @@ ROUTING = Dashboard("goodserve-routing", "GoodServe - routing, prediction, migra
         Query("sum by (reason, path) (increase(ray_goodserve_migrations_total[5m]))",
               "{{reason}} {{path}}"),), "short"),
     Panel("Move time to the target's first token, by path", (
-        Query("histogram_quantile(0.5, sum by (le, path) "
-              "(rate(ray_goodserve_move_seconds_bucket[5m])))", "p50 {{path}}"),
-        Query("histogram_quantile(0.99, sum by (le, path) "
-              "(rate(ray_goodserve_move_seconds_bucket[5m])))", "p99 {{path}}")), "s"),
-    Panel("KV bytes moves carried per second", (
-        Query(_sum(_rate("kv_move_bytes_total")), "bytes/s"),), "Bps"),
+        Query(_quantile(0.5, "move_seconds", "path"), "p50 {{path}}"),
+        Query(_quantile(0.99, "move_seconds", "path"), "p99 {{path}}")), "s"),
+    Panel("KV bytes per move, by path", (
+        Query(_quantile(0.5, "move_kv_bytes", "path"), "p50 {{path}}"),
+        Query(_quantile(0.99, "move_kv_bytes", "path"), "p99 {{path}}")), "bytes"),
     Panel("KV hand-off (prefill to decode)", (
         Query(_quantile(0.5, "kv_transfer_seconds"), "p50"),
         Query(_quantile(0.99, "kv_transfer_seconds"), "p99")), "s"),

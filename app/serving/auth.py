@@ -89,9 +89,10 @@ class RateLimiter:
         bucket = self._buckets.get(key_digest)
         if bucket is None:
             bucket = self._buckets[key_digest] = _Bucket(self.burst, now)
-        bucket.tokens = min(self.burst,
-                            bucket.tokens + (now - bucket.updated_s) * self.rate_per_s)
-        bucket.updated_s = now
+        # a clock that steps back refills nothing (and takes nothing away)
+        elapsed_s = max(now - bucket.updated_s, 0.0)
+        bucket.tokens = min(self.burst, bucket.tokens + elapsed_s * self.rate_per_s)
+        bucket.updated_s = max(now, bucket.updated_s)
         if bucket.tokens >= 1:
             bucket.tokens -= 1
             return 0.0

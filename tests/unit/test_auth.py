@@ -87,3 +87,11 @@ def test_serve_refuses_to_start_on_an_unreadable_keys_file(tmp_path):
     result = CliRunner().invoke(cli, ["serve", "--config", str(config)])
     assert result.exit_code == 2
     assert "cannot read API keys file" in result.output and "missing-keys" in result.output
+
+
+def test_a_clock_that_steps_back_takes_no_tokens_away():
+    limiter = RateLimiter(rate_per_s=1.0, burst=2)
+    assert limiter.take(b"k", 100.0) == 0.0
+    assert limiter.take(b"k", 99.0) == 0.0  # 1 s back: the second token is still there
+    assert limiter.take(b"k", 99.5) > 0  # empty; and no refill until the clock passes 100
+    assert limiter.take(b"k", 101.0) == 0.0

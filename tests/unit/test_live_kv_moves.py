@@ -87,7 +87,7 @@ async def test_a_move_loads_the_stored_prompt_and_computes_the_rest():
     assert move.kv_bytes == STORED * kv_per_token and move.loaded_tokens == STORED
     assert move.time_s is not None and move.time_s >= 0
     assert factory["goodserve_migrations"].get(reason="operator", path="kv") == [1.0]
-    assert factory["goodserve_kv_move_bytes"].get() == [STORED * kv_per_token]
+    assert factory["goodserve_move_kv_bytes"].get(path="kv") == [STORED * kv_per_token]
     assert move.as_dict()["path"] == "kv"
 
 
