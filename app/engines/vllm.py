@@ -115,15 +115,20 @@ NIXL_PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
                        "remote_host": None, "remote_port": None}
 
 
+def example_stored_tokens(num_prompt_tokens: int, block_size: int) -> int:
+    """How much of a prompt vLLM's ExampleConnector stores: its whole blocks but a last
+    full one (it keeps one token to sample from)."""
+    return (num_prompt_tokens - 1) // block_size * block_size
+
+
 def example_storage_key(prompt_ids: list[int], block_size: int, root: str) -> str:
-    """The directory vLLM's ExampleConnector stores a prompt's KV in: a hash of its
-    whole blocks except a last full one (it keeps one token to sample from), the
-    connector's own naming (`_generate_foldername_debug`), so the router can delete it
-    once the decode engine has loaded it."""
+    """The directory vLLM's ExampleConnector stores a prompt's KV in: a hash of the
+    tokens it stores (`example_stored_tokens`), the connector's own naming
+    (`_generate_foldername_debug`), so the router can delete it once loaded."""
     import torch
     from vllm.utils.hashing import safe_hash
 
-    num_tokens = (len(prompt_ids) - 1) // block_size * block_size
+    num_tokens = example_stored_tokens(len(prompt_ids), block_size)
     token_bytes = torch.tensor(prompt_ids)[:num_tokens].numpy().tobytes()
     return os.path.join(root, safe_hash(token_bytes, usedforsecurity=False).hexdigest())
 
@@ -336,7 +341,7 @@ class VllmBackend(EngineBackendBase):
             return None
         assert self.engine is not None
         block_size = self.engine.vllm_config.cache_config.block_size
-        num_tokens = (len(prompt_ids) - 1) // block_size * block_size
+        num_tokens = example_stored_tokens(len(prompt_ids), block_size)
         if num_tokens == 0:
             return None
         key = example_storage_key(prompt_ids, block_size, connector.shared_storage_path)

@@ -150,9 +150,6 @@ class InstanceTracker:
         self.clock = clock
         self.status_timeout_s = status_timeout_s
 
-    def __getitem__(self, instance_id: InstanceId) -> LiveInstance:
-        return self.instances[instance_id]
-
     # ---- polling -------------------------------------------------------------------
     async def poll(self, inst: LiveInstance) -> bool:
         """Ask the engine for its report; False (and out of rotation) when it does not

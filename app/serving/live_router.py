@@ -442,9 +442,7 @@ class LiveRouter:
             self._num_migrations += 1
         target = flight.placement.move_to
         assert target is not None
-        record = self._plan_move(flight, target, reason)  # before the target holds it
-        self._leave_for(flight, target)
-        flight.move(record)
+        flight.move(self._leave_for(flight, target, reason))
         self._recount(flight)
 
     def _plan_move(self, flight: Flight, target: InstanceId,
@@ -492,11 +490,15 @@ class LiveRouter:
         if stored is not None:
             flight.placement.stored_kv, flight.placement.stored_kv_s = stored, self.clock()
 
-    def _leave_for(self, flight: Flight, target: InstanceId) -> None:
-        """Before a flight is submitted again on `target` (a move or a fail-over): the
-        hand-off's KV is freed, and `target` will hold the prompt's blocks."""
+    def _leave_for(self, flight: Flight, target: InstanceId,
+                   reason: MigrationReason) -> MoveRecord:
+        """Before a flight is submitted again on `target` (a move or a fail-over): its
+        path is planned (on what `target` caches before this move), the hand-off's KV
+        is freed, and `target` will hold the prompt's blocks."""
+        record = self._plan_move(flight, target, reason)
         self._release_kv(flight)
         self.instances[target].remember_prefix(flight.route.block_hashes)
+        return record
 
     def _fail_over(self, flight: Flight, why: str) -> None:
         """Continue on another instance by token ids, or give up with `EngineLost`."""
@@ -513,9 +515,7 @@ class LiveRouter:
             raise EngineLost(f"request {flight.request_id}: engine {lost} failed ({why}) "
                              f"and no other can continue it: {exc}") from None
         self._num_failovers += 1
-        record = self._plan_move(flight, target, MigrationReason.FAILURE)
-        self._leave_for(flight, target)
-        flight.fail_over(record)
+        flight.fail_over(self._leave_for(flight, target, MigrationReason.FAILURE))
         self._recount(flight)
 
     def _end(self, flight: Flight) -> None:

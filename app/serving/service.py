@@ -157,15 +157,14 @@ def kv_transport(config: ServeConfig) -> KvTransport | None:
     """How prompts' KV moves between the pools, and for unified vLLM engines with the
     example connector, the store a move can load a prompt's KV from (None: unified
     engines move by token ids)."""
-    engine = config.engine_template
-    if config.cluster.mode != "disaggregated":
-        connector = engine.kv_connector
-        if connector is None or connector.kind != KvConnectorKind.EXAMPLE:
-            return None
-        return ConnectorTransport(connector, config.cluster.kv_link_gbps)
-    if engine.kv_connector is not None:
-        return ConnectorTransport(engine.kv_connector, config.cluster.kv_link_gbps)
-    return SimulatedLink(config.cluster.kv_link_gbps, engine.time_scale)
+    engine, gbps = config.engine_template, config.cluster.kv_link_gbps
+    connector = engine.kv_connector
+    if config.cluster.mode == "disaggregated":
+        return (SimulatedLink(gbps, engine.time_scale) if connector is None
+                else ConnectorTransport(connector, gbps))
+    if connector is None or connector.kind != KvConnectorKind.EXAMPLE:
+        return None
+    return ConnectorTransport(connector, gbps)
 
 
 class CompletionService:
