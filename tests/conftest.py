@@ -191,6 +191,36 @@ def serving(config, app_name: str) -> Iterator[str]:
         yield url
 
 
+def streamed_completion(url: str, body: dict, *, timeout: float, at_text: int = 0,
+                        act=None) -> tuple[list[str], dict | None]:
+    """A streamed completion's text chunks and its `goodserve` summary; `act(chunk)`
+    runs when the `at_text`-th text chunk has arrived (a move, a kill)."""
+    import httpx
+
+    texts, summary = [], None
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout) as reply:
+        assert reply.status_code == 200, reply.read()
+        for chunk in sse_chunks(reply):
+            if "goodserve" in chunk:
+                summary = chunk["goodserve"]
+                continue
+            texts.append(chunk["choices"][0]["text"])
+            if act is not None and len(texts) == at_text:
+                act(chunk)
+    return texts, summary
+
+
+def migrate_streamed(url: str, chunk: dict, timeout: float) -> str:
+    """Ask the router to move the request `chunk` belongs to; the target it chose."""
+    import httpx
+
+    request_id = chunk["id"].removeprefix("cmpl-")
+    move = httpx.post(url + "/admin/migrate", json={"request_id": request_id},
+                      timeout=timeout)
+    assert move.status_code == 200, move.text
+    return move.json()["target"]
+
+
 def sse_chunks(response) -> Iterator[dict]:
     """The JSON events of an OpenAI server-sent-event stream, up to `[DONE]`."""
     import json

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.conftest import sse_chunks, vllm_cluster_config
+from tests.conftest import migrate_streamed, streamed_completion, vllm_cluster_config
 
 pytestmark = pytest.mark.e2e
 
@@ -47,19 +47,11 @@ def test_operator_migration_mid_stream_keeps_the_greedy_output(vllm_url):
     re-prefills prompt + generated ids and the text equals the unmoved run's."""
     body = {"model": "goodserve", "prompt": PROMPT, "max_tokens": 160, "temperature": 0.0,
             "ignore_eos": True, "stream": True}
-    texts, summary, moved_to = [], None, None
-    with httpx.stream("POST", vllm_url + "/v1/completions", json=body, timeout=300) as reply:
-        for chunk in sse_chunks(reply):
-            if "goodserve" in chunk:
-                summary = chunk["goodserve"]
-                continue
-            texts.append(chunk["choices"][0]["text"])
-            if len(texts) == 5:
-                request_id = chunk["id"].removeprefix("cmpl-")
-                move = httpx.post(vllm_url + "/admin/migrate", json={"request_id": request_id},
-                                  timeout=30)
-                assert move.status_code == 200, move.text
-                moved_to = move.json()["target"]
+    moves = []
+    texts, summary = streamed_completion(
+        vllm_url, body, timeout=300, at_text=5,
+        act=lambda chunk: moves.append(migrate_streamed(vllm_url, chunk, timeout=30)))
+    (moved_to,) = moves
     assert summary["num_migrations"] == 1 and summary["instance_ids"][1] == moved_to
     unmoved = complete(vllm_url, max_tokens=160)
     assert unmoved["goodserve"]["num_migrations"] == 0

@@ -5,13 +5,17 @@ computing. Its greedy text must equal an unmoved run's on the plain engines."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
 from app.config import KvConnectorConfig, KvConnectorKind
 from app.routing.move_path import MoveRule
 from app.serving.config import ServeConfig
-from tests.conftest import serving, sse_chunks, vllm_cluster_config
+from tests.conftest import (
+    migrate_streamed,
+    serving,
+    streamed_completion,
+    vllm_cluster_config,
+)
 from tests.e2e.test_live_vllm_pd import body, unified_text
 
 pytestmark = pytest.mark.e2e
@@ -37,21 +41,11 @@ def kv_moves(ray_session, tiny_model_dir, tmp_path_factory):
 def test_a_moved_greedy_request_loads_its_prompt_kv_and_keeps_its_text(kv_moves,
                                                                       vllm_engines):
     url, config = kv_moves
-    texts, summary, moved_to = [], None, None
-    with httpx.stream("POST", url + "/v1/completions", timeout=600,
-                      json=body(PROMPT, 96, stream=True)) as reply:
-        assert reply.status_code == 200, reply.read()
-        for chunk in sse_chunks(reply):
-            if "goodserve" in chunk:
-                summary = chunk["goodserve"]
-                continue
-            texts.append(chunk["choices"][0]["text"])
-            if len(texts) == 4:
-                request_id = chunk["id"].removeprefix("cmpl-")
-                move = httpx.post(url + "/admin/migrate", json={"request_id": request_id},
-                                  timeout=60)
-                assert move.status_code == 200, move.text
-                moved_to = move.json()["target"]
+    moves = []
+    texts, summary = streamed_completion(
+        url, body(PROMPT, 96, stream=True), timeout=600, at_text=4,
+        act=lambda chunk: moves.append(migrate_streamed(url, chunk, timeout=60)))
+    (moved_to,) = moves
     assert summary is not None and summary["num_migrations"] == 1
     (move,) = summary["moves"]
     assert move["target"] == moved_to and move["path"] == "kv"

@@ -14,7 +14,7 @@ from app.engine_types import EngineRequest, SamplingSpec
 from app.serving.service import make_tokenizer
 from app.serving.tokenizer import REPLACEMENT_CHAR
 from deployments.cluster import collect_tokens
-from tests.conftest import serving, sse_chunks, vllm_pd_config
+from tests.conftest import serving, streamed_completion, vllm_pd_config
 
 pytestmark = pytest.mark.e2e
 
@@ -60,14 +60,8 @@ def test_completions_and_streams_equal_the_unified_engines_with_the_kv_loaded(pd
     # computing them: a fresh prompt, so no local prefix cache could have held them
     assert gs["kv_loaded_tokens"] >= 128 and gs["kv_transfer_s"] > 0
 
-    texts, summary = [], None
-    with httpx.stream("POST", url + "/v1/completions", timeout=300,
-                      json=body(PROMPTS[1], 20, stream=True)) as stream:
-        for chunk in sse_chunks(stream):
-            if "goodserve" in chunk:
-                summary = chunk["goodserve"]
-            else:
-                texts.append(chunk["choices"][0]["text"])
+    texts, summary = streamed_completion(url, body(PROMPTS[1], 20, stream=True),
+                                         timeout=300)
     assert "".join(texts) == unified_text(vllm_engines[1], config, PROMPTS[1], 20)
     assert summary is not None and summary["kv_loaded_tokens"] >= 128
     assert not list(storage.iterdir())  # each prompt's stored KV deleted once loaded

@@ -4,10 +4,9 @@ ids. A module of its own: the test kills an engine of its service."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
-from tests.conftest import serving, sse_chunks, vllm_pd_config
+from tests.conftest import serving, streamed_completion, vllm_pd_config
 from tests.e2e.test_live_vllm_pd import PROMPTS, body, unified_text
 
 pytestmark = pytest.mark.e2e
@@ -26,16 +25,10 @@ def test_killing_the_decode_engine_mid_stream_still_completes_the_request(pd, vl
     from deployments.cluster import ENGINE_NAMESPACE
 
     url, config = pd
-    texts, summary = [], None
-    with httpx.stream("POST", url + "/v1/completions", timeout=300,
-                      json=body(PROMPTS[0], 200, stream=True)) as stream:
-        for chunk in sse_chunks(stream):
-            if "goodserve" in chunk:
-                summary = chunk["goodserve"]
-                continue
-            texts.append(chunk["choices"][0]["text"])
-            if len(texts) == 3:
-                ray.kill(ray.get_actor("e2e-pdf-decode-cpu-1", namespace=ENGINE_NAMESPACE))
+    texts, summary = streamed_completion(
+        url, body(PROMPTS[0], 200, stream=True), timeout=300, at_text=3,
+        act=lambda chunk: ray.kill(ray.get_actor("e2e-pdf-decode-cpu-1",
+                                                 namespace=ENGINE_NAMESPACE)))
     assert summary is not None
     assert summary["instance_ids"] == ["e2e-pdf-decode-cpu-1", "e2e-pdf-prefill-cpu-0"]
     assert "".join(texts) == unified_text(vllm_engines[0], config, PROMPTS[0], 200)
