@@ -14,6 +14,7 @@ from app.config_reference import app as config_app
 from app.experiments.autoscale_cli import autoscale
 from app.experiments.faults import faults
 from app.experiments.overhead import overhead
+from app.experiments.plan_check import plan_cluster_command
 from app.experiments.replay import replay
 from app.planning.cli import app as plan_app
 from predictor.cli import app as predictor_app
@@ -35,6 +36,7 @@ cli.command("replay")(replay)
 cli.command("autoscale")(autoscale)
 cli.command("overhead")(overhead)
 cli.command("faults")(faults)
+plan_app.command("cluster")(plan_cluster_command)
 cli.add_typer(plan_app, name="plan")
 cli.add_typer(predictor_app, name="predictor")
 cli.add_typer(config_app, name="config")

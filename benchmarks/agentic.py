@@ -639,9 +639,9 @@ def _names(text: str, known: Sequence[str], what: str) -> list[str]:
     return names
 
 
-def _durations(text: str) -> dict[str, float]:
-    """DURATION_S, overridden by `text`: one number (every workload) or name=seconds."""
-    durations = dict(DURATION_S)
+def _durations(text: str, defaults: dict[str, float] = DURATION_S) -> dict[str, float]:
+    """`defaults`, overridden by `text`: one number (every workload) or name=seconds."""
+    durations = dict(defaults)
     parts = [p.strip() for p in text.split(",") if p.strip()]
     for part in parts:
         name, _, seconds = part.rpartition("=")

@@ -29,9 +29,11 @@ from typing import Annotated
 import typer
 from tqdm import tqdm
 
-from app.config import ClusterConfig, EngineRole, load_cluster_config
+from app.config import ClusterConfig, load_cluster_config
 from app.experiments.autoscale import observed
+from app.experiments.plan_check import inventory, with_layout
 from app.experiments.replay import ReplaySpec, attach_predictions, cluster_model, run_replay
+from app.planning.cluster_plan import Layout
 from app.planning.params import ModelParams
 from app.planning.split import (
     EngineKind,
@@ -61,32 +63,19 @@ SCALES = (1.0, 1.5, 2.0, 2.5, 3.0)
 UNIFIED = "unified"
 
 
-def inventory(cluster: ClusterConfig) -> Counter[EngineKind]:
-    """Engine kind -> count; the order of `cluster.engines()` is kept by `with_split`."""
-    return Counter(EngineKind(e.gpu_type, e.tp, e.scheduler.max_num_seqs)
-                   for e in cluster.engines())
-
-
 def with_split(cluster: ClusterConfig, prefill: dict[str, int]) -> ClusterConfig:
     """The same engines in disaggregated mode: the first `prefill[kind]` of each kind
     prefill, the rest decode."""
-    seen: Counter[str] = Counter()
-    groups = []
-    for engine in cluster.engines():
-        kind = EngineKind(engine.gpu_type, engine.tp).name
-        role = EngineRole.PREFILL if seen[kind] < prefill.get(kind, 0) else EngineRole.DECODE
-        seen[kind] += 1
-        groups.append({"count": 1, "engine": engine.model_copy(update={"role": role})})
-    return ClusterConfig.model_validate({
-        **cluster.model_dump(exclude={"groups", "mode", "name"}),
-        "name": f"{cluster.name}-pd-{split_label(prefill)}", "mode": "disaggregated",
-        "groups": groups,
-    })
+    return with_layout(cluster, _layout(prefill))
 
 
 def split_label(prefill: dict[str, int]) -> str:
     """'A800+H800' for the prefill pool (the rest decode)."""
-    return "+".join(f"{n}x{k}" if n > 1 else k for k, n in sorted(prefill.items()) if n)
+    return _layout(prefill).label
+
+
+def _layout(prefill: dict[str, int]) -> Layout:
+    return Layout(tuple((k, n) for k, n in sorted(prefill.items()) if n))
 
 
 def every_prefill_pool(kinds: Counter[EngineKind]) -> list[dict[str, int]]:

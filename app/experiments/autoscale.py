@@ -103,15 +103,27 @@ def load_autoscale_config(path: Path) -> AutoscaleConfig:
 
 def observed(workload: Workload) -> Observation:
     """The workload's rate and length moments, as a controller would measure them (a CV
-    below 0.05 counts as 0.05: the length models need some spread)."""
+    below 0.05 counts as 0.05: the length models need some spread). Agent steps extend a
+    context their session's engine caches: their uncached length is the appended tokens."""
     inputs = [r.num_prompt_tokens for r in workload.requests]
     outputs = [r.num_output_tokens for r in workload.requests]
-    mean_in = statistics.fmean(inputs)
+    uncached = None
+    if any(r.num_appended_tokens is not None for r in workload.requests):
+        uncached = moments([r.num_prompt_tokens if r.num_appended_tokens is None
+                            else max(1, r.num_appended_tokens) for r in workload.requests])
+    mean_in, cv_in = moments(inputs)
     return Observation(
         rate_rps=len(workload) / workload.duration_s, mean_input_len=mean_in,
-        cv_input_len=max(statistics.pstdev(inputs) / mean_in, 0.05),
-        mean_output_len=statistics.fmean(outputs),
+        cv_input_len=cv_in, mean_output_len=statistics.fmean(outputs),
+        mean_uncached_len=None if uncached is None else uncached[0],
+        cv_uncached_len=None if uncached is None else uncached[1],
     )
+
+
+def moments(lengths: Sequence[int]) -> tuple[float, float]:
+    """(mean, CV) of lengths, the CV at least 0.05."""
+    mean = statistics.fmean(lengths)
+    return mean, max(statistics.pstdev(lengths) / mean, 0.05)
 
 
 def outcome_summary(records: Sequence[RequestRecord], duration_s: float, gpu_hours: float,

@@ -34,12 +34,20 @@ BYTES_PER_GB = 1e9
 class LengthMoments:
     """Length statistics of the traffic (the rate is what the allocator decides)."""
 
-    input_len: LengthDist
+    input_len: LengthDist  # whole prompts: what decode holds and the KV link carries
     mean_output_len: float
+    # prompt tokens the serving engine has not cached (an agent step's appended tokens):
+    # what prefill computes; None: the whole prompt
+    uncached_len: LengthDist | None = None
 
     def __post_init__(self) -> None:
         if not self.mean_output_len > 0:
             raise ValueError(f"mean output length must be positive, got {self.mean_output_len}")
+
+    @property
+    def prefill_len(self) -> LengthDist:
+        """Tokens a prefill computes per request."""
+        return self.input_len if self.uncached_len is None else self.uncached_len
 
 
 @dataclass(frozen=True)
@@ -167,7 +175,7 @@ class StageSizer:
         self._kv_solved: dict[float, float] = {}  # rate -> utilization at the minimum B
 
     def prefill_stage(self, device: DeviceParams) -> PrefillStage:
-        return PrefillStage(self.model, device, self.workload.input_len)
+        return PrefillStage(self.model, device, self.workload.prefill_len)
 
     def decode_stage(self, device: DeviceParams) -> DecodeStage:
         return DecodeStage(

@@ -173,6 +173,22 @@ class DecodeStage:
         rate_rps: float | None = None,
     ) -> np.ndarray:
         """Per-token TPOT quantiles; with `rate_rps`, over the batch-occupancy mixture."""
+        times, cdf = self._tpot_cdf_grid(num_devices, batch_size, method, rate_rps)
+        return np.interp(probs, cdf, times)
+
+    def tpot_cdf(self, num_devices: int, batch_size: int, tpot_s: float, rate_rps: float,
+                 method: Method = Method.REFINED) -> float:
+        """P(a token's TPOT <= tpot_s) at `rate_rps` with at most `batch_size` running;
+        0 where no batch of that size is stable at the rate."""
+        if self.occupancy(num_devices, rate_rps, method) is None or (
+                self.min_batch_stable(num_devices, rate_rps) > batch_size):
+            return 0.0
+        times, cdf = self._tpot_cdf_grid(num_devices, batch_size, method, rate_rps)
+        return float(np.interp(tpot_s, times, cdf, left=0.0, right=1.0))
+
+    def _tpot_cdf_grid(self, num_devices: int, batch_size: int, method: Method,
+                       rate_rps: float | None) -> tuple[np.ndarray, np.ndarray]:
+        """TPOT grid and its CDF over the batch sizes tokens are generated at."""
         weights = self.token_weights(num_devices, batch_size, rate_rps, method)
         sizes = np.flatnonzero(weights > MIN_TOKEN_WEIGHT)
         top = self._context_top(batch_size)
@@ -184,7 +200,7 @@ class DecodeStage:
         for row, n in enumerate(sizes):
             budgets = self.context_budget(num_devices, int(n), times)
             mixture += weights[n] * np.interp(budgets, tokens, cdfs[row], left=0.0)
-        return np.interp(probs, np.maximum.accumulate(mixture), times)
+        return times, np.maximum.accumulate(mixture)
 
     def occupancy(
         self, num_devices: int, rate_rps: float, method: Method = Method.REFINED

@@ -114,7 +114,7 @@ class InventorySizer:
 
     def _prefill_stage(self, kind: EngineKind) -> PrefillStage:
         return PrefillStage(self.model, DeviceParams.named(kind.gpu, kind.tp),
-                            self.workload.input_len)
+                            self.workload.prefill_len)
 
     def rate_of(self, role: str, kind: EngineKind, engines: int) -> float:
         """Largest rate `engines` engines of `kind` carry in `role` within the SLOs."""

@@ -33,15 +33,22 @@ class Observation:
     mean_input_len: float
     cv_input_len: float
     mean_output_len: float
+    # prompt tokens not cached where the request ran (agent steps); None: whole prompts
+    mean_uncached_len: float | None = None
+    cv_uncached_len: float | None = None
 
     def __post_init__(self) -> None:
         if not (self.rate_rps >= 0 and math.isfinite(self.rate_rps)):
             raise ValueError(f"observed rate must be >= 0, got {self.rate_rps}")
+        if (self.mean_uncached_len is None) != (self.cv_uncached_len is None):
+            raise ValueError("give both the uncached length's mean and CV, or neither")
 
     @property
     def workload(self) -> LengthMoments:
         input_len = LengthDist.from_moments(self.mean_input_len, self.cv_input_len)
-        return LengthMoments(input_len, self.mean_output_len)
+        uncached = (None if self.mean_uncached_len is None else
+                    LengthDist.from_moments(self.mean_uncached_len, self.cv_uncached_len))
+        return LengthMoments(input_len, self.mean_output_len, uncached)
 
 
 @dataclass(frozen=True)

@@ -87,23 +87,38 @@ class PoolSplit:
 
 
 def stage_slos(
-    reference: InstanceSpec, workload: LengthMoments, scale: float, p_slo: float = DEFAULT_P_SLO
+    reference: InstanceSpec, workload: LengthMoments, scale: float,
+    p_slo: float = DEFAULT_P_SLO, prefill_share: float | None = None,
 ) -> SloTargets:
-    """Stage targets behind end-to-end deadlines of `scale` x solo time on `reference`.
+    """Stage targets that split the mean request's end-to-end deadline.
 
-    A request whose prefill and every decode step each take at most `scale` times their
-    solo time meets such a deadline; the targets take the mean request: tau_pre is
-    `scale` x the solo prefill of the mean prompt and tau_dec `scale` x the solo decode
-    step at the mean context. The KV transfer has no counterpart in the unified
-    reference; it may take as long as the prefill (tau_KV = tau_pre).
+    The mean request (mean uncached prompt, mean output) alone on `reference` waits P for
+    its first token and d per later token; its deadline is `scale` x (P + (N - 1) d),
+    which leaves a slack of (scale - 1) x that solo time. A request meets its deadline
+    when its first token comes within P plus a share of the slack and each later token
+    within d plus an equal part of the rest:
+    tau_pre = P + share x slack, tau_dec = d + (1 - share) x slack / (N - 1).
+    `prefill_share` None splits the slack in proportion to the solo phases, which is
+    tau_pre = scale x P and tau_dec = scale x d. The deadline counts its whole slack
+    wherever it is spent, so the share is a choice (`plan_cluster` searches it). The KV
+    transfer has no counterpart in the unified reference; it may take as long as the
+    prefill (tau_KV = tau_pre).
     """
     if not scale > 0:
         raise ValueError(f"SLO scale must be > 0, got {scale}")
+    if prefill_share is not None and not 0 <= prefill_share <= 1:
+        raise ValueError(f"prefill share must be in [0, 1], got {prefill_share}")
     mean_input = max(1, round(workload.input_len.mean))
-    ttft_s = scale * reference.solo_latency_s(mean_input, 1)
-    context = round(workload.input_len.mean + workload.mean_output_len / 2)
-    tpot_s = scale * reference.decode_time_per_token_s(context_len=context)
-    return SloTargets(ttft_s=ttft_s, kv_s=ttft_s, tpot_s=tpot_s, p_slo=p_slo)
+    uncached = min(mean_input, max(1, round(workload.prefill_len.mean)))
+    num_later = max(1, round(workload.mean_output_len) - 1)
+    prefill_s, tpot_s = reference.solo_phases_s(mean_input, num_later + 1,
+                                                num_cached_tokens=mean_input - uncached)
+    if prefill_share is None:
+        prefill_share = prefill_s / (prefill_s + num_later * tpot_s)
+    slack = (scale - 1) * (prefill_s + num_later * tpot_s)
+    ttft_s = prefill_s + prefill_share * slack
+    return SloTargets(ttft_s=ttft_s, kv_s=ttft_s,
+                      tpot_s=tpot_s + (1 - prefill_share) * slack / num_later, p_slo=p_slo)
 
 
 def engine_capacity(
@@ -111,7 +126,7 @@ def engine_capacity(
     method: Method = Method.REFINED,
 ) -> EngineCapacity:
     """Per-stage capacity of one engine (0 where the SLO is out of reach even unloaded)."""
-    prefill = PrefillStage(model, DeviceParams.named(kind.gpu, kind.tp), workload.input_len)
+    prefill = PrefillStage(model, DeviceParams.named(kind.gpu, kind.tp), workload.prefill_len)
     prefill_rps = 0.0
     if prefill.service.cdf(slo.ttft_s) >= slo.p_slo:
         prefill_rps = max_feasible_rate(
