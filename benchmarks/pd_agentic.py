@@ -54,7 +54,8 @@ from benchmarks.matrix_io import append_rows, read_rows
 
 MAX_SIMULATED_SPLITS = 64  # above this, whole-kind splits and SARA's pick are simulated
 DURATION_S = {"mooncake": 500.0, "coding-agent": 5000.0, "chat-agent": 500.0}
-CELL_FIELDS = ("workload", "cluster", "load_factor", "rate", "seed", "slo_scale", "layout",
+CELL_FIELDS = ("workload", "cluster", "load_factor", "rate", "window_s", "seed", "slo_scale",
+               "layout",
                "mode", "recommended", "model_goodput_rps", "binding", "prefill_share",
                "promised_attainment", "requests", "met", "simulated_attainment",
                "simulated_goodput_rps")
@@ -75,7 +76,8 @@ def run_unit(workload: str, cluster: str, load_factor: float, rate: float, seed:
     checks = check_layouts(config, work, scale, plan, layouts, seed,
                            routing=RoutingOptions(seed), top=0)
     return [{"workload": workload, "cluster": cluster, "load_factor": load_factor,
-             "rate": rate, "seed": seed, "slo_scale": scale, **asdict(c)}
+             "rate": rate, "window_s": setup.duration_s(workload), "seed": seed,
+             "slo_scale": scale, **asdict(c)}
             for c in checks if c.simulated_goodput_rps is not None]
 
 
@@ -83,9 +85,9 @@ def report(cells: Sequence[dict], notes: Sequence[str], setup: dict) -> str:
     lines = ["# P/D against unified on agentic traffic, and SARA's plan (simulator)", "",
              *[f"- {k}: {v}" for k, v in setup.items()], *[f"- {n}" for n in notes], "",
              "Goodput in met requests per second of window; attainment = met / requests.", "",
-             "| workload | cluster | load | unified | best P/D (split) | P/D / unified | "
+             "| workload | cluster | window | load | unified | best P/D (split) | P/D / unified | "
              "SARA's pick | pick / best | promised | simulated |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     units = dict.fromkeys((c["workload"], c["cluster"], c["load_factor"]) for c in cells)
     for key in units:
         mine = [c for c in cells if (c["workload"], c["cluster"], c["load_factor"]) == key]
@@ -95,7 +97,8 @@ def report(cells: Sequence[dict], notes: Sequence[str], setup: dict) -> str:
         best = max(c["simulated_goodput_rps"] for c in mine)
         pick = next(c for c in mine if c["recommended"] in (True, "True"))
         lines.append(
-            f"| {key[0]} | {key[1]} | {key[2]:g}x | {unified['simulated_goodput_rps']:.3f} | "
+            f"| {key[0]} | {key[1]} | {float(unified['window_s']):g} s | {key[2]:g}x | "
+            f"{unified['simulated_goodput_rps']:.3f} | "
             f"{split['simulated_goodput_rps']:.3f} ({split['layout']}) | "
             f"{_ratio(split['simulated_goodput_rps'], unified['simulated_goodput_rps'])} | "
             f"{pick['layout']} | {_ratio(pick['simulated_goodput_rps'], best)} | "
@@ -171,7 +174,6 @@ def pd_agentic(
                                      "simulated_goodput_rps"))
     text = report(cells, notes, {
         "clusters": ", ".join(f"{c} = {CLUSTERS[c].name}" for c in clusters),
-        "windows": ", ".join(f"{w} {durations[w]:g} s" for w in workloads),
         "seed": seed, "slo_scale": slo_scale, "policy": "goodserve (P/D: least-TTFT "
         "prefill, just-enough decode, KV over the cluster's link)",
         "loads": ", ".join(f"{f:g}" for f in LOAD_FACTORS) + " x L* (agentic matrix)"})
