@@ -151,3 +151,21 @@ def test_calibration_skips_a_stage_whose_helpers_would_be_the_bottleneck():
     assert small._helpers_suffice(DECODE, 2 * small.sizer.rate_of(DECODE, h800, 1))
     large = Calibrator(load_autoscale_config(DEFAULT_CONFIG), pool, seed=5)
     assert large._helpers_suffice(PREFILL, 2 * large.sizer.rate_of(PREFILL, h800, 1))
+
+
+def test_calibration_also_models_each_stage_with_the_deadlines_whole_slack():
+    """The measurement leaves the stage under test the whole slack (its helpers keep the
+    other stage near its solo time); the model at those targets is set beside it, and
+    gives each stage at least the controller's rate."""
+    from app.experiments.calibrate import Calibrator
+
+    pool = [Content(300 + 40 * (i % 10), 60 + 20 * (i % 7), (i,)) for i in range(200)]
+    calibrator = Calibrator(load_autoscale_config(DEFAULT_CONFIG), pool, seed=5)
+    kinds = [stock.kind for stock in calibrator.settings.stock]
+    for role in (PREFILL, DECODE):
+        proportional = [calibrator.sizer.rate_of(role, kind, 1) for kind in kinds]
+        whole = [calibrator.whole_slack[role].rate_of(role, kind, 1) for kind in kinds]
+        assert all(w >= p > 0 for w, p in zip(whole, proportional, strict=True))
+        if role == PREFILL:
+            assert all(w > p for w, p in zip(whole, proportional, strict=True))
+            assert sum(whole) > 1.3 * sum(proportional)
