@@ -21,6 +21,7 @@ import typer
 
 from app.config import ClusterConfig, load_cluster_config
 from app.knob_cli import knob_options
+from app.routing.fleet import DEFAULT_REPORT_INTERVAL_S, FleetConfig, Sharing, Spread
 from app.routing.goodserve import GoodServeConfig, goodserve_knobs, stall_factor_label
 from app.routing.length import OutputLengthEstimator, PredictorLength
 from app.routing.move_path import MoveRule
@@ -76,6 +77,7 @@ class ReplaySpec:
     max_drain_s: float | None = None
     rescore: bool = True  # simulate deadline-unaware policies once, score every scale
     routing: RoutingOptions = RoutingOptions()  # tau, EMA alpha, GoodServe's predictor
+    fleet: FleetConfig = FleetConfig()  # router replicas: how many, spread, shared state
 
 
 @dataclass(frozen=True)
@@ -185,7 +187,7 @@ def context_limit_of(cluster: ClusterConfig) -> int:
 def _simulate(
     spec: ReplaySpec, kind: PolicyKind, workload: Workload, progress: Callable[[int], None] | None
 ) -> SimResult:
-    stack = build_routing(kind, spec.routing)
+    stack = build_routing(kind, spec.routing, spec.fleet)
     sim = Simulator.from_config(
         spec.cluster, stack.policy, watchdog=stack.watchdog,
         max_drain_s=spec.max_drain_s, seed=spec.seed,
@@ -467,6 +469,16 @@ def replay(
         typer.Option(help="directory from `goodserve predictor train`: GoodServe uses its "
                      "MoE (default: a running history of finished lengths)"),
     ] = None,
+    routers: Annotated[int, typer.Option(
+        min=1, help="router replicas (sim), each with its own policy state")] = 1,
+    router_spread: Annotated[Spread, typer.Option(
+        help="how requests reach the replicas: random | session")] = Spread.RANDOM,
+    router_sharing: Annotated[Sharing, typer.Option(
+        help="what the replicas know beyond their own placements: nothing | reports "
+        "(the engines' queues, every --report-interval) | budgets (and one budget "
+        "table)")] = Sharing.REPORTS,
+    report_interval: Annotated[float, typer.Option(
+        help="seconds between a replica's engine reports")] = DEFAULT_REPORT_INTERVAL_S,
     move_path: Annotated[
         MoveRule | None,
         typer.Option(help="how migrations reach their target: cheaper | token-ids | kv "
@@ -487,7 +499,11 @@ def replay(
             max_drain_s=max_drain,
             rescore=rescore,
             routing=RoutingOptions(seed, goodserve, _length_factory(predictor)),
+            fleet=FleetConfig(routers, router_spread, router_sharing, report_interval),
         )
+        if backend == Backend.LIVE and routers > 1:
+            raise ValueError("--routers is for the simulator; live, run more router "
+                             "replicas (the serve config's router num_replicas)")
         workload = build_workload(
             arrivals=arrivals, trace=trace, prompts=prompts, rate=rate,
             duration_s=duration, max_requests=max_requests, seed=seed,
@@ -514,6 +530,8 @@ def replay(
         "move_path": spec.cluster.move_path.value, "kv_link_gbps": spec.cluster.kv_link_gbps,
         "predictor": predictor or "running history", **goodserve_knobs(goodserve),
         "stall_factor": stall_factor_label(goodserve.stall_factor),
+        "routers": routers, "router_spread": router_spread.value,
+        "router_sharing": router_sharing.value, "report_interval_s": report_interval,
     }
     write_outputs(out, setup, outcomes)
     typer.echo(f"wrote {out}/summary.csv, requests.parquet, placement.csv, goodput.png, "

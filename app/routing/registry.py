@@ -7,7 +7,7 @@ requests (GoodServe and its variants, Llumnix), the watchdog that shares its sta
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
@@ -19,7 +19,9 @@ from app.routing.baselines import (
     RoundRobinPolicy,
 )
 from app.routing.cache_aware import PreblePolicy, PrefixCachePolicy
+from app.routing.fleet import FleetConfig, RouterFleet, Sharing
 from app.routing.goodserve import (
+    BudgetTable,
     GoodServeConfig,
     JustEnoughPolicy,
     JustEnoughVariant,
@@ -91,6 +93,8 @@ class RoutingOptions:
     goodserve: GoodServeConfig = GoodServeConfig()
     # GoodServe's output-length predictor (e.g. the MoE); None -> running history
     length_factory: Callable[[], OutputLengthEstimator] | None = None
+    # budgets and admissions GoodServe shares with other router replicas (None: its own)
+    budget_table: BudgetTable | None = None
 
     def goodserve_length(self) -> OutputLengthEstimator:
         return self.length_factory() if self.length_factory else RunningHistoryLength()
@@ -115,7 +119,7 @@ def _goodserve(
 ) -> RoutingStack:
     """GoodServe with the options' knobs, less any the variant fixes (`overrides`)."""
     config = options.goodserve.model_copy(update=overrides)
-    policy, watchdog = make_goodserve(length, config)
+    policy, watchdog = make_goodserve(length, config, options.budget_table)
     return RoutingStack(policy, watchdog, policy.status)
 
 
@@ -203,5 +207,17 @@ def make_policy(kind: PolicyKind | str, seed: int = 0) -> RoutingPolicy:
     return POLICY_REGISTRY.get(kind, seed)
 
 
-def build_routing(kind: PolicyKind | str, options: RoutingOptions | None = None) -> RoutingStack:
-    return POLICY_REGISTRY.build(kind, options)
+def build_routing(kind: PolicyKind | str, options: RoutingOptions | None = None,
+                  fleet: FleetConfig | None = None) -> RoutingStack:
+    """The policy stack of `kind`; with a `fleet` of several routers, that many replicas
+    (seeded apart, each with its own state) behind one `RouterFleet`."""
+    if fleet is None or fleet.num_routers == 1:
+        return POLICY_REGISTRY.build(kind, options)
+    options = options or RoutingOptions()
+    shared = options.goodserve if fleet.sharing is Sharing.BUDGETS else None
+    table = None if shared is None else BudgetTable.new(shared)
+    stacks = [POLICY_REGISTRY.build(kind, replace(options, seed=options.seed + k,
+                                                  budget_table=table))
+              for k in range(fleet.num_routers)]
+    router = RouterFleet([(s.policy, s.watchdog) for s in stacks], fleet, options.seed)
+    return RoutingStack(router, router.watchdog)

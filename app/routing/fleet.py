@@ -1,0 +1,251 @@
+"""Several router replicas on one fleet: each decides on its own state and view.
+
+A user who outgrows one router runs more Ray Serve replicas. Each keeps its own policy
+state (GoodServe's status estimator, admission budgets, strongest-GPU reservation and
+watchdog) and sees the other replicas' placements only through what the engines report.
+`RouterFleet` is that fleet as one policy, so the simulator (and `goodserve overhead`)
+run it like any other:
+- a request goes to one replica, at random (Serve's proxy) or by a hash of its session
+  (a session-affine load balancer; lone requests at random);
+- a replica sees its own placements at once; the engines' queues as they were at its
+  last report, every `report_interval_s` (the replicas' report times are staggered);
+  with `Sharing.NOTHING` it never sees them and counts only its own requests;
+- `Sharing.BUDGETS` also gives every GoodServe replica one table of slack budgets and
+  recent admissions, as a controller holding them would (kept exact here: an upper
+  bound on what sharing them can give);
+- every engine iteration reaches every replica's status estimator (engines publish
+  once, replicas follow); a finish reaches the replica that placed the request (its
+  policy and its watchdog: the fleet's watchdog learns nothing of its own);
+- each replica's watchdog checks only the requests that replica placed.
+The view a replica routes on is built as the live router builds its own
+(`InstanceTracker.view`): its requests now, plus the others' at its last report, the
+others counting as waiting first when the engine had a queue.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import zlib
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+
+from app.engine_types import EngineStatus
+from app.routing.base import ActiveRequest, Reject, RouteDecision, RoutingPolicy, Watchdog
+from app.routing.view import (
+    ClusterView,
+    FinishReport,
+    InstanceId,
+    InstanceView,
+    RouteRequest,
+    StepReport,
+)
+
+DEFAULT_REPORT_INTERVAL_S = 0.1  # the live router's engine poll period
+
+
+class Spread(StrEnum):
+    """How requests are spread over the replicas."""
+
+    RANDOM = "random"  # Ray Serve's proxy
+    SESSION = "session"  # a session-affine balancer: a hash of session_id
+
+
+class Sharing(StrEnum):
+    """What the replicas know beyond their own placements."""
+
+    NOTHING = "nothing"  # the engines' speeds, not their queues
+    REPORTS = "reports"  # the engines' reported queues, every report interval
+    BUDGETS = "budgets"  # reports, and one table of slack budgets and admissions
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """How many router replicas, how requests reach them, what they share."""
+
+    num_routers: int = 1
+    spread: Spread = Spread.RANDOM
+    sharing: Sharing = Sharing.REPORTS
+    report_interval_s: float = DEFAULT_REPORT_INTERVAL_S
+
+    def __post_init__(self) -> None:
+        if self.num_routers < 1:
+            raise ValueError(f"routers must be >= 1, got {self.num_routers}")
+        if not (self.report_interval_s > 0 and math.isfinite(self.report_interval_s)):
+            raise ValueError(f"report interval must be > 0 s, got {self.report_interval_s}")
+
+
+@dataclass
+class Replica:
+    """One router replica: its policy and watchdog, and what it knows of the engines."""
+
+    policy: RoutingPolicy
+    watchdog: Watchdog | None
+    offset_s: float  # its report times are offset_s + n x the interval
+    own: Counter[InstanceId] = field(default_factory=Counter)  # its requests per engine
+    placed_since_report: Counter[InstanceId] = field(default_factory=Counter)
+    reported: dict[InstanceId, InstanceView] = field(default_factory=dict)
+    others: dict[InstanceId, tuple[int, int]] = field(default_factory=dict)  # running, waiting
+    report_index: int = -1
+
+    @property
+    def listeners(self) -> list[RoutingPolicy | Watchdog]:
+        """What learns from the engines' feedback: the policy, and the watchdog when it
+        is another object."""
+        if self.watchdog is None or self.watchdog is self.policy:
+            return [self.policy]
+        return [self.policy, self.watchdog]
+
+    def refresh(self, view: ClusterView, interval_s: float, sharing: Sharing) -> None:
+        """Take the engines' figures as its report, when a report time has passed."""
+        index = math.floor((view.time_s - self.offset_s) / interval_s)
+        if index <= self.report_index:
+            return
+        self.report_index = index
+        self.placed_since_report.clear()
+        for v in view.instances:
+            self.reported[v.instance_id] = v
+            if sharing is Sharing.NOTHING:
+                continue
+            others = max(v.num_outstanding - self.own[v.instance_id], 0)
+            waiting = min(others, v.num_waiting)
+            self.others[v.instance_id] = (others - waiting, waiting)
+
+    def view(self, current: ClusterView) -> ClusterView:
+        """The engines `current` lists, as this replica knows them."""
+        views = []
+        for v in current.instances:
+            iid = v.instance_id
+            base = self.reported.get(iid, v)
+            recent = min(self.placed_since_report[iid], self.own[iid])
+            others_running, others_waiting = self.others.get(iid, (0, 0))
+            views.append(replace(base, num_running=self.own[iid] - recent + others_running,
+                                 num_waiting=recent + others_waiting))
+        return ClusterView(current.time_s, tuple(views), current.prefix_lookup,
+                           current.kv_capacity_floor_tokens, None, current.prefix_directory)
+
+    def placed(self, instance_id: InstanceId) -> None:
+        self.own[instance_id] += 1
+        self.placed_since_report[instance_id] += 1
+
+    def left(self, instance_id: InstanceId) -> None:
+        if self.own[instance_id] > 0:
+            self.own[instance_id] -= 1
+        if self.placed_since_report[instance_id] > self.own[instance_id]:
+            self.placed_since_report[instance_id] = self.own[instance_id]
+
+
+class RouterFleet(RoutingPolicy):
+    """`len(replicas)` router replicas behind one balancer, as one policy."""
+
+    def __init__(self, replicas: Sequence[tuple[RoutingPolicy, Watchdog | None]],
+                 config: FleetConfig, seed: int = 0) -> None:
+        if len(replicas) != config.num_routers:
+            raise ValueError(f"{config.num_routers} routers configured, {len(replicas)} given")
+        self.config = config
+        step = config.report_interval_s / config.num_routers
+        self.replicas = [Replica(p, w, k * step) for k, (p, w) in enumerate(replicas)]
+        self.owner: dict[str, Replica] = {}  # request id -> the replica that placed it
+        self.where: dict[str, InstanceId] = {}  # request id -> where it was placed
+        self._rng = random.Random(seed)
+        policies = [p for p, _ in replicas]
+        self.needs_true_output_length = any(p.needs_true_output_length for p in policies)
+        self.deadline_aware = any(p.deadline_aware for p in policies)
+        self.watchdog = (FleetWatchdog(self) if any(w is not None for _, w in replicas)
+                         else None)
+
+    def replica_for(self, request: RouteRequest) -> Replica:
+        """A request's replica: the one that placed it before (a re-route), else by the
+        spread."""
+        known = self.owner.get(request.request_id)
+        if known is not None:
+            return known
+        if self.config.spread is Spread.SESSION and request.session_id is not None:
+            index = zlib.crc32(request.session_id.encode()) % len(self.replicas)
+        else:
+            index = self._rng.randrange(len(self.replicas))
+        return self.replicas[index]
+
+    def choose(self, request: RouteRequest, view: ClusterView, now: float) -> RouteDecision:
+        replica = self.replica_for(request)
+        replica.refresh(view, self.config.report_interval_s, self.config.sharing)
+        decision = replica.policy.choose(request, replica.view(view), now)
+        if not isinstance(decision, Reject):
+            if request.request_id in self.owner:  # re-routed: it left where it was
+                replica.left(self.where[request.request_id])
+            replica.placed(decision)
+            self.owner[request.request_id] = replica
+            self.where[request.request_id] = decision
+        return decision
+
+    def on_step(self, instance_id: InstanceId, report: StepReport, now: float) -> None:
+        for replica in self.replicas:
+            for listener in replica.listeners:
+                listener.on_step(instance_id, report, now)
+
+    def on_status(self, status: EngineStatus, now: float) -> None:
+        for replica in self.replicas:
+            for listener in replica.listeners:
+                listener.on_status(status, now)
+
+    def on_finish(self, report: FinishReport, now: float) -> None:
+        replica = self._forget(report.request.request_id)
+        if replica is not None:
+            for listener in replica.listeners:
+                listener.on_finish(report, now)
+
+    def on_drop(self, request: RouteRequest, now: float) -> None:
+        replica = self._forget(request.request_id)
+        if replica is not None:
+            for listener in replica.listeners:
+                listener.on_drop(request, now)
+
+    def moved(self, request_id: str, target: InstanceId) -> None:
+        """A replica's watchdog moved one of its requests."""
+        replica = self.owner[request_id]
+        replica.left(self.where[request_id])
+        replica.placed(target)
+        self.where[request_id] = target
+
+    def _forget(self, request_id: str) -> Replica | None:
+        replica = self.owner.pop(request_id, None)
+        if replica is not None:
+            replica.left(self.where.pop(request_id))
+        return replica
+
+
+class FleetWatchdog(Watchdog):
+    """Each replica's watchdog over the requests that replica placed."""
+
+    def __init__(self, fleet: RouterFleet) -> None:
+        self.fleet = fleet
+        periods = {w.check_period_iterations for r in fleet.replicas
+                   if (w := r.watchdog) is not None}
+        super().__init__(min(periods))
+
+    @property
+    def check_period_iterations(self) -> int:
+        return self.tau_iterations
+
+    def check(self, instance_id: InstanceId, active: Sequence[ActiveRequest],
+              view: ClusterView, now: float) -> Mapping[str, InstanceId]:
+        by_replica: dict[int, list[ActiveRequest]] = {}
+        for item in active:
+            replica = self.fleet.owner.get(item.request.request_id)
+            if replica is not None and replica.watchdog is not None:
+                by_replica.setdefault(id(replica), []).append(item)
+        moves: dict[str, InstanceId] = {}
+        for replica in self.fleet.replicas:
+            mine = by_replica.get(id(replica))
+            if not mine:
+                continue
+            replica.refresh(view, self.fleet.config.report_interval_s,
+                            self.fleet.config.sharing)
+            assert replica.watchdog is not None
+            for request_id, target in replica.watchdog.check(
+                    instance_id, mine, replica.view(view), now).items():
+                self.fleet.moved(request_id, target)
+                moves[request_id] = target
+        return moves

@@ -1,0 +1,193 @@
+"""Several router replicas on one fleet: spreading, each replica's view (its own
+placements at once, the others' at its reports), what they share, their watchdogs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+import pytest
+
+from app.routing.base import ActiveRequest, RoutingPolicy, Watchdog
+from app.routing.fleet import FleetConfig, RouterFleet, Sharing, Spread
+from app.routing.goodserve import JustEnoughPolicy
+from app.routing.registry import PolicyKind, RoutingOptions, build_routing
+from app.routing.view import ClusterView, FinishReport, InstanceId, RouteRequest
+from app.sim.simulator import Simulator
+from app.workload import Content, poisson_workload
+from tests.unit.routing_utils import make_cluster, make_request, make_view
+
+pytestmark = pytest.mark.unit
+
+
+class Recorder(RoutingPolicy):
+    """Sends every request to `target` and keeps the views and finishes it was given."""
+
+    def __init__(self, target: InstanceId = "A800") -> None:
+        self.target = target
+        self.views: list[ClusterView] = []
+        self.finished: list[str] = []
+
+    def choose(self, request: RouteRequest, view: ClusterView, now: float) -> InstanceId:
+        self.views.append(view)
+        return self.target
+
+    def on_finish(self, report: FinishReport, now: float) -> None:
+        self.finished.append(report.request.request_id)
+
+
+class MoveAll(Watchdog):
+    """Moves every request it is shown to `target`; keeps what it was shown."""
+
+    def __init__(self, target: InstanceId) -> None:
+        super().__init__(1)
+        self.target = target
+        self.shown: list[str] = []
+
+    def check(self, instance_id: InstanceId, active: Sequence[ActiveRequest],
+              view: ClusterView, now: float) -> Mapping[str, InstanceId]:
+        self.shown += [a.request.request_id for a in active]
+        return {a.request.request_id: self.target for a in active}
+
+
+def engines(now: float, a800: tuple[int, int] = (0, 0), h800: tuple[int, int] = (0, 0)):
+    """The engines' true state: (running, waiting) per instance."""
+    view = make_cluster(make_view("A800", running=a800[0], waiting=a800[1]),
+                        make_view("H800", running=h800[0], waiting=h800[1]))
+    return replace(view, time_s=now)
+
+
+def counts(view: ClusterView, iid: str = "A800") -> tuple[int, int]:
+    v = view.get(iid)
+    return v.num_running, v.num_waiting
+
+
+def fleet(*policies: RoutingPolicy, sharing: Sharing = Sharing.REPORTS,
+          spread: Spread = Spread.RANDOM, watchdogs=None) -> RouterFleet:
+    watchdogs = watchdogs or [None] * len(policies)
+    config = FleetConfig(len(policies), spread, sharing, report_interval_s=1.0)
+    return RouterFleet(list(zip(policies, watchdogs, strict=True)), config, seed=0)
+
+
+def test_one_router_is_the_plain_policy_and_several_are_a_fleet():
+    assert isinstance(build_routing(PolicyKind.GOODSERVE).policy, JustEnoughPolicy)
+    stack = build_routing(PolicyKind.GOODSERVE, RoutingOptions(3), FleetConfig(4))
+    assert isinstance(stack.policy, RouterFleet) and len(stack.policy.replicas) == 4
+    assert stack.watchdog is stack.policy.watchdog is not None
+    statuses = {id(r.policy.status) for r in stack.policy.replicas}
+    assert len(statuses) == 4
+    with pytest.raises(ValueError, match="routers"):
+        FleetConfig(0)
+    with pytest.raises(ValueError, match="report interval"):
+        FleetConfig(2, report_interval_s=0.0)
+
+
+@pytest.mark.parametrize("sharing, shared", [(Sharing.REPORTS, False), (Sharing.BUDGETS, True)])
+def test_only_budget_sharing_gives_goodserve_replicas_one_budget_table(sharing, shared):
+    stack = build_routing(PolicyKind.GOODSERVE, RoutingOptions(0), FleetConfig(3, sharing=sharing))
+    replicas = stack.policy.replicas
+    budgets = {id(r.policy.budgets) for r in replicas}
+    admissions = {id(r.policy.admissions) for r in replicas}
+    assert (len(budgets), len(admissions)) == ((1, 1) if shared else (3, 3))
+    for r in replicas:  # a replica's watchdog keeps the budgets its policy uses
+        assert r.watchdog.budgets is r.policy.budgets
+
+
+def test_session_spread_keeps_a_session_on_one_replica_and_random_uses_them_all():
+    policies = [Recorder() for _ in range(4)]
+    router = fleet(*policies, spread=Spread.SESSION)
+    for step in range(5):
+        router.choose(make_request(10.0, rid=f"s{step}", session_id="chat-7"), engines(0.0), 0.0)
+    assert sorted(len(p.views) for p in policies) == [0, 0, 0, 5]
+    policies = [Recorder() for _ in range(4)]
+    router = fleet(*policies)
+    for i in range(200):
+        router.choose(make_request(10.0, rid=f"r{i}", session_id="chat-7"), engines(0.0), 0.0)
+    assert all(30 < len(p.views) < 70 for p in policies)
+
+
+def _session_of(router: RouterFleet, index: int) -> str:
+    """A session id the session spread sends to replica `index`."""
+    return next(f"s{n}" for n in range(100) if router.replica_for(
+        make_request(1.0, rid="probe", session_id=f"s{n}")) is router.replicas[index])
+
+
+def test_a_replica_sees_its_own_placements_at_once_and_the_others_at_its_next_report():
+    first, second = Recorder(), Recorder()
+    router = fleet(first, second, spread=Spread.SESSION)  # reports: 0, 1, 2 s and 0.5, 1.5 s
+    to_first, to_second = _session_of(router, 0), _session_of(router, 1)
+
+    def place(rid: str, session: str, now: float, truth: ClusterView) -> None:
+        router.choose(make_request(10.0, rid=rid, session_id=session), truth, now)
+
+    for i in range(3):  # the first replica's report at 0 s shows an idle engine
+        place(f"a{i}", to_first, 0.0, engines(0.0))
+    assert counts(first.views[-1]) == (0, 2)  # its own two, placed since its report
+    for i in range(4):  # the second has had no report yet: it knows only its own
+        place(f"b{i}", to_second, 0.2, engines(0.2, a800=(0, 3 + i)))
+    assert counts(second.views[-1]) == (0, 3)
+    # at 0.7 s the second replica's report (0.5 s) shows all 7: the first's 3 count
+    # as waiting first, its own as running once reported
+    place("b-late", to_second, 0.7, engines(0.7, a800=(2, 5)))
+    assert counts(second.views[-1]) == (4, 3)
+    # the first replica's next report is at 1 s: until then it still sees only its own
+    place("a-late", to_first, 0.9, engines(0.9, a800=(3, 5)))
+    assert sum(counts(first.views[-1])) == 3
+    place("a-later", to_first, 1.1, engines(1.1, a800=(4, 5)))
+    assert counts(first.views[-1]) == (4, 5)
+
+
+def test_with_nothing_shared_a_replica_counts_only_its_own_requests():
+    first, second = Recorder(), Recorder()
+    router = fleet(first, second, sharing=Sharing.NOTHING)
+    for i in range(20):
+        router.choose(make_request(10.0, rid=f"r{i}"), engines(3.0 * i, a800=(10, 30)), 3.0 * i)
+    for p in (first, second):
+        assert sum(counts(p.views[-1])) == len(p.views) - 1
+
+
+def test_a_finish_reaches_the_replica_that_placed_it_and_frees_its_count():
+    first, second = Recorder(), Recorder()
+    router = fleet(first, second)
+    request = make_request(10.0, rid="done")
+    router.choose(request, engines(0.0), 0.0)
+    owner = router.owner["done"]
+    assert owner.own["A800"] == 1
+    router.on_finish(FinishReport(request, "A800", 10, 0.1, 0.5), 0.5)
+    assert owner.own["A800"] == 0 and "done" not in router.owner
+    finished = [p.finished for p in (first, second)]
+    assert sorted(finished) == [[], ["done"]]
+
+
+def test_each_replicas_watchdog_checks_only_the_requests_it_placed():
+    policies, watchdogs = [Recorder(), Recorder()], [MoveAll("H800"), MoveAll("H800")]
+    router = fleet(*policies, watchdogs=watchdogs)
+    requests = [make_request(10.0, rid=f"r{i}") for i in range(10)]
+    for r in requests:
+        router.choose(r, engines(0.0), 0.0)
+    owners = dict(router.owner)
+    active = [ActiveRequest(r, "A800", 3, True) for r in requests]
+    moves = router.watchdog.check("A800", active, engines(0.1), 0.1)
+    assert moves == {r.request_id: "H800" for r in requests}
+    for replica in router.replicas:
+        shown = set(replica.watchdog.shown)
+        assert shown == {rid for rid, o in owners.items() if o is replica}
+        assert replica.own["A800"] == 0 and replica.own["H800"] == len(shown)
+
+
+def test_a_simulated_fleet_serves_every_request():
+    pool = [Content(200 + 30 * (i % 9), 40 + 10 * (i % 5), (i,)) for i in range(100)]
+    workload = poisson_workload(40.0, 10.0, pool, seed=1)
+    from app.config import load_cluster_config
+    from benchmarks.goodput_experiments import REPO
+
+    cluster = load_cluster_config(REPO / "configs" / "paper-4gpu.yaml")
+    for routers in (1, 4):
+        stack = build_routing(PolicyKind.GOODSERVE, RoutingOptions(1), FleetConfig(routers))
+        result = Simulator.from_config(cluster, stack.policy, watchdog=stack.watchdog,
+                                       seed=1).run(workload)
+        assert len(result.records) == len(workload)
+        assert all(r.finish_s is not None for r in result.records)
+        if routers > 1:
+            assert not stack.policy.owner  # every finish reached its replica
+            assert all(sum(r.own.values()) == 0 for r in stack.policy.replicas)
