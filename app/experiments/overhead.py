@@ -41,6 +41,7 @@ from app.config import ClusterConfig
 from app.engine_types import EngineStatus
 from app.experiments.replay import cli_error, moe_factory
 from app.routing.base import ActiveRequest, RouteDecision, RoutingPolicy, Watchdog
+from app.routing.fleet import FleetConfig, RouterFleet
 from app.routing.length import OutputLengthEstimator, PredictorLength, RunningHistoryLength
 from app.routing.registry import PolicyKind, RoutingOptions, build_routing
 from app.routing.view import (
@@ -116,17 +117,15 @@ class TimedFinishes:
             self.inner.on_drop(request, now)
 
 
-class TimedPolicy(TimedFinishes, RoutingPolicy):
-    """The routing policy, every call timed into a `WorkLog`; a decision is due at its
-    request's arrival (`RouterThread` delays it behind its prediction batch)."""
+class TimedFeedback(TimedFinishes, RoutingPolicy):
+    """The routing policy with its feedback calls timed into a `WorkLog` (a caller
+    that times the decisions itself, as `TimedFleet` does, wraps it in this)."""
 
     def __init__(self, policy: RoutingPolicy, log: WorkLog) -> None:
         self.inner, self.log = policy, log
 
     def choose(self, request: RouteRequest, view: ClusterView, now: float) -> RouteDecision:
-        arrival = request.arrival_s if request.num_generated_tokens == 0 else math.nan
-        with self.log.timed(now, "choose", arrival):
-            return self.inner.choose(request, view, now)
+        return self.inner.choose(request, view, now)
 
     def on_step(self, instance_id: InstanceId, report: StepReport, now: float) -> None:
         with self.log.timed(now, "status"):
@@ -135,6 +134,20 @@ class TimedPolicy(TimedFinishes, RoutingPolicy):
     def on_status(self, status: EngineStatus, now: float) -> None:
         with self.log.timed(now, "status"):
             self.inner.on_status(status, now)
+
+
+class TimedPolicy(TimedFeedback):
+    """The routing policy, every call timed into a `WorkLog`; a decision is due at its
+    request's arrival (`RouterThread` delays it behind its prediction batch)."""
+
+    def choose(self, request: RouteRequest, view: ClusterView, now: float) -> RouteDecision:
+        with self.log.timed(now, "choose", decision_arrival(request)):
+            return self.inner.choose(request, view, now)
+
+
+def decision_arrival(request: RouteRequest) -> float:
+    """The arrival a routing decision answers (nan for a re-route: not a decision)."""
+    return request.arrival_s if request.num_generated_tokens == 0 else math.nan
 
 
 class TimedWatchdog(TimedFinishes, Watchdog):
@@ -153,6 +166,30 @@ class TimedWatchdog(TimedFinishes, Watchdog):
               view: ClusterView, now: float) -> Mapping[str, InstanceId]:
         with self.log.timed(now, "watchdog"):
             return self.inner.check(instance_id, active, view, now)
+
+
+class TimedFleet(RoutingPolicy):
+    """Several router replicas: each decision (the replica's view of the engines and its
+    policy) timed into the log of the replica that makes it; the replicas' own
+    policies and watchdogs log the rest."""
+
+    def __init__(self, fleet: RouterFleet, logs: Sequence[WorkLog]) -> None:
+        self.fleet = fleet
+        self.logs = {id(r): log for r, log in zip(fleet.replicas, logs, strict=True)}
+
+    def choose(self, request: RouteRequest, view: ClusterView, now: float) -> RouteDecision:
+        replica = self.fleet.replica_for(request)
+        with self.logs[id(replica)].timed(now, "choose", decision_arrival(request)):
+            return self.fleet.choose_on(replica, request, view, now)
+
+    def on_step(self, instance_id: InstanceId, report: StepReport, now: float) -> None:
+        self.fleet.on_step(instance_id, report, now)
+
+    def on_finish(self, report: FinishReport, now: float) -> None:
+        self.fleet.on_finish(report, now)
+
+    def on_drop(self, request: RouteRequest, now: float) -> None:
+        self.fleet.on_drop(request, now)
 
 
 @dataclass(frozen=True)
@@ -302,18 +339,23 @@ class Overhead:
     decisions_per_s: float
     cpu_ms_per_decision: float
     breakdown_ms: dict[str, float]  # per decision, by kind of work
+    routers: int = 1
+    # per router replica: decisions, p99 and last-decile p99 (ms), decisions/s, busy share
+    per_router: tuple[dict[str, float], ...] = ()
 
     def summary(self) -> dict[str, Any]:
         lat = self.latency_ms
+        extra = {} if self.routers == 1 else {"per_router": list(self.per_router)}
         return {
             "instances": self.instances, "rps": self.rps, "duration_s": self.duration_s,
-            "predictor": self.predictor, "decisions": self.decisions,
+            "predictor": self.predictor, "routers": self.routers, "decisions": self.decisions,
             "p50_ms": round(float(np.percentile(lat, 50)), 4),
             "p99_ms": round(float(np.percentile(lat, 99)), 4),
             "max_ms": round(float(lat.max()), 4),
             "decisions_per_s": round(self.decisions_per_s, 1),
             "cpu_ms_per_decision": round(self.cpu_ms_per_decision, 4),
             "breakdown_ms_per_decision": {k: round(v, 4) for k, v in self.breakdown_ms.items()},
+            **extra,
         }
 
 
@@ -328,47 +370,73 @@ def content_pool(prompts: Path | None) -> list[Content]:
 
 def measure(instances: int, rps: float, duration_s: float, pool: Sequence[Content],
             predictor_factory: Callable[[], Predictor] | None = None,
-            seed: int = 0, warmup_s: float = 1.0) -> Overhead:
+            seed: int = 0, warmup_s: float = 1.0, routers: int = 1) -> Overhead:
     """Run the router core at `rps` against `instances` simulated instances and lay its
-    work on one thread (module docstring); the first `warmup_s` of arrivals fill the
-    instances and are not reported."""
+    work on one thread per router replica (module docstring); the first `warmup_s` of
+    arrivals fill the instances and are not reported."""
     if rps <= 0 or duration_s <= 0 or warmup_s < 0:
         raise ValueError("rps and duration must be > 0, warm-up >= 0")
     cluster = mixed_cluster(instances)
-    log = WorkLog()
     workload = poisson_workload(rps, warmup_s + duration_s, pool, seed=seed)
     batches: BatchCost | None = None
-    if predictor_factory is not None:
-        use_one_inference_thread()  # as the router does
-        predictor = predictor_factory()
-        length: OutputLengthEstimator = PredictorLength(predictor)
-        workload = predict_all(workload, predictor)
-        batches = BatchCost.measure(predictor, [PredictionInput(r.prompt or "", task=r.task)
-                                                for r in workload.requests[:512]])
+    lengths: list[OutputLengthEstimator] = []
+    for _ in range(routers):  # each replica predicts and learns on its own
+        if predictor_factory is not None:
+            use_one_inference_thread()  # as the router does
+            predictor = predictor_factory()
+            lengths.append(PredictorLength(predictor))
+            if batches is None:
+                workload = predict_all(workload, predictor)
+                batches = BatchCost.measure(predictor, [
+                    PredictionInput(r.prompt or "", task=r.task) for r in workload.requests[:512]])
+        else:
+            lengths.append(RunningHistoryLength())
+        warm_up(lengths[-1], pool, seed)
+    stacks = [build_routing(PolicyKind.GOODSERVE, RoutingOptions(
+        seed=seed + k, length_factory=lambda length=length: length))
+        for k, length in enumerate(lengths)]
+    logs = [WorkLog() for _ in stacks]
+    wrap = TimedPolicy if routers == 1 else TimedFeedback  # TimedFleet times decisions
+    timed = [(wrap(stack.policy, log), TimedWatchdog(stack.watchdog, log))
+             for stack, log in zip(stacks, logs, strict=True) if stack.watchdog is not None]
+    if routers == 1:
+        policy, watchdog = timed[0]
     else:
-        length = RunningHistoryLength()
-    warm_up(length, pool, seed)
-    stack = build_routing(PolicyKind.GOODSERVE, RoutingOptions(seed=seed,
-                                                               length_factory=lambda: length))
-    assert stack.watchdog is not None
-    sim = Simulator(setups_from_config(cluster), TimedPolicy(stack.policy, log),
-                    watchdog=TimedWatchdog(stack.watchdog, log), seed=seed, max_drain_s=0.0)
+        fleet = RouterFleet(timed, FleetConfig(routers), seed)
+        policy, watchdog = TimedFleet(fleet, logs), fleet.watchdog
+    sim = Simulator(setups_from_config(cluster), policy, watchdog=watchdog, seed=seed,
+                    max_drain_s=0.0)
     sim.run(workload)
     measured_from = workload.requests[0].arrival_s + warmup_s
-    thread = RouterThread.replay(log, measured_from, batches)
-    decisions = len(thread.latency_s)
-    window = np.asarray(log.due_s) >= measured_from
-    costs = np.asarray(log.cost_s)[window]
-    what = np.asarray(log.what)[window]
-    breakdown = {k: float(costs[what == k].sum()) / decisions * 1e3 for k in sorted(set(what))}
+    threads = [RouterThread.replay(log, measured_from, batches) for log in logs]
+    latency = np.concatenate([t.latency_s for t in threads])
+    decisions = len(latency)
+    breakdown: dict[str, float] = {}
+    for log in logs:
+        window = np.asarray(log.due_s) >= measured_from
+        costs, what = np.asarray(log.cost_s)[window], np.asarray(log.what)[window]
+        for kind in set(what):
+            breakdown[kind] = breakdown.get(kind, 0.0) + float(costs[what == kind].sum())
+    breakdown = {k: v / decisions * 1e3 for k, v in sorted(breakdown.items())}
     if batches is not None:
-        breakdown["predict"] = thread.predict_s / decisions * 1e3
+        breakdown["predict"] = sum(t.predict_s for t in threads) / decisions * 1e3
+    span = max(t.span_s for t in threads)
     return Overhead(
         instances, rps, duration_s, "moe" if predictor_factory else "history", decisions,
-        thread.latency_s * 1e3,
-        decisions / thread.span_s if thread.span_s > 0 else math.nan,
-        thread.busy_s / decisions * 1e3, breakdown,
-    )
+        latency * 1e3, decisions / span if span > 0 else math.nan,
+        sum(t.busy_s for t in threads) / decisions * 1e3, breakdown, routers,
+        tuple(_router_figures(t) for t in threads) if routers > 1 else ())
+
+
+def _router_figures(thread: RouterThread) -> dict[str, float]:
+    """One replica's figures; a replica that keeps up has a last-decile p99 like its
+    whole window's and a busy share below 1."""
+    lat = thread.latency_s * 1e3
+    last = lat[int(len(lat) * 0.9):]
+    return {"decisions": len(lat), "p99_ms": round(float(np.percentile(lat, 99)), 4),
+            "last_decile_p99_ms": round(float(np.percentile(last, 99)), 4),
+            "decisions_per_s": round(len(lat) / thread.span_s, 1),
+            "busy_share": round(thread.busy_s / thread.span_s, 3)}
 
 
 def write_sweep(out: Path, rows: Sequence[dict[str, Any]]) -> None:
@@ -417,6 +485,8 @@ def overhead(
     prompts: Path | None = typer.Option(None, help="prompt_lengths.jsonl content (default: "
                                         "the shared data's, else synthetic)"),
     seed: int = typer.Option(0),
+    routers: int = typer.Option(1, min=1, help="router replicas sharing the rate, each on "
+                                "its own thread with its own state and MoE batches"),
     sweep: bool = typer.Option(False, help=f"every instances {SWEEP_INSTANCES} x rps "
                                f"{SWEEP_RPS}, with and without --predictor"),
     out: Path | None = typer.Option(None, help="--sweep: write overhead.csv, overhead.png"),
@@ -428,7 +498,7 @@ def overhead(
         pool = content_pool(prompts)
         factory = moe_factory(predictor) if predictor is not None else None
         if not sweep:
-            result = measure(instances, rps, duration, pool, factory, seed, warmup)
+            result = measure(instances, rps, duration, pool, factory, seed, warmup, routers)
             typer.echo(json.dumps(result.summary(), indent=None if as_json else 2))
             return
         rows = []
@@ -436,7 +506,7 @@ def overhead(
             for n in SWEEP_INSTANCES:
                 for rate in SWEEP_RPS:
                     row = measure(n, rate, duration, pool, factory_or_none, seed,
-                                  warmup).summary()
+                                  warmup, routers).summary()
                     rows.append(row)
                     if not as_json:
                         typer.echo(json.dumps(row), err=True)

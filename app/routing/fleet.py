@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from app.engine_types import EngineStatus
+from app.routing.arrays import ViewColumns
 from app.routing.base import ActiveRequest, Reject, RouteDecision, RoutingPolicy, Watchdog
 from app.routing.view import (
     ClusterView,
@@ -79,7 +80,10 @@ class FleetConfig:
 
 @dataclass
 class Replica:
-    """One router replica: its policy and watchdog, and what it knows of the engines."""
+    """One router replica: its policy and watchdog, and what it knows of the engines.
+
+    Its view is kept incrementally, as the simulator keeps its own: a report rewrites
+    every row, a placement or a departure one row."""
 
     policy: RoutingPolicy
     watchdog: Watchdog | None
@@ -89,6 +93,11 @@ class Replica:
     reported: dict[InstanceId, InstanceView] = field(default_factory=dict)
     others: dict[InstanceId, tuple[int, int]] = field(default_factory=dict)  # running, waiting
     report_index: int = -1
+    _order: tuple[InstanceId, ...] = ()  # the instances of the view kept below
+    _views: list[InstanceView] = field(default_factory=list)
+    _views_index: dict[InstanceId, int] = field(default_factory=dict)
+    _columns: ViewColumns = field(default_factory=ViewColumns)
+    _dirty: set[InstanceId] = field(default_factory=set)
 
     @property
     def listeners(self) -> list[RoutingPolicy | Watchdog]:
@@ -105,6 +114,7 @@ class Replica:
             return
         self.report_index = index
         self.placed_since_report.clear()
+        self._order = ()  # every row changes
         for v in view.instances:
             self.reported[v.instance_id] = v
             if sharing is Sharing.NOTHING:
@@ -115,26 +125,44 @@ class Replica:
 
     def view(self, current: ClusterView) -> ClusterView:
         """The engines `current` lists, as this replica knows them."""
-        views = []
-        for v in current.instances:
-            iid = v.instance_id
-            base = self.reported.get(iid, v)
-            recent = min(self.placed_since_report[iid], self.own[iid])
-            others_running, others_waiting = self.others.get(iid, (0, 0))
-            views.append(replace(base, num_running=self.own[iid] - recent + others_running,
-                                 num_waiting=recent + others_waiting))
-        return ClusterView(current.time_s, tuple(views), current.prefix_lookup,
-                           current.kv_capacity_floor_tokens, None, current.prefix_directory)
+        order = (current.columns.ids if current.columns is not None
+                 else tuple(v.instance_id for v in current.instances))
+        if order != self._order:
+            self._order, self._dirty, self._columns = order, set(), ViewColumns()
+            self._views = [self._row(v) for v in current.instances]
+            for i, v in enumerate(self._views):
+                self._columns.set(i, v)
+            self._views_index = {iid: i for i, iid in enumerate(order)}
+        elif self._dirty:
+            for iid in self._dirty:
+                i = self._views_index.get(iid)
+                if i is not None:
+                    self._views[i] = self._row(current.instances[i])
+                    self._columns.set(i, self._views[i])
+            self._dirty.clear()
+        return ClusterView(current.time_s, tuple(self._views), current.prefix_lookup,
+                           current.kv_capacity_floor_tokens,
+                           self._columns.arrays(), current.prefix_directory)
+
+    def _row(self, current: InstanceView) -> InstanceView:
+        iid = current.instance_id
+        recent = min(self.placed_since_report[iid], self.own[iid])
+        others_running, others_waiting = self.others.get(iid, (0, 0))
+        return replace(self.reported.get(iid, current),
+                       num_running=self.own[iid] - recent + others_running,
+                       num_waiting=recent + others_waiting)
 
     def placed(self, instance_id: InstanceId) -> None:
         self.own[instance_id] += 1
         self.placed_since_report[instance_id] += 1
+        self._dirty.add(instance_id)
 
     def left(self, instance_id: InstanceId) -> None:
         if self.own[instance_id] > 0:
             self.own[instance_id] -= 1
         if self.placed_since_report[instance_id] > self.own[instance_id]:
             self.placed_since_report[instance_id] = self.own[instance_id]
+        self._dirty.add(instance_id)
 
 
 class RouterFleet(RoutingPolicy):
@@ -169,7 +197,11 @@ class RouterFleet(RoutingPolicy):
         return self.replicas[index]
 
     def choose(self, request: RouteRequest, view: ClusterView, now: float) -> RouteDecision:
-        replica = self.replica_for(request)
+        return self.choose_on(self.replica_for(request), request, view, now)
+
+    def choose_on(self, replica: Replica, request: RouteRequest, view: ClusterView,
+                  now: float) -> RouteDecision:
+        """`replica`'s decision (its refresh, view and policy) for `request`."""
         replica.refresh(view, self.config.report_interval_s, self.config.sharing)
         decision = replica.policy.choose(request, replica.view(view), now)
         if not isinstance(decision, Reject):

@@ -93,3 +93,21 @@ def test_a_trained_predictor_is_timed_in_batches():
     assert result.predictor == "moe" and result.decisions > 60
     assert result.breakdown_ms["predict"] > 0 and result.breakdown_ms["choose"] > 0
     assert result.cpu_ms_per_decision == pytest.approx(sum(result.breakdown_ms.values()))
+
+
+def test_several_routers_each_lay_their_share_on_their_own_thread():
+    from app.experiments.overhead import measure
+    from app.workload import Content
+
+    pool = [Content(200 + 50 * (i % 7), 30 + 10 * (i % 5), (i,)) for i in range(64)]
+    one = measure(8, 400.0, 0.5, pool, None, seed=2, warmup_s=0.3)
+    four = measure(8, 400.0, 0.5, pool, None, seed=2, warmup_s=0.3, routers=4)
+    assert four.routers == 4 and len(four.per_router) == 4
+    assert four.decisions == one.decisions  # each arrival decided once, by one replica
+    assert sum(r["decisions"] for r in four.per_router) == four.decisions
+    for router in four.per_router:
+        assert 0.1 * four.decisions < router["decisions"] < 0.45 * four.decisions
+        assert 0 < router["busy_share"] < 1
+    summary = four.summary()
+    assert summary["routers"] == 4 and len(summary["per_router"]) == 4
+    assert "per_router" not in one.summary()
