@@ -10,6 +10,9 @@ plan diffs and answers the routers:
   rebuilds its registry;
 - routers long-poll `registry(known_key)` and push their arrival and completion
   tallies with `report`;
+- it polls every engine's status once per poll period and publishes the reports on a
+  `StatusBoard`; every router replica long-polls `engine_statuses(version)`, so an
+  engine answers one status call per period however many replicas route to it;
 - it watches its Serve application: once the application is gone (`serve shutdown`,
   `serve delete`), it stops every engine it started and exits, so no GPU stays held
   by nothing. A router replica restart changes nothing here.
@@ -31,7 +34,9 @@ from app.control.controller import Controller, ControlStep
 from app.control.fleet import Fleet, Registry, engine_kind, engine_name, template_for
 from app.control.observe import LoadReport
 from app.control.plan import EngineState, PlanDiff
+from app.engine_types import EngineStatus
 from app.serving.config import ServeConfig
+from app.serving.status_board import StatusBoard
 from app.telemetry import ControllerMetrics
 from deployments.cluster import ENGINE_NAMESPACE, engine_ids, launch_engine, numbered_config
 from deployments.metrics import RayMetricFactory
@@ -72,6 +77,8 @@ class ControllerActor:
         self.ledger: dict[str, list] = {}
         self.metrics = ControllerMetrics(RayMetricFactory())
         self.in_flight: dict[str, tuple[int, float]] = {}  # replica -> (requests, when)
+        self.board = StatusBoard()
+        self._board_task: asyncio.Task | None = None
 
     # ---- the routers' side -------------------------------------------------------------
     async def registry(self, known: tuple[str, int] | None = None,
@@ -90,6 +97,41 @@ class ControllerActor:
             except TimeoutError:
                 return None
         return self.fleet.registry()
+
+    async def engine_statuses(self, known: int = 0, wait_s: float = 0.0,
+                              replica: str | None = None
+                              ) -> tuple[int, dict[str, EngineStatus | None]]:
+        """The engines' reports published after version `known` (None: it did not
+        answer), waiting up to `wait_s` for one; `replica` names the router asking."""
+        await self._ensure_started()
+        if self._board_task is None:
+            self._board_task = asyncio.ensure_future(self._publish_statuses_forever())
+        return await self.board.wait_changes(known, wait_s, replica)
+
+    async def _publish_statuses_forever(self) -> None:
+        while True:
+            try:
+                await self._publish_statuses()
+            except Exception:  # a bad round must not end the reports for good
+                logger.exception("status round failed")
+            await asyncio.sleep(self.config.poll_interval_s)
+
+    async def _publish_statuses(self) -> None:
+        """One status call per engine of the registry; the replies go on the board."""
+        engines = [e.engine_id for e in self.fleet if e.engine_id in self.handles]
+
+        async def one(engine_id: str) -> None:
+            try:
+                status = await asyncio.wait_for(self.handles[engine_id].status.remote(),
+                                                STATUS_TIMEOUT_S)
+            except Exception as exc:
+                logger.warning("engine %s did not report: %s", engine_id, exc)
+                status = None
+            self.board.publish(engine_id, status)
+
+        await asyncio.gather(*map(one, engines))
+        for engine_id in set(self.board.changes(0)[1]) - set(engines):
+            self.board.forget(engine_id)
 
     async def router_load(self, replica: str, in_flight: int) -> None:
         """A router replica's requests in flight (sent with every registry poll)."""
@@ -123,6 +165,10 @@ class ControllerActor:
                          "state": e.state.value, "owned": e.owned, "evacuate": e.evacuate}
                         for e in self.fleet],
             "steps": [s.summary() for s in self.steps],
+            "status_board": {"version": self.board.version,
+                             "followers": {r: {"version": v, "answered_s_ago": round(
+                                 time.monotonic() - at, 3)}
+                                 for r, (v, at) in self.board.followers.items()}},
             "ledger": {i: {"kind": k, "from_s": a, "until_s": b}
                        for i, (k, a, b) in self.ledger.items()},
         }

@@ -32,6 +32,7 @@ from app.serving.config import ServeConfig
 from app.serving.instances import EngineClient
 from app.serving.live_router import LiveRouter
 from app.serving.service import CompletionService, JsonReply
+from app.serving.status_board import StatusChanges
 from deployments.cluster import ENGINE_NAMESPACE, EngineHandle, engine_ids
 from deployments.controller import controller_for, stop_controller
 from deployments.metrics import RayMetricFactory
@@ -119,9 +120,28 @@ class RouterDeployment:
         self.registry_key = registry.key
         self.replica = serve.get_replica_context().replica_tag
         clients = [member_client(m) for m in registry.members]
+        self.status_version = 0
+        self.poll_interval_s = config.poll_interval_s
         self.service = CompletionService(config, clients, companion=self._follow,
-                                         metrics=RayMetricFactory())
+                                         metrics=RayMetricFactory(),
+                                         status_feed=self._published_statuses)
         self.service.router.follow(registry.members, member_client)  # draining ones too
+
+    async def _published_statuses(self) -> StatusChanges:
+        """The engines' reports the controller published since the last call (it polls
+        each engine once for every replica); none while it is unreachable."""
+        try:
+            version, changes = await self.controller.engine_statuses.remote(
+                self.status_version, self.poll_interval_s, self.replica)
+        except Exception as exc:
+            logger.warning("engine reports unavailable (%s); routing on the last ones", exc)
+            await asyncio.sleep(self.poll_interval_s)
+            return {}
+        if version < self.status_version:  # a restarted controller counts from 0 again
+            self.status_version = 0
+            return changes
+        self.status_version = version
+        return changes
 
     async def _follow(self, router: LiveRouter) -> None:
         """Long-poll the controller's registry and push load reports; while the

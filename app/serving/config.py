@@ -98,7 +98,9 @@ class ServeConfig(Frozen):
         "`--tool-call-parser`: hermes, llama3_json, mistral, pythonic, ...); lets chat "
         "requests leave the choice to call tools to the model (tool_choice 'auto', the "
         "default with tools); None: 'auto' is refused")
-    poll_interval_s: float = Field(0.1, gt=0, description="engine status poll period")
+    poll_interval_s: float = Field(
+        0.1, gt=0, description="engine status period: the controller polls each engine once "
+        "per period and every router replica follows the reports it publishes")
     num_router_replicas: int = Field(
         1, ge=1, description="router deployment replicas (Ray Serve); each routes its share")
     http_port: int = Field(8000, ge=1, le=65535, description="HTTP port of the OpenAI API")

@@ -157,11 +157,20 @@ class InstanceTracker:
         try:
             status = await asyncio.wait_for(inst.client.status(), self.status_timeout_s)
         except Exception as exc:
-            if inst.healthy:
-                logger.warning("engine %s unreachable: %s", inst.instance_id, exc)
-            inst.healthy = False
-            self.metrics.instance_state(inst.tags, {"healthy": 0.0})
+            self.unreachable(inst, str(exc))
             return False
+        self.take(inst, status)
+        return True
+
+    def unreachable(self, inst: LiveInstance, reason: str) -> None:
+        """The engine did not answer: out of rotation until it reports again."""
+        if inst.healthy:
+            logger.warning("engine %s unreachable: %s", inst.instance_id, reason)
+        inst.healthy = False
+        self.metrics.instance_state(inst.tags, {"healthy": 0.0})
+
+    def take(self, inst: LiveInstance, status: EngineStatus) -> None:
+        """An engine's report, polled here or published for every replica."""
         iid = inst.instance_id
         previous = inst.status
         inst.update(status, self.load.running(iid) + self.load.waiting(iid))
@@ -169,7 +178,6 @@ class InstanceTracker:
         for listener in self.listeners:
             listener.on_status(status, now)
         self._export(inst, previous, now)
-        return True
 
     def _export(self, inst: LiveInstance, previous: EngineStatus | None, now: float) -> None:
         """The instance's gauges: its load, KV, iteration rate and what the status

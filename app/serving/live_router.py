@@ -51,6 +51,7 @@ from app.serving.flight import (
 )
 from app.serving.instances import EngineClient, InstanceTracker, LiveInstance
 from app.serving.kv_transfer import ConnectorTransport, KvTransport
+from app.serving.status_board import StatusChanges
 from app.telemetry import MigrationReason, NullFactory, Outcome, RouterMetrics
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,8 @@ class RouterCounters:
 
 
 Predict = Callable[[RouteRequest], Awaitable[float]]
+# the engines' reports that changed since the last call, as every replica is given them
+StatusFeed = Callable[[], Awaitable[StatusChanges]]
 
 
 class LiveRouter:
@@ -104,10 +107,13 @@ class LiveRouter:
         max_failovers: int = 2,
         metrics: RouterMetrics | None = None,
         move_rule: MoveRule = MoveRule.CHEAPER,
+        status_feed: StatusFeed | None = None,
     ) -> None:
         """`kv_transport` moves prompts' KV from prefill to decode engines; with unified
         engines it is the connector whose stored prompts a move can load (`move_rule`
-        chooses, per move, between that and recomputing by token ids)."""
+        chooses, per move, between that and recomputing by token ids). `status_feed`
+        long-polls the engines' reports published for every router replica (None: this
+        router polls each engine itself every `poll_interval_s`)."""
         if not clients:
             raise ValueError("the router needs at least one engine")
         roles = {c.config.role for c in clients}
@@ -143,6 +149,7 @@ class LiveRouter:
                                        clock=clock, status_timeout_s=status_timeout_s)
         self.predict = predict
         self.poll_interval_s = poll_interval_s
+        self.status_feed = status_feed
         self.max_failovers = max_failovers
         self.flights: dict[str, Flight] = {}  # request_id -> flight
         self._poll_task: asyncio.Task | None = None
@@ -165,14 +172,31 @@ class LiveRouter:
 
     async def _poll_forever(self) -> None:
         while True:
-            await asyncio.sleep(self.poll_interval_s)
+            if self.status_feed is None:  # the feed's long poll paces itself
+                await asyncio.sleep(self.poll_interval_s)
             try:
                 await self.poll_once()
             except Exception:  # a bug here must not stop polling for good
                 logger.exception("status poll failed")
+                await asyncio.sleep(self.poll_interval_s)
 
     async def poll_once(self) -> None:
-        await asyncio.gather(*(self._poll(inst) for inst in self.tracker.instances.values()))
+        """Every engine's report: polled from each engine, or the published ones that
+        changed since the last call."""
+        if self.status_feed is None:
+            await asyncio.gather(*(self._poll(inst)
+                                   for inst in self.tracker.instances.values()))
+            return
+        changes = await self.status_feed()
+        for engine_id, status in changes.items():
+            inst = self.tracker.instances.get(engine_id)
+            if inst is None:
+                continue
+            if status is None:
+                self.tracker.unreachable(inst, "no published report")
+                continue
+            self.tracker.take(inst, status)
+            self._watch(inst, self.clock())
 
     async def _poll(self, inst: LiveInstance) -> None:
         """Take the instance's report, then run the watchdog over it when it is due."""
@@ -649,7 +673,8 @@ class LiveRouter:
         """Take a new registry (`InstanceTracker.follow`), poll the engines that joined,
         and move the requests off engines the registry asks to evacuate."""
         for inst in self.tracker.follow(members, make_client):
-            self._spawn(self._poll(inst))
+            if self.status_feed is None:  # else its reports come with the feed
+                self._spawn(self._poll(inst))
         for member in members:
             if member.evacuate:
                 self._evacuate(member.engine_id)

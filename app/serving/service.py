@@ -42,7 +42,13 @@ from app.serving.config import ServeConfig
 from app.serving.flight import Flight, GenerationRequest
 from app.serving.instances import EngineClient
 from app.serving.kv_transfer import ConnectorTransport, KvTransport, SimulatedLink
-from app.serving.live_router import EngineLost, LiveRouter, Predict, RequestRejected
+from app.serving.live_router import (
+    EngineLost,
+    LiveRouter,
+    Predict,
+    RequestRejected,
+    StatusFeed,
+)
 from app.serving.logprobs import LogprobsFormatter
 from app.serving.tokenizer import HfTokenizer, OutputText, Tokenizer, WordHashTokenizer
 from app.serving.tools import ToolCallReader, ToolParsing, tool_call_reader
@@ -177,10 +183,13 @@ class CompletionService:
         tokenizer: Tokenizer | None = None,
         companion: Callable[[LiveRouter], Awaitable[None]] | None = None,
         metrics: MetricFactory | None = None,
+        status_feed: StatusFeed | None = None,
     ) -> None:
         """`companion` runs beside the router from its start until `close` (the Serve
         shell follows the controller's registry with it); `metrics` makes the
-        router's instruments (Ray's in the Serve shell; none by default)."""
+        router's instruments (Ray's in the Serve shell; none by default);
+        `status_feed` gives the engines' published reports (None: the router polls
+        each engine)."""
         self.config = config
         self.engines = backend_class(config.engine_template.backend)  # asked what it can do
         self.tokenizer = tokenizer or make_tokenizer(config)
@@ -191,6 +200,7 @@ class CompletionService:
                                  poll_interval_s=config.poll_interval_s,
                                  kv_transport=kv_transport(config),
                                  move_rule=config.cluster.move_path,
+                                 status_feed=status_feed,
                                  metrics=RouterMetrics(metrics or NullFactory(),
                                                        config.routing.policy))
         self.keys = api_keys(config)

@@ -55,3 +55,37 @@ def test_a_restarted_proxy_closes_its_connections_and_serves_again(ray_session, 
     assert_none_lost(result)
     assert set(result.failed) <= {"connection closed"}, result
     assert result.retries > 0 and result.completed >= REQUESTS * 0.5, result
+
+
+def test_two_router_replicas_serve_every_request_on_the_reports_one_poller_publishes(
+        ray_session, config):
+    """Both replicas long-poll the controller's status board (each engine answers one
+    status call per period, not one per replica); every request is served, and the
+    replicas hold the same reports to within one poll round."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    import ray
+
+    from deployments.controller import controller_for
+    from tests.conftest import serving
+
+    named = config.model_copy(update={"cluster": config.cluster.model_copy(
+        update={"name": "board"})})
+    with serving(named, "board") as url:
+        def complete(i: int) -> int:
+            return httpx.post(url + "/v1/completions", timeout=120, json={
+                "model": "goodserve", "prompt": f"board {i} " * 20, "max_tokens": 6,
+            }).status_code
+
+        with ThreadPoolExecutor(8) as pool:
+            codes = list(pool.map(complete, range(REQUESTS)))
+        assert codes == [200] * REQUESTS
+        board = ray.get(controller_for(named).status.remote())["status_board"]
+        followers = board["followers"]
+        assert len(followers) == named.num_router_replicas == 2, board
+        engines = len(list(named.cluster.engines()))
+        versions = [f["version"] for f in followers.values()]
+        assert max(versions) - min(versions) <= 2 * engines, board  # within one round
+        assert board["version"] - min(versions) <= 2 * engines, board
+        assert all(f["answered_s_ago"] < 1.0 for f in followers.values()), board

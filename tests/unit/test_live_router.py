@@ -34,6 +34,7 @@ from app.serving.instances import EngineClient
 from app.serving.kv_transfer import ConnectorTransport, KvHandoff, KvTransport, SimulatedLink
 from app.serving.live_router import EngineLost, LiveRouter, RequestRejected
 from app.serving.service import CompletionService, JsonReply
+from app.serving.status_board import StatusBoard
 from app.serving.tokenizer import OutputText, Tokenizer, WordHashTokenizer
 from app.telemetry import RouterMetrics
 from tests.unit.metrics_utils import RecordingFactory
@@ -612,3 +613,75 @@ async def test_registry_changes_take_effect_at_once_and_drain_moves_count_apart(
     assert (report.arrivals, report.finished) == (10, 10)
     assert router.take_load_report().is_empty
     router.close()
+
+
+class CountingEngine(ScriptedEngine):
+    """Counts the status calls it answers."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.status_calls = 0
+
+    async def status(self) -> EngineStatus:
+        self.status_calls += 1
+        return await super().status()
+
+
+async def test_replicas_following_one_status_board_cost_each_engine_one_call_per_round():
+    """Two replicas route over the reports one poller publishes: each engine answers
+    one status call per round, and both replicas see the same reports."""
+    a, b = CountingEngine("a", "H800", step_s=0.05), CountingEngine("b", "A800", step_s=0.05)
+    board = StatusBoard()
+    versions = {"r1": 0, "r2": 0}
+
+    def feed(name: str):
+        async def changes():
+            versions[name], new = await board.wait_changes(versions[name], 0.05, name)
+            return new
+        return changes
+
+    async def publish_round() -> None:
+        for engine in (a, b):
+            board.publish(engine.engine_id, await engine.status())
+
+    await publish_round()
+    replicas = [LiveRouter([a, b], build_routing("least-request"), status_feed=feed(n))
+                for n in ("r1", "r2")]
+    for replica in replicas:
+        await replica.poll_once()
+    flights = [await replicas[0].submit(request(f"f{i}", max_tokens=400)) for i in range(2)]
+    streams = [asyncio.create_task(drain(replicas[0], f)) for f in flights]
+    await asyncio.sleep(0.02)
+    for _ in range(3):
+        await publish_round()
+        for replica in replicas:
+            await replica.poll_once()
+    assert (a.status_calls, b.status_calls) == (4, 4)  # one per round, not one per replica
+    second = replicas[1].view(time.time())
+    assert sum(v.num_outstanding for v in second.instances) == 2  # the first's requests
+    assert set(board.followers) == {"r1", "r2"}
+    assert {v for v, _ in board.followers.values()} == {board.version}
+    board.publish("a", None)  # the poller lost it: out of rotation for both
+    for replica in replicas:
+        await replica.poll_once()
+        assert [v.instance_id for v in replica.view(time.time()).instances] == ["b"]
+    for task in streams:
+        task.cancel()
+
+
+async def test_the_status_board_answers_changes_since_a_version_and_waits_for_new_ones():
+    board = StatusBoard()
+    assert board.changes(0) == (0, {})
+    assert await board.wait_changes(0, 0.01) == (0, {})  # nothing came: empty after the wait
+    status = await ScriptedEngine("a", "H800").status()
+    board.publish("a", status)
+    board.publish("b", None)
+    assert board.changes(0) == (2, {"a": status, "b": None})
+    assert board.changes(1) == (2, {"b": None})
+    waiter = asyncio.create_task(board.wait_changes(2, 5.0))
+    await asyncio.sleep(0.01)
+    assert not waiter.done()
+    board.publish("b", status)
+    assert await asyncio.wait_for(waiter, 1.0) == (3, {"b": status})
+    board.forget("a")
+    assert board.changes(0) == (3, {"b": status})
