@@ -79,6 +79,7 @@ class ControllerActor:
         self.in_flight: dict[str, tuple[int, float]] = {}  # replica -> (requests, when)
         self.board = StatusBoard()
         self._board_task: asyncio.Task | None = None
+        self._board_ready: asyncio.Future | None = None  # done after the first round
 
     # ---- the routers' side -------------------------------------------------------------
     async def registry(self, known: tuple[str, int] | None = None,
@@ -105,7 +106,10 @@ class ControllerActor:
         answer), waiting up to `wait_s` for one; `replica` names the router asking."""
         await self._ensure_started()
         if self._board_task is None:
+            self._board_ready = asyncio.get_running_loop().create_future()
             self._board_task = asyncio.ensure_future(self._publish_statuses_forever())
+        assert self._board_ready is not None
+        await asyncio.shield(self._board_ready)  # a router's first poll sees every engine
         return await self.board.wait_changes(known, wait_s, replica)
 
     async def _publish_statuses_forever(self) -> None:
@@ -114,6 +118,8 @@ class ControllerActor:
                 await self._publish_statuses()
             except Exception:  # a bad round must not end the reports for good
                 logger.exception("status round failed")
+            if self._board_ready is not None and not self._board_ready.done():
+                self._board_ready.set_result(None)
             await asyncio.sleep(self.config.poll_interval_s)
 
     async def _publish_statuses(self) -> None:
