@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -41,6 +41,8 @@ class SlackBudgets:
         self._stalls: tuple[tuple[InstanceId, ...], dict[InstanceId, int], np.ndarray] = (
             (), {}, np.zeros(0))
         self._changed: set[InstanceId] = set()
+        # per instance, the smallest slack other router replicas' requests have there
+        self._others: dict[InstanceId, float] = {}
 
     def __len__(self) -> int:
         return len(self._req_to_slot)
@@ -60,7 +62,11 @@ class SlackBudgets:
             self._changed.add(slot[0])
 
     def shortest_stall_s(self, instance_id: InstanceId) -> float:
-        """Smallest slack among requests still on the instance (inf if none)."""
+        """Smallest slack among requests still on the instance, this router's and, as
+        they last reported them, other replicas' (inf if none)."""
+        return min(self._own_shortest_s(instance_id), self._others.get(instance_id, math.inf))
+
+    def _own_shortest_s(self, instance_id: InstanceId) -> float:
         heap = self._heaps.get(instance_id)
         while heap:
             slack_s, rid = heap[0]
@@ -68,6 +74,20 @@ class SlackBudgets:
                 return slack_s
             heapq.heappop(heap)
         return math.inf
+
+    def own_shortest_stalls(self) -> dict[InstanceId, float]:
+        """Per instance, the smallest slack among this router's own requests: what it
+        tells the other router replicas."""
+        stalls = {iid: self._own_shortest_s(iid) for iid in list(self._heaps)}
+        return {iid: stall for iid, stall in stalls.items() if not math.isinf(stall)}
+
+    def take_others(self, stalls: Mapping[InstanceId, float]) -> None:
+        """The other replicas' smallest slack per instance, from their latest reports
+        (replacing the previous ones)."""
+        for iid in self._others.keys() | stalls.keys():
+            if self._others.get(iid) != stalls.get(iid):
+                self._changed.add(iid)
+        self._others = dict(stalls)
 
     def shortest_stalls(self, instance_ids: Sequence[InstanceId]) -> np.ndarray:
         """`shortest_stall_s` of each instance, recomputed only for the instances whose

@@ -10,9 +10,9 @@ run it like any other:
 - a replica sees its own placements at once; the engines' queues as they were at its
   last report, every `report_interval_s` (the replicas' report times are staggered);
   with `Sharing.NOTHING` it never sees them and counts only its own requests;
-- `Sharing.BUDGETS` also gives every GoodServe replica one table of slack budgets and
-  recent admissions, as a controller holding them would (kept exact here: an upper
-  bound on what sharing them can give);
+- with `Sharing.BUDGETS` a replica also tells the others, at each of its reports, the
+  smallest slack its requests have on each engine (GoodServe's do-no-harm budgets), and
+  takes theirs: a replica then does not stall another's admitted requests;
 - every engine iteration reaches every replica's status estimator (engines publish
   once, replicas follow); a finish reaches the replica that placed the request (its
   policy and its watchdog: the fleet's watchdog learns nothing of its own);
@@ -35,6 +35,7 @@ from enum import StrEnum
 from app.engine_types import EngineStatus
 from app.routing.arrays import ViewColumns
 from app.routing.base import ActiveRequest, Reject, RouteDecision, RoutingPolicy, Watchdog
+from app.routing.budgets import SlackBudgets
 from app.routing.view import (
     ClusterView,
     FinishReport,
@@ -59,7 +60,7 @@ class Sharing(StrEnum):
 
     NOTHING = "nothing"  # the engines' speeds, not their queues
     REPORTS = "reports"  # the engines' reported queues, every report interval
-    BUDGETS = "budgets"  # reports, and one table of slack budgets and admissions
+    BUDGETS = "budgets"  # reports, and each other's smallest slack per engine
 
 
 @dataclass(frozen=True)
@@ -107,11 +108,18 @@ class Replica:
             return [self.policy]
         return [self.policy, self.watchdog]
 
-    def refresh(self, view: ClusterView, interval_s: float, sharing: Sharing) -> None:
-        """Take the engines' figures as its report, when a report time has passed."""
+    @property
+    def budgets(self) -> SlackBudgets | None:
+        """Its policy's do-no-harm budgets, when it keeps them."""
+        budgets = getattr(self.policy, "budgets", None)
+        return budgets if isinstance(budgets, SlackBudgets) else None
+
+    def refresh(self, view: ClusterView, interval_s: float, sharing: Sharing) -> bool:
+        """Take the engines' figures as its report, when a report time has passed
+        (True then)."""
         index = math.floor((view.time_s - self.offset_s) / interval_s)
         if index <= self.report_index:
-            return
+            return False
         self.report_index = index
         self.placed_since_report.clear()
         self._order = ()  # every row changes
@@ -122,6 +130,7 @@ class Replica:
             others = max(v.num_outstanding - self.own[v.instance_id], 0)
             waiting = min(others, v.num_waiting)
             self.others[v.instance_id] = (others - waiting, waiting)
+        return True
 
     def view(self, current: ClusterView) -> ClusterView:
         """The engines `current` lists, as this replica knows them."""
@@ -177,6 +186,7 @@ class RouterFleet(RoutingPolicy):
         self.replicas = [Replica(p, w, k * step) for k, (p, w) in enumerate(replicas)]
         self.owner: dict[str, Replica] = {}  # request id -> the replica that placed it
         self.where: dict[str, InstanceId] = {}  # request id -> where it was placed
+        self.told: dict[int, dict[InstanceId, float]] = {}  # replica -> its slack per engine
         self._rng = random.Random(seed)
         policies = [p for p, _ in replicas]
         self.needs_true_output_length = any(p.needs_true_output_length for p in policies)
@@ -202,7 +212,7 @@ class RouterFleet(RoutingPolicy):
     def choose_on(self, replica: Replica, request: RouteRequest, view: ClusterView,
                   now: float) -> RouteDecision:
         """`replica`'s decision (its refresh, view and policy) for `request`."""
-        replica.refresh(view, self.config.report_interval_s, self.config.sharing)
+        self.refresh(replica, view)
         decision = replica.policy.choose(request, replica.view(view), now)
         if not isinstance(decision, Reject):
             if request.request_id in self.owner:  # re-routed: it left where it was
@@ -211,6 +221,23 @@ class RouterFleet(RoutingPolicy):
             self.owner[request.request_id] = replica
             self.where[request.request_id] = decision
         return decision
+
+    def refresh(self, replica: Replica, view: ClusterView) -> None:
+        """The replica's report, when one is due: the engines' figures and, sharing
+        budgets, the smallest slack per engine it tells the others and takes from
+        them (what each told at its own last report)."""
+        if not replica.refresh(view, self.config.report_interval_s, self.config.sharing):
+            return
+        budgets = replica.budgets
+        if self.config.sharing is not Sharing.BUDGETS or budgets is None:
+            return
+        self.told[id(replica)] = budgets.own_shortest_stalls()
+        others: dict[InstanceId, float] = {}
+        for key, stalls in self.told.items():
+            if key != id(replica):
+                for iid, stall in stalls.items():
+                    others[iid] = min(stall, others.get(iid, math.inf))
+        budgets.take_others(others)
 
     def on_step(self, instance_id: InstanceId, report: StepReport, now: float) -> None:
         for replica in self.replicas:
@@ -273,8 +300,7 @@ class FleetWatchdog(Watchdog):
             mine = by_replica.get(id(replica))
             if not mine:
                 continue
-            replica.refresh(view, self.fleet.config.report_interval_s,
-                            self.fleet.config.sharing)
+            self.fleet.refresh(replica, view)
             assert replica.watchdog is not None
             for request_id, target in replica.watchdog.check(
                     instance_id, mine, replica.view(view), now).items():

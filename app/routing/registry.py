@@ -19,9 +19,8 @@ from app.routing.baselines import (
     RoundRobinPolicy,
 )
 from app.routing.cache_aware import PreblePolicy, PrefixCachePolicy
-from app.routing.fleet import FleetConfig, RouterFleet, Sharing
+from app.routing.fleet import FleetConfig, RouterFleet
 from app.routing.goodserve import (
-    BudgetTable,
     GoodServeConfig,
     JustEnoughPolicy,
     JustEnoughVariant,
@@ -93,8 +92,6 @@ class RoutingOptions:
     goodserve: GoodServeConfig = GoodServeConfig()
     # GoodServe's output-length predictor (e.g. the MoE); None -> running history
     length_factory: Callable[[], OutputLengthEstimator] | None = None
-    # budgets and admissions GoodServe shares with other router replicas (None: its own)
-    budget_table: BudgetTable | None = None
 
     def goodserve_length(self) -> OutputLengthEstimator:
         return self.length_factory() if self.length_factory else RunningHistoryLength()
@@ -119,7 +116,7 @@ def _goodserve(
 ) -> RoutingStack:
     """GoodServe with the options' knobs, less any the variant fixes (`overrides`)."""
     config = options.goodserve.model_copy(update=overrides)
-    policy, watchdog = make_goodserve(length, config, options.budget_table)
+    policy, watchdog = make_goodserve(length, config)
     return RoutingStack(policy, watchdog, policy.status)
 
 
@@ -214,10 +211,7 @@ def build_routing(kind: PolicyKind | str, options: RoutingOptions | None = None,
     if fleet is None or fleet.num_routers == 1:
         return POLICY_REGISTRY.build(kind, options)
     options = options or RoutingOptions()
-    shared = options.goodserve if fleet.sharing is Sharing.BUDGETS else None
-    table = None if shared is None else BudgetTable.new(shared)
-    stacks = [POLICY_REGISTRY.build(kind, replace(options, seed=options.seed + k,
-                                                  budget_table=table))
+    stacks = [POLICY_REGISTRY.build(kind, replace(options, seed=options.seed + k))
               for k in range(fleet.num_routers)]
     router = RouterFleet([(s.policy, s.watchdog) for s in stacks], fleet, options.seed)
     return RoutingStack(router, router.watchdog)

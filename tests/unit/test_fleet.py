@@ -3,6 +3,7 @@ placements at once, the others' at its reports), what they share, their watchdog
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
@@ -82,15 +83,28 @@ def test_one_router_is_the_plain_policy_and_several_are_a_fleet():
         FleetConfig(2, report_interval_s=0.0)
 
 
-@pytest.mark.parametrize("sharing, shared", [(Sharing.REPORTS, False), (Sharing.BUDGETS, True)])
-def test_only_budget_sharing_gives_goodserve_replicas_one_budget_table(sharing, shared):
-    stack = build_routing(PolicyKind.GOODSERVE, RoutingOptions(0), FleetConfig(3, sharing=sharing))
-    replicas = stack.policy.replicas
-    budgets = {id(r.policy.budgets) for r in replicas}
-    admissions = {id(r.policy.admissions) for r in replicas}
-    assert (len(budgets), len(admissions)) == ((1, 1) if shared else (3, 3))
-    for r in replicas:  # a replica's watchdog keeps the budgets its policy uses
-        assert r.watchdog.budgets is r.policy.budgets
+@pytest.mark.parametrize("sharing", [Sharing.REPORTS, Sharing.BUDGETS])
+def test_sharing_budgets_tells_each_replica_the_others_smallest_slack_at_its_report(sharing):
+    stack = build_routing(PolicyKind.GOODSERVE, RoutingOptions(0),
+                          FleetConfig(2, sharing=sharing, report_interval_s=1.0))
+    router = stack.policy
+    first, second = router.replicas  # reports at 0, 1, 2 s and at 0.5, 1.5 s
+    first.budgets.admit("A800", "tight", 0.05)
+    first.budgets.admit("A800", "loose", 3.0)
+    second.budgets.admit("H800", "theirs", 1.0)
+    router.refresh(first, engines(0.0))  # the first tells 0.05 on the A800
+    assert first.budgets.shortest_stall_s("H800") == math.inf  # the second told nothing yet
+    router.refresh(second, engines(0.6))
+    shared = sharing is Sharing.BUDGETS
+    assert second.budgets.shortest_stall_s("A800") == (0.05 if shared else math.inf)
+    assert list(second.budgets.shortest_stalls(["A800", "H800"])) == (
+        [0.05, 1.0] if shared else [math.inf, 1.0])
+    assert second.budgets.own_shortest_stalls() == {"H800": 1.0}  # it tells only its own
+    first.budgets.remove("tight")  # known to the second at the first's next report
+    router.refresh(first, engines(1.1))
+    router.refresh(second, engines(1.6))
+    assert second.budgets.shortest_stall_s("A800") == (3.0 if shared else math.inf)
+    assert first.budgets.shortest_stall_s("H800") == (1.0 if shared else math.inf)
 
 
 def test_session_spread_keeps_a_session_on_one_replica_and_random_uses_them_all():

@@ -15,8 +15,6 @@ logic shared by the simulator and the live router.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from app.routing.budgets import SlackBudgets
 from app.routing.goodserve.admissions import RecentAdmissions
 from app.routing.goodserve.config import (
@@ -36,38 +34,24 @@ from app.routing.length import OutputLengthEstimator
 from app.routing.status import StatusEstimator
 
 
-@dataclass(frozen=True)
-class BudgetTable:
-    """Slack budgets and recent admissions that several router replicas share."""
-
-    budgets: SlackBudgets
-    admissions: RecentAdmissions
-
-    @classmethod
-    def new(cls, config: GoodServeConfig = GoodServeConfig()) -> BudgetTable:
-        return cls(SlackBudgets(), RecentAdmissions(config))
-
-
 def make_goodserve(
-    length: OutputLengthEstimator, config: GoodServeConfig = GoodServeConfig(),
-    table: BudgetTable | None = None,
+    length: OutputLengthEstimator, config: GoodServeConfig = GoodServeConfig()
 ) -> tuple[JustEnoughPolicy, SloWatchdog]:
     """Policy + watchdog sharing one status estimator, length estimator, budgets and
-    record of recent admissions (the budgets and admissions `table`'s, when given).
+    record of recent admissions.
 
     With `max_migrations_per_request` 0 the watchdog still runs (it keeps the
     budgets current) but never moves a request, so that ablation removes exactly
     the migrations.
     """
-    table = table or BudgetTable.new(config)
-    status, budgets, admissions = StatusEstimator(config.alpha), table.budgets, table.admissions
+    status, budgets, admissions = (
+        StatusEstimator(config.alpha), SlackBudgets(), RecentAdmissions(config))
     policy = JustEnoughPolicy(status, length, config, budgets, admissions)
     watchdog = SloWatchdog(status, length, config, budgets, admissions)
     return policy, watchdog
 
 
 __all__ = [
-    "BudgetTable",
     "DEFAULT_STALL_FACTOR",
     "TRAINED_PREDICTOR_STALL_FACTOR",
     "Candidate",
