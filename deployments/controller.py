@@ -100,17 +100,23 @@ class ControllerActor:
         return self.fleet.registry()
 
     async def engine_statuses(self, known: int = 0, wait_s: float = 0.0,
-                              replica: str | None = None
-                              ) -> tuple[int, dict[str, EngineStatus | None]]:
+                              replica: str | None = None,
+                              stalls: dict[str, float] | None = None,
+                              ) -> tuple[int, dict[str, EngineStatus | None], dict[str, float]]:
         """The engines' reports published after version `known` (None: it did not
-        answer), waiting up to `wait_s` for one; `replica` names the router asking."""
+        answer), waiting up to `wait_s` for one, and the smallest slack per engine the
+        other replicas told; `replica` names the router asking and `stalls` is its own
+        smallest slack per engine."""
         await self._ensure_started()
+        if replica is not None and stalls is not None:
+            self.board.tell(replica, stalls)
         if self._board_task is None:
             self._board_ready = asyncio.get_running_loop().create_future()
             self._board_task = asyncio.ensure_future(self._publish_statuses_forever())
         assert self._board_ready is not None
         await asyncio.shield(self._board_ready)  # a router's first poll sees every engine
-        return await self.board.wait_changes(known, wait_s, replica)
+        version, changes = await self.board.wait_changes(known, wait_s, replica)
+        return version, changes, self.board.others_stalls(replica)
 
     async def _publish_statuses_forever(self) -> None:
         while True:
@@ -171,7 +177,7 @@ class ControllerActor:
                          "state": e.state.value, "owned": e.owned, "evacuate": e.evacuate}
                         for e in self.fleet],
             "steps": [s.summary() for s in self.steps],
-            "status_board": {"version": self.board.version,
+            "status_board": {"version": self.board.version, "tellers": self.board.tellers,
                              "followers": {r: {"version": v, "answered_s_ago": round(
                                  time.monotonic() - at, 3)}
                                  for r, (v, at) in self.board.followers.items()}},

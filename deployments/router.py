@@ -26,6 +26,7 @@ from ray import serve
 
 from app.control.fleet import Member
 from app.engine_types import EngineRequest, EngineStatus, TokenEvent
+from app.routing.budgets import budgets_of
 from app.serving.api import openapi_request_bodies
 from app.serving.auth import Access
 from app.serving.config import ServeConfig
@@ -129,14 +130,20 @@ class RouterDeployment:
 
     async def _published_statuses(self) -> StatusChanges:
         """The engines' reports the controller published since the last call (it polls
-        each engine once for every replica); none while it is unreachable."""
+        each engine once for every replica); none while it is unreachable. With each
+        poll the replica tells the smallest slack its requests have per engine and takes
+        the other replicas' (GoodServe's do-no-harm budgets)."""
+        budgets = budgets_of(self.service.router.policy)
+        told = None if budgets is None else budgets.own_shortest_stalls()
         try:
-            version, changes = await self.controller.engine_statuses.remote(
-                self.status_version, self.poll_interval_s, self.replica)
+            version, changes, others = await self.controller.engine_statuses.remote(
+                self.status_version, self.poll_interval_s, self.replica, told)
         except Exception as exc:
             logger.warning("engine reports unavailable (%s); routing on the last ones", exc)
             await asyncio.sleep(self.poll_interval_s)
             return {}
+        if budgets is not None:
+            budgets.take_others(others)
         if version < self.status_version:  # a restarted controller counts from 0 again
             self.status_version = 0
             return changes

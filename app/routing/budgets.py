@@ -104,3 +104,10 @@ class SlackBudgets:
         self._changed.clear()
         self._stalls = (ids, position, stalls)
         return stalls.copy()
+
+
+def budgets_of(policy: object) -> SlackBudgets | None:
+    """A policy's do-no-harm budgets, when it keeps them (GoodServe's do): what router
+    replicas tell each other."""
+    budgets = getattr(policy, "budgets", None)
+    return budgets if isinstance(budgets, SlackBudgets) else None

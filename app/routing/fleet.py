@@ -35,7 +35,7 @@ from enum import StrEnum
 from app.engine_types import EngineStatus
 from app.routing.arrays import ViewColumns
 from app.routing.base import ActiveRequest, Reject, RouteDecision, RoutingPolicy, Watchdog
-from app.routing.budgets import SlackBudgets
+from app.routing.budgets import SlackBudgets, budgets_of
 from app.routing.view import (
     ClusterView,
     FinishReport,
@@ -110,9 +110,7 @@ class Replica:
 
     @property
     def budgets(self) -> SlackBudgets | None:
-        """Its policy's do-no-harm budgets, when it keeps them."""
-        budgets = getattr(self.policy, "budgets", None)
-        return budgets if isinstance(budgets, SlackBudgets) else None
+        return budgets_of(self.policy)
 
     def refresh(self, view: ClusterView, interval_s: float, sharing: Sharing) -> bool:
         """Take the engines' figures as its report, when a report time has passed

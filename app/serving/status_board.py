@@ -10,6 +10,7 @@ as None (the replicas take it out of rotation until it reports again).
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Mapping
 
@@ -18,14 +19,45 @@ from app.engine_types import EngineStatus
 StatusChanges = Mapping[str, EngineStatus | None]  # engine id -> its report, None: unreachable
 
 
+TOLD_FRESH_S = 3.0  # a replica's told slack counts this long (it tells every poll)
+
+
 class StatusBoard:
-    """Versioned latest report per engine; `changes(version)` answers a replica's poll."""
+    """Versioned latest report per engine; `changes(version)` answers a replica's poll.
+
+    Replicas also tell the board, with each poll, the smallest slack their requests
+    have on each engine (GoodServe's do-no-harm budgets); each is answered with the
+    others' (`others_stalls`), so no replica stalls another's admitted requests. What
+    a replica told counts for `TOLD_FRESH_S`: a replica that stopped asking is gone.
+    """
 
     def __init__(self) -> None:
         self.version = 0
         self._entries: dict[str, tuple[int, EngineStatus | None]] = {}
         self._changed: asyncio.Event | None = None
         self.followers: dict[str, tuple[int, float]] = {}  # replica -> (version held, when)
+        self._told: dict[str, tuple[dict[str, float], float]] = {}  # replica -> stalls, when
+
+    def tell(self, replica: str, stalls: Mapping[str, float]) -> None:
+        """`replica`'s smallest slack per engine."""
+        self._told[replica] = (dict(stalls), time.monotonic())
+
+    @property
+    def tellers(self) -> list[str]:
+        """The replicas that told their slack lately."""
+        fresh_from = time.monotonic() - TOLD_FRESH_S
+        return sorted(name for name, (_, at) in self._told.items() if at >= fresh_from)
+
+    def others_stalls(self, replica: str | None) -> dict[str, float]:
+        """Per engine, the smallest slack the other fresh replicas told."""
+        fresh_from = time.monotonic() - TOLD_FRESH_S
+        out: dict[str, float] = {}
+        for name, (stalls, at) in self._told.items():
+            if name == replica or at < fresh_from:
+                continue
+            for engine_id, stall in stalls.items():
+                out[engine_id] = min(stall, out.get(engine_id, math.inf))
+        return out
 
     def publish(self, engine_id: str, status: EngineStatus | None) -> None:
         self.version += 1

@@ -89,3 +89,4 @@ def test_two_router_replicas_serve_every_request_on_the_reports_one_poller_publi
         assert max(versions) - min(versions) <= 2 * engines, board  # within one round
         assert board["version"] - min(versions) <= 2 * engines, board
         assert all(f["answered_s_ago"] < 1.0 for f in followers.values()), board
+        assert board["tellers"] == sorted(followers), board  # both tell their budgets

@@ -685,3 +685,23 @@ async def test_the_status_board_answers_changes_since_a_version_and_waits_for_ne
     assert await asyncio.wait_for(waiter, 1.0) == (3, {"b": status})
     board.forget("a")
     assert board.changes(0) == (3, {"b": status})
+
+
+def test_replicas_tell_the_board_their_smallest_slack_and_hear_the_others(monkeypatch):
+    from app.serving import status_board
+
+    clock = [100.0]
+    monkeypatch.setattr(status_board.time, "monotonic", lambda: clock[0])
+    board = StatusBoard()
+    board.tell("r1", {"a": 0.5, "b": 2.0})
+    board.tell("r2", {"a": 0.2})
+    board.tell("r3", {})
+    assert board.others_stalls("r1") == {"a": 0.2}
+    assert board.others_stalls("r2") == {"a": 0.5, "b": 2.0}
+    assert board.others_stalls(None) == {"a": 0.2, "b": 2.0}
+    assert board.tellers == ["r1", "r2", "r3"]
+    clock[0] += status_board.TOLD_FRESH_S + 1  # r1 and r3 stopped asking; r2 goes on
+    board.tell("r2", {"a": 0.3})
+    assert board.others_stalls("r3") == {"a": 0.3} and board.others_stalls("r2") == {}
+    assert board.tellers == ["r2"]
+
