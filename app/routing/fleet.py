@@ -119,15 +119,19 @@ class Replica:
         if index <= self.report_index:
             return False
         self.report_index = index
+        self._dirty.update(iid for iid, n in self.placed_since_report.items() if n)
         self.placed_since_report.clear()
-        self._order = ()  # every row changes
-        for v in view.instances:
-            self.reported[v.instance_id] = v
+        for v in view.instances:  # rows change only where the engine's report did
+            iid = v.instance_id
+            if self.reported.get(iid) is v:
+                continue
+            self.reported[iid] = v
+            self._dirty.add(iid)
             if sharing is Sharing.NOTHING:
                 continue
-            others = max(v.num_outstanding - self.own[v.instance_id], 0)
+            others = max(v.num_outstanding - self.own[iid], 0)
             waiting = min(others, v.num_waiting)
-            self.others[v.instance_id] = (others - waiting, waiting)
+            self.others[iid] = (others - waiting, waiting)
         return True
 
     def view(self, current: ClusterView) -> ClusterView:
