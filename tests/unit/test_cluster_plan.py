@@ -158,3 +158,17 @@ def test_observed_moments_count_an_agent_steps_appended_tokens_as_uncached():
                               duration_s=2.0))
     assert plain.mean_uncached_len is None and plain.workload.uncached_len is None
     assert math.isclose(plain.workload.prefill_len.mean, 200.0)
+
+
+def test_whole_kind_layouts_give_each_gpu_kind_one_role():
+    from app.experiments.plan_check import whole_kind_layouts
+
+    sixteen = {EngineKind("H800"): 4, EngineKind("A800"): 4, EngineKind("A40"): 4,
+               EngineKind("V100", 2): 4}
+    plan = plan_cluster(sixteen, LLAMA, CHAT, A800, 2.0, 25.0, shares=(0.5,))
+    assert len(plan.estimates) == 1 + 5 ** 4 - 2  # unified and every split
+    layouts = whole_kind_layouts(plan)
+    assert len(layouts) == 1 + 2 ** 4 - 2 and layouts[0].mode == UNIFIED
+    for layout in layouts[1:]:
+        assert all(n == 4 for _, n in layout.prefill)
+    assert Layout((("A40", 4), ("H800", 4))) in layouts
