@@ -20,7 +20,7 @@ benchmark reports seed 0.
 
 Writes under --out: cells.csv (one row per unit and layout), report.md.
 Usage: python -m benchmarks.pd_agentic [--jobs 2] [--only-workloads chat-agent]
-       [--only-clusters small] [--duration coding-agent=5000] [--resume]
+       [--only-clusters small] [--duration coding-agent=5000] [--loads 1] [--resume]
 """
 
 from __future__ import annotations
@@ -133,6 +133,8 @@ def pd_agentic(
     only_workloads: Annotated[str, typer.Option()] = ",".join(WORKLOADS),
     only_clusters: Annotated[str, typer.Option()] = ",".join(CLUSTERS),
     seed: Annotated[int, typer.Option(help="workload seed")] = 0,
+    loads: Annotated[str, typer.Option(help="load factors over L*")] = ",".join(
+        f"{f:g}" for f in LOAD_FACTORS),
     slo_scale: Annotated[float, typer.Option()] = 2.0,
     duration: Annotated[str, typer.Option(help=DURATION_HELP)] = "",
     jobs: Annotated[int, typer.Option(help="units simulated at once (processes)")] = 2,
@@ -145,6 +147,7 @@ def pd_agentic(
         clusters = _names(only_clusters, list(CLUSTERS), "cluster")
         durations = _durations(duration, DURATION_S)
         rates = {(c.workload, c.cluster): c for c in read_calibrations(calibration)}
+        factors = [float(f) for f in loads.split(",") if f.strip()]
     except (ValueError, OSError) as e:
         print(f"error: {e}")
         return 2
@@ -166,7 +169,7 @@ def pd_agentic(
                              f"{'no L* in ' + str(calibration) if known is None else known.note})")
                 continue
             tasks += [(workload, cluster, f, known.rate * f, seed, slo_scale, setup)
-                      for f in LOAD_FACTORS if (workload, cluster, f) not in done]
+                      for f in factors if (workload, cluster, f) not in done]
     for rows in in_pool(run_unit, tasks, jobs, "P/D layouts", "unit"):
         append_rows(path, rows, CELL_FIELDS)
     cells = read_rows(path, numeric=("load_factor", "rate", "slo_scale", "model_goodput_rps",
@@ -176,7 +179,8 @@ def pd_agentic(
         "clusters": ", ".join(f"{c} = {CLUSTERS[c].name}" for c in clusters),
         "seed": seed, "slo_scale": slo_scale, "policy": "goodserve (P/D: least-TTFT "
         "prefill, just-enough decode, KV over the cluster's link)",
-        "loads": ", ".join(f"{f:g}" for f in LOAD_FACTORS) + " x L* (agentic matrix)"})
+        "loads": ", ".join(sorted({f"{float(c['load_factor']):g}" for c in cells}, key=float))
+        + " x L* (agentic matrix)"})
     (out / "report.md").write_text(text)
     print(text)
     return 0
