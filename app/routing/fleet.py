@@ -84,7 +84,7 @@ class Replica:
     """One router replica: its policy and watchdog, and what it knows of the engines.
 
     Its view is kept incrementally, as the simulator keeps its own: a report rewrites
-    every row, a placement or a departure one row."""
+    the rows of the engines whose report changed, a placement or a departure one row."""
 
     policy: RoutingPolicy
     watchdog: Watchdog | None
