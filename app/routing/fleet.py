@@ -17,9 +17,10 @@ run it like any other:
   once, replicas follow); a finish reaches the replica that placed the request (its
   policy and its watchdog: the fleet's watchdog learns nothing of its own);
 - each replica's watchdog checks only the requests that replica placed.
-The view a replica routes on is built as the live router builds its own
-(`InstanceTracker.view`): its requests now, plus the others' at its last report, the
-others counting as waiting first when the engine had a queue.
+The view a replica routes on is the engines' state at the decision less what it has
+not seen: the others' requests placed since its last report are taken out (waiting
+first), and those that were there at its report and have left since are kept in (as
+running). One replica alone sees exactly what a single router sees.
 """
 
 from __future__ import annotations
@@ -33,19 +34,19 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from app.engine_types import EngineStatus
-from app.routing.arrays import ViewColumns
+from app.routing.arrays import COLUMNS, ViewArrays
 from app.routing.base import ActiveRequest, Reject, RouteDecision, RoutingPolicy, Watchdog
 from app.routing.budgets import SlackBudgets, budgets_of
 from app.routing.view import (
     ClusterView,
     FinishReport,
     InstanceId,
-    InstanceView,
     RouteRequest,
     StepReport,
 )
 
 DEFAULT_REPORT_INTERVAL_S = 0.1  # the live router's engine poll period
+RUNNING, WAITING = COLUMNS.index("num_running"), COLUMNS.index("num_waiting")
 
 
 class Spread(StrEnum):
@@ -81,24 +82,20 @@ class FleetConfig:
 
 @dataclass
 class Replica:
-    """One router replica: its policy and watchdog, and what it knows of the engines.
+    """One router replica: its policy and watchdog, and what it does not yet know.
 
-    Its view is kept incrementally, as the simulator keeps its own: a report rewrites
-    the rows of the engines whose report changed, a placement or a departure one row."""
+    The engines' reports are the truth at the decision, less what this replica has not
+    seen: the other replicas' requests placed since its last report (`hidden`; with
+    nothing shared, all of the others' requests) and plus those that were there at its
+    report and have left since (`ghosts`)."""
 
     policy: RoutingPolicy
     watchdog: Watchdog | None
     offset_s: float  # its report times are offset_s + n x the interval
     own: Counter[InstanceId] = field(default_factory=Counter)  # its requests per engine
-    placed_since_report: Counter[InstanceId] = field(default_factory=Counter)
-    reported: dict[InstanceId, InstanceView] = field(default_factory=dict)
-    others: dict[InstanceId, tuple[int, int]] = field(default_factory=dict)  # running, waiting
+    hidden: Counter[InstanceId] = field(default_factory=Counter)
+    ghosts: Counter[InstanceId] = field(default_factory=Counter)
     report_index: int = -1
-    _order: tuple[InstanceId, ...] = ()  # the instances of the view kept below
-    _views: list[InstanceView] = field(default_factory=list)
-    _views_index: dict[InstanceId, int] = field(default_factory=dict)
-    _columns: ViewColumns = field(default_factory=ViewColumns)
-    _dirty: set[InstanceId] = field(default_factory=set)
 
     @property
     def listeners(self) -> list[RoutingPolicy | Watchdog]:
@@ -112,68 +109,41 @@ class Replica:
     def budgets(self) -> SlackBudgets | None:
         return budgets_of(self.policy)
 
-    def refresh(self, view: ClusterView, interval_s: float, sharing: Sharing) -> bool:
-        """Take the engines' figures as its report, when a report time has passed
-        (True then)."""
-        index = math.floor((view.time_s - self.offset_s) / interval_s)
+    def refresh(self, now: float, interval_s: float) -> bool:
+        """Its report, when a report time has passed (True then): from now it knows
+        every request the engines hold."""
+        index = math.floor((now - self.offset_s) / interval_s)
         if index <= self.report_index:
             return False
         self.report_index = index
-        self._dirty.update(iid for iid, n in self.placed_since_report.items() if n)
-        self.placed_since_report.clear()
-        for v in view.instances:  # rows change only where the engine's report did
-            iid = v.instance_id
-            if self.reported.get(iid) is v:
-                continue
-            self.reported[iid] = v
-            self._dirty.add(iid)
-            if sharing is Sharing.NOTHING:
-                continue
-            others = max(v.num_outstanding - self.own[iid], 0)
-            waiting = min(others, v.num_waiting)
-            self.others[iid] = (others - waiting, waiting)
+        self.hidden.clear()
+        self.ghosts.clear()
         return True
 
-    def view(self, current: ClusterView) -> ClusterView:
-        """The engines `current` lists, as this replica knows them."""
-        order = (current.columns.ids if current.columns is not None
-                 else tuple(v.instance_id for v in current.instances))
-        if order != self._order:
-            self._order, self._dirty, self._columns = order, set(), ViewColumns()
-            self._views = [self._row(v) for v in current.instances]
-            for i, v in enumerate(self._views):
-                self._columns.set(i, v)
-            self._views_index = {iid: i for i, iid in enumerate(order)}
-        elif self._dirty:
-            for iid in self._dirty:
-                i = self._views_index.get(iid)
-                if i is not None:
-                    self._views[i] = self._row(current.instances[i])
-                    self._columns.set(i, self._views[i])
-            self._dirty.clear()
-        return ClusterView(current.time_s, tuple(self._views), current.prefix_lookup,
+    def view(self, current: ClusterView, unseen: Mapping[InstanceId, int] | None = None
+             ) -> ClusterView:
+        """The engines `current` lists, as this replica knows them; `unseen` (engine ->
+        requests) replaces `hidden` when it knows none of the others' requests."""
+        hidden = self.hidden if unseen is None else unseen
+        changed = {iid for iid, n in hidden.items() if n} | {
+            iid for iid, n in self.ghosts.items() if n}
+        if not changed:
+            return current
+        arrays = current.arrays
+        rows = {iid: i for i, iid in enumerate(arrays.ids) if iid in changed}
+        if not rows:
+            return current
+        views, table = list(current.instances), arrays.table.copy()
+        for iid, i in rows.items():
+            v = views[i]
+            hide = min(hidden.get(iid, 0), v.num_outstanding)
+            waiting = v.num_waiting - min(hide, v.num_waiting)
+            running = v.num_running - (hide - (v.num_waiting - waiting)) + self.ghosts[iid]
+            views[i] = replace(v, num_running=running, num_waiting=waiting)
+            table[i, RUNNING], table[i, WAITING] = running, waiting
+        return ClusterView(current.time_s, tuple(views), current.prefix_lookup,
                            current.kv_capacity_floor_tokens,
-                           self._columns.arrays(), current.prefix_directory)
-
-    def _row(self, current: InstanceView) -> InstanceView:
-        iid = current.instance_id
-        recent = min(self.placed_since_report[iid], self.own[iid])
-        others_running, others_waiting = self.others.get(iid, (0, 0))
-        return replace(self.reported.get(iid, current),
-                       num_running=self.own[iid] - recent + others_running,
-                       num_waiting=recent + others_waiting)
-
-    def placed(self, instance_id: InstanceId) -> None:
-        self.own[instance_id] += 1
-        self.placed_since_report[instance_id] += 1
-        self._dirty.add(instance_id)
-
-    def left(self, instance_id: InstanceId) -> None:
-        if self.own[instance_id] > 0:
-            self.own[instance_id] -= 1
-        if self.placed_since_report[instance_id] > self.own[instance_id]:
-            self.placed_since_report[instance_id] = self.own[instance_id]
-        self._dirty.add(instance_id)
+                           ViewArrays(arrays.ids, table, arrays.rank), current.prefix_directory)
 
 
 class RouterFleet(RoutingPolicy):
@@ -188,6 +158,10 @@ class RouterFleet(RoutingPolicy):
         self.replicas = [Replica(p, w, k * step) for k, (p, w) in enumerate(replicas)]
         self.owner: dict[str, Replica] = {}  # request id -> the replica that placed it
         self.where: dict[str, InstanceId] = {}  # request id -> where it was placed
+        # request id -> each replica's report index when it was placed (hidden from a
+        # replica until that replica's next report)
+        self.placed_at: dict[str, tuple[int, ...]] = {}
+        self.outstanding: Counter[InstanceId] = Counter()  # every replica's, per engine
         self.told: dict[int, dict[InstanceId, float]] = {}  # replica -> its slack per engine
         self._rng = random.Random(seed)
         policies = [p for p, _ in replicas]
@@ -215,20 +189,51 @@ class RouterFleet(RoutingPolicy):
                   now: float) -> RouteDecision:
         """`replica`'s decision (its refresh, view and policy) for `request`."""
         self.refresh(replica, view)
-        decision = replica.policy.choose(request, replica.view(view), now)
+        decision = replica.policy.choose(request, self.view_of(replica, view), now)
         if not isinstance(decision, Reject):
             if request.request_id in self.owner:  # re-routed: it left where it was
-                replica.left(self.where[request.request_id])
-            replica.placed(decision)
+                self._left(request.request_id)
             self.owner[request.request_id] = replica
-            self.where[request.request_id] = decision
+            self._placed(request.request_id, decision)
         return decision
+
+    def view_of(self, replica: Replica, view: ClusterView) -> ClusterView:
+        """The engines as `replica` knows them (`Replica.view`)."""
+        if self.config.sharing is Sharing.NOTHING:
+            return replica.view(view, {iid: n - replica.own[iid]
+                                       for iid, n in self.outstanding.items()})
+        return replica.view(view)
+
+    def _placed(self, request_id: str, instance_id: InstanceId) -> None:
+        owner = self.owner[request_id]
+        self.where[request_id] = instance_id
+        self.placed_at[request_id] = tuple(r.report_index for r in self.replicas)
+        self.outstanding[instance_id] += 1
+        owner.own[instance_id] += 1
+        for r in self.replicas:
+            if r is not owner:
+                r.hidden[instance_id] += 1
+
+    def _left(self, request_id: str) -> None:
+        """The request left its engine: a replica that had not seen it arrive stops
+        hiding it; one that had seen it keeps it as a ghost until its next report."""
+        owner, instance_id = self.owner[request_id], self.where.pop(request_id)
+        placed_at = self.placed_at.pop(request_id)
+        self.outstanding[instance_id] -= 1
+        owner.own[instance_id] -= 1
+        for r, index in zip(self.replicas, placed_at, strict=True):
+            if r is owner:
+                continue
+            if r.report_index == index:
+                r.hidden[instance_id] -= 1
+            else:
+                r.ghosts[instance_id] += 1
 
     def refresh(self, replica: Replica, view: ClusterView) -> None:
         """The replica's report, when one is due: the engines' figures and, sharing
         budgets, the smallest slack per engine it tells the others and takes from
         them (what each told at its own last report)."""
-        if not replica.refresh(view, self.config.report_interval_s, self.config.sharing):
+        if not replica.refresh(view.time_s, self.config.report_interval_s):
             return
         budgets = replica.budgets
         if self.config.sharing is not Sharing.BUDGETS or budgets is None:
@@ -265,16 +270,14 @@ class RouterFleet(RoutingPolicy):
 
     def moved(self, request_id: str, target: InstanceId) -> None:
         """A replica's watchdog moved one of its requests."""
-        replica = self.owner[request_id]
-        replica.left(self.where[request_id])
-        replica.placed(target)
-        self.where[request_id] = target
+        self._left(request_id)
+        self._placed(request_id, target)
 
     def _forget(self, request_id: str) -> Replica | None:
-        replica = self.owner.pop(request_id, None)
-        if replica is not None:
-            replica.left(self.where.pop(request_id))
-        return replica
+        if request_id not in self.owner:
+            return None
+        self._left(request_id)
+        return self.owner.pop(request_id)
 
 
 class FleetWatchdog(Watchdog):
@@ -305,7 +308,7 @@ class FleetWatchdog(Watchdog):
             self.fleet.refresh(replica, view)
             assert replica.watchdog is not None
             for request_id, target in replica.watchdog.check(
-                    instance_id, mine, replica.view(view), now).items():
+                    instance_id, mine, self.fleet.view_of(replica, view), now).items():
                 self.fleet.moved(request_id, target)
                 moves[request_id] = target
         return moves

@@ -130,32 +130,52 @@ def test_a_replica_sees_its_own_placements_at_once_and_the_others_at_its_next_re
     first, second = Recorder(), Recorder()
     router = fleet(first, second, spread=Spread.SESSION)  # reports: 0, 1, 2 s and 0.5, 1.5 s
     to_first, to_second = _session_of(router, 0), _session_of(router, 1)
+    placed = [0]
 
-    def place(rid: str, session: str, now: float, truth: ClusterView) -> None:
-        router.choose(make_request(10.0, rid=rid, session_id=session), truth, now)
+    def place(rid: str, session: str, now: float) -> None:
+        """One request; the engines hold every request placed before it (waiting)."""
+        router.choose(make_request(10.0, rid=rid, session_id=session),
+                      engines(now, a800=(0, placed[0])), now)
+        placed[0] += 1
 
-    for i in range(3):  # the first replica's report at 0 s shows an idle engine
-        place(f"a{i}", to_first, 0.0, engines(0.0))
-    assert counts(first.views[-1]) == (0, 2)  # its own two, placed since its report
-    for i in range(4):  # the second has had no report yet: it knows only its own
-        place(f"b{i}", to_second, 0.2, engines(0.2, a800=(0, 3 + i)))
+    for i in range(3):  # the first replica reports at 0 s: it sees all there is
+        place(f"a{i}", to_first, 0.0)
+    assert counts(first.views[-1]) == (0, 2)
+    for i in range(4):  # the second has not reported yet: the first's three are hidden
+        place(f"b{i}", to_second, 0.2)
     assert counts(second.views[-1]) == (0, 3)
-    # at 0.7 s the second replica's report (0.5 s) shows all 7: the first's 3 count
-    # as waiting first, its own as running once reported
-    place("b-late", to_second, 0.7, engines(0.7, a800=(2, 5)))
-    assert counts(second.views[-1]) == (4, 3)
-    # the first replica's next report is at 1 s: until then it still sees only its own
-    place("a-late", to_first, 0.9, engines(0.9, a800=(3, 5)))
-    assert sum(counts(first.views[-1])) == 3
-    place("a-later", to_first, 1.1, engines(1.1, a800=(4, 5)))
-    assert counts(first.views[-1]) == (4, 5)
+    place("b-late", to_second, 0.7)  # after its report at 0.5 s it sees all 7
+    assert counts(second.views[-1]) == (0, 7)
+    place("a-late", to_first, 0.9)  # the first's next report is at 1 s: 5 still hidden
+    assert counts(first.views[-1]) == (0, 8 - 5)
+    place("a-later", to_first, 1.1)
+    assert counts(first.views[-1]) == (0, 9)
+
+
+def test_a_request_that_left_since_a_replicas_report_stays_in_its_view_until_the_next():
+    first, second = Recorder(), Recorder()
+    router = fleet(first, second, spread=Spread.SESSION)  # reports: 0, 1 s and 0.5, 1.5 s
+    to_first, to_second = _session_of(router, 0), _session_of(router, 1)
+    router.choose(make_request(10.0, rid="p0", session_id=to_first), engines(0.0), 0.0)
+    router.choose(make_request(10.0, rid="x", session_id=to_second), engines(0.6, a800=(1, 0)),
+                  0.6)
+    router.choose(make_request(10.0, rid="p1", session_id=to_first),
+                  engines(1.1, a800=(2, 0)), 1.1)  # its report at 1 s saw p0 and x
+    assert counts(first.views[-1]) == (2, 0)
+    router.on_finish(FinishReport(make_request(10.0, rid="x"), "A800", 5, 0.7, 1.2), 1.2)
+    router.choose(make_request(10.0, rid="p2", session_id=to_first),
+                  engines(1.3, a800=(2, 0)), 1.3)  # x left after its report: still counted
+    assert counts(first.views[-1]) == (3, 0)
+    router.choose(make_request(10.0, rid="p3", session_id=to_first),
+                  engines(2.1, a800=(3, 0)), 2.1)  # its report at 2 s: x is gone
+    assert counts(first.views[-1]) == (3, 0)
 
 
 def test_with_nothing_shared_a_replica_counts_only_its_own_requests():
     first, second = Recorder(), Recorder()
     router = fleet(first, second, sharing=Sharing.NOTHING)
-    for i in range(20):
-        router.choose(make_request(10.0, rid=f"r{i}"), engines(3.0 * i, a800=(10, 30)), 3.0 * i)
+    for i in range(20):  # the engines hold every earlier request, as waiting
+        router.choose(make_request(10.0, rid=f"r{i}"), engines(3.0 * i, a800=(0, i)), 3.0 * i)
     for p in (first, second):
         assert sum(counts(p.views[-1])) == len(p.views) - 1
 
