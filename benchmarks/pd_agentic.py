@@ -140,6 +140,9 @@ def pd_agentic(
     jobs: Annotated[int, typer.Option(help="units simulated at once (processes)")] = 2,
     resume: Annotated[bool, typer.Option(
         "--resume", help="keep --out/cells.csv; run only the units it lacks")] = False,
+    report_only: Annotated[bool, typer.Option(
+        "--report-only", help="rewrite report.md from --out/cells.csv, running nothing")
+    ] = False,
 ) -> int:
     """Plan and simulate every layout per unit; write cells.csv and report.md."""
     try:
@@ -158,19 +161,21 @@ def pd_agentic(
     notes, tasks = [], []
     out.mkdir(parents=True, exist_ok=True)
     path = out / "cells.csv"
-    if not resume:
+    if not (resume or report_only):
         path.unlink(missing_ok=True)
     done = {(c["workload"], c["cluster"], float(c["load_factor"])) for c in read_rows(path)}
     for workload in workloads:
         for cluster in clusters:
             known = rates.get((workload, cluster))
             if known is None or known.rate is None:
+                where = (calibration.relative_to(REPO) if calibration.is_relative_to(REPO)
+                         else calibration)
                 notes.append(f"{workload} on {cluster}: skipped ("
-                             f"{'no L* in ' + str(calibration) if known is None else known.note})")
+                             f"{f'no L* in {where}' if known is None else known.note})")
                 continue
             tasks += [(workload, cluster, f, known.rate * f, seed, slo_scale, setup)
                       for f in factors if (workload, cluster, f) not in done]
-    for rows in in_pool(run_unit, tasks, jobs, "P/D layouts", "unit"):
+    for rows in in_pool(run_unit, [] if report_only else tasks, jobs, "P/D layouts", "unit"):
         append_rows(path, rows, CELL_FIELDS)
     cells = read_rows(path, numeric=("load_factor", "rate", "slo_scale", "model_goodput_rps",
                                      "promised_attainment", "simulated_attainment",
