@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -213,9 +214,9 @@ def test_a_simulated_fleet_serves_every_request():
     pool = [Content(200 + 30 * (i % 9), 40 + 10 * (i % 5), (i,)) for i in range(100)]
     workload = poisson_workload(40.0, 10.0, pool, seed=1)
     from app.config import load_cluster_config
-    from benchmarks.goodput_experiments import REPO
 
-    cluster = load_cluster_config(REPO / "configs" / "paper-4gpu.yaml")
+    cluster = load_cluster_config(Path(__file__).resolve().parents[2] / "configs" /
+                                  "paper-4gpu.yaml")
     for routers in (1, 4):
         stack = build_routing(PolicyKind.GOODSERVE, RoutingOptions(1), FleetConfig(routers))
         result = Simulator.from_config(cluster, stack.policy, watchdog=stack.watchdog,

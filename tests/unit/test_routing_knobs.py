@@ -97,7 +97,8 @@ def test_every_knob_on_the_replay_command_line_reaches_the_simulator(tmp_path, m
     built: list[RoutingStack] = []
     build = app.experiments.replay.build_routing
     monkeypatch.setattr(app.experiments.replay, "build_routing",
-                        lambda kind, options: built.append(build(kind, options)) or built[-1])
+                        lambda kind, options, fleet=None: built.append(
+                            build(kind, options, fleet)) or built[-1])
     trace = tmp_path / "trace.jsonl"
     trace.write_text("\n".join(json.dumps({
         "timestamp": 400 * i, "input_length": 300, "output_length": 20, "hash_ids": [i]})
