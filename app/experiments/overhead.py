@@ -24,6 +24,7 @@ paths it takes in steady state.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import time
@@ -491,9 +492,15 @@ def overhead(
                                f"{SWEEP_RPS}, with and without --predictor"),
     out: Path | None = typer.Option(None, help="--sweep: write overhead.csv, overhead.png"),
     as_json: bool = typer.Option(False, "--json", help="print only the JSON"),
+    collect: bool = typer.Option(True, "--gc/--no-gc", help="--no-gc: Python's collector "
+                                 "off, to see the routing work without the pauses of "
+                                 "collecting this process's heap (the simulated engines' "
+                                 "state and every replica's share it)"),
 ) -> None:
     """The router's cost per routing decision at a given scale and rate (one JSON
     object; with --sweep a list, plus CSV and PNG)."""
+    if not collect:
+        gc.disable()
     try:
         pool = content_pool(prompts)
         factory = moe_factory(predictor) if predictor is not None else None
