@@ -119,31 +119,33 @@ class ControllerActor:
         return version, changes, self.board.others_stalls(replica)
 
     async def _publish_statuses_forever(self) -> None:
+        """Every serving engine's report once per poll period, each engine on its own:
+        one slow to answer (busy, dying) delays nobody else's report."""
+        polls: dict[str, asyncio.Task] = {}
         while True:
-            try:
-                await self._publish_statuses()
-            except Exception:  # a bad round must not end the reports for good
-                logger.exception("status round failed")
+            engines = {e.engine_id for e in self.fleet
+                       if e.state is not EngineState.STARTING and e.engine_id in self.handles}
+            for engine_id in engines:
+                if engine_id not in polls or polls[engine_id].done():
+                    polls[engine_id] = asyncio.ensure_future(self._publish_status(engine_id))
+            for engine_id in set(polls) - engines:
+                polls.pop(engine_id)
+                self.board.forget(engine_id)
             if self._board_ready is not None and not self._board_ready.done():
+                await asyncio.gather(*polls.values())  # a router's first view holds them all
                 self._board_ready.set_result(None)
             await asyncio.sleep(self.config.poll_interval_s)
 
-    async def _publish_statuses(self) -> None:
-        """One status call per engine of the registry; the replies go on the board."""
-        engines = [e.engine_id for e in self.fleet if e.engine_id in self.handles]
-
-        async def one(engine_id: str) -> None:
-            try:
-                status = await asyncio.wait_for(self.handles[engine_id].status.remote(),
-                                                STATUS_TIMEOUT_S)
-            except Exception as exc:
-                logger.warning("engine %s did not report: %s", engine_id, exc)
-                status = None
+    async def _publish_status(self, engine_id: str) -> None:
+        """One status call; the reply (None: no answer in time) goes on the board."""
+        try:
+            status = await asyncio.wait_for(self.handles[engine_id].status.remote(),
+                                            STATUS_TIMEOUT_S)
+        except Exception as exc:
+            logger.warning("engine %s did not report: %s", engine_id, exc)
+            status = None
+        if engine_id in self.handles:  # not stopped meanwhile
             self.board.publish(engine_id, status)
-
-        await asyncio.gather(*map(one, engines))
-        for engine_id in set(self.board.changes(0)[1]) - set(engines):
-            self.board.forget(engine_id)
 
     async def router_load(self, replica: str, in_flight: int) -> None:
         """A router replica's requests in flight (sent with every registry poll)."""
