@@ -33,7 +33,7 @@ from typing import Annotated
 import typer
 
 from app.config import load_cluster_config
-from app.experiments.plan_check import check_layouts, plan_for, whole_kind_layouts
+from app.experiments.plan_check import check_layouts, layouts_to_simulate, plan_for
 from app.routing.registry import RoutingOptions
 from benchmarks.agentic import (
     CLUSTERS,
@@ -52,7 +52,6 @@ from benchmarks.cli import run_command
 from benchmarks.goodput_experiments import REPO
 from benchmarks.matrix_io import append_rows, read_rows
 
-MAX_SIMULATED_SPLITS = 64  # above this, whole-kind splits and SARA's pick are simulated
 DURATION_S = {"mooncake": 500.0, "coding-agent": 5000.0, "chat-agent": 500.0}
 CELL_FIELDS = ("workload", "cluster", "load_factor", "rate", "window_s", "seed", "slo_scale",
                "layout",
@@ -69,11 +68,7 @@ def run_unit(workload: str, cluster: str, load_factor: float, rate: float, seed:
     config = load_cluster_config(CLUSTERS[cluster])
     work = make_workload(workload, config, rate, seed, setup)
     plan = plan_for(config, work, scale)
-    if len(plan.estimates) - 1 <= MAX_SIMULATED_SPLITS:
-        layouts = [e.layout for e in plan.estimates]
-    else:
-        layouts = whole_kind_layouts(plan) + [plan.recommended.layout]
-    checks = check_layouts(config, work, scale, plan, layouts, seed,
+    checks = check_layouts(config, work, scale, plan, layouts_to_simulate(plan), seed,
                            routing=RoutingOptions(seed), top=0)
     return [{"workload": workload, "cluster": cluster, "load_factor": load_factor,
              "rate": rate, "window_s": setup.duration_s(workload), "seed": seed,

@@ -76,6 +76,14 @@ def with_layout(cluster: ClusterConfig, layout: Layout) -> ClusterConfig:
     })
 
 
+def layouts_to_simulate(plan: ClusterPlan) -> list[Layout]:
+    """Every layout, or above `MAX_SIMULATED` of them the whole-kind ones and the
+    recommended one."""
+    if len(plan.estimates) <= MAX_SIMULATED:
+        return [e.layout for e in plan.estimates]
+    return whole_kind_layouts(plan) + [plan.recommended.layout]
+
+
 def whole_kind_layouts(plan: ClusterPlan) -> list[Layout]:
     """Unified and every split where each kind prefills or decodes as a whole: the
     layouts worth simulating when there are too many splits to simulate them all."""
@@ -203,8 +211,7 @@ def plan_cluster_command(
         raise cli_error(str(error)) from None
     layouts = None
     if verify:
-        layouts = ([e.layout for e in plan.estimates] if len(plan.estimates) <= MAX_SIMULATED
-                   else whole_kind_layouts(plan) + [plan.recommended.layout])
+        layouts = layouts_to_simulate(plan)
     checks = check_layouts(config, workload, slo_scale, plan, layouts, seed,
                            reference_gpu=slo_reference_gpu, progress=verify and not json_out)
     rate_rps = observed(workload).rate_rps

@@ -161,7 +161,7 @@ def test_observed_moments_count_an_agent_steps_appended_tokens_as_uncached():
 
 
 def test_whole_kind_layouts_give_each_gpu_kind_one_role():
-    from app.experiments.plan_check import whole_kind_layouts
+    from app.experiments.plan_check import layouts_to_simulate, whole_kind_layouts
 
     sixteen = {EngineKind("H800"): 4, EngineKind("A800"): 4, EngineKind("A40"): 4,
                EngineKind("V100", 2): 4}
@@ -172,3 +172,6 @@ def test_whole_kind_layouts_give_each_gpu_kind_one_role():
     for layout in layouts[1:]:
         assert all(n == 4 for _, n in layout.prefill)
     assert Layout((("A40", 4), ("H800", 4))) in layouts
+    assert layouts_to_simulate(plan) == layouts + [plan.recommended.layout]
+    four = plan_cluster(PAPER, LLAMA, CHAT, A800, 2.0, 25.0, shares=(0.5,))
+    assert layouts_to_simulate(four) == [e.layout for e in four.estimates]  # all 15
