@@ -26,9 +26,8 @@ from dataclasses import dataclass
 
 from app.hardware import InstanceSpec
 from app.planning.allocator import LengthMoments
-from app.planning.decode import DecodeStage
 from app.planning.kv import KvStage
-from app.planning.params import DeviceParams, ModelParams, SloTargets
+from app.planning.params import ModelParams, SloTargets
 from app.planning.prefill import PrefillStage
 from app.planning.queues import Method, MgkQueue
 from app.planning.split import (
@@ -36,9 +35,12 @@ from app.planning.split import (
     MAX_SPLITS,
     EngineCapacity,
     EngineKind,
+    decode_stage,
     engine_capacity,
     kv_capacity,
     prefill_counts,
+    prefill_stage,
+    split_stages,
     stage_slos,
 )
 
@@ -139,13 +141,7 @@ def plan_cluster(
         kv_rps = math.inf if kv_link_gbps is None else kv_capacity(model, workload, slo,
                                                                    kv_link_gbps, method)
         for chosen in prefill_counts(counts):
-            stages = {
-                "prefill": sum(c.prefill_rps * p for c, p in zip(capacities, chosen,
-                                                                 strict=True)),
-                "kv": kv_rps,
-                "decode": sum(c.decode_rps * (n - p) for c, n, p in zip(capacities, counts,
-                                                                        chosen, strict=True)),
-            }
+            stages = split_stages(capacities, counts, chosen, kv_rps)
             binding = min(stages, key=stages.__getitem__)
             layout = Layout(tuple((k.name, p) for k, p in zip(kinds, chosen, strict=True) if p))
             offer(LayoutEstimate(layout, stages[binding], binding, share, slo, capacities),
@@ -182,7 +178,7 @@ def promised_attainment(
     decode = [(k, n - layout.prefill_count(k)) for k, n in plan.inventory
               if n > layout.prefill_count(k)]
     weights = _shares([n * capacity[k].prefill_rps for k, n in prefill], [n for _, n in prefill])
-    ttft = sum(w * _ttft_cdf(_prefill(model, workload, kind), rate_rps * w / n, slo.ttft_s,
+    ttft = sum(w * _ttft_cdf(prefill_stage(kind, model, workload), rate_rps * w / n, slo.ttft_s,
                              method)
                for (kind, n), w in zip(prefill, weights, strict=True) if w > 0)
     kv = 1.0
@@ -210,10 +206,6 @@ def _shares(capacities: Sequence[float], engines: Sequence[int]) -> list[float]:
     return [n / sum(engines) for n in engines]
 
 
-def _prefill(model: ModelParams, workload: LengthMoments, kind: EngineKind) -> PrefillStage:
-    return PrefillStage(model, DeviceParams.named(kind.gpu, kind.tp), workload.prefill_len)
-
-
 def _ttft_cdf(stage: PrefillStage, rate_rps: float, ttft_s: float, method: Method,
               slowdown: float = 1.0) -> float:
     """P(TTFT <= ttft_s) for one engine at `rate_rps`, its service `slowdown` x longer."""
@@ -223,16 +215,11 @@ def _ttft_cdf(stage: PrefillStage, rate_rps: float, ttft_s: float, method: Metho
     return MgkQueue(rate_rps, 1, service).sojourn_cdf(ttft_s, method)
 
 
-def _decode(model: ModelParams, workload: LengthMoments, kind: EngineKind) -> DecodeStage:
-    return DecodeStage(model, DeviceParams.named(kind.gpu), workload.input_len,
-                       workload.mean_output_len)
-
-
 def _tpot_cdf(kind: EngineKind, model: ModelParams, workload: LengthMoments, rate_rps: float,
               tpot_s: float, slo: SloTargets, method: Method) -> float:
     """P(TPOT <= tpot_s) for one engine at `rate_rps`, running at most its scheduler's
     cap (else what its memory holds with probability p_mem) at once."""
-    stage = _decode(model, workload, kind)
+    stage = decode_stage(kind, model, workload)
     cap = kind.max_num_seqs or max(1, stage.max_batch_memory(kind.tp, slo.p_mem, method))
     return stage.tpot_cdf(kind.tp, cap, tpot_s, rate_rps, method)
 
@@ -241,7 +228,7 @@ def _unified_attainment(kind: EngineKind, model: ModelParams, workload: LengthMo
                         slo: SloTargets, rate_rps: float, capacity: EngineCapacity,
                         method: Method) -> float:
     """One unified engine at `rate_rps`: each stage slowed by the other's share of it."""
-    prefill = _prefill(model, workload, kind)
+    prefill = prefill_stage(kind, model, workload)
     prefill_busy = rate_rps * prefill.service.mean
     decode_busy = rate_rps / capacity.decode_rps if capacity.decode_rps > 0 else math.inf
     if prefill_busy >= 1 or decode_busy >= 1:

@@ -25,11 +25,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from app.planning.allocator import LengthMoments
-from app.planning.params import DeviceParams, ModelParams, SloTargets
+from app.planning.params import ModelParams, SloTargets
 from app.planning.prefill import PrefillStage
 from app.planning.queues import Method
 from app.planning.search import first_true, max_feasible_rate
-from app.planning.split import EngineCapacity, EngineKind, engine_capacity, split_inventory
+from app.planning.split import (
+    EngineCapacity,
+    EngineKind,
+    engine_capacity,
+    prefill_stage,
+    split_inventory,
+)
 
 PREFILL, DECODE, UNIFIED = "prefill", "decode", "unified"
 BUDGET_RATE_RTOL = 1e-3
@@ -113,8 +119,7 @@ class InventorySizer:
         return self._capacity[kind]
 
     def _prefill_stage(self, kind: EngineKind) -> PrefillStage:
-        return PrefillStage(self.model, DeviceParams.named(kind.gpu, kind.tp),
-                            self.workload.prefill_len)
+        return prefill_stage(kind, self.model, self.workload)
 
     def rate_of(self, role: str, kind: EngineKind, engines: int) -> float:
         """Largest rate `engines` engines of `kind` carry in `role` within the SLOs."""

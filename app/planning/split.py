@@ -121,20 +121,43 @@ def stage_slos(
                       tpot_s=tpot_s + (1 - prefill_share) * slack / num_later, p_slo=p_slo)
 
 
+def prefill_stage(kind: EngineKind, model: ModelParams, workload: LengthMoments
+                  ) -> PrefillStage:
+    """One engine of `kind` prefilling: its `tp` devices, the uncached prompt lengths."""
+    return PrefillStage(model, DeviceParams.named(kind.gpu, kind.tp), workload.prefill_len)
+
+
+def decode_stage(kind: EngineKind, model: ModelParams, workload: LengthMoments) -> DecodeStage:
+    """An engine of `kind` decoding (per device; the stage takes `tp` devices per call)."""
+    return DecodeStage(model, DeviceParams.named(kind.gpu), workload.input_len,
+                       workload.mean_output_len)
+
+
+def split_stages(capacities: Sequence[EngineCapacity], counts: Sequence[int],
+                 chosen: Sequence[int], kv_rps: float) -> dict[str, float]:
+    """Capacity of each stage of the split where `chosen[i]` of `counts[i]` engines of
+    `capacities[i]`'s kind prefill and the rest decode."""
+    return {
+        "prefill": sum(c.prefill_rps * p for c, p in zip(capacities, chosen, strict=True)),
+        "kv": kv_rps,
+        "decode": sum(c.decode_rps * (n - p)
+                      for c, n, p in zip(capacities, counts, chosen, strict=True)),
+    }
+
+
 def engine_capacity(
     kind: EngineKind, model: ModelParams, workload: LengthMoments, slo: SloTargets,
     method: Method = Method.REFINED,
 ) -> EngineCapacity:
     """Per-stage capacity of one engine (0 where the SLO is out of reach even unloaded)."""
-    prefill = PrefillStage(model, DeviceParams.named(kind.gpu, kind.tp), workload.prefill_len)
+    prefill = prefill_stage(kind, model, workload)
     prefill_rps = 0.0
     if prefill.service.cdf(slo.ttft_s) >= slo.p_slo:
         prefill_rps = max_feasible_rate(
             lambda rate: prefill.meets_slo(rate, 1, slo.ttft_s, slo.p_slo, method),
             1.0 / prefill.service.mean,
         )
-    decode = DecodeStage(model, DeviceParams.named(kind.gpu), workload.input_len,
-                         workload.mean_output_len)
+    decode = decode_stage(kind, model, workload)
     decode_rps = 0.0
     if kind.tp * decode.device.hbm_capacity_bytes > model.weight_bytes:
         caps: dict[int, tuple[int, int | None]] = {}
@@ -202,10 +225,8 @@ def split_inventory(
                                                                kv_link_gbps, method)
     best: tuple[tuple[float, float, float], PoolSplit] | None = None
     for chosen in prefill_counts(counts):
-        prefill_rps = sum(c.prefill_rps * p for c, p in zip(capacities, chosen, strict=True))
-        decode_rps = sum(c.decode_rps * (n - p) for c, n, p in zip(capacities, counts, chosen,
-                                                                  strict=True))
-        stages = {"prefill": prefill_rps, "kv": kv_rps, "decode": decode_rps}
+        stages = split_stages(capacities, counts, chosen, kv_rps)
+        prefill_rps, decode_rps = stages["prefill"], stages["decode"]
         binding = min(stages, key=stages.__getitem__)
         rank = (stages[binding], min(prefill_rps, decode_rps), prefill_rps + decode_rps)
         if best is None or rank > best[0]:
