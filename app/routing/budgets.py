@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -111,3 +111,13 @@ def budgets_of(policy: object) -> SlackBudgets | None:
     replicas tell each other."""
     budgets = getattr(policy, "budgets", None)
     return budgets if isinstance(budgets, SlackBudgets) else None
+
+
+def smallest_stalls(told: Iterable[Mapping[InstanceId, float]]) -> dict[InstanceId, float]:
+    """Per instance, the smallest of the slacks other replicas told
+    (`own_shortest_stalls`): what a replica takes with `take_others`."""
+    out: dict[InstanceId, float] = {}
+    for stalls in told:
+        for iid, stall in stalls.items():
+            out[iid] = min(stall, out.get(iid, math.inf))
+    return out

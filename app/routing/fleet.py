@@ -7,9 +7,9 @@ watchdog) and sees the other replicas' placements only through what the engines 
 run it like any other:
 - a request goes to one replica, at random (Serve's proxy) or by a hash of its session
   (a session-affine load balancer; lone requests at random);
-- a replica sees its own placements at once; the engines' queues as they were at its
-  last report, every `report_interval_s` (the replicas' report times are staggered);
-  with `Sharing.NOTHING` it never sees them and counts only its own requests;
+- a replica sees its own placements at once and the other replicas' at its next
+  report, every `report_interval_s` (the replicas' report times are staggered); with
+  `Sharing.NOTHING` it never sees them and counts only its own requests;
 - with `Sharing.BUDGETS` a replica also tells the others, at each of its reports, the
   smallest slack its requests have on each engine (GoodServe's do-no-harm budgets), and
   takes theirs: a replica then does not stall another's admitted requests;
@@ -36,7 +36,7 @@ from enum import StrEnum
 from app.engine_types import EngineStatus
 from app.routing.arrays import COLUMNS, ViewArrays
 from app.routing.base import ActiveRequest, Reject, RouteDecision, RoutingPolicy, Watchdog
-from app.routing.budgets import SlackBudgets, budgets_of
+from app.routing.budgets import SlackBudgets, budgets_of, smallest_stalls
 from app.routing.view import (
     ClusterView,
     FinishReport,
@@ -239,12 +239,8 @@ class RouterFleet(RoutingPolicy):
         if self.config.sharing is not Sharing.BUDGETS or budgets is None:
             return
         self.told[id(replica)] = budgets.own_shortest_stalls()
-        others: dict[InstanceId, float] = {}
-        for key, stalls in self.told.items():
-            if key != id(replica):
-                for iid, stall in stalls.items():
-                    others[iid] = min(stall, others.get(iid, math.inf))
-        budgets.take_others(others)
+        budgets.take_others(smallest_stalls(
+            stalls for key, stalls in self.told.items() if key != id(replica)))
 
     def on_step(self, instance_id: InstanceId, report: StepReport, now: float) -> None:
         for replica in self.replicas:

@@ -10,11 +10,11 @@ as None (the replicas take it out of rotation until it reports again).
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import Mapping
 
 from app.engine_types import EngineStatus
+from app.routing.budgets import smallest_stalls
 
 StatusChanges = Mapping[str, EngineStatus | None]  # engine id -> its report, None: unreachable
 
@@ -51,13 +51,8 @@ class StatusBoard:
     def others_stalls(self, replica: str | None) -> dict[str, float]:
         """Per engine, the smallest slack the other fresh replicas told."""
         fresh_from = time.monotonic() - TOLD_FRESH_S
-        out: dict[str, float] = {}
-        for name, (stalls, at) in self._told.items():
-            if name == replica or at < fresh_from:
-                continue
-            for engine_id, stall in stalls.items():
-                out[engine_id] = min(stall, out.get(engine_id, math.inf))
-        return out
+        return smallest_stalls(stalls for name, (stalls, at) in self._told.items()
+                               if name != replica and at >= fresh_from)
 
     def publish(self, engine_id: str, status: EngineStatus | None) -> None:
         self.version += 1
