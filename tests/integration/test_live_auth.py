@@ -16,15 +16,19 @@ from tests.conftest import serving
 
 pytestmark = pytest.mark.integration
 
-USER, ADMIN, LIMITED = "sk-user-7f3a9c2e51", "sk-admin-0b8d4e6a17", "sk-limited-5c1e9a"
-OTHER = "sk-other-3d9b27"  # only the rate test uses these two: each starts a full bucket
+# Each test has its own keys, so each starts with full buckets in any order (the tests
+# run shuffled and the rate limit is per key).
+USER, ADMIN = "sk-user-7f3a9c2e51", "sk-admin-0b8d4e6a17"  # the routes test
+LIMITED, OTHER = "sk-limited-5c1e9a", "sk-other-3d9b27"  # the rate test
+LOG_USER, LOG_ADMIN = "sk-loguser-8e2f41", "sk-logadmin-6a0c93"  # the log test
+SECRETS = (USER, ADMIN, LIMITED, OTHER, LOG_USER, LOG_ADMIN, "sk-wrong-but-secret")
 
 
 @pytest.fixture(scope="module")
 def auth_url(ray_session, tmp_path_factory):
     directory = tmp_path_factory.mktemp("keys")
-    (directory / "users").write_text(f"{USER}\n{LIMITED}\n{OTHER}\n")
-    (directory / "admins").write_text(f"# operators\n{ADMIN}\n")
+    (directory / "users").write_text(f"{USER}\n{LIMITED}\n{OTHER}\n{LOG_USER}\n")
+    (directory / "admins").write_text(f"# operators\n{ADMIN}\n{LOG_ADMIN}\n")
     auth = AuthConfig(keys_file=str(directory / "users"),
                       admin_keys_file=str(directory / "admins"),
                       rate_limit_rps=0.5, rate_limit_burst=3)
@@ -73,12 +77,14 @@ def test_each_key_has_its_own_rate_and_a_429_says_when_to_retry(auth_url):
 
 
 def test_no_key_appears_in_the_session_logs(auth_url, ray_session):
-    """Every key is sent here first (the test may run before the others), and the scan
-    must find the requests' own log lines, so it reads the logs they went to."""
-    call(auth_url, "POST", "/v1/completions", USER)
-    call(auth_url, "GET", "/v1/instances", ADMIN)
-    for key in (LIMITED, OTHER):
-        call(auth_url, "GET", "/v1/models", key)
+    """Its own keys go through every outcome here (admitted, admin, refused for the
+    rate, invalid), and the scan must find the requests' own log lines, so it reads the
+    logs they went to; the other tests' keys are scanned for too, in whatever order the
+    tests ran."""
+    assert call(auth_url, "POST", "/v1/completions", LOG_USER).status_code == 200
+    assert call(auth_url, "GET", "/v1/instances", LOG_ADMIN).status_code == 200
+    codes = [call(auth_url, "GET", "/v1/models", LOG_USER).status_code for _ in range(4)]
+    assert 429 in codes
     call(auth_url, "POST", "/v1/completions", "sk-wrong-but-secret")
     logs = Path(ray_session._private.worker.global_worker.node.get_logs_dir_path())
     deadline_s = time.monotonic() + 30
@@ -90,5 +96,5 @@ def test_no_key_appears_in_the_session_logs(auth_url, ray_session):
         assert time.monotonic() < deadline_s, "no log line of the requests was found"
         time.sleep(0.5)
     for path, text in texts.items():
-        for secret in (USER, ADMIN, LIMITED, OTHER, "sk-wrong-but-secret"):
+        for secret in SECRETS:
             assert secret not in text, f"{secret} in {path}"
