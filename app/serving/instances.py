@@ -212,10 +212,14 @@ class InstanceTracker:
             if (not inst.healthy or inst.status is None or iid in exclude or inst.draining
                     or inst.client.config.role != role):
                 continue
-            views.append(replace(inst.reported_view(),
-                                 num_running=self.load.running(iid) + inst.others_running,
+            views.append(replace(inst.reported_view(), num_running=self.num_running(iid),
                                  num_waiting=self.load.waiting(iid) + inst.others_waiting))
         return ClusterView(now, tuple(views), self.prefix_blocks)
+
+    def num_running(self, instance_id: InstanceId) -> int:
+        """Requests running on the instance: this router's own, now, and the other
+        replicas' at the last poll."""
+        return self.load.running(instance_id) + self.instances[instance_id].others_running
 
     def prefix_blocks(self, instance_id: InstanceId, hashes: Sequence[int]) -> int:
         """Leading prompt blocks the router has sent the instance (and not yet aged out)."""

@@ -490,7 +490,9 @@ class LiveRouter:
                      * PREFIX_BLOCK_SIZE, flight.route.num_prompt_tokens)
         link = None if self.kv_transport is None else self.kv_transport.link
         plan = plan_move(inst.spec, context, cached, link, now,
-                         num_loadable_tokens=loadable, rule=self.move_rule)
+                         num_loadable_tokens=loadable,
+                         num_running_on_target=self.tracker.num_running(target),
+                         rule=self.move_rule)
         if link is not None and plan.path is MovePath.KV:
             link.enqueue(now, plan.num_kv_bytes)
         self.metrics.migrated(reason, plan.path)

@@ -394,7 +394,8 @@ class SimCluster:
         cached = min(target.core.prefix_cache.peek(work.block_hashes) * work.hash_block_size,
                      work.num_prompt_tokens)
         plan = plan_move(target.spec, context, cached, self.link, now,
-                         num_loadable_tokens=context, rule=self.move_rule)
+                         num_loadable_tokens=context,
+                         num_running_on_target=len(target.core.running), rule=self.move_rule)
         src.core.abort_request(request_id)
         pool.mark_dirty(src)
         record = flight.record

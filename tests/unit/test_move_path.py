@@ -8,7 +8,7 @@ import pytest
 
 from app.hardware import make_instance
 from app.kv_link import KvLink
-from app.routing.move_path import MovePath, MoveRule, plan_move, recompute_s
+from app.routing.move_path import MovePath, MoveRule, batch_stall_s, plan_move, recompute_s
 
 pytestmark = pytest.mark.unit
 
@@ -74,8 +74,32 @@ def test_kv_must_save_a_whole_iteration_of_the_target():
     assert plan(2_048, gbps=50.0).path is MovePath.KV
 
 
+def test_a_recompute_is_charged_with_the_stall_it_puts_on_the_running_batch():
+    """A 4k context over a link slow enough that loading is the slower path for the
+    moved request alone: on an idle target it recomputes; with 32 requests running,
+    each of which would wait for the prefill, the load (which stalls none) wins."""
+    step_s = H800.decode_time_per_token_s(4_000)
+    alone = plan(4_000, gbps=1.5)
+    assert alone.kv_s is not None and alone.kv_s > alone.token_ids_s
+    assert alone.path is MovePath.TOKEN_IDS and alone.token_ids_stall_s == 0.0
+    busy = plan(4_000, gbps=1.5, num_running_on_target=32)
+    assert busy.token_ids_stall_s == pytest.approx(32 * (busy.token_ids_s - step_s))
+    assert busy.kv_stall_s == 0.0  # the whole context loads: nothing left to compute
+    assert busy.path is MovePath.KV
+    assert busy.estimate_s == busy.kv_s  # the request's own time, not the batch's
+
+
+def test_a_prefill_within_one_iteration_stalls_nobody():
+    assert batch_stall_s(0.010, 0.012, 64) == 0.0
+    assert batch_stall_s(0.030, 0.010, 4) == pytest.approx(0.080)
+    short = plan(62, num_running_on_target=64)  # a chat prompt: about one H800 step
+    assert short.token_ids_stall_s < 64 * 0.001
+
+
 def test_token_counts_outside_the_context_are_an_error():
     with pytest.raises(ValueError, match="cached tokens 101 outside"):
         plan(100, cached=101)
     with pytest.raises(ValueError, match="loadable tokens 101 outside"):
         plan(100, loadable=101)
+    with pytest.raises(ValueError, match="running requests -1"):
+        plan(100, num_running_on_target=-1)
