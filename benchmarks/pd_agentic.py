@@ -21,19 +21,25 @@ benchmark reports seed 0.
 Writes under --out: cells.csv (one row per unit and layout), report.md.
 Usage: python -m benchmarks.pd_agentic [--jobs 2] [--only-workloads chat-agent]
        [--only-clusters small] [--duration coding-agent=5000] [--loads 1] [--resume]
+       [--rescore]
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import asdict
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from app.config import load_cluster_config
-from app.experiments.plan_check import check_layouts, layouts_to_simulate, plan_for
+from app.experiments.plan_check import (
+    LayoutCheck,
+    check_layouts,
+    layouts_to_simulate,
+    plan_for,
+)
 from app.routing.registry import RoutingOptions
 from benchmarks.agentic import (
     CLUSTERS,
@@ -63,13 +69,19 @@ PROMISE_TOLERANCE = 0.03  # promised against simulated attainment
 
 
 def run_unit(workload: str, cluster: str, load_factor: float, rate: float, seed: int,
-             scale: float, setup: MatrixSetup) -> list[dict]:
-    """Plan and simulate every chosen layout of one (workload, cluster, load)."""
+             scale: float, setup: MatrixSetup,
+             measured: Mapping[str, LayoutCheck] | None = None) -> list[dict]:
+    """Plan and simulate every chosen layout of one (workload, cluster, load); layouts
+    in `measured` keep their simulation, and with it given every one of them is kept."""
     config = load_cluster_config(CLUSTERS[cluster])
     work = make_workload(workload, config, rate, seed, setup)
     plan = plan_for(config, work, scale)
-    checks = check_layouts(config, work, scale, plan, layouts_to_simulate(plan), seed,
-                           routing=RoutingOptions(seed), top=0)
+    layouts = layouts_to_simulate(plan)
+    if measured:
+        labels = {layout.label for layout in layouts} | set(measured)
+        layouts = [e.layout for e in plan.estimates if e.layout.label in labels]
+    checks = check_layouts(config, work, scale, plan, layouts, seed,
+                           routing=RoutingOptions(seed), top=0, measured=measured)
     return [{"workload": workload, "cluster": cluster, "load_factor": load_factor,
              "rate": rate, "window_s": setup.duration_s(workload), "seed": seed,
              "slo_scale": scale, **asdict(c)}
@@ -138,6 +150,9 @@ def pd_agentic(
     report_only: Annotated[bool, typer.Option(
         "--report-only", help="rewrite report.md from --out/cells.csv, running nothing")
     ] = False,
+    rescore: Annotated[bool, typer.Option(
+        "--rescore", help="score --out/cells.csv's units again with the current model, "
+        "keeping their simulations (simulating only a pick they lack)")] = False,
 ) -> int:
     """Plan and simulate every layout per unit; write cells.csv and report.md."""
     try:
@@ -156,6 +171,9 @@ def pd_agentic(
     notes, tasks = [], []
     out.mkdir(parents=True, exist_ok=True)
     path = out / "cells.csv"
+    measured = _measured(read_rows(path)) if rescore else {}
+    windows = {(c["workload"], c["cluster"], float(c["load_factor"])): float(c["window_s"])
+               for c in read_rows(path)} if rescore else {}
     if not (resume or report_only):
         path.unlink(missing_ok=True)
     done = {(c["workload"], c["cluster"], float(c["load_factor"])) for c in read_rows(path)}
@@ -168,8 +186,15 @@ def pd_agentic(
                 notes.append(f"{workload} on {cluster}: skipped ("
                              f"{f'no L* in {where}' if known is None else known.note})")
                 continue
-            tasks += [(workload, cluster, f, known.rate * f, seed, slo_scale, setup)
-                      for f in factors if (workload, cluster, f) not in done]
+            for f in factors:
+                unit = (workload, cluster, f)
+                if unit in done or (rescore and unit not in measured):
+                    continue
+                # a rescored unit keeps the window it was simulated over
+                window = windows.get(unit, durations[workload])
+                tasks.append((*unit, known.rate * f, seed, slo_scale,
+                              replace(setup, durations_s={**durations, workload: window}),
+                              measured.get(unit)))
     for rows in in_pool(run_unit, [] if report_only else tasks, jobs, "P/D layouts", "unit"):
         append_rows(path, rows, CELL_FIELDS)
     cells = read_rows(path, numeric=("load_factor", "rate", "slo_scale", "model_goodput_rps",
@@ -184,6 +209,18 @@ def pd_agentic(
     (out / "report.md").write_text(text)
     print(text)
     return 0
+
+
+def _measured(cells: Sequence[dict]) -> dict[tuple[str, str, float], dict[str, LayoutCheck]]:
+    """Each unit's simulated layouts, by label."""
+    units: dict[tuple[str, str, float], dict[str, LayoutCheck]] = {}
+    for c in cells:
+        unit = units.setdefault((c["workload"], c["cluster"], float(c["load_factor"])), {})
+        unit[c["layout"]] = LayoutCheck(
+            c["layout"], c["mode"], False, 0.0, "", None, 0.0, requests=int(c["requests"]),
+            met=int(c["met"]), simulated_attainment=float(c["simulated_attainment"]),
+            simulated_goodput_rps=float(c["simulated_goodput_rps"]))
+    return units
 
 
 def main(argv: list[str] | None = None) -> int:

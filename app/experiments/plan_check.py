@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Annotated
 
@@ -123,9 +123,12 @@ def check_layouts(cluster: ClusterConfig, workload: Workload, scale: float, plan
                   layouts: Sequence[Layout] | None, seed: int,
                   routing: RoutingOptions | None = None,
                   reference_gpu: str = DEFAULT_REFERENCE_GPU, top: int = SHOWN,
-                  progress: bool = False) -> list[LayoutCheck]:
+                  progress: bool = False,
+                  measured: Mapping[str, LayoutCheck] | None = None) -> list[LayoutCheck]:
     """The `top` best estimates of `plan`, unified and the `layouts`, each with its
-    promise at the workload's rate; the `layouts` also simulated under GoodServe."""
+    promise at the workload's rate; the `layouts` also simulated under GoodServe, or
+    their simulation taken from `measured` (by label: the simulator does not read the
+    plan, so a changed model is rescored on the same runs)."""
     model = ModelParams.named(cluster_model(cluster))
     moments = observed(workload)
     simulate = set(layouts or ())
@@ -135,16 +138,20 @@ def check_layouts(cluster: ClusterConfig, workload: Workload, scale: float, plan
     for estimate in tqdm(shown, desc="layouts", disable=not progress):
         check = _modelled(plan, estimate, model, moments.workload, moments.rate_rps,
                           cluster.kv_link_gbps)
-        if estimate.layout in simulate:
+        known = (measured or {}).get(estimate.layout.label)
+        if estimate.layout in simulate and known is not None:
+            check = replace(check, requests=known.requests, met=known.met,
+                            simulated_attainment=known.simulated_attainment,
+                            simulated_goodput_rps=known.simulated_goodput_rps)
+        elif estimate.layout in simulate:
             spec = ReplaySpec(with_layout(cluster, estimate.layout), (PolicyKind.GOODSERVE,),
                               (scale,), seed=seed, reference_gpu=reference_gpu,
                               routing=routing or RoutingOptions(seed))
             (cell,) = run_replay(spec, workload)
             summary = cell.summary
-            check = LayoutCheck(**{**asdict(check), "requests": summary["requests"],
-                                   "met": summary["met"],
-                                   "simulated_attainment": summary["met"] / summary["requests"],
-                                   "simulated_goodput_rps": summary["goodput_rps"]})
+            check = replace(check, requests=summary["requests"], met=summary["met"],
+                            simulated_attainment=summary["met"] / summary["requests"],
+                            simulated_goodput_rps=summary["goodput_rps"])
         checks.append(check)
     return checks
 

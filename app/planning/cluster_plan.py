@@ -3,9 +3,9 @@
 `split_inventory` answers which engines should prefill and which decode at fixed stage
 targets. A platform with a fixed cluster asks more: unified or disaggregated, which
 split, and what share of requests will meet their deadlines at the rate it expects.
-- Every layout is scored: unified (each engine time-shares the stages, carrying
-  1 / (1 / r_prefill + 1 / r_decode), as `InventorySizer` models it) and every
-  prefill/decode split (the smallest of prefill, KV and decode capacity).
+- Every layout is scored: unified (each engine's largest rate meeting both stage
+  targets as it runs them together, below) and every prefill/decode split (the
+  smallest of prefill, KV and decode capacity).
 - The stage targets split each deadline's slack between the first token and the later
   ones (`stage_slos`); a layout is scored at the share that serves it best, since the
   deadline only counts the whole. Targets from the proportional split alone made the
@@ -13,9 +13,15 @@ split, and what share of requests will meet their deadlines at the rate it expec
   short prompt almost none of the slack it may use.
 - The promise at a rate is the model's probability that a request meets its stage
   targets: for P/D, P(TTFT) x P(KV) x P(TPOT), each stage's engines taking traffic in
-  proportion to their modelled capacity; for unified, per engine, P(TTFT) with the
-  prefill slowed by decode's share of the engine and P(TPOT) with the decode slowed by
-  prefill's.
+  proportion to their modelled capacity; for unified, per engine, P(TTFT) x P(TPOT)
+  as it runs both stages.
+- A unified engine schedules chunked prefill: each iteration carries a prompt chunk
+  and every running request's next token, and the chunk's compute hides the decode
+  tokens' weight reads. So the prefill queue is the prefill stage's own, and decode
+  steps are stretched by the share of time spent on prompts (TPOT must meet
+  tau_dec x (1 - rho_prefill)). Scoring it as time-sharing, 1 / (1 / r_prefill +
+  1 / r_decode), as if each stage had the engine alone in turn, ranked a 3-H800
+  prefill pool above unified on Mooncake lengths where unified met more.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from app.planning.kv import KvStage
 from app.planning.params import ModelParams, SloTargets
 from app.planning.prefill import PrefillStage
 from app.planning.queues import Method, MgkQueue
+from app.planning.search import max_feasible_rate
 from app.planning.split import (
     DEFAULT_P_SLO,
     MAX_SPLITS,
@@ -136,7 +143,8 @@ def plan_cluster(
     for share in shares:
         slo = stage_slos(reference, workload, scale, p_slo, share)
         capacities = tuple(engine_capacity(k, model, workload, slo, method) for k in kinds)
-        unified = sum(n * _unified_rps(c) for c, n in zip(capacities, counts, strict=True))
+        unified = sum(n * unified_rps(c, model, workload, slo, method)
+                      for c, n in zip(capacities, counts, strict=True))
         offer(LayoutEstimate(Layout(), unified, UNIFIED, share, slo, capacities), 0.0)
         kv_rps = math.inf if kv_link_gbps is None else kv_capacity(model, workload, slo,
                                                                    kv_link_gbps, method)
@@ -151,11 +159,18 @@ def plan_cluster(
     return ClusterPlan(tuple(zip(kinds, counts, strict=True)), tuple(e for _, e in ranked))
 
 
-def _unified_rps(capacity: EngineCapacity) -> float:
-    """An engine time-sharing both stages: their busy fractions add up to one."""
-    if capacity.prefill_rps == 0 or capacity.decode_rps == 0:
+def unified_rps(capacity: EngineCapacity, model: ModelParams, workload: LengthMoments,
+                slo: SloTargets, method: Method = Method.REFINED) -> float:
+    """Largest rate at which one unified engine meets each stage target with p_slo:
+    at most either stage's own capacity, less as prompts stretch the decode steps."""
+    top = min(capacity.prefill_rps, capacity.decode_rps)
+    if top == 0:
         return 0.0
-    return 1.0 / (1.0 / capacity.prefill_rps + 1.0 / capacity.decode_rps)
+
+    def feasible(rate: float) -> bool:
+        return min(_unified_cdfs(capacity.kind, model, workload, slo, rate, method)) >= slo.p_slo
+
+    return max_feasible_rate(feasible, top)
 
 
 def promised_attainment(
@@ -169,10 +184,10 @@ def promised_attainment(
     capacity = {c.kind: c for c in estimate.capacities}
     if layout.mode == UNIFIED:
         engines = [(kind, n) for kind, n in plan.inventory]
-        weights = _shares([n * _unified_rps(capacity[k]) for k, n in engines],
-                          [n for _, n in engines])
-        return sum(w * _unified_attainment(kind, model, workload, slo, rate_rps * w / n,
-                                           capacity[kind], method)
+        weights = _shares([n * unified_rps(capacity[k], model, workload, slo, method)
+                           for k, n in engines], [n for _, n in engines])
+        return sum(w * math.prod(_unified_cdfs(kind, model, workload, slo, rate_rps * w / n,
+                                               method))
                    for (kind, n), w in zip(engines, weights, strict=True) if w > 0)
     prefill = [(k, layout.prefill_count(k)) for k, _ in plan.inventory if layout.prefill_count(k)]
     decode = [(k, n - layout.prefill_count(k)) for k, n in plan.inventory
@@ -206,13 +221,11 @@ def _shares(capacities: Sequence[float], engines: Sequence[int]) -> list[float]:
     return [n / sum(engines) for n in engines]
 
 
-def _ttft_cdf(stage: PrefillStage, rate_rps: float, ttft_s: float, method: Method,
-              slowdown: float = 1.0) -> float:
-    """P(TTFT <= ttft_s) for one engine at `rate_rps`, its service `slowdown` x longer."""
-    service = stage.service.scaled(slowdown)
-    if rate_rps * service.mean >= 1:
+def _ttft_cdf(stage: PrefillStage, rate_rps: float, ttft_s: float, method: Method) -> float:
+    """P(TTFT <= ttft_s) for one engine at `rate_rps`."""
+    if rate_rps * stage.service.mean >= 1:
         return 0.0
-    return MgkQueue(rate_rps, 1, service).sojourn_cdf(ttft_s, method)
+    return MgkQueue(rate_rps, 1, stage.service).sojourn_cdf(ttft_s, method)
 
 
 def _tpot_cdf(kind: EngineKind, model: ModelParams, workload: LengthMoments, rate_rps: float,
@@ -224,16 +237,15 @@ def _tpot_cdf(kind: EngineKind, model: ModelParams, workload: LengthMoments, rat
     return stage.tpot_cdf(kind.tp, cap, tpot_s, rate_rps, method)
 
 
-def _unified_attainment(kind: EngineKind, model: ModelParams, workload: LengthMoments,
-                        slo: SloTargets, rate_rps: float, capacity: EngineCapacity,
-                        method: Method) -> float:
-    """One unified engine at `rate_rps`: each stage slowed by the other's share of it."""
+def _unified_cdfs(kind: EngineKind, model: ModelParams, workload: LengthMoments,
+                  slo: SloTargets, rate_rps: float, method: Method) -> tuple[float, float]:
+    """P(TTFT) and P(TPOT) of one unified engine at `rate_rps`: the prefill queue its
+    own, the decode steps stretched by the prompts' share of the engine."""
     prefill = prefill_stage(kind, model, workload)
     prefill_busy = rate_rps * prefill.service.mean
-    decode_busy = rate_rps / capacity.decode_rps if capacity.decode_rps > 0 else math.inf
-    if prefill_busy >= 1 or decode_busy >= 1:
-        return 0.0
-    ttft = _ttft_cdf(prefill, rate_rps, slo.ttft_s, method, 1.0 / (1.0 - decode_busy))
+    if prefill_busy >= 1:
+        return 0.0, 0.0
+    ttft = _ttft_cdf(prefill, rate_rps, slo.ttft_s, method)
     tpot = _tpot_cdf(kind, model, workload, rate_rps, slo.tpot_s * (1.0 - prefill_busy), slo,
                      method)
-    return ttft * tpot
+    return ttft, tpot

@@ -9,8 +9,11 @@ import pytest
 from typer.testing import CliRunner
 
 from app.cli import cli
+from app.config import load_cluster_config
+from app.experiments.plan_check import LayoutCheck, plan_for
+from benchmarks.agentic import TRACE, MatrixSetup, make_workload
 from benchmarks.goodput_experiments import REPO
-from benchmarks.pd_agentic import report
+from benchmarks.pd_agentic import report, run_unit
 
 pytestmark = pytest.mark.scripts
 
@@ -77,3 +80,25 @@ def test_the_report_compares_pd_with_unified_and_scores_saras_pick():
     assert "within 5% of the best layout simulated in 1 of 2 units" in text
     assert "within 3% points of the simulated in 1 of 2" in text
     assert "- mooncake on small: skipped (why)" in text
+
+
+def test_rescoring_keeps_each_layouts_simulation_and_simulates_only_a_missing_pick():
+    """`benchmarks.pd_agentic --rescore`: the model's columns are scored again, every
+    simulated layout keeps its measured counts, and a pick with none is simulated."""
+    setup = MatrixSetup({"chat-agent": 30.0}, TRACE, ())
+    config = load_cluster_config(PAPER)
+    plan = plan_for(config, make_workload("chat-agent", config, 0.2, 0, setup), 2.0)
+    pick = plan.recommended.layout.label
+    measured = {e.layout.label: LayoutCheck(e.layout.label, e.layout.mode, False, 0.0, "",
+                                            None, 0.0, requests=1000, met=index,
+                                            simulated_attainment=index / 1000,
+                                            simulated_goodput_rps=index / 30)
+                for index, e in enumerate(plan.estimates) if e.layout.label != pick}
+    rows = run_unit("chat-agent", "small", 1.0, 0.2, 0, 2.0, setup, measured)
+    assert {r["layout"] for r in rows} == set(measured) | {pick}
+    for r in rows:
+        if r["layout"] == pick:
+            assert r["recommended"] and 0 < r["requests"] < 1000 and r["met"] <= r["requests"]
+        else:
+            assert r["met"] == measured[r["layout"]].met and r["requests"] == 1000
+            assert r["model_goodput_rps"] == plan.estimate(r["layout"]).goodput_rps

@@ -16,6 +16,7 @@ from app.planning.cluster_plan import (
     Layout,
     plan_cluster,
     promised_attainment,
+    unified_rps,
 )
 from app.planning.decode import DecodeStage
 from app.planning.distributions import LengthDist
@@ -80,9 +81,10 @@ def test_the_plan_scores_unified_and_every_split_best_first():
     assert goodputs == sorted(goodputs, reverse=True)
     assert plan.recommended is plan.estimates[0]
     unified = plan.estimate(UNIFIED)
-    harmonic = sum(1 / (1 / c.prefill_rps + 1 / c.decode_rps) for c in unified.capacities
-                   if c.prefill_rps and c.decode_rps)
-    assert unified.goodput_rps == pytest.approx(harmonic)
+    engines = [unified_rps(c, LLAMA, CHAT, unified.slo) for c in unified.capacities]
+    assert unified.goodput_rps == pytest.approx(sum(engines))
+    for c, rps in zip(unified.capacities, engines, strict=True):
+        assert rps <= min(c.prefill_rps, c.decode_rps)
     split = plan.estimate("H800")
     stages = {"prefill": split.capacities[2].prefill_rps,  # kinds sorted: A40, A800, H800, V100
               "decode": sum(c.decode_rps for i, c in enumerate(split.capacities) if i != 2)}
@@ -99,10 +101,37 @@ def test_searching_the_slack_share_never_scores_a_layout_below_the_proportional_
     before = {c.kind.name: c.prefill_rps for c in proportional.estimate(UNIFIED).capacities}
     after = {c.kind.name: c.prefill_rps for c in searched.estimate(UNIFIED).capacities}
     assert before["A800"] < 1.0 and before["A40"] == before["V100x2"] == 0.0
-    assert min(after.values()) > 5.0
-    assert searched.estimate(UNIFIED).goodput_rps > 1.5 * proportional.estimate(
+    assert min(after.values()) > 5 * before["A800"]
+    # so the V100s add to unified's score only once the share is searched
+    v100 = {estimate.prefill_share: unified_rps(estimate.capacities[-1], LLAMA, CHAT,
+                                                 estimate.slo)
+            for estimate in (proportional.estimate(UNIFIED), searched.estimate(UNIFIED))}
+    assert v100[None] == 0.0 and min(v100.values()) == 0.0 < max(v100.values())
+    assert searched.estimate(UNIFIED).goodput_rps > proportional.estimate(
         UNIFIED).goodput_rps
     assert len(PREFILL_SHARES) > 1 and None in PREFILL_SHARES
+
+
+def test_a_unified_engine_overlaps_the_stages_and_prompts_stretch_its_decode_steps():
+    """Chunked prefill carries the decode tokens in the prompts' iterations, so a
+    unified engine is not charged each stage's whole time in turn; but the more of its
+    time goes to prompts, the fewer decode steps fit a TPOT target."""
+    plan = plan_cluster(PAPER, LLAMA, AGENT, A800, 2.0, kv_link_gbps=25.0)
+    unified = plan.estimate(UNIFIED)
+    h800 = next(c for c in unified.capacities if c.kind.name == "H800")
+    rps = unified_rps(h800, LLAMA, AGENT, unified.slo)
+    time_shared = 1 / (1 / h800.prefill_rps + 1 / h800.decode_rps)
+    assert time_shared < rps <= h800.decode_rps
+    at = promised_attainment(plan, unified, LLAMA, AGENT, 0.5 * unified.goodput_rps, 25.0)
+    beyond = promised_attainment(plan, unified, LLAMA, AGENT, 1.5 * unified.goodput_rps, 25.0)
+    assert at > unified.slo.p_slo ** 2 and beyond < at
+    # a prompt-heavy load leaves too little of the engine for the decode steps
+    heavy = LengthMoments(LengthDist.from_moments(12000.0, 1.0), 300.0)
+    slo = stage_slos(A800, heavy, 2.0, prefill_share=0.5)
+    whole = plan_cluster({EngineKind("A800"): 1}, LLAMA, heavy, A800, 2.0, None,
+                         shares=(0.5,)).recommended
+    (a800,) = whole.capacities
+    assert unified_rps(a800, LLAMA, heavy, slo) < min(a800.prefill_rps, a800.decode_rps)
 
 
 def test_one_engine_can_only_run_unified_and_an_empty_inventory_is_an_error():
