@@ -111,3 +111,25 @@ def test_several_routers_each_lay_their_share_on_their_own_thread():
     summary = four.summary()
     assert summary["routers"] == 4 and len(summary["per_router"]) == 4
     assert "per_router" not in one.summary()
+
+
+def test_the_routers_start_up_heap_is_frozen_for_the_run_as_serve_does(monkeypatch):
+    """Ray Serve collects and freezes a replica's heap after its constructor: the
+    measured run sees no scan of the start-up state, and the freeze ends with the run."""
+    import gc
+
+    from app.experiments import overhead
+    from app.sim.simulator import Simulator
+    from app.workload import Content
+
+    frozen_during_run = []
+    run = Simulator.run
+
+    def recording_run(self, workload):
+        frozen_during_run.append(gc.get_freeze_count())
+        return run(self, workload)
+
+    monkeypatch.setattr(Simulator, "run", recording_run)
+    pool = [Content(200, 30, (i,)) for i in range(8)]
+    overhead.measure(4, 200.0, 0.2, pool, None, warmup_s=0.1)
+    assert frozen_during_run[0] > 1000 and gc.get_freeze_count() == 0
