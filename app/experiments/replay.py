@@ -475,8 +475,8 @@ def replay(
         help="how requests reach the replicas: random | session")] = Spread.RANDOM,
     router_sharing: Annotated[Sharing, typer.Option(
         help="what the replicas know beyond their own placements: nothing | reports "
-        "(the engines' queues, every --report-interval) | budgets (and one budget "
-        "table)")] = Sharing.REPORTS,
+        "(the engines' queues, every --report-interval) | budgets (reports, and each "
+        "other's smallest slack per engine, as live replicas share)")] = Sharing.BUDGETS,
     report_interval: Annotated[float, typer.Option(
         help="seconds between a replica's engine reports")] = DEFAULT_REPORT_INTERVAL_S,
     move_path: Annotated[

@@ -70,7 +70,7 @@ class FleetConfig:
 
     num_routers: int = 1
     spread: Spread = Spread.RANDOM
-    sharing: Sharing = Sharing.REPORTS
+    sharing: Sharing = Sharing.BUDGETS
     report_interval_s: float = DEFAULT_REPORT_INTERVAL_S
 
     def __post_init__(self) -> None:
