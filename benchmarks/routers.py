@@ -7,7 +7,8 @@ Setup. Workloads:
   calibration.csv): `chat-agent` and `coding-agent` on paper-4gpu, `mooncake` and
   `chat-agent-large` on configs/mixed-16gpu.yaml, windows as in the matrix.
 Variants (`--variants`): `K[/sharing[/spread]]`, K router replicas (`RouterFleet`),
-sharing nothing | reports | budgets (default: what the live replicas share), spread session (default: a hash of the
+sharing nothing | reports | budgets | learning (default: what the live replicas
+share), spread session (default: a hash of the
 session; lone requests at random) | random; replicas report every 0.1 s (the live poll).
 Each variant runs GoodServe at every SLO scale of --scales on the same workload.
 
@@ -17,7 +18,7 @@ Choice and report data: the sharing was chosen on headline seed 0 and chat-agent
 Writes under --out: cells.csv (one row per workload, seed, variant and scale) and
 report.md (each variant's met requests over one router's, mean over seeds).
 Usage: python -m benchmarks.routers [--workloads headline,chat-agent] [--seeds 1,2,3]
-       [--variants 1,2,4,8,16,4/nothing,4/reports] [--jobs 2] [--resume]
+       [--variants 1,2,4,8,16,4/nothing,4/budgets] [--jobs 2] [--resume]
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class Variant:
     """K routers sharing `sharing`, requests spread by `spread`."""
 
     routers: int
-    sharing: Sharing = Sharing.BUDGETS
+    sharing: Sharing = Sharing.LEARNING
     spread: Spread = Spread.SESSION
 
     @classmethod
@@ -161,7 +162,7 @@ def routers(
     seeds: Annotated[str, typer.Option(help="workload seeds")] = "1,2,3",
     agentic_seeds: Annotated[str, typer.Option(help="seeds of the agentic units")] = "0",
     variants: Annotated[str, typer.Option(help="K[/sharing[/spread]], comma-separated")] = (
-        "1,2,4,8,16,4/nothing,4/reports,4/budgets/random"),
+        "1,2,4,8,16,4/nothing,4/reports,4/budgets,4/learning/random"),
     scales: Annotated[str, typer.Option()] = "1,2,3",
     calibration: Annotated[Path, typer.Option(help="the agentic matrix's calibration.csv")] = (
         REPO / "results" / "agentic" / "calibration.csv"),

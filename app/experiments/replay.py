@@ -476,7 +476,8 @@ def replay(
     router_sharing: Annotated[Sharing, typer.Option(
         help="what the replicas know beyond their own placements: nothing | reports "
         "(the engines' queues, every --report-interval) | budgets (reports, and each "
-        "other's smallest slack per engine, as live replicas share)")] = Sharing.BUDGETS,
+        "other's smallest slack per engine) | learning (budgets, and each other's "
+        "finishes to learn lengths from, as live replicas share)")] = Sharing.LEARNING,
     report_interval: Annotated[float, typer.Option(
         help="seconds between a replica's engine reports")] = DEFAULT_REPORT_INTERVAL_S,
     move_path: Annotated[

@@ -13,6 +13,9 @@ run it like any other:
 - with `Sharing.BUDGETS` a replica also tells the others, at each of its reports, the
   smallest slack its requests have on each engine (GoodServe's do-no-harm budgets), and
   takes theirs: a replica then does not stall another's admitted requests;
+- with `Sharing.LEARNING` (the default, as live replicas share) it also learns, at each
+  report, from the requests the others saw finish since its last one (its length
+  estimator learns from every finish, `finish_log`);
 - every engine iteration reaches every replica's status estimator (engines publish
   once, replicas follow); a finish reaches the replica that placed the request (its
   policy and its watchdog: the fleet's watchdog learns nothing of its own);
@@ -37,6 +40,7 @@ from app.engine_types import EngineStatus
 from app.routing.arrays import COLUMNS, ViewArrays
 from app.routing.base import ActiveRequest, Reject, RouteDecision, RoutingPolicy, Watchdog
 from app.routing.budgets import SlackBudgets, budgets_of, smallest_stalls
+from app.routing.finish_log import FinishLog, lengths_of
 from app.routing.view import (
     ClusterView,
     FinishReport,
@@ -62,6 +66,7 @@ class Sharing(StrEnum):
     NOTHING = "nothing"  # the engines' speeds, not their queues
     REPORTS = "reports"  # the engines' reported queues, every report interval
     BUDGETS = "budgets"  # reports, and each other's smallest slack per engine
+    LEARNING = "learning"  # budgets, and each other's finishes (`finish_log`)
 
 
 @dataclass(frozen=True)
@@ -70,7 +75,7 @@ class FleetConfig:
 
     num_routers: int = 1
     spread: Spread = Spread.RANDOM
-    sharing: Sharing = Sharing.BUDGETS
+    sharing: Sharing = Sharing.LEARNING
     report_interval_s: float = DEFAULT_REPORT_INTERVAL_S
 
     def __post_init__(self) -> None:
@@ -96,6 +101,7 @@ class Replica:
     hidden: Counter[InstanceId] = field(default_factory=Counter)
     ghosts: Counter[InstanceId] = field(default_factory=Counter)
     report_index: int = -1
+    finish_cursor: int = 0  # the fleet's finish log read up to here
 
     @property
     def listeners(self) -> list[RoutingPolicy | Watchdog]:
@@ -163,6 +169,7 @@ class RouterFleet(RoutingPolicy):
         self.placed_at: dict[str, tuple[int, ...]] = {}
         self.outstanding: Counter[InstanceId] = Counter()  # every replica's, per engine
         self.told: dict[int, dict[InstanceId, float]] = {}  # replica -> its slack per engine
+        self.finishes = FinishLog()  # what each replica saw finish, for the others
         self._rng = random.Random(seed)
         policies = [p for p, _ in replicas]
         self.needs_true_output_length = any(p.needs_true_output_length for p in policies)
@@ -235,8 +242,14 @@ class RouterFleet(RoutingPolicy):
         them (what each told at its own last report)."""
         if not replica.refresh(view.time_s, self.config.report_interval_s):
             return
+        length = lengths_of(replica.policy)
+        if self.config.sharing is Sharing.LEARNING and length is not None:
+            replica.finish_cursor, learned = self.finishes.since(replica.finish_cursor,
+                                                                  str(id(replica)))
+            for report in learned:
+                length.on_finish(report, view.time_s)
         budgets = replica.budgets
-        if self.config.sharing is not Sharing.BUDGETS or budgets is None:
+        if self.config.sharing not in (Sharing.BUDGETS, Sharing.LEARNING) or budgets is None:
             return
         self.told[id(replica)] = budgets.own_shortest_stalls()
         budgets.take_others(smallest_stalls(
@@ -257,6 +270,8 @@ class RouterFleet(RoutingPolicy):
         if replica is not None:
             for listener in replica.listeners:
                 listener.on_finish(report, now)
+            if self.config.sharing is Sharing.LEARNING:
+                self.finishes.tell(str(id(replica)), [report])
 
     def on_drop(self, request: RouteRequest, now: float) -> None:
         replica = self._forget(request.request_id)
