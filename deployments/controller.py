@@ -34,9 +34,9 @@ from app.control.controller import Controller, ControlStep
 from app.control.fleet import Fleet, Registry, engine_kind, engine_name, template_for
 from app.control.observe import LoadReport
 from app.control.plan import EngineState, PlanDiff
-from app.engine_types import EngineStatus
+from app.routing.view import FinishReport
 from app.serving.config import ServeConfig
-from app.serving.status_board import StatusBoard
+from app.serving.status_board import BoardAnswer, StatusBoard
 from app.telemetry import ControllerMetrics
 from deployments.cluster import ENGINE_NAMESPACE, engine_ids, launch_engine, numbered_config
 from deployments.metrics import RayMetricFactory
@@ -102,21 +102,26 @@ class ControllerActor:
     async def engine_statuses(self, known: int = 0, wait_s: float = 0.0,
                               replica: str | None = None,
                               stalls: dict[str, float] | None = None,
-                              ) -> tuple[int, dict[str, EngineStatus | None], dict[str, float]]:
+                              finished: list[FinishReport] | None = None,
+                              finish_cursor: int = 0) -> BoardAnswer:
         """The engines' reports published after version `known` (None: it did not
-        answer), waiting up to `wait_s` for one, and the smallest slack per engine the
-        other replicas told; `replica` names the router asking and `stalls` is its own
-        smallest slack per engine."""
+        answer), waiting up to `wait_s` for one, with what the other replicas told: their
+        smallest slack per engine and the requests they saw finish after
+        `finish_cursor`. `replica` names the router asking; `stalls` and `finished` are
+        what it tells."""
         await self._ensure_started()
         if replica is not None and stalls is not None:
-            self.board.tell(replica, stalls)
+            self.board.tell(replica, stalls, finished or ())
         if self._board_task is None:
             self._board_ready = asyncio.get_running_loop().create_future()
             self._board_task = asyncio.ensure_future(self._publish_statuses_forever())
         assert self._board_ready is not None
         await asyncio.shield(self._board_ready)  # a router's first poll sees every engine
         version, changes = await self.board.wait_changes(known, wait_s, replica)
-        return version, changes, self.board.others_stalls(replica)
+        cursor, others_finished = (self.board.others_finished(finish_cursor, replica)
+                                   if replica is not None else (finish_cursor, []))
+        return BoardAnswer(version, changes, self.board.others_stalls(replica), cursor,
+                           others_finished)
 
     async def _publish_statuses_forever(self) -> None:
         """Every serving engine's report once per poll period, each engine on its own:
@@ -180,6 +185,7 @@ class ControllerActor:
                         for e in self.fleet],
             "steps": [s.summary() for s in self.steps],
             "status_board": {"version": self.board.version, "tellers": self.board.tellers,
+                             "finishes_told": self.board.finishes.next_index,
                              "followers": {r: {"version": v, "answered_s_ago": round(
                                  time.monotonic() - at, 3)}
                                  for r, (v, at) in self.board.followers.items()}},

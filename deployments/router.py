@@ -122,6 +122,7 @@ class RouterDeployment:
         self.replica = serve.get_replica_context().replica_tag
         clients = [member_client(m) for m in registry.members]
         self.status_version = 0
+        self.finish_cursor = 0  # the board's finish log read up to here
         self.poll_interval_s = config.poll_interval_s
         self.service = CompletionService(config, clients, companion=self._follow,
                                          metrics=RayMetricFactory(),
@@ -131,24 +132,31 @@ class RouterDeployment:
     async def _published_statuses(self) -> StatusChanges:
         """The engines' reports the controller published since the last call (it polls
         each engine once for every replica); none while it is unreachable. With each
-        poll the replica tells the smallest slack its requests have per engine and takes
-        the other replicas' (GoodServe's do-no-harm budgets)."""
-        budgets = budgets_of(self.service.router.policy)
+        poll the replica tells the smallest slack its requests have per engine and the
+        requests it saw finish, and takes the other replicas' (GoodServe's do-no-harm
+        budgets; its length estimator learns from every finish)."""
+        router = self.service.router
+        budgets = budgets_of(router.policy)
         told = None if budgets is None else budgets.own_shortest_stalls()
+        finished = router.take_finished()
         try:
-            version, changes, others = await self.controller.engine_statuses.remote(
-                self.status_version, self.poll_interval_s, self.replica, told)
+            answer = await self.controller.engine_statuses.remote(
+                self.status_version, self.poll_interval_s, self.replica, told or {}, finished,
+                self.finish_cursor)
         except Exception as exc:
             logger.warning("engine reports unavailable (%s); routing on the last ones", exc)
             await asyncio.sleep(self.poll_interval_s)
             return {}
         if budgets is not None:
-            budgets.take_others(others)
-        if version < self.status_version:  # a restarted controller counts from 0 again
+            budgets.take_others(answer.others_stalls)
+        router.learn_finished(answer.others_finished)
+        self.finish_cursor = answer.finish_cursor
+        if answer.version < self.status_version:  # a restarted controller counts from 0
             self.status_version = 0
-            return changes
-        self.status_version = version
-        return changes
+            self.finish_cursor = 0
+            return answer.changes
+        self.status_version = answer.version
+        return answer.changes
 
     async def _follow(self, router: LiveRouter) -> None:
         """Long-poll the controller's registry and push load reports; while the

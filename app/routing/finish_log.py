@@ -23,7 +23,7 @@ from itertools import islice
 from app.routing.length import OutputLengthEstimator
 from app.routing.view import FinishReport
 
-DEFAULT_CAPACITY = 10_000  # finishes kept for replicas behind (a reader further back skips)
+DEFAULT_FINISH_CAPACITY = 10_000  # finishes kept for replicas behind (a reader further back skips)
 
 
 def lengths_of(policy: object) -> OutputLengthEstimator | None:
@@ -42,7 +42,7 @@ class FinishLog:
     """Finishes in the order replicas told them; each reader keeps a cursor
     (`since`) and gets the others' finishes after it."""
 
-    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+    def __init__(self, capacity: int = DEFAULT_FINISH_CAPACITY) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self._entries: deque[tuple[str, FinishReport]] = deque(maxlen=capacity)

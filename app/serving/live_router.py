@@ -27,6 +27,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -37,6 +38,7 @@ from app.engine_types import StoredPromptKv, TokenEvent
 from app.engines.prefix import PREFIX_BLOCK_SIZE, prefix_block_hashes
 from app.routing.base import ActiveRequest, Reject, RejectCode
 from app.routing.disaggregated import DisaggregatedPlacer, LeastTtftPolicy
+from app.routing.finish_log import DEFAULT_FINISH_CAPACITY, lengths_of, shareable
 from app.routing.move_path import MovePath, MoveRule, plan_move
 from app.routing.registry import RoutingStack
 from app.routing.status import StatusEstimator
@@ -157,6 +159,9 @@ class LiveRouter:
         self._num_routed = self._num_rejected = self._num_finished = self._num_dropped = 0
         self._num_migrations = self._num_drain_migrations = self._num_failovers = 0
         self._load_report = LoadReport()  # arrivals and completions since the last take
+        # finishes not yet told to the other replicas (with a status feed: a board);
+        # bounded, so a feed that stopped asking costs no more than this
+        self._finished_to_tell: deque[FinishReport] = deque(maxlen=DEFAULT_FINISH_CAPACITY)
 
     # ---- lifecycle -------------------------------------------------------------
     async def start(self) -> None:
@@ -566,6 +571,8 @@ class LiveRouter:
                 predicted_output_tokens=flight.route.predicted_output_tokens)
             for listener in self._listeners:
                 listener.on_finish(report, now)
+            if self.status_feed is not None:
+                self._finished_to_tell.append(shareable(report))
         else:
             self._num_dropped += 1
             self._abort_in_background(flight)  # client gone or engine lost: free the engine
@@ -663,6 +670,23 @@ class LiveRouter:
             num_failovers=self._num_failovers,
             num_in_flight=len(self.flights),
         )
+
+    def take_finished(self) -> list[FinishReport]:
+        """The requests this router saw finish since the last call, for the other
+        replicas' length estimators (`finish_log`)."""
+        reports = list(self._finished_to_tell)
+        self._finished_to_tell.clear()
+        return reports
+
+    def learn_finished(self, reports: Sequence[FinishReport]) -> None:
+        """Requests other replicas saw finish: the length estimator learns from them as
+        from its own (nothing else here knew them)."""
+        length = lengths_of(self.policy)
+        if length is None:
+            return
+        now = self.clock()
+        for report in reports:
+            length.on_finish(report, now)
 
     def take_load_report(self) -> LoadReport:
         """Arrivals and completions since the last call (for the pool controller)."""

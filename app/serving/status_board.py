@@ -11,15 +11,29 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from app.engine_types import EngineStatus
 from app.routing.budgets import smallest_stalls
+from app.routing.finish_log import FinishLog
+from app.routing.view import FinishReport
 
 StatusChanges = Mapping[str, EngineStatus | None]  # engine id -> its report, None: unreachable
 
 
 TOLD_FRESH_S = 3.0  # a replica's told slack counts this long (it tells every poll)
+
+
+@dataclass(frozen=True)
+class BoardAnswer:
+    """What a replica's poll of the board brings back."""
+
+    version: int  # the board's version: the replica holds every report up to it
+    changes: StatusChanges  # the reports published after the version it asked with
+    others_stalls: dict[str, float]  # per engine, the other replicas' smallest slack
+    finish_cursor: int  # where its next poll reads the others' finishes from
+    others_finished: list[FinishReport]  # the finishes the others told since its cursor
 
 
 class StatusBoard:
@@ -29,6 +43,9 @@ class StatusBoard:
     have on each engine (GoodServe's do-no-harm budgets); each is answered with the
     others' (`others_stalls`), so no replica stalls another's admitted requests. What
     a replica told counts for `TOLD_FRESH_S`: a replica that stopped asking is gone.
+    They tell the requests they saw finish too, and each takes the others' since its
+    cursor (`others_finished`), so every replica's length estimator learns from every
+    finish (`finish_log`).
     """
 
     def __init__(self) -> None:
@@ -37,10 +54,17 @@ class StatusBoard:
         self._changed: asyncio.Event | None = None
         self.followers: dict[str, tuple[int, float]] = {}  # replica -> (version held, when)
         self._told: dict[str, tuple[dict[str, float], float]] = {}  # replica -> stalls, when
+        self.finishes = FinishLog()
 
-    def tell(self, replica: str, stalls: Mapping[str, float]) -> None:
-        """`replica`'s smallest slack per engine."""
+    def tell(self, replica: str, stalls: Mapping[str, float],
+             finished: Sequence[FinishReport] = ()) -> None:
+        """`replica`'s smallest slack per engine, and the requests it saw finish."""
         self._told[replica] = (dict(stalls), time.monotonic())
+        self.finishes.tell(replica, finished)
+
+    def others_finished(self, cursor: int, replica: str) -> tuple[int, list[FinishReport]]:
+        """(the replica's next cursor, the finishes the others told after `cursor`)."""
+        return self.finishes.since(cursor, replica)
 
     @property
     def tellers(self) -> list[str]:

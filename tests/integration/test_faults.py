@@ -61,7 +61,9 @@ def test_two_router_replicas_serve_every_request_on_the_reports_one_poller_publi
         ray_session, config):
     """Both replicas long-poll the controller's status board (each engine answers one
     status call per period, not one per replica); every request is served, and the
-    replicas hold the same reports to within one poll round."""
+    replicas hold the same reports to within one poll round and tell each other every
+    request they saw finish."""
+    import time
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
@@ -90,3 +92,8 @@ def test_two_router_replicas_serve_every_request_on_the_reports_one_poller_publi
         assert board["version"] - min(versions) <= 2 * engines, board
         assert all(f["answered_s_ago"] < 1.0 for f in followers.values()), board
         assert board["tellers"] == sorted(followers), board  # both tell their budgets
+        deadline_s = time.monotonic() + 5.0  # each tells its finishes at its next poll
+        while board["finishes_told"] < REQUESTS and time.monotonic() < deadline_s:
+            time.sleep(0.2)
+            board = ray.get(controller_for(named).status.remote())["status_board"]
+        assert board["finishes_told"] == REQUESTS, board  # each finish told once

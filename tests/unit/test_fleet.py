@@ -84,7 +84,7 @@ def test_one_router_is_the_plain_policy_and_several_are_a_fleet():
         FleetConfig(2, report_interval_s=0.0)
 
 
-@pytest.mark.parametrize("sharing", [Sharing.REPORTS, Sharing.BUDGETS])
+@pytest.mark.parametrize("sharing", [Sharing.REPORTS, Sharing.BUDGETS, Sharing.LEARNING])
 def test_sharing_budgets_tells_each_replica_the_others_smallest_slack_at_its_report(sharing):
     stack = build_routing(PolicyKind.GOODSERVE, RoutingOptions(0),
                           FleetConfig(2, sharing=sharing, report_interval_s=1.0))
@@ -96,7 +96,7 @@ def test_sharing_budgets_tells_each_replica_the_others_smallest_slack_at_its_rep
     router.refresh(first, engines(0.0))  # the first tells 0.05 on the A800
     assert first.budgets.shortest_stall_s("H800") == math.inf  # the second told nothing yet
     router.refresh(second, engines(0.6))
-    shared = sharing is Sharing.BUDGETS
+    shared = sharing is not Sharing.REPORTS
     assert second.budgets.shortest_stall_s("A800") == (0.05 if shared else math.inf)
     assert list(second.budgets.shortest_stalls(["A800", "H800"])) == (
         [0.05, 1.0] if shared else [math.inf, 1.0])
@@ -106,6 +106,30 @@ def test_sharing_budgets_tells_each_replica_the_others_smallest_slack_at_its_rep
     router.refresh(second, engines(1.6))
     assert second.budgets.shortest_stall_s("A800") == (3.0 if shared else math.inf)
     assert first.budgets.shortest_stall_s("H800") == (1.0 if shared else math.inf)
+
+
+@pytest.mark.parametrize("sharing", [Sharing.BUDGETS, Sharing.LEARNING])
+def test_learning_replicas_take_each_others_finishes_at_their_next_report(sharing):
+    """A replica's length estimator learns from the requests another replica placed
+    once that finish has reached it (its next report), and only with LEARNING."""
+    stack = build_routing(PolicyKind.GOODSERVE, RoutingOptions(0),
+                          FleetConfig(2, sharing=sharing, report_interval_s=1.0))
+    router = stack.policy
+    first, second = router.replicas  # reports at 0, 1, 2 s and at 0.5, 1.5 s
+    router.refresh(first, engines(0.0))
+    router.refresh(second, engines(0.6))
+    request = make_request(10.0, rid="theirs", session_id="chat-1")
+    router.choose_on(first, replace(request, prompt="a long prompt"), engines(0.7), 0.7)
+    report = FinishReport(replace(request, prompt="a long prompt"), "A800", 321, 0.8, 0.9)
+    router.on_finish(report, 0.9)
+    learned = second.policy.length._window  # a running history of finished lengths
+    assert list(first.policy.length._window) == [321] and list(learned) == []
+    router.refresh(second, engines(1.2))  # not yet its report time (1.5 s)
+    assert list(learned) == []
+    router.refresh(second, engines(1.6))
+    assert list(learned) == ([321] if sharing is Sharing.LEARNING else [])
+    router.refresh(first, engines(2.1))  # its own finish is not learned twice
+    assert list(first.policy.length._window) == [321]
 
 
 def test_session_spread_keeps_a_session_on_one_replica_and_random_uses_them_all():

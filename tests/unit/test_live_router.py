@@ -26,7 +26,7 @@ from app.config import (
 )
 from app.engine_types import EngineRequest, EngineStatus, SamplingSpec, TokenEvent
 from app.routing.base import ActiveRequest, Watchdog
-from app.routing.registry import RoutingStack, build_routing
+from app.routing.registry import PolicyKind, RoutingStack, build_routing
 from app.routing.view import ClusterView, InstanceId
 from app.serving.config import ServeConfig
 from app.serving.flight import FlightState, GenerationRequest
@@ -705,3 +705,33 @@ def test_replicas_tell_the_board_their_smallest_slack_and_hear_the_others(monkey
     assert board.others_stalls("r3") == {"a": 0.3} and board.others_stalls("r2") == {}
     assert board.tellers == ["r2"]
 
+
+
+async def test_replicas_tell_the_board_what_finished_and_learn_the_others_lengths():
+    """A finish reaches the other replica's length estimator through the board (no
+    prompt text on the way); a replica not on a board keeps nothing to tell."""
+    board = StatusBoard()
+    engine = ScriptedEngine("a", "H800")
+    board.publish("a", await engine.status())
+
+    async def reports():
+        return board.changes(0)[1]
+
+    first, second = (LiveRouter([engine], build_routing(PolicyKind.GOODSERVE),
+                                status_feed=reports) for _ in range(2))
+    for replica in (first, second):
+        await replica.poll_once()
+    flight = await first.submit(request("done", max_tokens=7))
+    await drain(first, flight)
+    told = first.take_finished()
+    assert [(r.request.request_id, r.num_output_tokens) for r in told] == [("done", 7)]
+    assert told[0].request.prompt is None and first.take_finished() == []
+    board.tell("r1", {}, told)
+    cursor, heard = board.others_finished(0, "r2")
+    second.learn_finished(heard)
+    assert list(second.policy.length._window) == [7] and cursor == 1
+    assert board.others_finished(0, "r1") == (1, [])  # its own finish is not sent back
+    alone = LiveRouter([engine], build_routing(PolicyKind.GOODSERVE))
+    await alone.poll_once()
+    await drain(alone, await alone.submit(request("solo", max_tokens=3)))
+    assert alone.take_finished() == []
