@@ -186,6 +186,9 @@ class TimedFleet(RoutingPolicy):
     def on_step(self, instance_id: InstanceId, report: StepReport, now: float) -> None:
         self.fleet.on_step(instance_id, report, now)
 
+    def on_status(self, status: EngineStatus, now: float) -> None:
+        self.fleet.on_status(status, now)
+
     def on_finish(self, report: FinishReport, now: float) -> None:
         self.fleet.on_finish(report, now)
 

@@ -133,3 +133,25 @@ def test_the_routers_start_up_heap_is_frozen_for_the_run_as_serve_does(monkeypat
     pool = [Content(200, 30, (i,)) for i in range(8)]
     overhead.measure(4, 200.0, 0.2, pool, None, warmup_s=0.1)
     assert frozen_during_run[0] > 1000 and gc.get_freeze_count() == 0
+
+
+def test_the_timed_fleet_passes_every_feedback_to_the_replicas():
+    """The harness's fleet wrapper forwards engine reports as the fleet itself does."""
+    from app.experiments.overhead import TimedFleet
+    from app.routing.base import RoutingPolicy
+    from app.routing.fleet import FleetConfig, RouterFleet
+
+    class Heard(RoutingPolicy):
+        def __init__(self) -> None:
+            self.statuses = 0
+
+        def choose(self, request, view, now):
+            return "A800"
+
+        def on_status(self, status, now):
+            self.statuses += 1
+
+    policies = [Heard(), Heard()]
+    fleet = RouterFleet([(p, None) for p in policies], FleetConfig(2))
+    TimedFleet(fleet, [WorkLog(), WorkLog()]).on_status(object(), 0.0)
+    assert [p.statuses for p in policies] == [1, 1]
