@@ -38,7 +38,7 @@ import typer
 
 from app.config import load_cluster_config
 from app.experiments.plan_check import (
-    LayoutCheck,
+    Simulation,
     check_layouts,
     layouts_to_simulate,
     plan_for,
@@ -73,7 +73,7 @@ PROMISE_TOLERANCE = 0.03  # promised against simulated attainment
 
 def run_unit(workload: str, cluster: str, load_factor: float, rate: float, seed: int,
              scale: float, setup: MatrixSetup,
-             measured: Mapping[str, LayoutCheck] | None = None) -> list[dict]:
+             measured: Mapping[str, Simulation] | None = None) -> list[dict]:
     """Plan and simulate every chosen layout of one (workload, cluster, load); layouts
     in `measured` keep their simulation, and with it given every one of them is kept."""
     config = load_cluster_config(CLUSTERS[cluster])
@@ -175,8 +175,6 @@ def pd_agentic(
     out.mkdir(parents=True, exist_ok=True)
     path = out / "cells.csv"
     measured = _measured(read_rows(path)) if rescore else {}
-    windows = {(c["workload"], c["cluster"], float(c["load_factor"])): float(c["window_s"])
-               for c in read_rows(path)} if rescore else {}
     if not (resume or report_only):
         path.unlink(missing_ok=True)
     done = {(c["workload"], c["cluster"], float(c["load_factor"])) for c in read_rows(path)}
@@ -194,10 +192,10 @@ def pd_agentic(
                 if unit in done or (rescore and unit not in measured):
                     continue
                 # a rescored unit keeps the window it was simulated over
-                window = windows.get(unit, durations[workload])
+                window, runs = measured.get(unit, (durations[workload], None))
                 tasks.append((*unit, known.rate * f, seed, slo_scale,
                               replace(setup, durations_s={**durations, workload: window}),
-                              measured.get(unit)))
+                              runs))
     for rows in in_pool(run_unit, [] if report_only else tasks, jobs, "P/D layouts", "unit"):
         append_rows(path, rows, CELL_FIELDS)
     cells = read_rows(path, numeric=("load_factor", "rate", "slo_scale", "model_goodput_rps",
@@ -214,15 +212,15 @@ def pd_agentic(
     return 0
 
 
-def _measured(cells: Sequence[dict]) -> dict[tuple[str, str, float], dict[str, LayoutCheck]]:
-    """Each unit's simulated layouts, by label."""
-    units: dict[tuple[str, str, float], dict[str, LayoutCheck]] = {}
+def _measured(cells: Sequence[dict]
+              ) -> dict[tuple[str, str, float], tuple[float, dict[str, Simulation]]]:
+    """Each unit's window and its simulated layouts, by label."""
+    units: dict[tuple[str, str, float], tuple[float, dict[str, Simulation]]] = {}
     for c in cells:
-        unit = units.setdefault((c["workload"], c["cluster"], float(c["load_factor"])), {})
-        unit[c["layout"]] = LayoutCheck(
-            c["layout"], c["mode"], False, 0.0, "", None, 0.0, requests=int(c["requests"]),
-            met=int(c["met"]), simulated_attainment=float(c["simulated_attainment"]),
-            simulated_goodput_rps=float(c["simulated_goodput_rps"]))
+        unit = (c["workload"], c["cluster"], float(c["load_factor"]))
+        _, runs = units.setdefault(unit, (float(c["window_s"]), {}))
+        runs[c["layout"]] = Simulation(int(c["requests"]), int(c["met"]),
+                                       float(c["simulated_goodput_rps"]))
     return units
 
 

@@ -111,6 +111,15 @@ class LayoutCheck:
     simulated_goodput_rps: float | None = None
 
 
+@dataclass(frozen=True)
+class Simulation:
+    """What the simulator measured for one layout under GoodServe."""
+
+    requests: int
+    met: int
+    goodput_rps: float
+
+
 def plan_for(cluster: ClusterConfig, workload: Workload, scale: float,
              reference_gpu: str = DEFAULT_REFERENCE_GPU) -> ClusterPlan:
     """SARA's scores of every layout for the workload's measured moments."""
@@ -124,7 +133,7 @@ def check_layouts(cluster: ClusterConfig, workload: Workload, scale: float, plan
                   routing: RoutingOptions | None = None,
                   reference_gpu: str = DEFAULT_REFERENCE_GPU, top: int = SHOWN,
                   progress: bool = False,
-                  measured: Mapping[str, LayoutCheck] | None = None) -> list[LayoutCheck]:
+                  measured: Mapping[str, Simulation] | None = None) -> list[LayoutCheck]:
     """The `top` best estimates of `plan`, unified and the `layouts`, each with its
     promise at the workload's rate; the `layouts` also simulated under GoodServe, or
     their simulation taken from `measured` (by label: the simulator does not read the
@@ -138,20 +147,19 @@ def check_layouts(cluster: ClusterConfig, workload: Workload, scale: float, plan
     for estimate in tqdm(shown, desc="layouts", disable=not progress):
         check = _modelled(plan, estimate, model, moments.workload, moments.rate_rps,
                           cluster.kv_link_gbps)
-        known = (measured or {}).get(estimate.layout.label)
-        if estimate.layout in simulate and known is not None:
-            check = replace(check, requests=known.requests, met=known.met,
-                            simulated_attainment=known.simulated_attainment,
-                            simulated_goodput_rps=known.simulated_goodput_rps)
-        elif estimate.layout in simulate:
-            spec = ReplaySpec(with_layout(cluster, estimate.layout), (PolicyKind.GOODSERVE,),
-                              (scale,), seed=seed, reference_gpu=reference_gpu,
-                              routing=routing or RoutingOptions(seed))
-            (cell,) = run_replay(spec, workload)
-            summary = cell.summary
-            check = replace(check, requests=summary["requests"], met=summary["met"],
-                            simulated_attainment=summary["met"] / summary["requests"],
-                            simulated_goodput_rps=summary["goodput_rps"])
+        if estimate.layout in simulate:
+            run = (measured or {}).get(estimate.layout.label)
+            if run is None:
+                spec = ReplaySpec(with_layout(cluster, estimate.layout),
+                                  (PolicyKind.GOODSERVE,), (scale,), seed=seed,
+                                  reference_gpu=reference_gpu,
+                                  routing=routing or RoutingOptions(seed))
+                (cell,) = run_replay(spec, workload)
+                run = Simulation(cell.summary["requests"], cell.summary["met"],
+                                 cell.summary["goodput_rps"])
+            check = replace(check, requests=run.requests, met=run.met,
+                            simulated_attainment=run.met / run.requests,
+                            simulated_goodput_rps=run.goodput_rps)
         checks.append(check)
     return checks
 

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from app.cli import cli
 from app.config import load_cluster_config
-from app.experiments.plan_check import LayoutCheck, plan_for
+from app.experiments.plan_check import Simulation, plan_for
 from benchmarks.agentic import TRACE, MatrixSetup, make_workload
 from benchmarks.goodput_experiments import REPO
 from benchmarks.pd_agentic import report, run_unit
@@ -89,10 +89,7 @@ def test_rescoring_keeps_each_layouts_simulation_and_simulates_only_a_missing_pi
     config = load_cluster_config(PAPER)
     plan = plan_for(config, make_workload("chat-agent", config, 0.2, 0, setup), 2.0)
     pick = plan.recommended.layout.label
-    measured = {e.layout.label: LayoutCheck(e.layout.label, e.layout.mode, False, 0.0, "",
-                                            None, 0.0, requests=1000, met=index,
-                                            simulated_attainment=index / 1000,
-                                            simulated_goodput_rps=index / 30)
+    measured = {e.layout.label: Simulation(1000, index, index / 30)
                 for index, e in enumerate(plan.estimates) if e.layout.label != pick}
     rows = run_unit("chat-agent", "small", 1.0, 0.2, 0, 2.0, setup, measured)
     assert {r["layout"] for r in rows} == set(measured) | {pick}
