@@ -240,10 +240,13 @@ def free_port() -> int:
 
 def build_app(config: ServeConfig) -> serve.Application:
     """Replicas being stopped (shutdown, downscaling) take no new request and let those
-    in flight finish for up to `shutdown_grace_s`."""
+    in flight finish for up to `shutdown_grace_s`. The replica count is fixed, or Ray
+    Serve's autoscaling when the config asks for it."""
+    replicas: dict[str, object] = (
+        {"num_replicas": config.num_router_replicas} if config.router_autoscaling is None
+        else {"autoscaling_config": config.router_autoscaling.serve_options()})
     deployment = RouterDeployment.options(
-        num_replicas=config.num_router_replicas,
-        graceful_shutdown_timeout_s=config.shutdown_grace_s,
+        **replicas, graceful_shutdown_timeout_s=config.shutdown_grace_s,
         graceful_shutdown_wait_loop_s=0.5)
     return deployment.bind(config)
 

@@ -80,6 +80,40 @@ class AuthConfig(Frozen):
         10, ge=1, description="requests a key may send at once before the rate applies")
 
 
+class RouterAutoscaling(Frozen):
+    """Ray Serve's autoscaling of the router replicas on their ongoing requests (each
+    one a stream the replica relays). Defaults follow RayLLM's router: 200 ongoing
+    requests per replica, within a backlog of 4,096; Serve's upscale and downscale
+    delays. A replica that joins follows the status board and learns the finishes the
+    board still holds; one that leaves drains its requests (`shutdown_grace_s`) and its
+    budgets stop counting 3 s after its last poll."""
+
+    min_replicas: int = Field(1, ge=1, description="replicas kept however idle (the API "
+                              "needs one)")
+    max_replicas: int = Field(8, ge=1, description="replicas at most")
+    target_ongoing_requests: float = Field(
+        200.0, gt=0, description="ongoing requests per replica Serve scales towards")
+    upscale_delay_s: float = Field(30.0, ge=0, description="load above target this long "
+                                   "before a replica is added")
+    downscale_delay_s: float = Field(600.0, ge=0, description="load below target this "
+                                     "long before a replica is removed")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> RouterAutoscaling:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"router_autoscaling: min_replicas {self.min_replicas} > "
+                             f"max_replicas {self.max_replicas}")
+        return self
+
+    def serve_options(self) -> dict[str, int | float]:
+        """Ray Serve's `autoscaling_config` for the router deployment."""
+        return {"min_replicas": self.min_replicas, "initial_replicas": self.min_replicas,
+                "max_replicas": self.max_replicas,
+                "target_ongoing_requests": self.target_ongoing_requests,
+                "upscale_delay_s": self.upscale_delay_s,
+                "downscale_delay_s": self.downscale_delay_s}
+
+
 class ServeConfig(Frozen):
     """The served model's cluster and how the router treats requests."""
 
@@ -103,6 +137,9 @@ class ServeConfig(Frozen):
         "per period and every router replica follows the reports it publishes")
     num_router_replicas: int = Field(
         1, ge=1, description="router deployment replicas (Ray Serve); each routes its share")
+    router_autoscaling: RouterAutoscaling | None = Field(
+        None, description="let Ray Serve scale the router replicas on their ongoing "
+        "requests (instead of num_router_replicas); None: a fixed count")
     http_port: int = Field(8000, ge=1, le=65535, description="HTTP port of the OpenAI API")
     controller: ControllerConfig | None = Field(
         None, description="resize the pools from SARA's allocation (the cluster's engines "
@@ -120,6 +157,13 @@ class ServeConfig(Frozen):
         models = {(e.backend, e.model, e.model_path) for e in engines}
         if len(models) > 1:
             raise ValueError(f"cluster: every engine must serve the same model, got {models}")
+        return self
+
+    @model_validator(mode="after")
+    def _replicas_fixed_or_autoscaled(self) -> ServeConfig:
+        if self.router_autoscaling is not None and "num_router_replicas" in self.model_fields_set:
+            raise ValueError("give num_router_replicas (a fixed count) or router_autoscaling, "
+                             "not both")
         return self
 
     @model_validator(mode="after")

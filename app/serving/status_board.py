@@ -23,6 +23,7 @@ StatusChanges = Mapping[str, EngineStatus | None]  # engine id -> its report, No
 
 
 TOLD_FRESH_S = 3.0  # a replica's told slack counts this long (it tells every poll)
+GONE_S = 60.0  # a replica silent this long has left (downscaled, killed): off the board
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,16 @@ class StatusBoard:
             except TimeoutError:
                 break
         answer = self.changes(version)
+        now = time.monotonic()
         if follower is not None:
-            self.followers[follower] = (answer[0], time.monotonic())
+            self.followers[follower] = (answer[0], now)
+        self._drop_gone(now)
         return answer
+
+    def _drop_gone(self, now: float) -> None:
+        """Forget the replicas silent for `GONE_S` (autoscaling adds and removes them)."""
+        gone_before = now - GONE_S
+        for replica in [r for r, (_, at) in self.followers.items() if at < gone_before]:
+            del self.followers[replica]
+        for replica in [r for r, (_, at) in self._told.items() if at < gone_before]:
+            del self._told[replica]

@@ -706,6 +706,27 @@ def test_replicas_tell_the_board_their_smallest_slack_and_hear_the_others(monkey
     assert board.tellers == ["r2"]
 
 
+async def test_the_board_forgets_replicas_silent_for_a_minute(monkeypatch):
+    """Autoscaling adds and removes replicas: one that stopped polling leaves the
+    followers and the tellers, the ones still polling stay."""
+    from app.serving import status_board
+
+    clock = [100.0]
+    monkeypatch.setattr(status_board.time, "monotonic", lambda: clock[0])
+    board = StatusBoard()
+    for replica in ("r1", "r2"):
+        board.tell(replica, {"a": 1.0})
+        await board.wait_changes(0, 0.0, replica)
+    clock[0] += status_board.GONE_S - 1
+    board.tell("r2", {"a": 1.0})
+    await board.wait_changes(0, 0.0, "r2")
+    assert set(board.followers) == {"r1", "r2"}  # r1 silent, not yet gone
+    clock[0] += 2
+    await board.wait_changes(0, 0.0, "r2")
+    assert set(board.followers) == {"r2"} and board.tellers == ["r2"]
+    assert board.others_stalls("r2") == {}
+
+
 
 async def test_replicas_tell_the_board_what_finished_and_learn_the_others_lengths():
     """A finish reaches the other replica's length estimator through the board (no

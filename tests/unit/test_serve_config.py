@@ -44,6 +44,12 @@ def test_vllm_model_path_expands_home():
     ("cluster: {mode: disaggregated, groups: [{engine: {gpu_type: H800, role: prefill, "
      "backend: vllm, model_path: /m}}, {engine: {gpu_type: A40, role: decode, backend: vllm, "
      "model_path: /m, kv_connector: {kind: example}}}]}\n", "need a kv_connector"),
+    ("cluster: {groups: [{engine: {gpu_type: A40}}]}\nnum_router_replicas: 2\n"
+     "router_autoscaling: {max_replicas: 4}\n", "or router_autoscaling, not both"),
+    ("cluster: {groups: [{engine: {gpu_type: A40}}]}\n"
+     "router_autoscaling: {min_replicas: 3, max_replicas: 2}\n", "min_replicas 3 > max_replicas 2"),
+    ("cluster: {groups: [{engine: {gpu_type: A40}}]}\nrouter_autoscaling: {min_replicas: 0}\n",
+     "min_replicas"),
 ])
 def test_bad_serve_configs_say_what_is_wrong(tmp_path, yaml_text, message):
     path = tmp_path / "bad.yaml"
@@ -131,3 +137,16 @@ def test_serve_config_leaves_the_stall_factor_to_the_predictor_unless_set():
     pinned = config.model_copy(update={"routing": RoutingConfig(stall_factor=0.8)})
     pinned_stack = build_routing("goodserve", routing_options(pinned, trained))
     assert pinned_stack.policy.config.stall_factor == 0.8
+
+
+def test_router_autoscaling_becomes_serves_autoscaling_config(tmp_path):
+    """The section reaches Ray Serve as its autoscaling_config, starting at the minimum."""
+    path = tmp_path / "scaled.yaml"
+    path.write_text("cluster: {groups: [{engine: {gpu_type: A40}}]}\n"
+                    "router_autoscaling: {min_replicas: 2, max_replicas: 6, "
+                    "target_ongoing_requests: 50, downscale_delay_s: 120}\n")
+    scaling = load_serve_config(path).router_autoscaling
+    assert scaling is not None
+    assert scaling.serve_options() == {
+        "min_replicas": 2, "initial_replicas": 2, "max_replicas": 6,
+        "target_ongoing_requests": 50.0, "upscale_delay_s": 30.0, "downscale_delay_s": 120.0}
