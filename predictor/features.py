@@ -36,19 +36,15 @@ NUMERIC_FEATURES = (
 )
 
 
+def prompt_counts(prompt: str) -> tuple[int, int, int, int, int]:
+    """The prompt's words, characters, numbers, sentences and lines."""
+    return (len(prompt.split()), len(prompt), len(_NUMBER.findall(prompt)),
+            len(_SENTENCE_END.findall(prompt)), prompt.count("\n"))
+
+
 def numeric_features(inputs: Sequence[PredictionInput]) -> np.ndarray:
     """log1p counts that TF-IDF (length-normalised) cannot see."""
-    rows = [
-        (
-            len(inp.prompt.split()),
-            len(inp.prompt),
-            len(_NUMBER.findall(inp.prompt)),
-            len(_SENTENCE_END.findall(inp.prompt)),
-            inp.prompt.count("\n"),
-            inp.num_generated_tokens,
-        )
-        for inp in inputs
-    ]
+    rows = [(*prompt_counts(inp.prompt), inp.num_generated_tokens) for inp in inputs]
     return np.log1p(np.asarray(rows, dtype=np.float64).reshape(len(inputs), len(NUMERIC_FEATURES)))
 
 
@@ -102,6 +98,62 @@ def tfidf_rows(vectorizer: TfidfVectorizer, texts: Sequence[str]) -> sp.csr_matr
     return matrix
 
 
+ROW_CACHE_MAX_VALUES = 4_000_000  # about 32 MB of cached TF-IDF values
+
+
+@dataclass(frozen=True)
+class TextRow:
+    """What a request's text and prompt give, whatever its progress."""
+
+    columns: np.ndarray  # int32 TF-IDF columns
+    values: np.ndarray  # float32 TF-IDF values
+    counts: tuple[int, int, int, int, int]  # `prompt_counts`
+
+
+class TextRowCache:
+    """Each recent request text's `TextRow`, oldest dropped first while the values held
+    exceed `max_values`. A router predicts a running request's length again at every
+    watchdog check with the same text and a new `num_generated_tokens`: only that
+    column has to be computed again."""
+
+    def __init__(self, max_values: int = ROW_CACHE_MAX_VALUES) -> None:
+        self.max_values = max_values
+        self._rows: dict[tuple[str, str], TextRow] = {}
+        self._num_values = 0
+
+    def rows(self, inputs: Sequence[PredictionInput], vectorizer: TfidfVectorizer
+             ) -> list[TextRow]:
+        """Each input's row: from the cache, else computed (and kept)."""
+        keys = [(inp.prompt, inp.generated_text) for inp in inputs]
+        found = {key: self._rows.get(key) for key in keys}
+        missing, asked = [], set()
+        for i, key in enumerate(keys):
+            if found[key] is None and key not in asked:
+                missing.append(i)
+                asked.add(key)
+        if missing:
+            tfidf = tfidf_rows(vectorizer, [inputs[i].text for i in missing])
+            for row, i in enumerate(missing):
+                start, end = tfidf.indptr[row], tfidf.indptr[row + 1]
+                new = TextRow(tfidf.indices[start:end].copy(), tfidf.data[start:end].copy(),
+                              prompt_counts(inputs[i].prompt))
+                found[keys[i]] = new
+                self._keep(keys[i], new)
+        return [found[key] for key in keys]  # type: ignore[misc]
+
+    def _keep(self, key: tuple[str, str], row: TextRow) -> None:
+        self._rows[key] = row
+        self._num_values += len(row.values)
+        while self._num_values > self.max_values and self._rows:
+            oldest = next(iter(self._rows))
+            dropped = self._rows.pop(oldest, None)
+            if dropped is not None:
+                self._num_values -= len(dropped.values)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+
 class Featurizer(Protocol):
     """Turns requests into one sparse row each; fitted on training requests."""
 
@@ -147,21 +199,55 @@ class TextFeaturizer(BaseEstimator):
         return self
 
     def transform(self, inputs: Sequence[PredictionInput]) -> sp.csr_matrix:
-        """One float32 CSR row per input; unseen tasks get an all-zero one-hot."""
+        """One float32 CSR row per input: TF-IDF columns, the numeric columns, then the
+        task's (none for an unseen task). A text seen lately is not featurised again
+        (`TextRowCache`); the matrix is built in one piece, not stacked from blocks."""
         check_is_fitted(self)
-        tfidf = tfidf_rows(self.vectorizer_, [inp.text for inp in inputs])
-        numeric = (numeric_features(inputs) - self.numeric_mean_) / self.numeric_std_
-        task_cols = np.array([self.task_index_.get(inp.task, -1) for inp in inputs], dtype=np.int64)
-        rows = np.flatnonzero(task_cols >= 0)
-        one_hot = sp.csr_matrix(
-            (np.ones(len(rows), dtype=np.float32), (rows, task_cols[rows])),
-            shape=(len(inputs), len(self.task_index_)),
-        )
-        blocks = [tfidf, sp.csr_matrix(numeric.astype(np.float32)), one_hot]
-        return sp.hstack(blocks, format="csr", dtype=np.float32)
+        rows = self._row_cache.rows(inputs, self.vectorizer_)
+        counts = [(*r.counts, inp.num_generated_tokens) for r, inp in zip(rows, inputs,
+                                                                           strict=True)]
+        numeric = np.log1p(np.asarray(counts, dtype=np.float64).reshape(
+            len(inputs), len(NUMERIC_FEATURES)))
+        numeric = ((numeric - self.numeric_mean_) / self.numeric_std_).astype(np.float32)
+        tasks = np.array([self.task_index_.get(inp.task, -1) for inp in inputs], dtype=np.int64)
+        sizes = np.fromiter((len(r.columns) for r in rows), dtype=np.int64, count=len(rows))
+        has_task = tasks >= 0
+        indptr = np.concatenate([[0], np.cumsum(sizes + len(NUMERIC_FEATURES) + has_task)])
+        indices = np.empty(indptr[-1], dtype=np.int32)
+        data = np.empty(indptr[-1], dtype=np.float32)
+        firsts = indptr[:-1]
+        in_row = np.arange(sizes.sum()) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+        tfidf_at = np.repeat(firsts, sizes) + in_row
+        if len(tfidf_at):
+            indices[tfidf_at] = np.concatenate([r.columns for r in rows])
+            data[tfidf_at] = np.concatenate([r.values for r in rows])
+        vocabulary = len(self.vectorizer_.vocabulary_)
+        numeric_at = (firsts + sizes)[:, None] + np.arange(len(NUMERIC_FEATURES))
+        indices[numeric_at] = vocabulary + np.arange(len(NUMERIC_FEATURES))
+        data[numeric_at] = numeric
+        task_at = (firsts + sizes + len(NUMERIC_FEATURES))[has_task]
+        indices[task_at] = vocabulary + len(NUMERIC_FEATURES) + tasks[has_task]
+        data[task_at] = 1.0
+        matrix = sp.csr_matrix((data, indices, indptr), shape=(len(inputs), self.num_features_))
+        matrix.eliminate_zeros()  # as a block stack leaves out a numeric value of 0
+        return matrix
 
     def fit_transform(self, inputs: Sequence[PredictionInput]) -> sp.csr_matrix:
         return self.fit(inputs).transform(inputs)
+
+    @property
+    def _row_cache(self) -> TextRowCache:
+        """Made on first use and after loading: never saved, and a refit drops it."""
+        cache = self.__dict__.get("_rows")
+        if cache is None or cache[0] is not self.vectorizer_:
+            cache = (self.vectorizer_, TextRowCache())
+            self.__dict__["_rows"] = cache
+        return cache[1]
+
+    def __getstate__(self) -> dict:
+        state = dict(super().__getstate__())
+        state.pop("_rows", None)
+        return state
 
 
 @dataclass(frozen=True)

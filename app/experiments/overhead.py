@@ -17,6 +17,10 @@ MoE batches follow the router's micro-batcher rule (64 requests, or 2 ms after t
 oldest; a batch that waits for the busy thread takes everything that arrived meanwhile),
 each charged what a batch of its size measured on the predictor.
 
+Every request has a deadline, `slo_scale` x its solo time on an A800 (as replays set
+them), so GoodServe spreads the arrivals over the instances as it does in service: a
+request without one is met by any GPU and would join the weakest instance with the rest.
+
 The length estimator starts warm: it has seen `WARM_FINISHES` finished requests from
 the same content pool (a router that has been serving a while), so routing takes the
 paths it takes in steady state.
@@ -40,8 +44,10 @@ import typer
 
 from app.config import ClusterConfig
 from app.engine_types import EngineStatus
-from app.experiments.replay import cli_error, moe_factory
+from app.experiments.replay import cli_error, cluster_model, moe_factory
 from app.routing.base import ActiveRequest, RouteDecision, RoutingPolicy, Watchdog
+from app.routing.budgets import SlackBudgets, budgets_of
+from app.routing.finish_log import lengths_of
 from app.routing.fleet import FleetConfig, RouterFleet
 from app.routing.length import OutputLengthEstimator, PredictorLength, RunningHistoryLength
 from app.routing.registry import PolicyKind, RoutingOptions, build_routing
@@ -54,6 +60,7 @@ from app.routing.view import (
 )
 from app.sim.instance import setups_from_config
 from app.sim.simulator import Simulator
+from app.slo import assign_slos, phases_total_s, reference_instance, solo_phases_s
 from app.workload import Content, Workload, load_prompts, poisson_workload
 from predictor.base import PredictionInput, Predictor
 from predictor.batching import use_one_inference_thread
@@ -63,6 +70,7 @@ WARM_FINISHES = 2000
 MAX_BATCH_SIZE, MAX_WAIT_S = 64, 0.002  # the router's micro-batcher defaults
 SWEEP_INSTANCES = (8, 32, 128, 512)
 SWEEP_RPS = (1000, 2500, 5000, 10000)
+DEFAULT_SLO_SCALE = 2.0  # the middle of the replays' scales 1-3
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 
 
@@ -125,6 +133,16 @@ class TimedFeedback(TimedFinishes, RoutingPolicy):
     def __init__(self, policy: RoutingPolicy, log: WorkLog) -> None:
         self.inner, self.log = policy, log
 
+    @property
+    def length(self) -> OutputLengthEstimator | None:
+        """The inner policy's length estimator: replicas learn each other's finishes."""
+        return lengths_of(self.inner)
+
+    @property
+    def budgets(self) -> SlackBudgets | None:
+        """The inner policy's budgets: replicas tell each other their slack."""
+        return budgets_of(self.inner)
+
     def choose(self, request: RouteRequest, view: ClusterView, now: float) -> RouteDecision:
         return self.inner.choose(request, view, now)
 
@@ -170,9 +188,12 @@ class TimedWatchdog(TimedFinishes, Watchdog):
 
 
 class TimedFleet(RoutingPolicy):
-    """Several router replicas: each decision (the replica's view of the engines and its
-    policy) timed into the log of the replica that makes it; the replicas' own
-    policies and watchdogs log the rest."""
+    """Several router replicas: each decision's report (the budgets and finishes a
+    replica takes when one is due) and its policy timed into the log of the replica that
+    makes it; the replicas' own policies and watchdogs log the rest. The simulator's
+    making of what a replica knows (the engines less the others' unseen placements) is
+    not timed: a deployed replica's view is its own tracker, as a single router's view is
+    the simulator's, untimed too."""
 
     def __init__(self, fleet: RouterFleet, logs: Sequence[WorkLog]) -> None:
         self.fleet = fleet
@@ -180,8 +201,14 @@ class TimedFleet(RoutingPolicy):
 
     def choose(self, request: RouteRequest, view: ClusterView, now: float) -> RouteDecision:
         replica = self.fleet.replica_for(request)
-        with self.logs[id(replica)].timed(now, "choose", decision_arrival(request)):
-            return self.fleet.choose_on(replica, request, view, now)
+        log = self.logs[id(replica)]
+        with log.timed(now, "report"):
+            self.fleet.refresh(replica, view)
+        known = self.fleet.view_of(replica, view)
+        with log.timed(now, "choose", decision_arrival(request)):
+            decision = replica.policy.choose(request, known, now)
+        self.fleet.record(replica, request, decision)
+        return decision
 
     def on_step(self, instance_id: InstanceId, report: StepReport, now: float) -> None:
         self.fleet.on_step(instance_id, report, now)
@@ -209,12 +236,16 @@ class BatchCost:
     @classmethod
     def measure(cls, predictor: Predictor, inputs: Sequence[PredictionInput],
                 repeats: int = 5) -> BatchCost:
+        """Each batch of prompts the predictor has not seen (arrivals are new requests:
+        none of their text is featurised yet)."""
         sizes = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= MAX_BATCH_SIZE)
         seconds = []
         for size in sizes:
             runs = []
             for r in range(repeats):
-                batch = [inputs[(r * size + k) % len(inputs)] for k in range(size)]
+                picked = [inputs[(r * size + k) % len(inputs)] for k in range(size)]
+                batch = [replace(inp, prompt=f"{inp.prompt} {size}-{r}-{k}")
+                         for k, inp in enumerate(picked)]
                 start = time.perf_counter()
                 predictor.predict(batch)
                 runs.append(time.perf_counter() - start)
@@ -346,13 +377,16 @@ class Overhead:
     routers: int = 1
     # per router replica: decisions, p99 and last-decile p99 (ms), decisions/s, busy share
     per_router: tuple[dict[str, float], ...] = ()
+    slo_scale: float = DEFAULT_SLO_SCALE
+    instances_used: int = 0  # instances the decisions placed requests on
 
     def summary(self) -> dict[str, Any]:
         lat = self.latency_ms
         extra = {} if self.routers == 1 else {"per_router": list(self.per_router)}
         return {
             "instances": self.instances, "rps": self.rps, "duration_s": self.duration_s,
-            "predictor": self.predictor, "routers": self.routers, "decisions": self.decisions,
+            "predictor": self.predictor, "routers": self.routers, "slo_scale": self.slo_scale,
+            "instances_used": self.instances_used, "decisions": self.decisions,
             "p50_ms": round(float(np.percentile(lat, 50)), 4),
             "p99_ms": round(float(np.percentile(lat, 99)), 4),
             "max_ms": round(float(lat.max()), 4),
@@ -372,16 +406,24 @@ def content_pool(prompts: Path | None) -> list[Content]:
     return [Content(256 + 64 * (i % 16), 64 + 32 * (i % 11), (i,)) for i in range(512)]
 
 
+def with_deadlines(workload: Workload, cluster: ClusterConfig, slo_scale: float) -> Workload:
+    """Each request's SLO: `slo_scale` x its solo time on the replays' reference GPU."""
+    phases_s = solo_phases_s(workload.requests, reference_instance(cluster_model(cluster)))
+    return assign_slos(workload, phases_total_s(workload.requests, phases_s), slo_scale)
+
+
 def measure(instances: int, rps: float, duration_s: float, pool: Sequence[Content],
             predictor_factory: Callable[[], Predictor] | None = None,
-            seed: int = 0, warmup_s: float = 1.0, routers: int = 1) -> Overhead:
+            seed: int = 0, warmup_s: float = 1.0, routers: int = 1,
+            slo_scale: float = DEFAULT_SLO_SCALE) -> Overhead:
     """Run the router core at `rps` against `instances` simulated instances and lay its
     work on one thread per router replica (module docstring); the first `warmup_s` of
     arrivals fill the instances and are not reported."""
     if rps <= 0 or duration_s <= 0 or warmup_s < 0:
         raise ValueError("rps and duration must be > 0, warm-up >= 0")
     cluster = mixed_cluster(instances)
-    workload = poisson_workload(rps, warmup_s + duration_s, pool, seed=seed)
+    workload = with_deadlines(poisson_workload(rps, warmup_s + duration_s, pool, seed=seed),
+                              cluster, slo_scale)
     batches: BatchCost | None = None
     lengths: list[OutputLengthEstimator] = []
     for _ in range(routers):  # each replica predicts and learns on its own
@@ -416,7 +458,7 @@ def measure(instances: int, rps: float, duration_s: float, pool: Sequence[Conten
     gc.collect()
     gc.freeze()
     try:
-        sim.run(workload)
+        records = sim.run(workload).records
     finally:
         gc.unfreeze()
     measured_from = workload.requests[0].arrival_s + warmup_s
@@ -437,7 +479,8 @@ def measure(instances: int, rps: float, duration_s: float, pool: Sequence[Conten
         instances, rps, duration_s, "moe" if predictor_factory else "history", decisions,
         latency * 1e3, decisions / span if span > 0 else math.nan,
         sum(t.busy_s for t in threads) / decisions * 1e3, breakdown, routers,
-        tuple(_router_figures(t) for t in threads) if routers > 1 else ())
+        tuple(_router_figures(t) for t in threads) if routers > 1 else (), slo_scale,
+        len({iid for r in records for iid in r.instance_ids}))
 
 
 def _router_figures(thread: RouterThread) -> dict[str, float]:
@@ -499,6 +542,8 @@ def overhead(
     seed: int = typer.Option(0),
     routers: int = typer.Option(1, min=1, help="router replicas sharing the rate, each on "
                                 "its own thread with its own state and MoE batches"),
+    slo_scale: float = typer.Option(DEFAULT_SLO_SCALE, min=0.01, help="each request's "
+                                    "deadline: this x its solo time on an A800"),
     sweep: bool = typer.Option(False, help=f"every instances {SWEEP_INSTANCES} x rps "
                                f"{SWEEP_RPS}, with and without --predictor"),
     out: Path | None = typer.Option(None, help="--sweep: write overhead.csv, overhead.png"),
@@ -516,7 +561,8 @@ def overhead(
         pool = content_pool(prompts)
         factory = moe_factory(predictor) if predictor is not None else None
         if not sweep:
-            result = measure(instances, rps, duration, pool, factory, seed, warmup, routers)
+            result = measure(instances, rps, duration, pool, factory, seed, warmup, routers,
+                             slo_scale)
             typer.echo(json.dumps(result.summary(), indent=None if as_json else 2))
             return
         rows = []
@@ -524,7 +570,7 @@ def overhead(
             for n in SWEEP_INSTANCES:
                 for rate in SWEEP_RPS:
                     row = measure(n, rate, duration, pool, factory_or_none, seed,
-                                  warmup, routers).summary()
+                                  warmup, routers, slo_scale).summary()
                     rows.append(row)
                     if not as_json:
                         typer.echo(json.dumps(row), err=True)

@@ -197,12 +197,18 @@ class RouterFleet(RoutingPolicy):
         """`replica`'s decision (its refresh, view and policy) for `request`."""
         self.refresh(replica, view)
         decision = replica.policy.choose(request, self.view_of(replica, view), now)
-        if not isinstance(decision, Reject):
-            if request.request_id in self.owner:  # re-routed: it left where it was
-                self._left(request.request_id)
-            self.owner[request.request_id] = replica
-            self._placed(request.request_id, decision)
+        self.record(replica, request, decision)
         return decision
+
+    def record(self, replica: Replica, request: RouteRequest, decision: RouteDecision) -> None:
+        """`replica` placed `request` (unless it rejected it): the others see it at their
+        next report."""
+        if isinstance(decision, Reject):
+            return
+        if request.request_id in self.owner:  # re-routed: it left where it was
+            self._left(request.request_id)
+        self.owner[request.request_id] = replica
+        self._placed(request.request_id, decision)
 
     def view_of(self, replica: Replica, view: ClusterView) -> ClusterView:
         """The engines as `replica` knows them (`Replica.view`)."""

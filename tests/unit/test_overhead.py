@@ -95,6 +95,19 @@ def test_a_trained_predictor_is_timed_in_batches():
     assert result.cpu_ms_per_decision == pytest.approx(sum(result.breakdown_ms.values()))
 
 
+def test_requests_carry_deadlines_so_the_decisions_spread_over_the_instances():
+    """Without deadlines every GPU is just enough and all arrivals would join one
+    instance, leaving the status updates and watchdog checks of the rest unmeasured."""
+    from app.experiments.overhead import measure
+    from app.workload import Content
+
+    pool = [Content(200 + 50 * (i % 7), 30 + 10 * (i % 5), (i,)) for i in range(64)]
+    result = measure(8, 400.0, 0.5, pool, None, seed=1, warmup_s=0.3, slo_scale=1.5)
+    assert result.instances_used >= 6, result.summary()
+    assert result.summary()["slo_scale"] == 1.5
+    assert result.breakdown_ms["status"] > 0
+
+
 def test_several_routers_each_lay_their_share_on_their_own_thread():
     from app.experiments.overhead import measure
     from app.workload import Content
@@ -155,3 +168,25 @@ def test_the_timed_fleet_passes_every_feedback_to_the_replicas():
     fleet = RouterFleet([(p, None) for p in policies], FleetConfig(2))
     TimedFleet(fleet, [WorkLog(), WorkLog()]).on_status(object(), 0.0)
     assert [p.statuses for p in policies] == [1, 1]
+
+
+def test_timed_replicas_still_share_their_budgets_and_learn_each_others_finishes():
+    """The timing wrapper shows the fleet the policy's estimator and budgets, so the
+    measured replicas do the sharing work deployed ones do."""
+    from app.experiments.overhead import TimedFeedback
+    from app.routing.budgets import budgets_of
+    from app.routing.finish_log import lengths_of
+    from app.routing.registry import PolicyKind, build_routing
+
+    policy = build_routing(PolicyKind.GOODSERVE).policy
+    timed = TimedFeedback(policy, WorkLog())
+    assert lengths_of(timed) is policy.length and budgets_of(timed) is policy.budgets
+
+
+def test_a_replicas_report_is_timed_apart_from_its_decisions():
+    from app.experiments.overhead import measure
+    from app.workload import Content
+
+    pool = [Content(200 + 50 * (i % 7), 30 + 10 * (i % 5), (i,)) for i in range(64)]
+    four = measure(8, 400.0, 0.5, pool, None, seed=2, warmup_s=0.3, routers=4)
+    assert four.breakdown_ms["report"] > 0 and four.breakdown_ms["choose"] > 0

@@ -43,6 +43,68 @@ def test_tfidf_rows_equal_sklearn_transform(ngram_max, seed):
     assert got.nnz > 0
 
 
+def reference_transform(featurizer, inputs):
+    """`TextFeaturizer.transform` without its row cache: every text featurised."""
+    import scipy.sparse as sp
+
+    from predictor.features import numeric_features
+
+    tfidf = tfidf_rows(featurizer.vectorizer_, [inp.text for inp in inputs])
+    numeric = (numeric_features(inputs) - featurizer.numeric_mean_) / featurizer.numeric_std_
+    tasks = np.array([featurizer.task_index_.get(inp.task, -1) for inp in inputs])
+    rows = np.flatnonzero(tasks >= 0)
+    one_hot = sp.csr_matrix((np.ones(len(rows), dtype=np.float32), (rows, tasks[rows])),
+                            shape=(len(inputs), len(featurizer.task_index_)))
+    return sp.hstack([tfidf, sp.csr_matrix(numeric.astype(np.float32)), one_hot],
+                     format="csr", dtype=np.float32)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_cached_text_rows_give_the_features_of_a_fresh_featurisation(seed):
+    """Batches that repeat texts, with new progress, generated text and texts the
+    cache dropped, featurise exactly as computing every row again does."""
+    import pickle
+
+    from predictor.base import PredictionInput
+    from predictor.features import TextFeaturizer
+
+    rng = np.random.default_rng(seed)
+    texts = random_texts(rng, 60)
+    tasks = ["chat", "math", None]
+    train = [PredictionInput(t, task=tasks[i % 3]) for i, t in enumerate(texts)]
+    featurizer = TextFeaturizer(ngram_max=2, min_df=1).fit(train)
+    featurizer._row_cache.max_values = 200  # small: rows are dropped along the way
+    for _ in range(6):
+        picks = rng.integers(0, len(texts), size=25)
+        batch = [PredictionInput(texts[i], num_generated_tokens=int(rng.integers(0, 300)),
+                                 generated_text="beta x" if i % 7 == 0 else "",
+                                 task=tasks[i % 3]) for i in picks]
+        got, expected = featurizer.transform(batch), reference_transform(featurizer, batch)
+        np.testing.assert_array_equal(got.indptr, expected.indptr)
+        np.testing.assert_array_equal(got.indices, expected.indices)
+        np.testing.assert_array_equal(got.data, expected.data)
+    assert 0 < featurizer._row_cache._num_values <= 200
+    restored = pickle.loads(pickle.dumps(featurizer))
+    assert "_rows" not in restored.__dict__ and len(restored._row_cache) == 0
+
+
+def test_a_request_predicted_again_is_not_featurised_again(monkeypatch):
+    from predictor import features
+    from predictor.base import PredictionInput
+
+    texts = random_texts(np.random.default_rng(3), 30)
+    featurizer = features.TextFeaturizer(min_df=1).fit([PredictionInput(t) for t in texts])
+    first = featurizer.transform([PredictionInput(t) for t in texts[:10]])
+
+    def featurised(*args):
+        raise AssertionError("featurised again")
+
+    monkeypatch.setattr(features, "tfidf_rows", featurised)
+    again = featurizer.transform([PredictionInput(t, num_generated_tokens=40)
+                                  for t in texts[:10]])
+    assert again.shape == first.shape and (again != first).nnz > 0  # progress moved
+
+
 def test_tfidf_rows_reject_a_configuration_they_do_not_reproduce():
     texts = ["one two three", "two three four", "three four five"]
     vectorizer = TfidfVectorizer(sublinear_tf=False).fit(texts)
