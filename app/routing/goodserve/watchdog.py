@@ -90,10 +90,7 @@ class SloWatchdog(Watchdog):
     ) -> Mapping[str, InstanceId]:
         source = view.get(instance_id)
         may_move = self._check_period == self.tau_iterations or self._crossed_tau(source)
-        source_capability = capability_s_per_token(source.spec)
-        stronger = [
-            v for v in view.instances if capability_s_per_token(v.spec) < source_capability
-        ]
+        stronger: list[InstanceView] | None = None  # listed when a request first needs it
         watched = [a for a in active if a.request.has_deadline]
         moves: dict[str, InstanceId] = {}
         if not watched:
@@ -113,9 +110,11 @@ class SloWatchdog(Watchdog):
                 self.budgets.admit(instance_id, rid, -late_s)
                 continue
             target = None
-            if may_move and stronger and late_s > self.config.migration_margin * max(
-                    time_left, 0.0):
-                target = self._target(item, total, stronger, view, now)
+            if may_move and late_s > self.config.migration_margin * max(time_left, 0.0):
+                if stronger is None:
+                    stronger = stronger_than(source, view)
+                if stronger:
+                    target = self._target(item, total, stronger, view, now)
             if target is None:  # it stays, unprotected
                 self.budgets.remove(rid)
                 continue
@@ -158,6 +157,12 @@ class SloWatchdog(Watchdog):
         if quantile >= 1.0 or not self.admissions.contended(target.instance_id):
             return True
         return target.latency_s <= self.admissions.quantile_s(target.instance_id, quantile)
+
+
+def stronger_than(source: InstanceView, view: ClusterView) -> list[InstanceView]:
+    """The instances that decode faster than `source`: where a late request may move."""
+    capability = capability_s_per_token(source.spec)
+    return [v for v in view.instances if capability_s_per_token(v.spec) < capability]
 
 
 def _as_resumed(request: RouteRequest, num_generated: int) -> RouteRequest:
