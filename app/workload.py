@@ -314,6 +314,24 @@ def scale_and_window(
     return scaled, window if window is not None else scaled[-1].arrival_s
 
 
+def spread_within_ticks(workload: Workload, seed: int) -> Workload:
+    """The requests that share an arrival time, spread uniformly up to the next distinct
+    one (the last tick spans the mean gap): a trace whose timestamps were rounded (the
+    Mooncake conversation trace's ticks hold about ten requests each) replayed as the
+    spread arrivals the ticks stood for, instead of bursts at one instant."""
+    if workload.graph is not None:
+        raise ValueError("a closed-loop workload issues its steps itself: no ticks to spread")
+    times = sorted({r.arrival_s for r in workload.requests})
+    if len(times) < 2:
+        return workload
+    mean_gap_s = (times[-1] - times[0]) / (len(times) - 1)
+    next_tick = dict(zip(times, [*times[1:], times[-1] + mean_gap_s], strict=True))
+    rng = random.Random(seed)
+    spread = [replace(r, arrival_s=rng.uniform(r.arrival_s, next_tick[r.arrival_s]))
+              for r in workload.requests]
+    return workload.with_requests(sorted(spread, key=lambda r: r.arrival_s))
+
+
 def poisson_arrivals(rate: float, duration_s: float, seed: int) -> list[float]:
     """Arrival times of a Poisson process on [0, duration_s)."""
     _check_rate(rate, duration_s, "Poisson")

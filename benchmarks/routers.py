@@ -11,6 +11,9 @@ sharing nothing | reports | budgets | learning (default: what the live replicas
 share), spread session (default: a hash of the
 session; lone requests at random) | random; replicas report every 0.1 s (the live poll).
 Each variant runs GoodServe at every SLO scale of --scales on the same workload.
+`--spread-ticks`: the Mooncake trace's timestamps are rounded to ticks of about ten
+requests; spread each tick's requests up to the next (`mooncake/spread`) instead of
+replaying them at one instant, where replicas cannot see each other's placements.
 
 Choice and report data: the sharing was chosen on headline seed 0 and chat-agent seed
 11; the report is headline seeds 1-3 and the matrix's seed 0 (`--seeds`).
@@ -18,7 +21,7 @@ Choice and report data: the sharing was chosen on headline seed 0 and chat-agent
 Writes under --out: cells.csv (one row per workload, seed, variant and scale) and
 report.md (each variant's met requests over one router's, mean over seeds).
 Usage: python -m benchmarks.routers [--workloads headline,chat-agent] [--seeds 1,2,3]
-       [--variants 1,2,4,8,16,4/nothing,4/budgets] [--jobs 2] [--resume]
+       [--variants 1,2,4,8,16,4/nothing,4/budgets] [--jobs 2] [--resume] [--spread-ticks]
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from app.routing.fleet import FleetConfig, Sharing, Spread
 from app.routing.goodserve import GoodServeConfig
 from app.routing.length import PredictorLength
 from app.routing.registry import PolicyKind, RoutingOptions
+from app.workload import spread_within_ticks
 from benchmarks.agentic import CLUSTERS, DURATION_S, TRACE, MatrixSetup, in_pool, make_workload
 from benchmarks.agentic import read_calibrations as read_agentic_calibrations
 from benchmarks.cli import run_command
@@ -91,9 +95,17 @@ class Unit:
     seed: int
 
 
+def unit_label(workload: str, spread_ticks: bool) -> str:
+    """The workload's name in cells.csv: `mooncake/spread` with its ticks spread."""
+    return "mooncake/spread" if spread_ticks and workload == "mooncake" else workload
+
+
 def run_unit(unit: Unit, variants: Sequence[Variant], scales: Sequence[float],
-             predictor_dir: Path, test_prompts: Path, calibration: Path) -> list[dict]:
-    """Every variant at every scale on one workload and seed."""
+             predictor_dir: Path, test_prompts: Path, calibration: Path,
+             spread_ticks: bool = False) -> list[dict]:
+    """Every variant at every scale on one workload and seed; with `spread_ticks` the
+    Mooncake trace's requests that share a timestamp arrive spread over their tick
+    (`spread_within_ticks`), and the workload is labelled `mooncake/spread`."""
     from predictor.registry import load_predictor
 
     routing = RoutingOptions(unit.seed)
@@ -117,12 +129,15 @@ def run_unit(unit: Unit, variants: Sequence[Variant], scales: Sequence[float],
             return []
         work = make_workload(name, config, rate, unit.seed,
                              MatrixSetup(dict(DURATION_S), TRACE, ()))
+    label = unit_label(unit.workload, spread_ticks)
+    if label != unit.workload:
+        work = spread_within_ticks(work, unit.seed)
     rows = []
     for variant in variants:
         spec = ReplaySpec(config, (PolicyKind.GOODSERVE,), tuple(scales), seed=unit.seed,
                           routing=routing, fleet=variant.fleet())
         for cell in run_replay(spec, work):
-            rows.append({"workload": unit.workload, "cluster": cluster_name,
+            rows.append({"workload": label, "cluster": cluster_name,
                          "seed": unit.seed, "variant": variant.label,
                          "routers": variant.routers, "sharing": variant.sharing.value,
                          "spread": variant.spread.value, "slo_scale": cell.slo_scale,
@@ -170,6 +185,9 @@ def routers(
     jobs: Annotated[int, typer.Option(help="units at once (processes)")] = 2,
     resume: Annotated[bool, typer.Option("--resume", help="keep --out/cells.csv; run only "
                                          "the units it lacks")] = False,
+    spread_ticks: Annotated[bool, typer.Option(
+        "--spread-ticks", help="mooncake: spread each tick's requests (the trace's "
+        "timestamps are rounded) up to the next tick instead of one instant")] = False,
 ) -> int:
     """Run every variant on each unit; write cells.csv and report.md."""
     try:
@@ -197,10 +215,10 @@ def routers(
     if not resume:
         path.unlink(missing_ok=True)
     done = {(c["workload"], int(c["seed"])) for c in read_rows(path)}
-    units = [Unit(w, s) for w in chosen
-             for s in (seed_list if w == "headline" else agentic_list) if (w, s) not in done]
+    units = [Unit(w, s) for w in chosen for s in (seed_list if w == "headline" else agentic_list)
+             if (unit_label(w, spread_ticks), s) not in done]
     for rows in in_pool(run_unit, [(u, variant_list, scale_list, split_dir / "predictors",
-                                    test_prompts, calibration) for u in units],
+                                    test_prompts, calibration, spread_ticks) for u in units],
                         jobs, "router variants", "unit"):
         append_rows(path, rows, CELL_FIELDS)
     text = report(read_rows(path, integer=("seed", "met", "requests")))

@@ -16,6 +16,8 @@ from app.workload import (
     Content,
     SyntheticArrivals,
     TraceRow,
+    Workload,
+    WorkloadRequest,
     batch_arrivals,
     burst_sizes,
     gamma_arrivals,
@@ -29,6 +31,7 @@ from app.workload import (
     poisson_workload,
     sample_contents,
     scale_and_window,
+    spread_within_ticks,
     synthetic_workload,
     text_block_hashes,
     trace_workload,
@@ -263,3 +266,19 @@ def test_demo_workload_is_seeded_and_shares_a_system_prompt():
     assert all(len(c.block_hashes) * 16 <= c.num_prompt_tokens for c in contents)
     workload = demo_workload(rate=3.0, duration_s=20.0, seed=3)
     assert 30 < len(workload) < 90 and workload.duration_s == 20.0
+
+
+def test_spreading_ticks_moves_each_tick_s_requests_up_to_the_next_tick():
+    def request(i: int, at: float) -> WorkloadRequest:
+        return WorkloadRequest(f"r{i}", at, 100, 10)
+
+    ticks = [0.0] * 5 + [3.0] * 4 + [6.0] * 3
+    work = Workload(tuple(request(i, t) for i, t in enumerate(ticks)), duration_s=9.0)
+    spread = spread_within_ticks(work, seed=0)
+    assert len(spread) == len(work) and spread.duration_s == 9.0
+    arrivals = [r.arrival_s for r in spread.requests]
+    assert arrivals == sorted(arrivals) and len(set(arrivals)) == len(arrivals)
+    by_id = {r.request_id: r.arrival_s for r in spread.requests}
+    for i, tick in enumerate(ticks):
+        assert tick <= by_id[f"r{i}"] <= tick + 3.0  # the last tick spans the mean gap
+    assert spread_within_ticks(work, seed=0) == spread
