@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import bisect
 from abc import ABC, abstractmethod
-from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 from app.routing.base import StepListener
-from app.routing.quantiles import kaplan_meier_quantile, nearest_rank_quantile
+from app.routing.quantiles import SortedWindow, kaplan_meier_quantile
 from app.routing.view import FinishReport, RouteRequest
 
 if TYPE_CHECKING:
@@ -108,8 +107,7 @@ class RunningHistoryLength(OutputLengthEstimator):
         if window_size < 1:
             raise ValueError(f"window_size must be >= 1, got {window_size}")
         self.default_tokens = default_tokens
-        self._window: deque[int] = deque(maxlen=window_size)
-        self._sorted: list[int] = []
+        self._lengths = SortedWindow(window_size)
         self._req_to_num_generated: dict[str, int] = {}  # running, as last reported
         self._num_finished = 0
         # (num_generated, quantile) -> (confident length, whether finished lengths reach
@@ -117,11 +115,7 @@ class RunningHistoryLength(OutputLengthEstimator):
         self._confident: dict[tuple[int, float], tuple[float, bool]] = {}
 
     def observe_length(self, num_tokens: int) -> None:
-        if len(self._window) == self._window.maxlen:
-            old = self._window[0]
-            del self._sorted[bisect.bisect_left(self._sorted, old)]
-        self._window.append(num_tokens)
-        bisect.insort(self._sorted, num_tokens)
+        self._lengths.append(num_tokens)
 
     def on_finish(self, report: FinishReport, now: float) -> None:
         self.observe_length(report.num_output_tokens)
@@ -135,7 +129,7 @@ class RunningHistoryLength(OutputLengthEstimator):
 
     def on_progress(self, req_to_num_generated: Mapping[str, int]) -> None:
         self._req_to_num_generated.update(req_to_num_generated)
-        excess = len(self._req_to_num_generated) - (self._window.maxlen or 0)
+        excess = len(self._req_to_num_generated) - self._lengths.size
         if excess > 0:  # requests never reported finished or dropped: oldest first
             for request_id in list(self._req_to_num_generated)[:excess]:
                 del self._req_to_num_generated[request_id]
@@ -153,12 +147,12 @@ class RunningHistoryLength(OutputLengthEstimator):
         """(the Kaplan-Meier `quantile` of totals above `num_generated`, whether the
         finished lengths reach it); when they do not, the longest length seen, a
         lower bound. Cached until CONFIDENT_REFRESH_FINISHES more requests finish."""
-        start = bisect.bisect_right(self._sorted, num_generated)
-        if start == len(self._sorted):  # nothing finished above: no spread to go on
+        start = bisect.bisect_right(self._lengths.sorted, num_generated)
+        if start == len(self._lengths.sorted):  # nothing finished above: no spread to go on
             return self.conditional_quantile(num_generated, quantile), False
         key = (num_generated, quantile)
         if key not in self._confident:
-            finished = self._sorted[start:]
+            finished = self._lengths.sorted[start:]
             censored = sorted(n for n in self._req_to_num_generated.values() if n > num_generated)
             total = kaplan_meier_quantile(finished, censored, quantile)
             self._confident[key] = (total, True) if total is not None else (
@@ -167,13 +161,13 @@ class RunningHistoryLength(OutputLengthEstimator):
 
     def conditional_quantile(self, num_generated: int, quantile: float) -> float:
         """The `quantile` of recently finished lengths longer than `num_generated`."""
-        start = bisect.bisect_right(self._sorted, num_generated)
-        longer = len(self._sorted) - start
-        if not self._sorted:
+        start = bisect.bisect_right(self._lengths.sorted, num_generated)
+        longer = len(self._lengths.sorted) - start
+        if not self._lengths.sorted:
             return float(max(self.default_tokens, num_generated + 1))
         if longer == 0:  # outlived everything seen: assume it is about to end
             return float(num_generated + 1)
-        return float(self._sorted[start + min(int(quantile * longer), longer - 1)])
+        return float(self._lengths.sorted[start + min(int(quantile * longer), longer - 1)])
 
 
 class PredictorLength(OutputLengthEstimator):
@@ -186,19 +180,14 @@ class PredictorLength(OutputLengthEstimator):
     def __init__(self, predictor: Predictor, calibration_window: int = 2000) -> None:
         self.predictor = predictor
         # true / predicted length of recently finished requests, prediction made at arrival
-        self._ratios: deque[float] = deque(maxlen=calibration_window)
-        self._ratio_quantile: tuple[tuple[int, float], float] = ((-1, 0.0), 1.0)
-        self._num_finished = 0
+        self._ratios = SortedWindow(calibration_window)
 
     def confident_output(self, request: RouteRequest, quantile: float) -> float | None:
         """The arrival prediction scaled by the `quantile` of recent true/predicted
         ratios: the predictor's own error spread, learned from finished requests."""
         if request.num_generated_tokens or len(self._ratios) < MIN_CALIBRATION_SAMPLES:
             return None
-        key = (self._num_finished, quantile)
-        if self._ratio_quantile[0] != key:
-            self._ratio_quantile = (key, nearest_rank_quantile(self._ratios, quantile))
-        return self.expected_output(request) * self._ratio_quantile[1]
+        return self.expected_output(request) * self._ratios.quantile(quantile)
 
     def expected_output(self, request: RouteRequest) -> float:
         if request.predicted_output_tokens is not None and request.num_generated_tokens == 0:
@@ -223,5 +212,4 @@ class PredictorLength(OutputLengthEstimator):
         self.predictor.observe(report.num_output_tokens, report.request.task)
         predicted = report.request.predicted_output_tokens
         if predicted:
-            self._num_finished += 1
             self._ratios.append(report.num_output_tokens / predicted)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+from collections import deque
 from collections.abc import Collection, Sequence
 
 
@@ -10,6 +11,34 @@ def nearest_rank_quantile(values: Collection[float], q: float) -> float:
     """The q-quantile of `values` at the nearest rank below (one of the values)."""
     ordered = sorted(values)
     return ordered[int(q * (len(ordered) - 1))]
+
+
+class SortedWindow:
+    """The last `size` values, in arrival order and sorted: a quantile of a sliding
+    window read at every routing decision without sorting the window each time."""
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"window size must be >= 1, got {size}")
+        self._arrivals: deque[float] = deque(maxlen=size)
+        self.sorted: list[float] = []  # the same values, ascending
+
+    def append(self, value: float) -> None:
+        if len(self._arrivals) == self._arrivals.maxlen:
+            del self.sorted[bisect.bisect_left(self.sorted, self._arrivals[0])]
+        self._arrivals.append(value)
+        bisect.insort(self.sorted, value)
+
+    def quantile(self, q: float) -> float:
+        """`nearest_rank_quantile` of the window (not empty)."""
+        return self.sorted[int(q * (len(self.sorted) - 1))]
+
+    def __len__(self) -> int:
+        return len(self.sorted)
+
+    @property
+    def size(self) -> int:
+        return self._arrivals.maxlen or 0
 
 
 def kaplan_meier_quantile(

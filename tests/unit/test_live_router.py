@@ -750,7 +750,7 @@ async def test_replicas_tell_the_board_what_finished_and_learn_the_others_length
     board.tell("r1", {}, told)
     cursor, heard = board.others_finished(0, "r2")
     second.learn_finished(heard)
-    assert list(second.policy.length._window) == [7] and cursor == 1
+    assert list(second.policy.length._lengths.sorted) == [7] and cursor == 1
     assert board.others_finished(0, "r1") == (1, [])  # its own finish is not sent back
     alone = LiveRouter([engine], build_routing(PolicyKind.GOODSERVE))
     await alone.poll_once()

@@ -62,7 +62,7 @@ def assert_stack_has(stack: RoutingStack, values: dict[str, Any]) -> None:
     assert policy.status.alpha == values["alpha"]
     assert policy.admissions.window == values["admissions_window"]
     assert policy.admissions.min_slo_samples == values["min_slo_samples"]
-    assert policy.admissions._slo_spans.maxlen == values["slo_window"]
+    assert policy.admissions._slo_spans.size == values["slo_window"]
     assert watchdog.tau_iterations == values["tau_iterations"]
 
 

@@ -7,12 +7,11 @@ themselves for tight deadlines (`reservation_quantile`).
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Sequence
 
 from app.routing.goodserve.config import GoodServeConfig
 from app.routing.goodserve.latency import Candidate
-from app.routing.quantiles import nearest_rank_quantile
+from app.routing.quantiles import SortedWindow
 from app.routing.view import InstanceId, RouteRequest
 
 
@@ -36,13 +35,12 @@ class RecentAdmissions:
     def __init__(self, config: GoodServeConfig = GoodServeConfig()) -> None:
         self.window = config.admissions_window
         self.min_slo_samples = config.min_slo_samples
-        self._latencies: dict[InstanceId, deque[float]] = {}
+        self._latencies: dict[InstanceId, SortedWindow] = {}
         self._num_arrivals = 0
         self._last_turned_away: dict[InstanceId, int] = {}  # arrival number
         self._last_stranded: dict[InstanceId, int] = {}  # arrival number
         self._last_any_stranded: int | None = None
-        self._slo_spans: deque[float] = deque(maxlen=config.slo_window)
-        self._span_quantile: tuple[tuple[int, float], float] = ((-1, 0.0), math.inf)
+        self._slo_spans = SortedWindow(config.slo_window)
 
     def record_arrival(
         self, request: RouteRequest, candidates: Sequence[Candidate], headroom: float
@@ -77,7 +75,7 @@ class RecentAdmissions:
         """A new request was placed on `instance_id` with estimated latency T."""
         latencies = self._latencies.get(instance_id)
         if latencies is None:
-            latencies = self._latencies[instance_id] = deque(maxlen=self.window)
+            latencies = self._latencies[instance_id] = SortedWindow(self.window)
         latencies.append(latency_s)
 
     def contended(self, instance_id: InstanceId) -> bool:
@@ -97,12 +95,9 @@ class RecentAdmissions:
         fewer than `min_slo_samples` were seen."""
         if len(self._slo_spans) < self.min_slo_samples:
             return math.inf
-        key = (self._num_arrivals, q)  # the spans change only with arrivals
-        if self._span_quantile[0] != key:
-            self._span_quantile = (key, nearest_rank_quantile(self._slo_spans, q))
-        return self._span_quantile[1]
+        return self._slo_spans.quantile(q)
 
     def quantile_s(self, instance_id: InstanceId, q: float) -> float:
         """The q-quantile (nearest rank below) of recent T; inf before any admission."""
         latencies = self._latencies.get(instance_id)
-        return nearest_rank_quantile(latencies, q) if latencies else math.inf
+        return latencies.quantile(q) if latencies else math.inf
