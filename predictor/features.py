@@ -7,6 +7,7 @@ embedding bag (cost proportional to non-zeros, not to the vocabulary size).
 from __future__ import annotations
 
 import re
+import threading
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,10 +43,15 @@ def prompt_counts(prompt: str) -> tuple[int, int, int, int, int]:
             len(_SENTENCE_END.findall(prompt)), prompt.count("\n"))
 
 
+def log_counts(rows: Sequence[tuple[int, ...]]) -> np.ndarray:
+    """`NUMERIC_FEATURES` rows (prompt counts, then progress) as log1p."""
+    return np.log1p(np.asarray(rows, dtype=np.float64).reshape(len(rows), len(NUMERIC_FEATURES)))
+
+
 def numeric_features(inputs: Sequence[PredictionInput]) -> np.ndarray:
     """log1p counts that TF-IDF (length-normalised) cannot see."""
-    rows = [(*prompt_counts(inp.prompt), inp.num_generated_tokens) for inp in inputs]
-    return np.log1p(np.asarray(rows, dtype=np.float64).reshape(len(inputs), len(NUMERIC_FEATURES)))
+    return log_counts([(*prompt_counts(inp.prompt), inp.num_generated_tokens)
+                       for inp in inputs])
 
 
 def tfidf_rows(vectorizer: TfidfVectorizer, texts: Sequence[str]) -> sp.csr_matrix:
@@ -114,18 +120,21 @@ class TextRowCache:
     """Each recent request text's `TextRow`, oldest dropped first while the values held
     exceed `max_values`. A router predicts a running request's length again at every
     watchdog check with the same text and a new `num_generated_tokens`: only that
-    column has to be computed again."""
+    column has to be computed again. Thread-safe: the router's micro-batcher predicts
+    arrivals on its own thread while the watchdog predicts on the event loop's."""
 
     def __init__(self, max_values: int = ROW_CACHE_MAX_VALUES) -> None:
         self.max_values = max_values
         self._rows: dict[tuple[str, str], TextRow] = {}
         self._num_values = 0
+        self._lock = threading.Lock()
 
     def rows(self, inputs: Sequence[PredictionInput], vectorizer: TfidfVectorizer
              ) -> list[TextRow]:
         """Each input's row: from the cache, else computed (and kept)."""
         keys = [(inp.prompt, inp.generated_text) for inp in inputs]
-        found = {key: self._rows.get(key) for key in keys}
+        with self._lock:
+            found = {key: self._rows.get(key) for key in keys}
         missing, asked = [], set()
         for i, key in enumerate(keys):
             if found[key] is None and key not in asked:
@@ -133,22 +142,28 @@ class TextRowCache:
                 asked.add(key)
         if missing:
             tfidf = tfidf_rows(vectorizer, [inputs[i].text for i in missing])
+            computed = []
             for row, i in enumerate(missing):
                 start, end = tfidf.indptr[row], tfidf.indptr[row + 1]
-                new = TextRow(tfidf.indices[start:end].copy(), tfidf.data[start:end].copy(),
-                              prompt_counts(inputs[i].prompt))
-                found[keys[i]] = new
-                self._keep(keys[i], new)
+                found[keys[i]] = TextRow(tfidf.indices[start:end].copy(),
+                                         tfidf.data[start:end].copy(),
+                                         prompt_counts(inputs[i].prompt))
+                computed.append(keys[i])
+            with self._lock:
+                for key in computed:
+                    self._keep(key, found[key])  # type: ignore[arg-type]
         return [found[key] for key in keys]  # type: ignore[misc]
 
     def _keep(self, key: tuple[str, str], row: TextRow) -> None:
+        """Under the lock: `row` kept, the oldest dropped while over `max_values`."""
+        previous = self._rows.pop(key, None)  # another thread computed it meanwhile
+        if previous is not None:
+            self._num_values -= len(previous.values)
         self._rows[key] = row
         self._num_values += len(row.values)
         while self._num_values > self.max_values and self._rows:
             oldest = next(iter(self._rows))
-            dropped = self._rows.pop(oldest, None)
-            if dropped is not None:
-                self._num_values -= len(dropped.values)
+            self._num_values -= len(self._rows.pop(oldest).values)
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -204,10 +219,8 @@ class TextFeaturizer(BaseEstimator):
         (`TextRowCache`); the matrix is built in one piece, not stacked from blocks."""
         check_is_fitted(self)
         rows = self._row_cache.rows(inputs, self.vectorizer_)
-        counts = [(*r.counts, inp.num_generated_tokens) for r, inp in zip(rows, inputs,
-                                                                           strict=True)]
-        numeric = np.log1p(np.asarray(counts, dtype=np.float64).reshape(
-            len(inputs), len(NUMERIC_FEATURES)))
+        numeric = log_counts([(*r.counts, inp.num_generated_tokens)
+                              for r, inp in zip(rows, inputs, strict=True)])
         numeric = ((numeric - self.numeric_mean_) / self.numeric_std_).astype(np.float32)
         tasks = np.array([self.task_index_.get(inp.task, -1) for inp in inputs], dtype=np.int64)
         sizes = np.fromiter((len(r.columns) for r in rows), dtype=np.int64, count=len(rows))

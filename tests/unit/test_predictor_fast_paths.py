@@ -136,3 +136,31 @@ def test_fused_mixture_predicts_what_the_trained_modules_do(num_experts):
     batch = random_batch(np.random.default_rng(num_experts), rows=50, in_dim=300)
     with torch.inference_mode():
         torch.testing.assert_close(fused(batch), moe(batch), rtol=1e-5, atol=1e-5)
+
+
+def test_two_threads_featurising_at_once_share_the_rows_safely():
+    """The router's micro-batcher and its watchdog predict on different threads: the
+    cache stays within its bound and every matrix is the fresh featurisation's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from predictor.base import PredictionInput
+    from predictor.features import TextFeaturizer
+
+    texts = random_texts(np.random.default_rng(4), 80)
+    featurizer = TextFeaturizer(min_df=1).fit([PredictionInput(t) for t in texts])
+    featurizer._row_cache.max_values = 300  # rows dropped while both threads add theirs
+
+    def featurise(worker: int) -> bool:
+        rng = np.random.default_rng(worker)
+        for _ in range(150):
+            batch = [PredictionInput(texts[i], num_generated_tokens=int(i))
+                     for i in rng.integers(0, len(texts), size=12)]
+            got, expected = featurizer.transform(batch), reference_transform(featurizer, batch)
+            if (got != expected).nnz:
+                return False
+        return True
+
+    with ThreadPoolExecutor(2) as pool:
+        assert all(pool.map(featurise, range(2)))
+    cache = featurizer._row_cache
+    assert cache._num_values == sum(len(r.values) for r in cache._rows.values()) <= 300
