@@ -113,7 +113,9 @@ class TextNetPredictor(Predictor):
         outputs = []
         with torch.inference_mode():
             for start in range(0, features.shape[0], INFERENCE_CHUNK_ROWS):
-                chunk = self.batch(features[start : start + INFERENCE_CHUNK_ROWS])
+                rows = features if features.shape[0] <= INFERENCE_CHUNK_ROWS else features[
+                    start : start + INFERENCE_CHUNK_ROWS]  # a slice copies the matrix
+                chunk = self.batch(rows)
                 outputs.append(self.inference_net_(chunk).reshape(-1).float().cpu().numpy())
         return np.concatenate(outputs)
 
