@@ -195,6 +195,7 @@ class TextFeaturizer(BaseEstimator):
     def fit(self, inputs: Sequence[PredictionInput]) -> Self:
         # Document frequency counts distinct texts: a prompt answered (or augmented)
         # several times is still one document.
+        self.__dict__.pop("_rows", None)  # rows of the previous vocabulary
         texts = list(dict.fromkeys(inp.text for inp in inputs))
         # Tiny corpora (tests, smoke runs) would lose every term to min_df.
         min_df = self.min_df if len(texts) >= 10 * self.min_df else 1
@@ -250,12 +251,11 @@ class TextFeaturizer(BaseEstimator):
 
     @property
     def _row_cache(self) -> TextRowCache:
-        """Made on first use and after loading: never saved, and a refit drops it."""
+        """Made on first use and after loading: never saved, and `fit` drops it."""
         cache = self.__dict__.get("_rows")
-        if cache is None or cache[0] is not self.vectorizer_:
-            cache = (self.vectorizer_, TextRowCache())
-            self.__dict__["_rows"] = cache
-        return cache[1]
+        if cache is None:
+            cache = self.__dict__["_rows"] = TextRowCache()
+        return cache
 
     def __getstate__(self) -> dict:
         state = dict(super().__getstate__())

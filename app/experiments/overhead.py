@@ -60,7 +60,7 @@ from app.routing.view import (
 )
 from app.sim.instance import setups_from_config
 from app.sim.simulator import Simulator
-from app.slo import assign_slos, phases_total_s, reference_instance, solo_phases_s
+from app.slo import assign_slos, reference_instance, solo_latencies_s
 from app.workload import Content, Workload, load_prompts, poisson_workload
 from predictor.base import PredictionInput, Predictor
 from predictor.batching import use_one_inference_thread
@@ -408,8 +408,8 @@ def content_pool(prompts: Path | None) -> list[Content]:
 
 def with_deadlines(workload: Workload, cluster: ClusterConfig, slo_scale: float) -> Workload:
     """Each request's SLO: `slo_scale` x its solo time on the replays' reference GPU."""
-    phases_s = solo_phases_s(workload.requests, reference_instance(cluster_model(cluster)))
-    return assign_slos(workload, phases_total_s(workload.requests, phases_s), slo_scale)
+    reference = reference_instance(cluster_model(cluster))
+    return assign_slos(workload, solo_latencies_s(workload.requests, reference), slo_scale)
 
 
 def measure(instances: int, rps: float, duration_s: float, pool: Sequence[Content],

@@ -164,3 +164,18 @@ def test_two_threads_featurising_at_once_share_the_rows_safely():
         assert all(pool.map(featurise, range(2)))
     cache = featurizer._row_cache
     assert cache._num_values == sum(len(r.values) for r in cache._rows.values()) <= 300
+
+
+def test_a_refit_featurises_again_with_its_new_vocabulary():
+    from predictor.base import PredictionInput
+    from predictor.features import TextFeaturizer
+
+    rng = np.random.default_rng(5)
+    first, second = random_texts(rng, 40), random_texts(rng, 40)
+    batch = [PredictionInput(t) for t in first[:10]]
+    featurizer = TextFeaturizer(min_df=1).fit([PredictionInput(t) for t in first])
+    featurizer.transform(batch)
+    featurizer.fit([PredictionInput(t) for t in second])
+    got, expected = featurizer.transform(batch), reference_transform(featurizer, batch)
+    np.testing.assert_array_equal(got.indices, expected.indices)
+    np.testing.assert_array_equal(got.data, expected.data)
