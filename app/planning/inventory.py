@@ -2,20 +2,21 @@
 
 SARA sizes a homogeneous pool exactly: k_p from the M/G/k prefill model, a decode
 engine's rate from C1-C4 (`split.engine_capacity`). An inventory offers several
-engine kinds in limited numbers, so a pool is a union of homogeneous sub-pools,
-filled in order of price per unit of capacity: the cheapest kind takes as much of the
-rate as its stock allows, the next kind the rest; as soon as a kind not used yet can
-carry the whole remainder, the cheapest such kind finishes the pool.
+engine kinds in limited numbers, so a pool is a union of homogeneous sub-pools:
 - Prefill engines of one kind share one queue (M/G/n; least-TTFT routing approximates
-  it), so a sub-pool is sized by `PrefillStage.min_instances`.
+  it), so n engines carry more than n times one (`PrefillStage.min_instances`).
 - Decode engines each run their own batch: n engines carry n times one engine's rate.
 - Unified engines time-share the two stages: n engines carry
   1 / (1 / r_prefill(n) + 1 / r_decode(n)), the rate at which the two stages' busy
   fractions add up to one (an approximation: chunked prefill overlaps some of it).
-Prefill and decode draw on the same stock: both orders are tried and the cheaper plan
-kept. Above the budget the pools are sized for the highest rate the budget buys
-(problem P1 by bisection on the rate) and the targets say the SLOs are not met.
-The KV link is the cluster's, not sized here.
+The cheapest mix is solved exactly, all roles at once, as one MILP (`scipy.optimize.milp`):
+a binary per role, kind and engine count n picks how many engines of each kind a pool
+runs, so the rate n engines carry is the model's for n, not a linear extrapolation;
+the roles share each kind's stock, and the pool floors and ceilings are constraints.
+Above the budget the pools are sized for the highest rate the budget buys (problem P1,
+the same MILP maximising the rate under a cost cap) and the targets say the SLOs are
+not met; beyond the stock every engine serves, split by `split_inventory`. The KV
+link is the cluster's, not sized here.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
 
 from app.planning.allocator import LengthMoments
 from app.planning.params import ModelParams, SloTargets
@@ -38,7 +42,10 @@ from app.planning.split import (
 )
 
 PREFILL, DECODE, UNIFIED = "prefill", "decode", "unified"
-BUDGET_RATE_RTOL = 1e-3
+ENGINE_TIEBREAK_PER_HOUR = 1e-4  # USD/h added per engine: of two mixes as cheap, the fewer
+IDLE_RUNNING_PRICE_SHARE = 1e-3  # at rate 0, a kind a role runs counts at this share of its price
+BUDGET_RTOL = 1e-9  # a mix costing the budget to within float rounding is within it
+EngineBounds = Mapping[tuple[str, EngineKind], tuple[int, int]]  # (role, kind) -> fewest, most
 
 
 @dataclass(frozen=True)
@@ -87,6 +94,67 @@ class PoolTargets:
 
     def total(self, role: str) -> int:
         return sum(self.engines.get(role, {}).values())
+
+
+@dataclass(frozen=True)
+class _Column:
+    """A variable of the engine-mix MILP: each unit of it is `engines` engines of `kind`
+    in `role`, carrying `rate_rps`. Either one of the (role, kind)'s binaries, exactly one
+    of which is 1 (`pick`: any rate table), or the engine count itself (a linear table)."""
+
+    role: str
+    kind: EngineKind
+    engines: int
+    rate_rps: float
+    low: int = 0
+    high: int = 1
+    pick: bool = True
+
+
+class _MixMilp:
+    """The engine-mix MILP's variables (its columns, then with `extra` the rate to
+    maximise) and constraints, one binary picked per (role, kind) where they pick."""
+
+    def __init__(self, columns: Sequence[_Column], extra: bool = False) -> None:
+        self.columns, self.extra = list(columns), extra
+        self.matrix: list[list[float]] = []
+        self.lower: list[float] = []
+        self.upper: list[float] = []
+        groups: dict[tuple[str, EngineKind], set[int]] = {}  # (role, kind) -> its binaries
+        for j, column in enumerate(self.columns):
+            if column.pick:
+                groups.setdefault((column.role, column.kind), set()).add(j)
+        for members in groups.values():
+            self._row([float(j in members) for j in range(len(self.columns))], 1, 1)
+
+    def add(self, coefficient: Callable[[_Column], float], low: float, high: float,
+            extra: float = 0.0) -> None:
+        """low <= sum of coefficient(column) x its variable (+ extra x the rate) <= high."""
+        self._row([coefficient(c) for c in self.columns], low, high, extra)
+
+    def _row(self, values: list[float], low: float, high: float, extra: float = 0.0) -> None:
+        self.matrix.append(values + [extra] if self.extra else values)
+        self.lower.append(low)
+        self.upper.append(high)
+
+    def solve(self, weights: Sequence[float]) -> dict[tuple[str, EngineKind], int] | None:
+        """Engines per (role, kind) minimising `weights` x the variables (the rate, if
+        any, between 0 and 1); None if infeasible."""
+        bounds = Bounds([c.low for c in self.columns] + [0.0] * self.extra,
+                        [c.high for c in self.columns] + [1.0] * self.extra)
+        result = milp(weights, integrality=[1] * len(self.columns) + [0] * self.extra,
+                      bounds=bounds, options={"mip_rel_gap": 0.0},
+                      constraints=LinearConstraint(np.array(self.matrix), self.lower,
+                                                   self.upper))
+        if result.status == 2:  # infeasible
+            return None
+        if not result.success:
+            raise RuntimeError(f"engine mix MILP: {result.message}")
+        engines: dict[tuple[str, EngineKind], int] = {}
+        for column, value in zip(self.columns, result.x, strict=False):
+            key = (column.role, column.kind)
+            engines[key] = engines.get(key, 0) + column.engines * round(value)
+        return engines
 
 
 class InventorySizer:
@@ -167,140 +235,190 @@ class InventorySizer:
 
     def fill(self, role: str, rate: float, available: Mapping[EngineKind, int],
              ceiling: float = math.inf) -> tuple[dict[EngineKind, int], float]:
-        """Engines per kind for `rate`, cheapest capacity first; and the rate left over.
-
-        Whenever some kind not used yet can carry the whole remainder, the cheapest
-        such finish ends the fill: a small rate goes to one cheap engine rather than to
-        the kind with the best price per capacity (which only pays at scale)."""
-        usable = [k for k, n in available.items() if n > 0 and self.rate_of(role, k, 1) > 0]
-        usable.sort(key=lambda k: (self.stock[k].price_per_hour / self.rate_of(role, k, 1),
-                                   k.name))
-        chosen: dict[EngineKind, int] = {}
-        left = rate
-        for i, kind in enumerate(usable):
-            room_left = ceiling - sum(chosen.values())
-            if left <= 0 or room_left <= 0:
-                break
-            finish = self._cheapest_finish(role, left, usable[i:], available, room_left)
-            if finish is not None:
-                chosen[finish[0]] = finish[1]
-                left = 0.0
-                break
-            chosen[kind] = min(available[kind], room_left)
-            left -= self.rate_of(role, kind, chosen[kind])
-        return chosen, max(left, 0.0)
-
-    def _cheapest_finish(self, role: str, rate: float, kinds: Sequence[EngineKind],
-                         available: Mapping[EngineKind, int],
-                         room: float) -> tuple[EngineKind, int] | None:
-        """(kind, engines) carrying all of `rate` at the lowest price, if any can."""
-        options = []
-        for kind in kinds:
-            need = self.engines_for(role, kind, rate)
-            if need <= min(available[kind], room):
-                options.append((need * self.stock[kind].price_per_hour, kind.name, kind, need))
-        if not options:
-            return None
-        _, _, kind, need = min(options)
-        return kind, need
+        """The cheapest engines per kind from `available` that carry `rate` in `role`
+        (or, if none do, those carrying the most), and the rate left over."""
+        limits = PoolLimits({role: 0}, {role: ceiling})
+        counts = {k: n for k, n in available.items() if n > 0}
+        chosen = (self._solve(rate, (role,), limits, counts=counts)
+                  or self._solve(rate, (role,), limits, counts=counts, max_rate=True))
+        pool = chosen[role] if chosen else {}
+        return pool, max(rate - self.carried(role, pool), 0.0)
 
     def size(self, rate: float, roles: Sequence[str], limits: PoolLimits,
              present: Mapping[str, Mapping[EngineKind, int]] | None = None,
              switch_margin: float = 0.0) -> PoolTargets:
-        """Targets for `rate`; over the budget, for the highest rate it buys. Pool floors
-        are met with kinds a role already runs (`present`) before the cheapest ones, so
-        an idle interval does not swap engines; and the pools keep the engines they run
-        (grown by the cheapest finish, or trimmed of the dearest they can spare) while
-        that costs at most `switch_margin` more than the cheapest mix (each switch of
-        kind pays a start-up and a drain)."""
+        """Targets for `rate` within the budget; over it, for the highest rate it buys.
+        The pools keep the engines they run (`present`; grown by the cheapest addition,
+        or trimmed to the cheapest subset that carries the rate) while that costs at
+        most `switch_margin` more than the cheapest mix: each switch of kind pays a
+        start-up and a drain. At rate 0 the floors go to kinds a role runs first, so an
+        idle interval does not swap engines. The cost never exceeds the budget unless
+        the pool floors alone do."""
         present = present or {}
-        targets = self._size_unclamped(rate, roles, limits, present, switch_margin)
         budget = limits.budget_per_hour
-        if budget is None or targets.cost_per_hour <= budget:
-            return targets
-        floor = self._size_unclamped(0.0, roles, limits, present, switch_margin)
-        if floor.cost_per_hour > budget:
-            return PoolTargets(0.0, floor.engines, floor.cost_per_hour, False,
-                               f"budget {budget:g}/h is below the pool floors "
-                               f"({floor.cost_per_hour:g}/h)", "budget")
-        affordable = max_feasible_rate(
-            lambda r: self._size_unclamped(r, roles, limits, present,
-                                           switch_margin).cost_per_hour <= budget,
-            rate, BUDGET_RATE_RTOL)
-        best = self._size_unclamped(affordable, roles, limits, present, switch_margin)
-        return PoolTargets(best.rate_rps, best.engines, best.cost_per_hour, False,
-                           f"budget {budget:g}/h buys {affordable:.3g} of {rate:.3g} req/s",
-                           "budget")
+        sized = self._size_unclamped(rate, roles, limits, present, switch_margin, budget)
+        if sized is not None:
+            return sized
+        if budget is None or self._solve(rate, roles, limits) is None:
+            whole = self._whole_stock(rate, roles, limits)
+            if budget is None or _within(whole.cost_per_hour, budget):
+                return whole
+        return self._bought(rate, roles, limits, present, switch_margin, budget)
 
     def _size_unclamped(self, rate: float, roles: Sequence[str], limits: PoolLimits,
                         present: Mapping[str, Mapping[EngineKind, int]],
-                        switch_margin: float = 0.0) -> PoolTargets:
-        plans = [self._size_in_order(rate, order, limits, present) for order in _orders(roles)]
-        feasible = [p for p in plans if p.meets_slo]
-        if not feasible:
-            return self._whole_stock(rate, roles, limits)
-        cheapest = min(feasible, key=lambda t: t.cost_per_hour)
+                        switch_margin: float, budget: float | None) -> PoolTargets | None:
+        """The cheapest pools for `rate` within `budget`, or the running engines kept
+        within the margin of them; None if the stock or the budget cannot carry `rate`."""
+        cheapest = self._solve(rate, roles, limits, running=present, budget=budget)
+        if cheapest is None:
+            return None
         if switch_margin > 0 and any(present.values()):
-            kept = self._incremental(rate, roles, limits, present)
-            if (kept.meets_slo
-                    and kept.cost_per_hour <= cheapest.cost_per_hour * (1 + switch_margin)):
-                return kept
-        return cheapest
+            kept = self._solve(rate, roles, limits, running=present, budget=budget,
+                               bounds=self._kept_bounds(rate, roles, limits, present))
+            if kept is not None and (self._cost(kept)
+                                     <= self._cost(cheapest) * (1 + switch_margin)):
+                return self._targets(rate, kept)
+        return self._targets(rate, cheapest)
 
-    def _incremental(self, rate: float, roles: Sequence[str], limits: PoolLimits,
-                     present: Mapping[str, Mapping[EngineKind, int]]) -> PoolTargets:
-        """The running engines, plus the cheapest finish for what they do not carry, or
-        minus the dearest engines they can spare."""
+    def _bought(self, rate: float, roles: Sequence[str], limits: PoolLimits,
+                present: Mapping[str, Mapping[EngineKind, int]], switch_margin: float,
+                budget: float) -> PoolTargets:
+        """Pools for the highest rate `budget` buys (problem P1, solved as one MILP), or
+        the pool floors when it does not buy them."""
+        floors = self._solve(0.0, roles, limits, running=present, budget=budget)
+        if floors is None:
+            floors = self._solve(0.0, roles, limits, running=present) or {}
+            cost = self._cost(floors)
+            return PoolTargets(0.0, floors, cost, False,
+                               f"budget {budget:g}/h is below the pool floors ({cost:g}/h)",
+                               "budget")
+        most = self._solve(rate, roles, limits, budget=budget, max_rate=True) or floors
+        affordable = min([rate] + [self.carried(role, most[role]) for role in roles])
+        best = (self._size_unclamped(affordable, roles, limits, present, switch_margin, budget)
+                or self._targets(affordable, most))
+        return PoolTargets(affordable, best.engines, best.cost_per_hour, False,
+                           f"budget {budget:g}/h buys {affordable:.3g} of {rate:.3g} req/s",
+                           "budget")
 
-        def pool(role: str, available: Mapping[EngineKind, int]
-                 ) -> tuple[dict[EngineKind, int], float]:
-            kept = {k: min(n, available.get(k, 0)) for k, n in present.get(role, {}).items()
-                    if n > 0 and k in available}
-            carried = self.carried(role, kept)
-            if carried >= rate:
-                return self._trimmed(role, kept, rate, limits.floor(role)), 0.0
-            rest = {k: n - kept.get(k, 0) for k, n in available.items()}
-            added, left = self.fill(role, rate - carried, rest,
-                                    limits.ceiling(role) - sum(kept.values()))
-            for k, n in added.items():
-                kept[k] = kept.get(k, 0) + n
-            return kept, left
-
-        return self._pools(rate, roles, pool)
-
-    def _trimmed(self, role: str, kept: dict[EngineKind, int], rate: float,
-                 floor: int) -> dict[EngineKind, int]:
-        """`kept` less the dearest engines it can spare while still carrying `rate`."""
-        while sum(kept.values()) > floor:
-            dear = sorted((k for k, n in kept.items() if n > 0),
-                          key=lambda k: -self.stock[k].price_per_hour)
-            for k in dear:
-                trial = dict(kept)
-                trial[k] -= 1
-                if self.carried(role, trial) >= rate:
-                    kept = trial
-                    break
-            else:
-                break
-        return kept
-
-    def _pools(self, rate: float, roles: Sequence[str],
-               pool: Callable[[str, Mapping[EngineKind, int]],
-                              tuple[dict[EngineKind, int], float]]) -> PoolTargets:
-        """Targets from `pool(role, stock left)` -> (engines per kind, rate left over),
-        the roles served one after the other from one stock."""
-        available = {k: s.count for k, s in self.stock.items()}
-        engines: dict[str, dict[EngineKind, int]] = {}
-        short: list[str] = []
+    def _kept_bounds(self, rate: float, roles: Sequence[str], limits: PoolLimits,
+                     present: Mapping[str, Mapping[EngineKind, int]]) -> EngineBounds:
+        """Engines per role and kind (fewest, most) that keep what runs: a pool whose
+        engines carry `rate` and meet its floor keeps some of them, any other all of
+        them and maybe more. The running engines share the stock in role order."""
+        counts = {k: s.count for k, s in self.stock.items()}
+        left = dict(counts)
+        bounds: dict[tuple[str, EngineKind], tuple[int, int]] = {}
         for role in roles:
-            chosen, left = pool(role, available)
-            for kind, n in chosen.items():
-                available[kind] -= n
-            engines[role] = {k: n for k, n in chosen.items() if n > 0}
-            if left > 0:
-                short.append(f"{role} short by {left:.3g} req/s")
-        return PoolTargets(rate, engines, self._cost(engines), not short, "; ".join(short),
-                           "stock" if short else "rate")
+            kept = {k: min(n, left[k]) for k, n in present.get(role, {}).items()
+                    if k in left and n > 0}
+            for kind, n in kept.items():
+                left[kind] -= n
+            spare = (self.carried(role, kept) >= rate
+                     and sum(kept.values()) >= self._floor(role, limits, counts))
+            for kind, stock in self.stock.items():
+                n = kept.get(kind, 0)
+                bounds[role, kind] = (0, n) if spare else (n, stock.count)
+        return bounds
+
+    def _solve(self, rate: float, roles: Sequence[str], limits: PoolLimits, *,
+               counts: Mapping[EngineKind, int] | None = None, bounds: EngineBounds | None = None,
+               running: Mapping[str, Mapping[EngineKind, int]] | None = None,
+               budget: float | None = None, max_rate: bool = False
+               ) -> dict[str, dict[EngineKind, int]] | None:
+        """Engines per role and kind: the cheapest carrying `rate` in every role, or with
+        `max_rate` the most rate up to `rate` for at most `budget`; None if none do.
+
+        One MILP over all roles: a binary per (role, kind, n) picks n engines of the kind
+        (one per role and kind), so n engines carry exactly `rate_of(role, kind, n)`,
+        prefill pooling included (a linear table, decode's, is one integer instead);
+        the roles share each kind's stock, and floors and ceilings bound each pool."""
+        counts = {k: s.count for k, s in self.stock.items()} if counts is None else counts
+        if not max_rate and DECODE in roles and rate > sum(  # short of decode: no tables
+                self.rate_of(DECODE, k, int(min(n, limits.ceiling(DECODE))))
+                for k, n in counts.items()):
+            return None
+        columns = self._columns(rate, roles, limits, counts, bounds or {})
+        if not columns:
+            return {role: {} for role in roles} if rate <= 0 or max_rate else None
+        problem = _MixMilp(columns, extra=max_rate)
+        for role in roles:  # with `max_rate`, the rate is a share of `rate` (solved faster)
+            problem.add(lambda c, r=role: c.rate_rps * (c.role == r),
+                        0.0 if max_rate else rate, math.inf, extra=-rate if max_rate else 0.0)
+            problem.add(lambda c, r=role: c.engines * (c.role == r),
+                        self._floor(role, limits, counts), limits.ceiling(role))
+        for kind, count in counts.items():
+            problem.add(lambda c, k=kind: c.engines * (c.kind == k), -math.inf, count)
+        if budget is not None:
+            problem.add(lambda c: c.engines * self.stock[c.kind].price_per_hour, -math.inf,
+                        budget * (1 + BUDGET_RTOL))
+        if max_rate:
+            weights = [0.0] * len(columns) + [-1.0]
+        else:
+            weights = [self._weight(c, running or {}, rate <= 0) for c in columns]
+        picked = problem.solve(weights)
+        if picked is None:
+            return None
+        chosen = {role: {k: n for (r, k), n in picked.items() if r == role and n > 0}
+                  for role in roles}
+        if budget is not None and not _within(self._cost(chosen), budget):
+            return None  # the solver's tolerance let a dearer mix through
+        return chosen
+
+    def _columns(self, rate: float, roles: Sequence[str], limits: PoolLimits,
+                 counts: Mapping[EngineKind, int], bounds: EngineBounds) -> list[_Column]:
+        """The MILP's variables: for each role and kind, the engine counts worth trying,
+        up to the fewest that carry `rate` alone or meet the floor (more only cost
+        more), within the stock, the ceiling and `bounds`."""
+        columns = []
+        for role in roles:
+            floor, ceiling = self._floor(role, limits, counts), limits.ceiling(role)
+            for kind in sorted(counts, key=lambda k: k.name):
+                fewest, most = bounds.get((role, kind), (0, counts[kind]))
+                if self.rate_of(role, kind, 1) > 0:
+                    cap = int(min(counts[kind], most, ceiling))
+                    most = max(fewest, min(cap, max(self._need(role, kind, rate, cap), floor)))
+                else:
+                    most = fewest  # a kind that cannot serve the role keeps what it runs
+                if most > 0:
+                    columns += self._kind_columns(role, kind, fewest, most)
+        return columns
+
+    def _kind_columns(self, role: str, kind: EngineKind, fewest: int,
+                      most: int) -> list[_Column]:
+        """One integer column when n engines carry n times one's rate (decode), else a
+        binary per engine count."""
+        table = [self.rate_of(role, kind, n) for n in range(most + 1)]
+        if all(math.isclose(table[n], n * table[1], rel_tol=1e-12) for n in range(most + 1)):
+            return [_Column(role, kind, 1, table[1], fewest, most, pick=False)]
+        return [_Column(role, kind, n, table[n]) for n in range(fewest, most + 1)]
+
+    def _need(self, role: str, kind: EngineKind, rate: float, cap: int) -> int:
+        """Fewest engines of `kind` carrying `rate` in `role`, or `cap` if fewer."""
+        n = 0
+        if role == DECODE and rate > 0:  # linear: start just below the quotient
+            n = max(0, min(cap, math.floor(rate / self.rate_of(DECODE, kind, 1))) - 1)
+        while n < cap and self.rate_of(role, kind, n) < rate:
+            n += 1
+        return n
+
+    def _floor(self, role: str, limits: PoolLimits, counts: Mapping[EngineKind, int]) -> int:
+        """The role's floor, within its ceiling and the engines that can serve it."""
+        usable = sum(n for k, n in counts.items() if self.rate_of(role, k, 1) > 0)
+        return int(min(limits.floor(role), limits.ceiling(role), usable))
+
+    def _weight(self, column: _Column, running: Mapping[str, Mapping[EngineKind, int]],
+                idle: bool) -> float:
+        """A column's objective: its price; ties go to fewer engines, then to kinds the
+        role runs. Idle (rate 0), the floors go to kinds the role runs first."""
+        runs = running.get(column.role, {}).get(column.kind, 0) > 0
+        price = self.stock[column.kind].price_per_hour
+        if idle and runs:
+            price *= IDLE_RUNNING_PRICE_SHARE
+        return column.engines * (price + ENGINE_TIEBREAK_PER_HOUR * (1.0 if runs else 1.5))
+
+    def _targets(self, rate: float, engines: dict[str, dict[EngineKind, int]]) -> PoolTargets:
+        return PoolTargets(rate, engines, self._cost(engines), True)
 
     def _whole_stock(self, rate: float, roles: Sequence[str], limits: PoolLimits) -> PoolTargets:
         """The stock cannot carry `rate`: every usable engine, split between the pools so
@@ -325,39 +443,11 @@ class InventorySizer:
         return sum(self.stock[k].price_per_hour * n
                    for pool in engines.values() for k, n in pool.items())
 
-    def _size_in_order(self, rate: float, roles: Sequence[str], limits: PoolLimits,
-                       present: Mapping[str, Mapping[EngineKind, int]]) -> PoolTargets:
-        """Fill the roles one after the other from one stock."""
 
-        def pool(role: str, available: Mapping[EngineKind, int]
-                 ) -> tuple[dict[EngineKind, int], float]:
-            chosen, left = self.fill(role, max(rate, 0.0), available, limits.ceiling(role))
-            return self._with_floor(role, chosen, available, limits.floor(role),
-                                    present.get(role, {})), left
-
-        return self._pools(rate, roles, pool)
-
-    def _with_floor(self, role: str, chosen: dict[EngineKind, int],
-                    available: Mapping[EngineKind, int], floor: int,
-                    running: Mapping[EngineKind, int]) -> dict[EngineKind, int]:
-        """Add engines that can serve the role until the floor is met: kinds it already
-        runs first, then the cheapest."""
-        chosen = dict(chosen)
-        candidates = sorted((k for k in available if self.rate_of(role, k, 1) > 0),
-                            key=lambda k: (running.get(k, 0) == 0, self.stock[k].price_per_hour,
-                                           k.name))
-        for kind in candidates:
-            while sum(chosen.values()) < floor and chosen.get(kind, 0) < available[kind]:
-                chosen[kind] = chosen.get(kind, 0) + 1
-        return chosen
+def _within(cost: float, budget: float) -> bool:
+    return cost <= budget * (1 + BUDGET_RTOL)
 
 
 def capacity_key(role: str, kind: EngineKind) -> str:
     """'decode:A800', 'unified:V100x2': how calibration factors are keyed."""
     return f"{role}:{kind.name}"
-
-
-def _orders(roles: Sequence[str]) -> list[tuple[str, ...]]:
-    roles = tuple(roles)
-    return [roles] if len(roles) < 2 else [roles, roles[::-1]]
-
