@@ -25,7 +25,14 @@ from typing import Any
 
 import numpy as np
 
-from app.workload import Arrivals, SyntheticArrivals, Workload, WorkloadRequest
+from app.workload import (
+    Arrivals,
+    RateProfile,
+    SyntheticArrivals,
+    Workload,
+    WorkloadRequest,
+    shaped_arrivals,
+)
 from predictor.jsonl import iter_jsonl_objects
 
 SESSION_BLOCK_TOKENS = 256  # tokens per prefix-hash block of generated session prompts
@@ -418,6 +425,17 @@ class SessionBuilder:
         return max(round(share * self.context_limit), 1)
 
 
+def preset_sessions(preset: SessionPreset | str, arrival_s: Sequence[float],
+                    context_limit: int, seed: int = 0) -> list[AgentSession]:
+    """Sessions of `preset` starting at `arrival_s` (ids s0, s1, ...), drawn in order
+    from `seed` + 1, for a model with `context_limit` tokens (prompt + output)."""
+    preset = SessionPreset(preset)
+    if context_limit < 4 * SESSION_BLOCK_TOKENS:
+        raise ValueError(f"context limit {context_limit} is too small for agent sessions")
+    builder = SessionBuilder(PRESETS[preset], context_limit, np.random.default_rng(seed + 1))
+    return [builder.build(f"s{i}", t) for i, t in enumerate(arrival_s)]
+
+
 def preset_workload(
     preset: SessionPreset | str,
     arrivals: SyntheticArrivals,
@@ -429,15 +447,39 @@ def preset_workload(
     preset = SessionPreset(preset)
     if arrivals.kind not in (Arrivals.POISSON, Arrivals.GAMMA):
         raise ValueError(f"sessions arrive by poisson or gamma, not {arrivals.kind.value}")
-    if context_limit < 4 * SESSION_BLOCK_TOKENS:
-        raise ValueError(f"context limit {context_limit} is too small for agent sessions")
     times = arrivals.times(seed)
     if not times:
         raise ValueError(f"no sessions arrive: rate {arrivals.rate}/s over "
                          f"{arrivals.duration_s} s")
-    builder = SessionBuilder(PRESETS[preset], context_limit, np.random.default_rng(seed + 1))
-    sessions = [builder.build(f"s{i}", t) for i, t in enumerate(times)]
+    sessions = preset_sessions(preset, times, context_limit, seed)
     return sessions_workload(sessions, arrivals.duration_s, f"{preset.value}-{arrivals.label}")
+
+
+def shaped_preset_workload(preset: SessionPreset | str, profile: RateProfile,
+                           context_limit: int, seed: int = 0) -> Workload:
+    """Sessions of `preset` whose starts follow `profile` (rates in sessions/s): the
+    profile's native process warped to it (`shaped_arrivals`); each session's steps stay
+    closed-loop after its start."""
+    preset = SessionPreset(preset)
+    starts = [t for t, _ in shaped_arrivals(profile, seed)]
+    sessions = preset_sessions(preset, starts, context_limit, seed)
+    return sessions_workload(sessions, profile.duration_s,
+                             f"{preset.value}-{profile.shape.value}")
+
+
+def shaped_file_workload(path: str | Path, profile: RateProfile, seed: int = 0) -> Workload:
+    """A session log whose session starts are time-warped to follow `profile` (sessions/s),
+    as `shaped_trace_workload` warps a trace: each session keeps its place in the log's
+    sequence; the log repeats when the profile expects more sessions than it holds (the
+    k-th repeat's ids end in '~k'; it shares the first pass's prefix blocks)."""
+    sessions = sorted(load_session_trace(path), key=lambda s: (s.arrival_s, s.session_id))
+    own = [s.arrival_s for s in sessions] if len(sessions) > 1 else None
+    drawn = []
+    for t, i in shaped_arrivals(profile, seed, own):
+        session, repeat = sessions[i % len(sessions)], i // len(sessions)
+        name = session.session_id if repeat == 0 else f"{session.session_id}~{repeat}"
+        drawn.append(replace(session, session_id=name, arrival_s=t))
+    return sessions_workload(drawn, profile.duration_s, f"{Path(path).name}-{profile.shape.value}")
 
 
 # ---- session trace files -----------------------------------------------------------

@@ -280,10 +280,7 @@ def _nonempty(rows: list, path: Path) -> list:
 
 def native_rate(rows: Sequence[TraceRow]) -> float:
     """Mean arrival rate of a trace (arrivals per second over its span)."""
-    span = rows[-1].arrival_s - rows[0].arrival_s
-    if len(rows) < 2 or span <= 0:
-        raise ValueError("rate needs at least two arrivals at different times")
-    return (len(rows) - 1) / span
+    return native_rate_of([r.arrival_s for r in rows])
 
 
 def scale_and_window(
@@ -541,69 +538,132 @@ class LoadShape(StrEnum):
 
     PHASES = "phases"  # low, peak, low: a third of the window each
     RAMP = "ramp"  # low rising linearly to peak over the window
+    DIURNAL = "diurnal"  # one smooth day: low at the ends, peak at the middle
+    BURSTY = "bursty"  # flat at the phases' mean, arrivals clustered (Gamma gaps, CV >= 4)
+
+
+DEFAULT_BURST_CV = 4.0  # bursty shape: coefficient of variation of the gaps
+PROFILE_GRID_POINTS = 4097
 
 
 @dataclass(frozen=True)
 class RateProfile:
-    """Target rate over a window: `shape` between `low_rps` and `peak_rps`."""
+    """Target rate over a window: `shape` between `low_rps` and `peak_rps` (arrivals per
+    second: requests, or sessions for closed-loop session content).
+
+    `bursty` keeps the rate flat at the phases' mean, (2 low + peak) / 3, and imposes
+    its own native arrival sequence, a Gamma renewal process whose gaps have CV
+    `burstiness`; the other shapes warp the source's own sequence (`warp`)."""
 
     shape: LoadShape
     low_rps: float
     peak_rps: float
     duration_s: float
+    burstiness: float = DEFAULT_BURST_CV
 
     def __post_init__(self) -> None:
         if not 0 < self.low_rps <= self.peak_rps:
             raise ValueError(f"need 0 < low <= peak rate, got {self.low_rps}, {self.peak_rps}")
         if not self.duration_s > 0:
             raise ValueError(f"duration must be > 0, got {self.duration_s}")
+        if not self.burstiness > 0:
+            raise ValueError(f"burstiness must be > 0, got {self.burstiness}")
 
     def rate_at(self, t: np.ndarray) -> np.ndarray:
         t = np.asarray(t, dtype=float)
+        low, peak, duration = self.low_rps, self.peak_rps, self.duration_s
         if self.shape is LoadShape.RAMP:
-            return self.low_rps + (self.peak_rps - self.low_rps) * t / self.duration_s
-        third = self.duration_s / 3
-        return np.where((t >= third) & (t < 2 * third), self.peak_rps, self.low_rps)
+            return low + (peak - low) * t / duration
+        if self.shape is LoadShape.DIURNAL:
+            return low + (peak - low) * (1.0 - np.cos(2.0 * math.pi * t / duration)) / 2.0
+        if self.shape is LoadShape.BURSTY:
+            return np.full_like(t, (2.0 * low + peak) / 3.0)
+        third = duration / 3
+        return np.where((t >= third) & (t < 2 * third), peak, low)
 
     @property
     def mean_rps(self) -> float:
-        grid = np.linspace(0.0, self.duration_s, 4097)
+        grid = np.linspace(0.0, self.duration_s, PROFILE_GRID_POINTS)
         return float(np.mean(self.rate_at(grid)))
 
     def expected_arrivals(self, t: np.ndarray) -> np.ndarray:
         """Cumulative expected arrivals by time t (the rate's integral)."""
-        grid = np.linspace(0.0, self.duration_s, 4097)
+        grid = np.linspace(0.0, self.duration_s, PROFILE_GRID_POINTS)
         rates = self.rate_at(grid)
         cumulative = np.concatenate(([0.0], np.cumsum((rates[1:] + rates[:-1]) / 2
                                                       * np.diff(grid))))
         return np.interp(t, grid, cumulative)
+
+    @property
+    def expected_total(self) -> float:
+        """Arrivals the window expects."""
+        return float(self.expected_arrivals(self.duration_s))
+
+    @property
+    def imposes_arrivals(self) -> bool:
+        """Whether the shape replaces the source's own arrival sequence (bursty)."""
+        return self.shape is LoadShape.BURSTY
+
+    def native_process(self) -> SyntheticArrivals:
+        """A native arrival sequence in arrival units (rate 1 over `expected_total`) for
+        sources without one of their own, or when the shape imposes one: Gamma gaps with
+        CV `burstiness` for bursty, else Poisson."""
+        kind = Arrivals.GAMMA if self.imposes_arrivals else Arrivals.POISSON
+        return SyntheticArrivals(kind, 1.0, self.expected_total, self.burstiness)
+
+    def warp(self, native: np.ndarray) -> np.ndarray:
+        """Native positions in arrival units (the n-th arrival near n) to times in the
+        window: position x lands at the t with expected_arrivals(t) = x; inf past the
+        window's expected total."""
+        grid = np.linspace(0.0, self.duration_s, PROFILE_GRID_POINTS)
+        return np.interp(np.asarray(native, dtype=float), self.expected_arrivals(grid), grid,
+                         right=math.inf)
+
+
+def shaped_arrivals(profile: RateProfile, seed: int,
+                    own_s: Sequence[float] | None = None) -> list[tuple[float, int]]:
+    """Arrival times that follow `profile`, each with its position in the source's
+    sequence: (time, i), the i-th source arrival (i mod the source's length is the row,
+    i div it the pass).
+
+    The i-th arrival keeps its place in the source's own sequence `own_s` (its bursts
+    and lulls) and lands where the profile expects it: native time s maps to the t with
+    expected_arrivals(t) = s x the source's native rate; the source repeats when the
+    profile expects more arrivals than it holds, one mean gap after its last. A source
+    without a sequence of its own, or a shape that imposes one (bursty), gets the
+    profile's native process (`RateProfile.native_process`, seeded)."""
+    if own_s is None or profile.imposes_arrivals:
+        native = np.array(profile.native_process().times(seed))
+    else:
+        start = own_s[0]
+        one_pass = (np.array(own_s) - start) * native_rate_of(own_s)
+        period = one_pass[-1] + 1.0  # one mean gap between a pass's last and the next's first
+        passes = max(1, math.ceil(profile.expected_total / period))
+        native = np.concatenate([one_pass + k * period for k in range(passes)])
+    times = profile.warp(native)
+    kept = [(float(t), i) for i, t in enumerate(times) if t < profile.duration_s]
+    if not kept:
+        raise ValueError("the profile selects no arrivals")
+    return kept
+
+
+def native_rate_of(times_s: Sequence[float]) -> float:
+    """Mean arrival rate of sorted arrival times (arrivals per second over their span)."""
+    if len(times_s) < 2 or times_s[-1] - times_s[0] <= 0:
+        raise ValueError("rate needs at least two arrivals at different times")
+    return (len(times_s) - 1) / (times_s[-1] - times_s[0])
 
 
 def shaped_trace_workload(
     rows: Sequence[TraceRow], profile: RateProfile, *,
     prompts: Sequence[PromptRow] | None = None, seed: int = 0, name: str = "trace",
 ) -> Workload:
-    """The trace's arrivals time-warped so that the rate follows `profile`.
-
-    The n-th arrival keeps its place in the trace's own sequence (its bursts and lulls)
-    and lands where the profile expects the n-th arrival: native time s maps to the t
-    with expected_arrivals(t) = s x the trace's native rate. The trace repeats when the
-    profile expects more arrivals than it holds."""
-    start = rows[0].arrival_s
-    rate = native_rate(rows)
-    one_pass = np.array([r.arrival_s - start for r in rows]) * rate
-    period = one_pass[-1] + 1.0  # one mean gap between a pass's last and the next's first
-    grid = np.linspace(0.0, profile.duration_s, 4097)
-    expected = profile.expected_arrivals(grid)
-    passes = max(1, math.ceil(expected[-1] / period))
-    native = np.concatenate([one_pass + k * period for k in range(passes)])
-    times = np.interp(native, expected, grid, right=math.inf)
-    repeated = [r for _ in range(passes) for r in rows]
-    kept = [(t, r) for t, r in zip(times, repeated, strict=True) if t < profile.duration_s]
-    if not kept:
-        raise ValueError("the profile selects no requests")
+    """The trace's arrivals time-warped so that the rate follows `profile`
+    (`shaped_arrivals`); bursty takes the trace's rows in order, cycled, at the Gamma
+    sequence's arrivals."""
+    kept = shaped_arrivals(profile, seed, [r.arrival_s for r in rows])
     if prompts is None:
-        contents = [r.content for _, r in kept]
+        contents = [rows[i % len(rows)].content for _, i in kept]
     else:
         contents = sample_contents([p.content() for p in prompts], len(kept), seed)
     return make_workload([t for t, _ in kept], contents, profile.duration_s, name)

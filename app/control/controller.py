@@ -6,8 +6,11 @@ rate that drains the requests queued on the engines within one start-up time) fr
 GPU stock under the budget (`InventorySizer`), and turns the targets into a plan diff
 with hysteresis (`PoolPlanner`). Engines take `startup_s` to serve after they are
 started; the targets are sized for the rate expected once they are up, i.e. the
-forecast is extended over the start-up time by the trend. The simulator and the
-controller actor both drive this object; `now` is always an argument.
+forecast is extended over the start-up time by the trend. With agent sessions the rate
+sized for is never below the steps already committed: what the open sessions will still
+send over the next start-up (closed loop), plus a first step per session starting at the
+observed rate (`SessionTracker`). The simulator and the controller actor both drive this
+object; `now` is always an argument.
 """
 
 from __future__ import annotations
@@ -138,7 +141,7 @@ class Controller:
     planner: PoolPlanner = field(init=False)
 
     def __post_init__(self) -> None:
-        self.window = LoadWindow(self.start_s)
+        self.window = LoadWindow(self.start_s, commit_horizon_s=self.horizon_s)
         self.planner = PoolPlanner(self.settings.rules)
         self._model = ModelParams.named(self.settings.model)
         self._previous_forecast: float | None = None
@@ -146,6 +149,11 @@ class Controller:
     @property
     def interval_s(self) -> float:
         return self.settings.interval_s
+
+    @property
+    def horizon_s(self) -> float:
+        """How far ahead a decision must hold: until engines started now serve."""
+        return max(self.settings.startup_s, self.settings.interval_s)
 
     def step(self, now: float, engines: Sequence[EngineRecord]) -> ControlStep:
         """Close the window at `now` and decide what changes."""
@@ -156,7 +164,7 @@ class Controller:
         self._previous_forecast = forecast
         # never below what was just observed: a falling trend must not undershoot it
         ahead = max(forecast + trend * self.settings.startup_s / self.settings.interval_s,
-                    forecast, stats.rate_rps)
+                    forecast, stats.rate_rps, committed_rps(stats))
         sized = ahead * (1 + self.settings.headroom)
         sizer = InventorySizer(self._model, stats.observation(sized).workload,
                                self.settings.slo.targets(stats), self.settings.stock,
@@ -181,3 +189,12 @@ class Controller:
         carried = min(sizer.carried(role, serving.get(role, {})) for role in self.settings.roles)
         return max(backlog - max(carried - rate, 0.0) * horizon, 0.0) / horizon
 
+
+
+def committed_rps(stats: IntervalStats) -> float:
+    """Steps/s already committed by agent sessions: the open sessions' remaining steps
+    over the horizon, plus one first step per session starting at the observed rate (0
+    without sessions, or before the estimate has a finished session to go by)."""
+    if stats.committed_rps is None:
+        return 0.0
+    return stats.committed_rps + stats.session_start_rps

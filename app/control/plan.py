@@ -8,7 +8,11 @@ target for `scale_down_after_s`, and not within `cooldown_s` of its last scale-u
 draining ones before starting new ones. Removal drains: an engine picked to leave
 (starting ones first, then the fewest running requests) stops taking requests, is
 stopped once empty, and after `drain_deadline_s` its remaining requests are migrated
-by token ids. Plain Python, `now` is an argument.
+by token ids. Make before break: a role keeps at least min(its target, its serving
+engines) serving, so when the targets switch kinds the old engines drain only as their
+replacements start serving (a role left without a serving engine would turn requests
+away, and with them the agent sessions they belong to). Plain Python, `now` is an
+argument.
 """
 
 from __future__ import annotations
@@ -109,6 +113,7 @@ class PoolPlanner:
         reactivate: list[str] = []
         drain: list[str] = []
         stop: list[str] = []
+        drainable = {role: _drainable(role, targets, engines) for role, _ in pools}
         for pool in sorted(pools, key=lambda p: (p[0], p[1].name)):
             members = [e for e in engines if e.pool == pool]
             present = [e for e in members if e.state is not EngineState.DRAINING]
@@ -131,8 +136,12 @@ class PoolPlanner:
                         and now - self._last_up.get(pool, -float("inf")) >= self.rules.cooldown_s):
                     leaving = sorted(present, key=_leave_order)[:len(present) - want]
                     stop += [e.engine_id for e in leaving if e.state is EngineState.STARTING]
-                    drain += [e.engine_id for e in leaving if e.state is EngineState.ACTIVE]
-                    self._above_since.pop(pool, None)
+                    serving = [e.engine_id for e in leaving if e.state is EngineState.ACTIVE]
+                    allowed = serving[:drainable[pool[0]]]
+                    drainable[pool[0]] -= len(allowed)
+                    drain += allowed
+                    if len(allowed) == len(serving):  # else the rest leave once they may
+                        self._above_since.pop(pool, None)
             else:
                 self._above_since.pop(pool, None)
                 self._below_since.pop(pool, None)
@@ -143,6 +152,13 @@ class PoolPlanner:
                    and now - e.since_s >= self.rules.drain_deadline_s]
         return PlanDiff(tuple(start), tuple(reactivate), tuple(drain), tuple(stop),
                         tuple(migrate))
+
+
+def _drainable(role: str, targets: PoolTargets, engines: Sequence[EngineRecord]) -> int:
+    """Serving engines of `role` that may start draining now: those beyond
+    min(the role's target, its serving engines)."""
+    serving = sum(e.role == role and e.state is EngineState.ACTIVE for e in engines)
+    return serving - min(targets.total(role), serving)
 
 
 def _leave_order(engine: EngineRecord) -> tuple[int, int, float]:

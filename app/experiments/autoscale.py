@@ -1,7 +1,10 @@
 """Autoscaling in the simulator: the SARA controller against the autoscalers users run.
 
 A trace's arrivals are time-warped into a time-varying load (`phases`: low, peak,
-low; `ramp`: low rising to peak), request content from a prompt file or the trace,
+low; `ramp`: low rising to peak; `diurnal`: one smooth day; `bursty`: flat at the
+phases' mean with Gamma-clustered arrivals), request content from a prompt file or the
+trace; or agent sessions (`coding-agent`, `chat-agent` presets, or a session log) whose
+*starts* are warped so, at rates in sessions/s, their steps closed-loop after the start.
 SLO = the controller's `slo_scale` x solo time on its reference GPU. Every strategy
 serves the same workload on elastic pools of simulated engines (start-up delay,
 draining by token ids) routed by GoodServe:
@@ -23,8 +26,8 @@ import csv
 import json
 import math
 import statistics
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,17 +43,21 @@ from app.control.strategies import (
     StaticScaler,
     ThroughputScaler,
 )
+from app.hardware import get_model
 from app.planning.inventory import DECODE, PREFILL, UNIFIED, InventorySizer, PoolTargets
 from app.planning.params import ModelParams
 from app.planning.pools import Observation
 from app.routing.registry import PolicyKind, RoutingOptions, build_routing
+from app.sessions import shaped_file_workload, shaped_preset_workload
 from app.sim.elastic import ElasticPools, Scaler, engine_setup
 from app.sim.instance import InstanceSetup
 from app.sim.records import RequestOutcome, RequestRecord
 from app.sim.simulator import SimResult, Simulator
 from app.slo import assign_slos, reference_instance, solo_latencies_s
 from app.workload import (
+    DEFAULT_BURST_CV,
     Content,
+    ContentMode,
     LoadShape,
     RateProfile,
     Workload,
@@ -68,9 +75,16 @@ CALIBRATION_SEED_OFFSET = 1000  # calibration draws its content apart from the e
 
 
 class LoadConfig(Frozen):
-    low_rps: float = Field(gt=0, description="rate of the low phases / start of the ramp")
-    peak_rps: float = Field(gt=0, description="rate of the peak phase / end of the ramp")
+    """Arrival rates per second: requests for trace and prompt content, session starts
+    for agent sessions."""
+
+    low_rps: float = Field(gt=0, description="rate of the low phases / start of the ramp "
+                           "(requests/s; sessions/s for session content)")
+    peak_rps: float = Field(gt=0, description="rate of the peak phase / end of the ramp "
+                            "(requests/s; sessions/s for session content)")
     duration_s: float = Field(gt=0, description="arrival window, s")
+    burstiness: float = Field(DEFAULT_BURST_CV, ge=1, description="bursty shape: coefficient "
+                              "of variation of the gaps between arrivals")
 
 
 class AutoscaleConfig(Frozen):
@@ -80,15 +94,23 @@ class AutoscaleConfig(Frozen):
     mode: str = Field("disaggregated", description="unified or disaggregated pools")
     kv_link_gbps: float = Field(25.0, gt=0, description="P->D link, GB/s")
     load: LoadConfig
+    content_load: dict[ContentMode, LoadConfig] = Field(
+        default_factory=dict, description="the load for one content kind, in place of "
+        "`load` (coding-agent, chat-agent, sessions: rates in sessions/s)")
     controller: ControllerConfig
 
     @model_validator(mode="after")
     def _mode(self) -> AutoscaleConfig:
         if self.mode not in ("unified", "disaggregated"):
             raise ValueError(f"mode must be unified or disaggregated, got {self.mode!r}")
-        if self.load.low_rps > self.load.peak_rps:
-            raise ValueError("load: low_rps must be <= peak_rps")
+        for name, load in (("load", self.load), *self.content_load.items()):
+            if load.low_rps > load.peak_rps:
+                raise ValueError(f"{name}: low_rps must be <= peak_rps")
         return self
+
+    def load_for(self, content: ContentMode) -> LoadConfig:
+        """The load of a content kind: its own entry, else `load`."""
+        return self.content_load.get(content, self.load)
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -112,12 +134,37 @@ def observed(workload: Workload) -> Observation:
         uncached = moments([r.num_prompt_tokens if r.num_appended_tokens is None
                             else max(1, r.num_appended_tokens) for r in workload.requests])
     mean_in, cv_in = moments(inputs)
+    rate = len(workload) / workload.duration_s
+    held = None if workload.graph is None else rate * held_token_seconds(workload)
     return Observation(
-        rate_rps=len(workload) / workload.duration_s, mean_input_len=mean_in,
+        rate_rps=rate, mean_input_len=mean_in,
         cv_input_len=cv_in, mean_output_len=statistics.fmean(outputs),
         mean_uncached_len=None if uncached is None else uncached[0],
         cv_uncached_len=None if uncached is None else uncached[1],
+        held_kv_tokens=held,
     )
+
+
+def held_token_seconds(workload: Workload) -> float:
+    """Context token-seconds that sessions hold in tool waits, per step (Little's law:
+    times the step rate, the context held on average). A step waits `tool_wait_s` after
+    its last parent with the first parent's context (prompt + output) held."""
+    graph = workload.graph
+    assert graph is not None
+    requests = workload.requests
+    held = [wait * (requests[p[0]].num_prompt_tokens + requests[p[0]].num_output_tokens)
+            for p, wait in zip(graph.parents, graph.tool_wait_s, strict=True) if p]
+    return sum(held) / len(requests)
+
+
+def num_sessions(workload: Workload) -> int:
+    """Agent sessions in a closed-loop workload (0 for open-loop traffic)."""
+    return len({r.session_id for r in workload.requests if r.session_id is not None})
+
+
+def steps_per_arrival(workload: Workload) -> float:
+    """Requests per arrival of the load profile: steps per session for session content."""
+    return 1.0 if workload.graph is None else len(workload) / num_sessions(workload)
 
 
 def moments(lengths: Sequence[int]) -> tuple[float, float]:
@@ -146,12 +193,23 @@ def outcome_summary(records: Sequence[RequestRecord], duration_s: float, gpu_hou
     }
 
 
+def session_summary(records: Sequence[RequestRecord], session_of: Mapping[str, str],
+                    contexts_moved: int, contexts_recomputed: int) -> dict[str, Any]:
+    """Agent sessions: how many, how many broken (a step of theirs never finished:
+    rejected, cancelled or lost), and what scale-down did to the contexts they held."""
+    broken = {session_of[r.request_id] for r in records if r.finish_s is None}
+    return {"sessions": len(set(session_of.values())), "steps_served":
+            sum(r.finish_s is not None for r in records), "sessions_broken": len(broken),
+            "contexts_moved": contexts_moved, "contexts_recomputed": contexts_recomputed}
+
+
 @dataclass(frozen=True)
 class StrategyRun:
     name: str
     result: SimResult
     duration_s: float
     steps: tuple[ControlStep, ...] = ()
+    session_of: Mapping[str, str] = field(default_factory=dict)  # request id -> session id
 
     def per_bin(self) -> tuple[list[int], list[int]]:
         """Arrivals and met requests per GOODPUT_BIN_S bin of arrival time."""
@@ -166,9 +224,13 @@ class StrategyRun:
     def summary(self) -> dict[str, Any]:
         stats = self.result.elastic
         assert stats is not None
-        return outcome_summary(self.result.records, self.duration_s, float(stats.gpu_hours),
-                               float(stats.cost_usd), stats.num_drain_migrations,
-                               stats.num_started)
+        summary = outcome_summary(self.result.records, self.duration_s, float(stats.gpu_hours),
+                                  float(stats.cost_usd), stats.num_drain_migrations,
+                                  stats.num_started)
+        if self.session_of:
+            summary |= session_summary(self.result.records, self.session_of,
+                                       stats.num_contexts_moved, stats.num_contexts_recomputed)
+        return summary
 
 
 def contents_of(workload: Workload) -> list[Content]:
@@ -177,15 +239,38 @@ def contents_of(workload: Workload) -> list[Content]:
                     r.hash_block_size, r.prompt, r.task) for r in workload.requests]
 
 
-def load_profile(config: AutoscaleConfig, shape: LoadShape) -> RateProfile:
-    return RateProfile(shape, config.load.low_rps, config.load.peak_rps, config.load.duration_s)
+def load_profile(config: AutoscaleConfig, shape: LoadShape,
+                 content: ContentMode = ContentMode.TRACE,
+                 duration_s: float | None = None) -> RateProfile:
+    """The content's load in `shape`, over `duration_s` (default: the config's window)."""
+    load = config.load_for(content)
+    return RateProfile(shape, load.low_rps, load.peak_rps, duration_s or load.duration_s,
+                       load.burstiness)
 
 
-def build_workload(config: AutoscaleConfig, profile: RateProfile, trace: Path,
-                   prompts: Path | None, seed: int) -> Workload:
-    workload = shaped_trace_workload(
-        load_trace(trace), profile, prompts=load_prompts(prompts) if prompts else None,
-        seed=seed, name=f"{trace.stem}-{profile.shape.value}")
+def build_workload(config: AutoscaleConfig, profile: RateProfile, trace: Path | None,
+                   prompts: Path | None, seed: int, content: ContentMode | None = None,
+                   sessions: Path | None = None) -> Workload:
+    """The shaped workload with its SLOs. Content by `content` (default: prompts with
+    `prompts`, else the trace's own lengths): trace and prompt content ride on the
+    trace's warped arrivals; agent sessions (presets for the model's context limit, or a
+    session log) start at the profile's warped arrivals (`app.sessions`)."""
+    content = content or (ContentMode.PROMPTS if prompts is not None else ContentMode.TRACE)
+    if content.is_preset:
+        workload = shaped_preset_workload(content.value, profile,
+                                          get_model(config.model).max_context_tokens, seed)
+    elif content is ContentMode.SESSIONS:
+        if sessions is None:
+            raise ValueError("--content sessions needs --sessions (a JSONL session log)")
+        workload = shaped_file_workload(sessions, profile, seed)
+    else:
+        if trace is None:
+            raise ValueError(f"--content {content.value} needs --trace")
+        if content is ContentMode.PROMPTS and prompts is None:
+            raise ValueError("--content prompts needs --prompts")
+        rows = load_prompts(prompts) if content is ContentMode.PROMPTS and prompts else None
+        workload = shaped_trace_workload(load_trace(trace), profile, prompts=rows, seed=seed,
+                                         name=f"{trace.stem}-{profile.shape.value}")
     reference = reference_instance(config.model, config.controller.reference_gpu)
     return assign_slos(workload, solo_latencies_s(workload.requests, reference),
                        config.controller.slo_scale)
@@ -193,7 +278,8 @@ def build_workload(config: AutoscaleConfig, profile: RateProfile, trace: Path,
 
 def sized_pools(settings: ControllerSettings, workload: Workload,
                 rate: float) -> PoolTargets:
-    """SARA's inventory sizing for `rate` x (1 + headroom), on the workload's moments."""
+    """SARA's inventory sizing for `rate` requests/s x (1 + headroom), on the workload's
+    moments."""
     lengths = observed(workload).workload
     sizer = InventorySizer(ModelParams.named(settings.model), lengths,
                            settings.slo.targets_for(lengths), settings.stock,
@@ -241,18 +327,23 @@ def run_strategy(name: str, config: AutoscaleConfig, profile: RateProfile, workl
                  routing: RoutingOptions) -> StrategyRun:
     start_s = workload.requests[0].arrival_s
     settings = config.controller.settings(config.model, config.roles)
+    per_arrival = steps_per_arrival(workload)  # the profile's rates are sessions/s for sessions
     fixed = None
     if name == "static-peak":
-        fixed = sized_pools(settings, workload, profile.peak_rps)
+        fixed = sized_pools(settings, workload, profile.peak_rps * per_arrival)
     elif name == "static-mean":
-        fixed = sized_pools(settings, workload, profile.mean_rps)
-    initial = fixed or sized_pools(settings, workload, float(profile.rate_at(0.0)))
+        fixed = sized_pools(settings, workload, profile.mean_rps * per_arrival)
+    initial = fixed or sized_pools(settings, workload,
+                                   float(profile.rate_at(0.0)) * per_arrival)
     scaler = make_scaler(name, config, settings, fixed, start_s)
     elastic = ElasticPools(scaler, config.model, settings.stock, settings.startup_s)
     stack = build_routing(PolicyKind.GOODSERVE, routing)
     sim = Simulator(setups_for(config.model, initial), stack.policy, watchdog=stack.watchdog,
                     kv_link_gbps=config.kv_link_gbps, seed=routing.seed, elastic=elastic)
-    return StrategyRun(name, sim.run(workload), workload.duration_s, tuple(elastic.steps))
+    session_of = ({r.request_id: r.session_id for r in workload.requests if r.session_id}
+                  if workload.graph is not None else {})
+    return StrategyRun(name, sim.run(workload), workload.duration_s, tuple(elastic.steps),
+                       session_of)
 
 
 def run_experiment(config: AutoscaleConfig, profile: RateProfile, workload: Workload,

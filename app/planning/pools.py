@@ -36,10 +36,15 @@ class Observation:
     # prompt tokens not cached where the request ran (agent steps); None: whole prompts
     mean_uncached_len: float | None = None
     cv_uncached_len: float | None = None
+    # tokens of session context held on the decoders between steps (agent sessions in a
+    # tool wait), total over the pool; None: no sessions observed
+    held_kv_tokens: float | None = None
 
     def __post_init__(self) -> None:
         if not (self.rate_rps >= 0 and math.isfinite(self.rate_rps)):
             raise ValueError(f"observed rate must be >= 0, got {self.rate_rps}")
+        if self.held_kv_tokens is not None and not self.held_kv_tokens >= 0:
+            raise ValueError(f"held KV must be >= 0 tokens, got {self.held_kv_tokens}")
         if (self.mean_uncached_len is None) != (self.cv_uncached_len is None):
             raise ValueError("give both the uncached length's mean and CV, or neither")
 

@@ -29,7 +29,7 @@ from app.sim.events import (
     StepStartEvent,
 )
 from app.sim.instance import InstanceSetup, Pool, SimInstance
-from app.sim.records import DEADLINE_TOLERANCE_S, RequestOutcome, RequestRecord
+from app.sim.records import RequestOutcome, RequestRecord
 from app.workload import WorkloadRequest
 
 if TYPE_CHECKING:
@@ -126,7 +126,7 @@ class SimCluster:
             events.append(ArrivalEvent(following.time_s, following.index))
         flight = self._new_flight(index, now)
         if self.elastic is not None:
-            self.elastic.scaler.window.arrival(flight.work.num_prompt_tokens)
+            self.elastic.arrived(flight, now)
         if self.router_queue:
             self.router_queue.append(flight)  # FIFO behind earlier queued requests
             return events
@@ -300,6 +300,8 @@ class SimCluster:
                                               flight.decode_target, 1))
         else:
             self._finish(flight, inst, now)
+            if self.elastic is not None:
+                events.extend(self.elastic.finished(flight, inst, now))
             if self.releases.closed_loop:
                 events.extend(self._released(flight, now))
 
@@ -308,10 +310,6 @@ class SimCluster:
         flight.instance = None
         del self.flights[flight.route.request_id]
         self.num_done += 1
-        if self.elastic is not None:
-            record = flight.record
-            self.elastic.scaler.window.finished(
-                record.num_generated_tokens, now <= record.deadline_s + DEADLINE_TOLERANCE_S)
         if self.finish_listeners:
             report = FinishReport(
                 flight.route, inst.instance_id, flight.record.num_generated_tokens,

@@ -92,6 +92,23 @@ class KvTransferDoneEvent(Event):
 
 
 @dataclass(frozen=True, eq=False)
+class ContextMoveDoneEvent(Event):
+    """A session's context, moved off a draining engine during its tool wait, reached
+    its target's prefix cache (`ElasticPools.context_moved`)."""
+
+    KIND = EventKind.KV_TRANSFER_DONE
+    session_id: str
+    source: SimInstance
+    target: SimInstance
+    block_hashes: tuple[int, ...]
+    hash_block_size: int
+
+    def handle(self, cluster: SimCluster) -> list[Event]:
+        assert cluster.elastic is not None
+        return cluster.elastic.context_moved(self, self.time_s)
+
+
+@dataclass(frozen=True, eq=False)
 class EngineReadyEvent(Event):
     """An engine the controller started has booted and joins its pool."""
 

@@ -3,10 +3,18 @@ hysteresis, cool-down and draining (no Ray, no clock)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from app.control.controller import Controller, ControllerSettings, ControlStep, StageSlo
-from app.control.observe import LoadWindow, RatePredictor
+from app.control.controller import (
+    Controller,
+    ControllerSettings,
+    ControlStep,
+    StageSlo,
+    committed_rps,
+)
+from app.control.observe import LoadWindow, RatePredictor, SessionTracker
 from app.control.plan import EngineRecord, EngineState, PoolPlanner, ScalingRules
 from app.control.strategies import QueueLengthScaler, SaturationScaler, ThroughputScaler
 from app.hardware import make_instance
@@ -264,3 +272,127 @@ def test_requests_queued_beyond_what_the_serving_engines_clear_raise_the_sized_r
     assert further.targets.rate_rps == pytest.approx(behind.targets.rate_rps + 20.0)
     assert (further.targets.cost_per_hour >= behind.targets.cost_per_hour
             > calm.targets.cost_per_hour)
+
+# ---- agent sessions: held context and committed steps ----------------------------------
+
+def test_the_context_held_in_tool_waits_is_a_time_mean_over_the_window():
+    """s1: a step 0-10 s (context 1,000 then held 10-20 s), a second 20-30 s that ends
+    it; s2: a step 0-5 s, then waits on a tool to the window's end (500 held 35 s)."""
+    tracker = SessionTracker(0.0, horizon_s=60.0)
+    tracker.step_issued("s1", 0.0)
+    tracker.step_issued("s2", 0.0)
+    tracker.step_done("s2", 5.0, 500, ends_session=False)
+    tracker.step_done("s1", 10.0, 1000, ends_session=False)
+    tracker.step_issued("s1", 20.0)
+    tracker.step_done("s1", 30.0, 1200, ends_session=True)
+    stats = tracker.close(40.0)
+    assert stats.held_kv_tokens == pytest.approx((1000 * 10 + 500 * 35) / 40)
+    assert (stats.starts, stats.open) == (2, 1)
+    # one finished session of 2 steps: s2 (1 step, waiting) has E[n - 1 | n >= 1] = 1
+    # step left; one later step per 70 open session-seconds lets it send 60 / 70 of it
+    assert tracker.pace_per_s() == pytest.approx(1 / 70)
+    assert stats.committed_rps == pytest.approx(60 / 70 / 60)
+    assert tracker.close(50.0).held_kv_tokens == pytest.approx(500)
+
+
+def test_committed_steps_come_from_finished_sessions_conditioned_on_the_steps_issued():
+    tracker = SessionTracker(0.0, horizon_s=100.0)
+    lengths = (2, 4, 6)  # finished sessions, a step every 10 s (reported in time order)
+    for k in range(6):
+        for i in (i for i, steps in enumerate(lengths) if k < steps):
+            tracker.step_issued(f"f{i}", 10.0 * k)
+        for i in (i for i, steps in enumerate(lengths) if k < steps):
+            tracker.step_done(f"f{i}", 10.0 * k + 1, 100, ends_session=k == lengths[i] - 1)
+    assert tracker.committed_rps() == 0.0  # nothing open
+    for _ in range(3):  # an open session with its third step in flight
+        tracker.step_issued("o", 70.0)
+        if tracker._open["o"].num_steps < 3:
+            tracker.step_done("o", 70.0, 100, ends_session=False)
+    # E[n - 3 | n >= 3] = (4 + 6) / 2 - 3 = 2 steps, within what the pace lets it send
+    # (11 later steps, o's two included, in 93 open session-seconds, x 100 s)
+    assert tracker.pace_per_s() == pytest.approx((1 + 3 + 5 + 2) / (11 + 31 + 51))
+    assert tracker.committed_rps() == pytest.approx(2 / 100)
+    tracker.step_issued("long", 70.0)  # 7 steps issued: beyond every finished session
+    for _ in range(6):
+        tracker.step_done("long", 70.0, 100, ends_session=False)
+        tracker.step_issued("long", 70.0)
+    tracker.step_done("long", 71.0, 100, ends_session=False)
+    assert tracker.committed_rps() == pytest.approx((2 + 1) / 100)  # waiting: at least one
+    assert SessionTracker(0.0, 60.0).committed_rps() is None  # nothing to estimate from
+
+
+def test_parallel_calls_hold_nothing_until_the_last_ends_and_silent_sessions_time_out():
+    tracker = SessionTracker(0.0, horizon_s=30.0, idle_timeout_s=100.0)
+    tracker.step_issued("s", 0.0)
+    tracker.step_issued("s", 0.0)  # a fan-out: two calls at once
+    tracker.step_done("s", 5.0, 800, ends_session=False)
+    tracker.step_done("s", 10.0, 900, ends_session=False)  # waiting from 10 s on
+    assert tracker.close(20.0).held_kv_tokens == pytest.approx(900 * 10 / 20)
+    closed = tracker.close(200.0)  # silent since 10 s: finished after this window
+    assert closed.open == 0 and closed.held_kv_tokens == pytest.approx(900)
+    assert tracker.close(210.0).held_kv_tokens == 0.0
+    with pytest.raises(ValueError, match="no step in flight"):
+        tracker.step_done("s", 220.0, 100, ends_session=True)
+
+
+def test_window_reports_uncached_lengths_and_scales_the_held_context_with_the_rate():
+    window = LoadWindow(0.0)
+    window.arrival(10_000, 500)
+    window.arrival(20_000, 1500)
+    window.sessions.step_issued("s", 0.0)
+    window.sessions.step_done("s", 1.0, 12_000, ends_session=False)
+    stats = window.close(10.0)
+    assert (stats.mean_uncached_len, stats.cv_uncached_len) == (1000, pytest.approx(0.5))
+    assert stats.held_kv_tokens == pytest.approx(12_000 * 0.9)
+    observation = stats.observation(2 * stats.rate_rps)
+    assert observation.mean_uncached_len == 1000
+    assert observation.held_kv_tokens == pytest.approx(2 * 12_000 * 0.9)
+    assert stats.observation(0.1 * stats.rate_rps).held_kv_tokens == stats.held_kv_tokens
+    plain = LoadWindow(0.0)
+    plain.arrival(300)
+    bare = plain.close(10.0)
+    assert bare.mean_uncached_len is None and bare.held_kv_tokens is None
+    assert bare.committed_rps is None and committed_rps(bare) == 0.0
+
+
+def test_controller_sizes_for_the_steps_open_sessions_have_committed():
+    """Two controllers see the same 150 steps in 30 s; one is told they belong to ten
+    finished five-step sessions and a hundred sessions that have just started: those
+    have four steps left each, of which they send what the sessions' pace fits into the
+    horizon, so it sizes for more."""
+    told, blind = Controller(settings(), 0.0), Controller(settings(), 0.0)
+    for controller in (told, blind):
+        for _ in range(150):
+            controller.window.arrival(3000, 300)
+            controller.window.finished(250, True)
+    sessions = told.window.sessions
+    for k in range(5):
+        for i in range(10):
+            sessions.step_issued(f"f{i}", 2.0 * k)
+        for i in range(10):
+            sessions.step_done(f"f{i}", 2.0 * k + 1, 3000, ends_session=k == 4)
+    for i in range(100):
+        sessions.step_issued(f"o{i}", 25.0)
+    for i in range(100):
+        sessions.step_done(f"o{i}", 26.0, 3000, ends_session=False)
+    told_step, blind_step = told.step(30.0, []), blind.step(30.0, [])
+    pace = 40 / (10 * 9 + 100 * 5)  # later steps per open session-second
+    assert told_step.stats.committed_rps == pytest.approx(
+        100 * min(4, pace * told.horizon_s) / told.horizon_s)
+    assert told_step.targets.rate_rps > 1.5 * blind_step.targets.rate_rps
+
+
+def test_a_kind_switch_drains_the_old_engines_only_as_the_new_ones_serve():
+    """Three A800 decoders, a target of one H800: two drain at once, the third serves
+    until the H800 has started; a role is never left without a serving engine."""
+    planner = PoolPlanner(ScalingRules(0.0, 0.0, 30.0))
+    switch = PoolTargets(10.0, {PREFILL: {H800: 1}, DECODE: {H800: 1}}, 0.0, True)
+    prefill = engine("p0", PREFILL, H800)
+    old = [engine(f"d{i}", running=i) for i in range(3)]
+    first = planner.diff(0.0, switch, [prefill, *old])
+    assert first.start == ((DECODE, H800),) and first.drain == ("d0", "d1")
+    leaving = [replace(e, state=EngineState.DRAINING) for e in old[:2]]
+    booting = engine("h0", kind=H800, state=EngineState.STARTING, since_s=0.0)
+    assert planner.diff(10.0, switch, [prefill, old[2], *leaving, booting]).drain == ()
+    served = replace(booting, state=EngineState.ACTIVE)
+    assert planner.diff(60.0, switch, [prefill, old[2], served]).drain == ("d2",)

@@ -12,7 +12,8 @@ from app.serving.config import ServeConfig, load_serve_config
 pytestmark = pytest.mark.unit
 
 # `goodserve autoscale` experiments and a Kubernetes manifest, not serve configs
-NOT_SERVE_CONFIGS = {"autoscale-sim.yaml", "autoscale-live.yaml", "kuberay-rayservice.yaml"}
+NOT_SERVE_CONFIGS = {"autoscale-sim.yaml", "autoscale-live.yaml", "autoscale-agents-sim.yaml",
+                     "kuberay-rayservice.yaml"}
 CONFIGS = sorted(p for p in (Path(__file__).resolve().parents[2] / "configs").glob("*.yaml")
                  if p.name not in NOT_SERVE_CONFIGS)
 

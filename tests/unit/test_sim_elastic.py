@@ -4,7 +4,9 @@ over by token ids), with nothing lost and GPU time counted."""
 
 from __future__ import annotations
 
+import json
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -16,11 +18,13 @@ from app.hardware import make_instance
 from app.planning.inventory import DECODE, PREFILL, UNIFIED, PoolTargets, Stock
 from app.planning.split import EngineKind
 from app.routing.baselines import LeastRequestPolicy
+from app.routing.move_path import MoveRule
+from app.sessions import file_workload
 from app.sim.elastic import ElasticPools
 from app.sim.instance import InstanceSetup
 from app.sim.records import RequestOutcome
 from app.sim.simulator import Simulator
-from app.workload import WorkloadRequest
+from app.workload import Workload, WorkloadRequest
 
 pytestmark = pytest.mark.unit
 
@@ -135,3 +139,76 @@ def test_a_decode_engine_with_kv_on_its_way_is_not_stopped():
 def test_elastic_pools_reject_a_negative_start_up_time():
     with pytest.raises(ValueError, match="start-up"):
         ElasticPools(sara((UNIFIED,)), MODEL, STOCK, startup_s=-1.0)
+
+
+# ---- agent sessions across a scale-down -------------------------------------------------
+
+def session_log(tmp_path, num_sessions: int, tool_wait_s: float) -> Workload:
+    """Sessions of two steps: a 30k-token context, then 200 tokens more after a tool."""
+    rows = []
+    for i in range(num_sessions):
+        rows.append({"session_id": f"s{i}", "step_id": "0", "parent": None,
+                     "input_tokens": 30_000, "output_tokens": 20, "arrival_ms": 100 * i})
+        rows.append({"session_id": f"s{i}", "step_id": "1", "parent": "0",
+                     "input_tokens": 30_220, "appended_tokens": 200, "output_tokens": 20,
+                     "tool_wait_ms": 1000 * tool_wait_s})
+    path = tmp_path / "sessions.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in rows))
+    workload = file_workload(path)
+    return workload.with_requests([replace(r, slo_s=1e9) for r in workload.requests])
+
+
+def run_drain(workload: Workload, interval_s: float, rule: MoveRule,
+              kv_link_gbps: float = 25.0):
+    """Two unified A800s, a static target of one: one drains at the first step."""
+    targets = PoolTargets(0.0, {UNIFIED: {A800: 1}}, 2.0, True)
+    scaler = StaticScaler(interval_s=interval_s, rules=ScalingRules(0.0, 0.0, 100.0),
+                          fixed=targets)
+    elastic = ElasticPools(scaler, MODEL, STOCK, startup_s=0.0)
+    result = Simulator(setups(EngineRole.UNIFIED, EngineRole.UNIFIED),
+                       LeastRequestPolicy(seed=0), elastic=elastic, move_rule=rule,
+                       kv_link_gbps=kv_link_gbps).run(workload)
+    (drained,) = elastic.steps[0].diff.drain
+    return result, drained
+
+
+@pytest.mark.parametrize("interval_s", [2.0, 15.0])  # steps in flight / tools running
+def test_a_draining_engine_hands_the_sessions_contexts_over_and_loses_no_step(
+        tmp_path, interval_s):
+    """Whether the drain finds a session's step running (it finishes there) or waiting on
+    a tool, its context leaves the draining engine: moved as KV, the next step reuses it
+    on the engine kept; by token ids, the next step recomputes it. Nothing is lost."""
+    workload = session_log(tmp_path, 4, tool_wait_s=30.0)
+    moved, drained = run_drain(workload, interval_s, MoveRule.CHEAPER)
+    recomputed, drained_again = run_drain(workload, interval_s, MoveRule.TOKEN_IDS)
+    assert drained == drained_again
+    for result in (moved, recomputed):
+        assert_nothing_lost(result)
+        assert result.elastic.num_stopped == 1
+        assert {r.instance_ids[-1] for r in result.records
+                if r.request_id.endswith("/1")} != {drained}  # next steps on the kept one
+    there = {r.request_id.split("/")[0] for r in moved.records
+             if r.request_id.endswith("/0") and r.instance_ids[-1] == drained}
+    assert there and moved.elastic.num_contexts_moved == len(there)
+    assert moved.elastic.context_moved_bytes > 0 and moved.elastic.num_contexts_recomputed == 0
+    assert recomputed.elastic.num_contexts_recomputed == len(there)
+    assert recomputed.elastic.num_contexts_moved == 0
+
+    def ttft(result, session: str) -> float:
+        (record,) = [r for r in result.records if r.request_id == f"{session}/1"]
+        return record.first_token_s - record.arrival_s
+
+    for session in there:  # the moved context saves the next step's 30k-token recompute
+        assert ttft(moved, session) < 0.5 * ttft(recomputed, session)
+
+
+def test_a_draining_engine_is_not_stopped_while_contexts_are_leaving_it(tmp_path):
+    """Two 30k-token contexts (3.9 GB each) over a 0.5 GB/s link take 16 s: the engine,
+    empty of requests by 7 s, stops at the first decision after both have landed."""
+    workload = session_log(tmp_path, 4, tool_wait_s=60.0)
+    result, drained = run_drain(workload, 2.0, MoveRule.KV, kv_link_gbps=0.5)
+    assert_nothing_lost(result)
+    assert result.elastic.num_contexts_moved == 2
+    kv_bytes = 30_000 // 256 * 256 * make_instance("A800", MODEL).model.kv_bytes_per_token
+    assert result.elastic.context_moved_bytes == pytest.approx(2 * kv_bytes)
+    assert result.elastic.stopped_s[drained] >= 2 * kv_bytes / 0.5e9
