@@ -1,23 +1,31 @@
-"""Calibrate the sizing model against the engines: per pool role and engine kind, the
+"""Check the sizing models against the engines: per pool role and engine kind, the
 rate one engine sustains with `p_slo` of its requests within their deadlines, measured
-in the simulator, over the rate the analytic model gives it.
+in the simulator, against the rates the models give it.
 
-SARA's stage models are approximations (the decode model, for one, assumes every
-batch slot busy at the SLO's batch size); sized from them alone, pools come out short
-wherever the model is optimistic. A production planner profiles its engines before it
-plans (NVIDIA Dynamo's pre-deployment profiler does); this is that step for simulated
-engines, and the factors it prints are the controller's `capacity_factors`:
+Two models are compared with each measurement:
+- **served** (`app/planning/served.py`), evaluated on the measured traffic itself (its
+  lengths, the prefix its engine finds cached, each request's deadline) with the whole
+  slack given to the stage under test, as the measurement gives it: the factor
+  measured / served says whether the model describes the engine;
+- **sara**, SARA's stage models at the controller's stage targets (the mean request's):
+  its factor is what the controller's `capacity_factors` were.
     python -m app.experiments.calibrate --config configs/autoscale-sim.yaml --prompts P
-The search doubles the rate from twice the model's until the engine misses its target,
-up to MAX_FACTOR times the model's rate or the most its helpers carry (the factor is then
-a lower bound); a pool kind whose helpers could not carry twice its modelled rate is not
-measured.
+    python -m app.experiments.calibrate --content coding-agent
+The search doubles the rate from a quarter of the served model's until the engine
+misses, then bisects, up to MAX_FACTOR times that model's rate or the most its helpers
+carry (the factor is then a lower bound).
+
+An engine sustains a rate when it serves it: p_slo of the requests meet their
+deadlines, and over the window's second half the stage under test finishes as many
+requests as arrive there (STABLE_SHARE): a queue that grows without bound still meets
+long deadlines over a short window, which once made the prefill engines look 5-8
+times faster than they are.
 
 One engine of the kind serves the role under test; the other stage is served by
 helpers of the strongest kind for it, twice what the model says the rate needs (at
-most 16), so that it is not the bottleneck. Poisson arrivals (at most 4,000 per
-measurement), content from the experiment's prompt pool, deadlines as in the
-experiment (slo_scale x solo time on the reference GPU).
+most 16), so that it is not the bottleneck. Poisson arrivals (of requests, or of agent
+sessions whose steps follow each other), deadlines as in the experiment (slo_scale x
+solo time on the reference GPU).
 """
 
 from __future__ import annotations
@@ -37,108 +45,173 @@ from app.experiments.autoscale import (
     observed,
 )
 from app.experiments.replay import cli_error
+from app.hardware import get_model
 from app.planning.inventory import DECODE, PREFILL, UNIFIED, InventorySizer, capacity_key
 from app.planning.params import ModelParams
-from app.planning.split import EngineKind, stage_slos
+from app.planning.served import EngineModel, StageBudgets, TrafficSample
+from app.planning.split import EngineKind
 from app.routing.registry import PolicyKind, RoutingOptions, build_routing
+from app.sessions import SessionPreset, preset_workload
 from app.sim.elastic import engine_setup
 from app.sim.instance import InstanceSetup
-from app.sim.records import RequestOutcome
+from app.sim.records import RequestOutcome, RequestRecord
 from app.sim.simulator import Simulator
 from app.slo import assign_slos, reference_instance, solo_latencies_s
-from app.workload import Content, Workload, poisson_workload
+from app.workload import Arrivals, Content, SyntheticArrivals, Workload, poisson_workload
 
 BISECTION_STEPS = 6
 MAX_HELPERS = 16
-MAX_FACTOR = 8.0  # the search's cap on measured / modelled
+MAX_FACTOR = 8.0  # the search's cap on measured / served model
 MAX_REQUESTS = 4000  # per measurement: high rates are measured over a shorter window
 MIN_DURATION_S = 10.0
+STABLE_SHARE = 0.95  # second-half finishes over arrivals for a stage that keeps up
+PREFILL_SHARE = {PREFILL: 1.0, DECODE: 0.0, UNIFIED: 1.0}  # the measurement's slack split
 
 
 @dataclass(frozen=True)
 class Measured:
     role: str
     kind: EngineKind
-    modelled_rps: float
-    measured_rps: float
-    # the model with the stage's target given the deadline's whole slack, as the
-    # measurement gives it (its helpers leave the other stage near its solo time)
-    whole_slack_rps: float | None = None
+    measured_rps: float  # requests (agent steps) per second one engine sustains
+    served_rps: float  # the served model on the measured traffic
+    sara_rps: float  # SARA's stage model at the controller's targets
+    offered: float  # the traffic rate it was measured at (requests or sessions per s)
 
     @property
     def factor(self) -> float:
-        return self.measured_rps / self.modelled_rps
+        """Measured over the served model."""
+        return self.measured_rps / self.served_rps if self.served_rps > 0 else math.inf
+
+    @property
+    def sara_factor(self) -> float:
+        return self.measured_rps / self.sara_rps if self.sara_rps > 0 else math.inf
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What the engines are measured on: prompts arriving as a Poisson process, or agent
+    sessions of a preset arriving so (their steps closed-loop)."""
+
+    pool: Sequence[Content] = ()
+    preset: SessionPreset | None = None
+    context_limit: int = 0
+
+    def workload(self, rate: float, duration_s: float, seed: int) -> Workload:
+        if self.preset is None:
+            return poisson_workload(rate, duration_s, self.pool, seed=seed)
+        arrivals = SyntheticArrivals(Arrivals.POISSON, rate, duration_s)
+        return preset_workload(self.preset, arrivals, self.context_limit, seed)
+
+    @property
+    def label(self) -> str:
+        return "prompts" if self.preset is None else self.preset.value
+
+
+@dataclass(frozen=True)
+class Run:
+    """One measurement: the share of requests met, and whether the stage kept up."""
+
+    attainment: float
+    stable: bool
+    requests_per_s: float
+
+    def sustains(self, p_slo: float) -> bool:
+        return self.stable and self.attainment >= p_slo
 
 
 class Calibrator:
     """Measures one engine per (role, kind) of an experiment's inventory."""
 
-    def __init__(self, config: AutoscaleConfig, pool: Sequence[Content], seed: int,
+    def __init__(self, config: AutoscaleConfig, traffic: Traffic, seed: int,
                  duration_s: float = 60.0) -> None:
-        self.config, self.pool, self.seed, self.duration_s = config, pool, seed, duration_s
+        self.config, self.traffic, self.seed, self.duration_s = config, traffic, seed, duration_s
         self.settings = config.controller.settings(config.model, config.roles)
-        sample = poisson_workload(10.0, 100.0, pool, seed=seed)
-        lengths = observed(sample).workload
-        model = ModelParams.named(config.model)
-        self.sizer = InventorySizer(model, lengths, self.settings.slo.targets_for(lengths),
-                                    self.settings.stock)
         self.reference = reference_instance(config.model, config.controller.reference_gpu)
-        self.whole_slack = {
-            role: InventorySizer(model, lengths, stage_slos(
-                self.reference, lengths, config.controller.slo_scale, config.controller.p_slo,
-                prefill_share=share), self.settings.stock)
-            for role, share in ((PREFILL, 1.0), (DECODE, 0.0))}
+        self.scale = config.controller.slo_scale
+        self.p_slo = self.settings.slo.p_slo
+        sample = self._workload(self._probe_rate())
+        lengths = observed(sample).workload
+        self.sizer = InventorySizer(ModelParams.named(config.model), lengths,
+                                    self.settings.slo.targets_for(lengths), self.settings.stock)
         self.skipped: list[str] = []  # pool kinds `run` could not measure
+
+    def _probe_rate(self) -> float:
+        """A rate whose workload shows the traffic's lengths: 10 requests or 0.2 sessions
+        per second."""
+        return 10.0 if self.traffic.preset is None else 0.2
 
     def run(self) -> list[Measured]:
         """One row per (role, kind) the model gives a rate and the helpers can serve;
-        the others keep the model's rate (listed in `skipped`)."""
+        the others are listed in `skipped`."""
         rows = []
         self.skipped = []
         for role in self.config.roles:
             for stock in self.settings.stock:
-                modelled = self.sizer.rate_of(role, stock.kind, 1)
-                if modelled <= 0:
-                    continue
-                if not self._helpers_suffice(role, 2.0 * modelled):
+                guess = self.served_rate(role, stock.kind, self._probe_rate())
+                if guess <= 0 or not self._helpers_suffice(role, 2.0 * guess):
                     self.skipped.append(capacity_key(role, stock.kind))
                     continue
-                whole = (self.whole_slack[role].rate_of(role, stock.kind, 1)
-                         if role in self.whole_slack else None)
-                rows.append(Measured(role, stock.kind, modelled,
-                                     self.sustained(role, stock.kind, modelled), whole))
+                offered, run = self.sustained(role, stock.kind, guess)
+                rows.append(Measured(role, stock.kind, run.requests_per_s,
+                                     self.served_rate(role, stock.kind, offered),
+                                     self.sizer.rate_of(role, stock.kind, 1), offered))
         return rows
 
-    def sustained(self, role: str, kind: EngineKind, modelled: float) -> float:
-        """Highest rate that meets p_slo: doubling from twice the model's rate while it
-        does (within MAX_FACTOR and what the helpers carry), then bisection."""
-        lo, hi = 0.0, 2.0 * modelled
-        while self.attainment(role, kind, hi) >= self.settings.slo.p_slo:
-            if 2 * hi > MAX_FACTOR * modelled or not self._helpers_suffice(role, 2 * hi):
-                return hi
-            lo, hi = hi, 2 * hi
+    def served_rate(self, role: str, kind: EngineKind, offered: float) -> float:
+        """The served model's rate (requests/s) on the traffic offered at `offered`."""
+        workload = self._workload(offered)
+        sample = TrafficSample.from_requests(workload.requests, self.reference, self.scale)
+        budgets = StageBudgets.split(sample, self.reference, PREFILL_SHARE[role])
+        model = EngineModel.named(kind.gpu, self.config.model, kind.tp, sample, budgets,
+                                  kind.max_num_seqs, self.p_slo)
+        return model.rate(role)
+
+    def sustained(self, role: str, kind: EngineKind, served_rps: float) -> tuple[float, Run]:
+        """Highest offered rate the engine sustains (`Run.sustains`), and its run: doubling
+        from a quarter of the served model's while it does (within MAX_FACTOR of it and
+        what the helpers carry), then bisection."""
+        offered_per_request = self._probe_rate() / self._requests_per_s(self._probe_rate())
+        start = 0.25 * served_rps * offered_per_request
+        lo, hi = 0.0, start
+        best = Run(1.0, True, 0.0)
+        while (run := self.measure(role, kind, hi)).sustains(self.p_slo):
+            lo, best = hi, run
+            if 2 * hi > MAX_FACTOR * served_rps * offered_per_request or not \
+                    self._helpers_suffice(role, 2 * run.requests_per_s):
+                return lo, best
+            hi = 2 * hi
         for _ in range(BISECTION_STEPS):
             mid = (lo + hi) / 2
-            if self.attainment(role, kind, mid) >= self.settings.slo.p_slo:
-                lo = mid
+            run = self.measure(role, kind, mid)
+            if run.sustains(self.p_slo):
+                lo, best = mid, run
             else:
                 hi = mid
-        return max(lo, modelled / 2 ** BISECTION_STEPS)
+        return lo, best
 
-    def attainment(self, role: str, kind: EngineKind, rate: float) -> float:
-        workload = self._workload(rate)
-        setups = [engine_setup(self.config.model, role, kind), *self._helpers(role, rate)]
+    def _requests_per_s(self, offered: float) -> float:
+        workload = self._workload(offered)
+        return len(workload) / workload.duration_s
+
+    def measure(self, role: str, kind: EngineKind, offered: float) -> Run:
+        workload = self._workload(offered)
+        setups = [engine_setup(self.config.model, role, kind), *self._helpers(
+            role, len(workload) / workload.duration_s)]
         stack = build_routing(PolicyKind.GOODSERVE, RoutingOptions(seed=self.seed))
         sim = Simulator(setups, stack.policy, watchdog=stack.watchdog,
                         kv_link_gbps=self.config.kv_link_gbps, seed=self.seed)
         records = sim.run(workload).records
-        return sum(r.outcome is RequestOutcome.MET for r in records) / len(records)
+        met = sum(r.outcome is RequestOutcome.MET for r in records) / len(records)
+        return Run(met, keeps_up(records, role, workload.duration_s),
+                   len(workload) / workload.duration_s)
 
-    def _workload(self, rate: float) -> Workload:
-        duration = max(min(self.duration_s, MAX_REQUESTS / rate), MIN_DURATION_S)
-        workload = poisson_workload(rate, duration, self.pool, seed=self.seed)
+    def _workload(self, offered: float) -> Workload:
+        duration = self.duration_s
+        if self.traffic.preset is None:
+            duration = max(min(self.duration_s, MAX_REQUESTS / offered), MIN_DURATION_S)
+        workload = self.traffic.workload(offered, duration, self.seed)
         return assign_slos(workload, solo_latencies_s(workload.requests, self.reference),
-                           self.config.controller.slo_scale)
+                           self.scale)
 
     def _helper_kind(self, role: str) -> tuple[str, EngineKind]:
         other = DECODE if role == PREFILL else PREFILL
@@ -164,51 +237,92 @@ class Calibrator:
         return [engine_setup(self.config.model, other, best) for _ in range(count)]
 
 
+def keeps_up(records: Sequence[RequestRecord], role: str, duration_s: float) -> bool:
+    """Over the window's second half, the stage under test finishes (a prefill: the first
+    token; otherwise the last) at least STABLE_SHARE of the requests arriving there."""
+    half = duration_s / 2
+    arrived = sum(half <= r.arrival_s < duration_s for r in records)
+    if arrived == 0:
+        return True
+    done = [r.first_token_s if role == PREFILL else r.finish_s for r in records]
+    finished = sum(t is not None and half <= t < duration_s for t in done)
+    return finished >= STABLE_SHARE * arrived
+
+
 def factors(rows: Sequence[Measured]) -> dict[str, float]:
+    """Measured over the served model, per pool kind."""
     return {capacity_key(r.role, r.kind): round(r.factor, 3) for r in rows}
+
+
+def sara_factors(rows: Sequence[Measured]) -> dict[str, float]:
+    """Measured over SARA's stage models: the controller's `capacity_factors` for them."""
+    return {capacity_key(r.role, r.kind): round(r.sara_factor, 3) for r in rows}
 
 
 def main(
     config: Path = typer.Option(DEFAULT_CONFIG, help="autoscaling experiment YAML"),
-    prompts: Path = typer.Option(..., help="prompt_lengths.jsonl: the traffic's content"),
+    prompts: Path | None = typer.Option(None, help="prompt_lengths.jsonl: the traffic's "
+                                        "content (prompts content)"),
+    content: str = typer.Option("prompts", help="prompts | coding-agent | chat-agent"),
     seed: int = typer.Option(1000, help="content and routing seed (keep it apart from the "
                              "experiment's seeds)"),
     duration_s: float = typer.Option(60.0, help="seconds of arrivals per measurement"),
     out: Path | None = typer.Option(None, help="write calibration.json here"),
 ) -> None:
-    """Measure the capacity factors of an experiment's inventory; prints the
-    `capacity_factors` line for its controller section."""
-    from app.workload import load_prompts
-
-    for path in (config, prompts):
-        if not path.exists():
-            raise cli_error(f"{path} does not exist")
+    """Measure what one engine per pool kind sustains against the served and SARA models;
+    prints both factors (the `capacity_factors` line for each)."""
+    try:
+        traffic = traffic_for(content, prompts, config)
+    except (ValueError, OSError) as error:
+        raise cli_error(str(error)) from None
     experiment = load_autoscale_config(config)
-    pool = [row.content() for row in load_prompts(prompts)]
-    calibrator = Calibrator(experiment, pool, seed, duration_s)
+    calibrator = Calibrator(experiment, traffic, seed, duration_s)
     rows = calibrator.run()
     for r in rows:
-        whole = "" if r.whole_slack_rps is None else (
-            f"  model with the whole slack {r.whole_slack_rps:8.2f} req/s")
-        typer.echo(f"{r.role:8s} {r.kind.name:8s} model {r.modelled_rps:8.2f} req/s  "
-                   f"measured {r.measured_rps:8.2f} req/s  factor {r.factor:.3f}{whole}")
+        typer.echo(f"{r.role:8s} {r.kind.name:8s} measured {r.measured_rps:9.2f} req/s  "
+                   f"served model {r.served_rps:9.2f} (factor {r.factor:.3f})  "
+                   f"sara {r.sara_rps:9.2f} (factor {r.sara_factor:.3f})")
     if calibrator.skipped:
-        typer.echo("not measured (the helper stage would be the bottleneck; the model's "
-                   f"rate stands): {', '.join(calibrator.skipped)}")
-    measured = factors(rows)
-    typer.echo("capacity_factors: " + json.dumps(measured))
+        typer.echo("not measured (the helper stage would be the bottleneck): "
+                   + ", ".join(calibrator.skipped))
+    typer.echo("served factors: " + json.dumps(factors(rows)))
+    typer.echo("capacity_factors (sara): " + json.dumps(sara_factors(rows)))
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "calibration.json").write_text(json.dumps({
-            "setup": {"config": config.name, "prompts": prompts.name, "seed": seed,
-                      "duration_s": duration_s, "p_slo": experiment.controller.p_slo},
-            "rows": [{"role": r.role, "kind": r.kind.name,
-                      "modelled_rps": round(r.modelled_rps, 3),
+            "setup": {"config": config.name, "content": traffic.label,
+                      "prompts": prompts.name if prompts else None, "seed": seed,
+                      "duration_s": duration_s, "p_slo": experiment.controller.p_slo,
+                      "slo_scale": experiment.controller.slo_scale},
+            "rows": [{"role": r.role, "kind": r.kind.name, "offered": round(r.offered, 4),
                       "measured_rps": round(r.measured_rps, 3),
-                      "whole_slack_rps": None if r.whole_slack_rps is None else round(
-                          r.whole_slack_rps, 3)} for r in rows],
+                      "served_rps": round(r.served_rps, 3), "sara_rps": round(r.sara_rps, 3),
+                      "factor": round(r.factor, 3), "sara_factor": round(r.sara_factor, 3)}
+                     for r in rows],
             "not_measured": calibrator.skipped,
-            "capacity_factors": measured}, indent=2) + "\n")
+            "served_factors": factors(rows),
+            "sara_factors": sara_factors(rows)}, indent=2) + "\n")
+
+
+def traffic_for(content: str, prompts: Path | None, config: Path) -> Traffic:
+    """The calibration's traffic: a prompt file's content, or an agent-session preset."""
+    from app.workload import load_prompts
+
+    if not config.exists():
+        raise ValueError(f"{config} does not exist")
+    if content == "prompts":
+        if prompts is None:
+            raise ValueError("--content prompts needs --prompts (prompt_lengths.jsonl)")
+        if not prompts.exists():
+            raise ValueError(f"{prompts} does not exist")
+        return Traffic(pool=[row.content() for row in load_prompts(prompts)])
+    try:
+        preset = SessionPreset(content)
+    except ValueError:
+        raise ValueError(f"unknown content {content!r}: prompts, coding-agent or "
+                         "chat-agent") from None
+    model = load_autoscale_config(config).model
+    return Traffic(preset=preset, context_limit=get_model(model).max_context_tokens)
 
 
 if __name__ == "__main__":

@@ -108,6 +108,25 @@ class MgkQueue:
         lattice = Lattice.reusable(t, self._finest_scale())
         return cdf_at(lattice, lattice.cdf_from_spectrum(self._wait_spectrum(lattice, method)), t)
 
+    def wait_cdf_many(self, t: np.ndarray, method: Method = Method.REFINED) -> np.ndarray:
+        """P(W <= t) at many points from one lattice (0 below 0)."""
+        t = np.asarray(t, dtype=float)
+        out = np.zeros(t.shape)
+        positive = t > 0
+        out[t == 0] = 1.0 - self.wait_probability
+        if not positive.any():
+            return out
+        if method is Method.PAPER or self.service.is_exponential:
+            out[positive] = 1.0 - self.wait_probability * np.exp(
+                -self.paper_decay_rate * t[positive])
+            return out
+        lattice = Lattice.reusable(float(t[positive].max()), self._finest_scale())
+        cdf = lattice.cdf_from_spectrum(self._wait_spectrum(lattice, method))
+        edges = np.concatenate(([0.0], lattice.upper_edges))
+        atom = 1.0 - self.wait_probability
+        out[positive] = np.interp(t[positive], edges, np.concatenate(([atom], cdf)))
+        return out
+
     def sojourn_cdf(self, t: float, method: Method = Method.REFINED) -> float:
         """P(W + S <= t)."""
         if t <= 0:

@@ -13,11 +13,31 @@ from typer.testing import CliRunner
 
 from app.cli import cli
 from app.control.config import ControllerConfig
-from app.experiments.autoscale import DEFAULT_CONFIG, STRATEGIES, load_autoscale_config
+from app.experiments.autoscale import (
+    DEFAULT_CONFIG,
+    STRATEGIES,
+    AutoscaleConfig,
+    load_autoscale_config,
+)
 from app.planning.inventory import DECODE, PREFILL
-from app.workload import Content, LoadShape, RateProfile, TraceRow, shaped_trace_workload
+from app.sessions import (
+    iter_session_rows,
+    preset_sessions,
+    shaped_file_workload,
+    shaped_preset_workload,
+)
+from app.workload import (
+    Content,
+    ContentMode,
+    LoadShape,
+    RateProfile,
+    TraceRow,
+    shaped_trace_workload,
+)
 
 pytestmark = pytest.mark.unit
+
+AGENTS_CONFIG = DEFAULT_CONFIG.parent / "autoscale-agents-sim.yaml"
 
 
 def trace_rows(n: int = 2000, rate: float = 5.0) -> list[TraceRow]:
@@ -43,6 +63,100 @@ def test_the_shaped_load_follows_the_profile_and_repeats_the_trace():
     assert profile.mean_rps == pytest.approx(20.0, rel=0.01)
     with pytest.raises(ValueError, match="low <= peak"):
         RateProfile(LoadShape.RAMP, 50.0, 10.0, 100.0)
+
+
+def test_each_shape_s_rate_and_expected_arrivals():
+    low, peak, duration = 10.0, 40.0, 300.0
+    t = np.array([0.0, 75.0, 150.0, 225.0, 300.0])
+    phases = RateProfile(LoadShape.PHASES, low, peak, duration)
+    assert phases.rate_at(t).tolist() == [10, 10, 40, 10, 10]
+    assert phases.expected_total == pytest.approx(100 * (10 + 40 + 10), rel=1e-3)
+    ramp = RateProfile(LoadShape.RAMP, low, peak, duration)
+    assert ramp.rate_at(t).tolist() == [10, 17.5, 25, 32.5, 40]
+    assert ramp.expected_arrivals(t).tolist() == pytest.approx(10 * t + 30 * t**2 / 600)
+    diurnal = RateProfile(LoadShape.DIURNAL, low, peak, duration)
+    assert diurnal.rate_at(t).tolist() == pytest.approx([10, 25, 40, 25, 10])
+    exact = low * t + (peak - low) / 2 * (t - duration / (2 * np.pi)
+                                          * np.sin(2 * np.pi * t / duration))
+    assert diurnal.expected_arrivals(t).tolist() == pytest.approx(exact, rel=1e-4, abs=1e-3)
+    assert diurnal.mean_rps == pytest.approx(25.0, rel=1e-3)
+    bursty = RateProfile(LoadShape.BURSTY, low, peak, duration)
+    assert bursty.rate_at(t).tolist() == [20.0] * 5  # the phases' mean, flat
+    assert bursty.expected_total == pytest.approx(phases.expected_total, rel=1e-3)
+    assert bursty.imposes_arrivals and not diurnal.imposes_arrivals
+    with pytest.raises(ValueError, match="burstiness"):
+        RateProfile(LoadShape.BURSTY, low, peak, duration, burstiness=0.0)
+
+
+def test_a_diurnal_load_warps_the_trace_to_a_smooth_day():
+    profile = RateProfile(LoadShape.DIURNAL, 10.0, 40.0, 300.0)
+    times = np.array([r.arrival_s for r in shaped_trace_workload(trace_rows(), profile)
+                      .requests])
+    edges = (times < 50).sum(), (times >= 250).sum()
+    middle = ((times >= 125) & (times < 175)).sum()
+    assert middle > 2.5 * max(edges)
+    assert len(times) == pytest.approx(profile.expected_total, rel=0.05)
+
+
+def test_bursty_arrivals_keep_the_mean_rate_with_gaps_of_cv_four_seeded():
+    profile = RateProfile(LoadShape.BURSTY, 10.0, 40.0, 3000.0)
+    times = np.array([r.arrival_s for r in shaped_trace_workload(trace_rows(), profile,
+                                                                 seed=3).requests])
+    gaps = np.diff(times)
+    assert gaps.std() / gaps.mean() > 3.5  # CV 4 by construction; clustered
+    assert len(times) == pytest.approx(profile.expected_total, rel=0.25)
+    again = shaped_trace_workload(trace_rows(), profile, seed=3)
+    other = shaped_trace_workload(trace_rows(), profile, seed=4)
+    assert [r.arrival_s for r in again.requests] == times.tolist()
+    assert [r.arrival_s for r in other.requests] != times.tolist()
+    smooth = np.diff([r.arrival_s for r in shaped_trace_workload(
+        trace_rows(), RateProfile(LoadShape.PHASES, 20.0, 20.0, 3000.0)).requests])
+    assert smooth.std() / smooth.mean() < 1.5  # the Poisson-like trace, for contrast
+
+
+@pytest.mark.parametrize("shape", [LoadShape.PHASES, LoadShape.BURSTY])
+def test_session_starts_follow_the_profile_and_their_steps_stay_closed_loop(shape):
+    profile = RateProfile(shape, 0.5, 2.0, 300.0)
+    workload = shaped_preset_workload("chat-agent", profile, 131_072, seed=2)
+    graph = workload.graph
+    assert graph is not None and len(graph.roots) < len(workload)
+    starts = np.array([workload.requests[i].arrival_s for i in graph.roots])
+    assert len(starts) == pytest.approx(profile.expected_total, rel=0.3)
+    if shape is LoadShape.PHASES:
+        thirds = [((starts >= a) & (starts < a + 100)).sum() for a in (0, 100, 200)]
+        assert thirds[1] > 2 * max(thirds[0], thirds[2])
+    else:
+        gaps = np.diff(starts)
+        assert gaps.std() / gaps.mean() > 2.5  # 500 sessions: the CV-4 process, sampled
+    # a later step waits for its parent and a tool: issued at its session's start until then
+    later = [i for i, parents in enumerate(graph.parents) if parents]
+    assert all(workload.requests[i].arrival_s == workload.requests[graph.parents[i][0]]
+               .arrival_s for i in later)
+    assert shaped_preset_workload("chat-agent", profile, 131_072, seed=2) == workload
+
+
+def test_a_session_log_repeats_under_the_profile_with_renamed_sessions(tmp_path):
+    sessions = preset_sessions("chat-agent", [float(i) for i in range(20)], 131_072, seed=0)
+    path = tmp_path / "sessions.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in iter_session_rows(sessions)))
+    profile = RateProfile(LoadShape.RAMP, 1.0, 3.0, 30.0)  # 60 starts from 20 sessions
+    shaped = shaped_file_workload(path, profile)
+    ids = {r.session_id for r in shaped.requests}
+    assert len(ids) == pytest.approx(profile.expected_total, rel=0.1)
+    assert {i for i in ids if "~" not in i} == {s.session_id for s in sessions}
+    assert any(i.endswith("~2") for i in ids) and shaped.graph is not None
+
+
+def test_the_agents_config_gives_each_session_kind_its_own_rates_in_sessions_per_second():
+    config = load_autoscale_config(AGENTS_CONFIG)
+    coding, chat = (config.load_for(c) for c in (ContentMode.CODING_AGENT,
+                                                  ContentMode.CHAT_AGENT))
+    assert coding.peak_rps < chat.peak_rps and coding.low_rps < coding.peak_rps
+    assert config.load_for(ContentMode.TRACE) == config.load
+    with pytest.raises(ValueError, match="low_rps must be <= peak_rps"):
+        AutoscaleConfig.model_validate({
+            **yaml.safe_load(AGENTS_CONFIG.read_text()),
+            "content_load": {"coding-agent": {"low_rps": 2, "peak_rps": 1, "duration_s": 9}}})
 
 
 def test_the_default_experiment_config_loads_and_its_peak_needs_more_than_its_mean():
@@ -117,55 +231,77 @@ def test_autoscale_input_errors_are_one_line(tmp_path, args, message):
     assert set(STRATEGIES) >= {"sara", "static-peak"}
 
 
+@pytest.mark.parametrize("args, message", [
+    ([], "--content trace needs --trace"),
+    (["--content", "sessions"], "needs --sessions"),
+    (["--content", "chat-agent", "--backend", "live", "--strategies", "sara"], "sim only"),
+    (["--content", "sessions", "--sessions", "/none.jsonl"], "does not exist"),
+])
+def test_autoscale_content_errors_are_one_line(args, message):
+    result = CliRunner().invoke(cli, ["autoscale", "--config", str(AGENTS_CONFIG), *args])
+    assert result.exit_code == 2 and message in result.output
+    assert "Traceback" not in result.output
+
+
+def _calibration_pool() -> list[Content]:
+    return [Content(300 + 40 * (i % 10), 60 + 20 * (i % 7), (i,)) for i in range(200)]
+
+
 def test_calibration_finds_the_rate_an_engine_sustains_within_its_deadlines():
-    """The measured rate meets p_slo in the simulator and a third more does not (or the
-    search hit its cap); the factor is their ratio."""
-    from app.experiments.calibrate import MAX_FACTOR, Calibrator, factors
+    """The measured rate is sustained in the simulator and a third more is not (or the
+    search hit its cap); the factors are the measured rate over each model's."""
+    from app.experiments.calibrate import (
+        MAX_FACTOR,
+        Calibrator,
+        Traffic,
+        factors,
+        sara_factors,
+    )
 
     config = load_autoscale_config(DEFAULT_CONFIG).model_copy(update={"mode": "unified"})
     controller = config.controller.model_copy(update={"inventory": [
         config.controller.inventory[1]]})  # A800 only
     config = config.model_copy(update={"controller": controller})
-    pool = [Content(300 + 40 * (i % 10), 60 + 20 * (i % 7), (i,)) for i in range(200)]
-    calibrator = Calibrator(config, pool, seed=5, duration_s=20.0)
+    calibrator = Calibrator(config, Traffic(pool=_calibration_pool()), seed=5, duration_s=20.0)
     (row,) = calibrator.run()
-    assert row.role == "unified" and row.kind.name == "A800" and row.modelled_rps > 0
+    assert row.role == "unified" and row.kind.name == "A800"
+    assert row.served_rps > 0 and row.sara_rps > 0 and row.measured_rps > 0
     p_slo = calibrator.settings.slo.p_slo
-    assert calibrator.attainment(row.role, row.kind, row.measured_rps) >= p_slo
-    assert (row.measured_rps * 2 > MAX_FACTOR * row.modelled_rps
-            or calibrator.attainment(row.role, row.kind, 1.34 * row.measured_rps) < p_slo)
-    assert factors([row]) == {"unified:A800": round(row.measured_rps / row.modelled_rps, 3)}
+    assert calibrator.measure(row.role, row.kind, row.offered).sustains(p_slo)
+    assert (row.offered * 2 > MAX_FACTOR * row.served_rps
+            or not calibrator.measure(row.role, row.kind, 1.34 * row.offered).sustains(p_slo))
+    assert factors([row]) == {"unified:A800": round(row.measured_rps / row.served_rps, 3)}
+    assert sara_factors([row]) == {"unified:A800": round(row.measured_rps / row.sara_rps, 3)}
 
 
 def test_calibration_skips_a_stage_whose_helpers_would_be_the_bottleneck():
     """Small decode batches (the live config's max_num_seqs 8) cannot keep up with a fast
     prefill engine: the prefill measurement would be of the decoders, so it is skipped;
     the large-batch experiment's decoders keep up."""
-    from app.experiments.calibrate import Calibrator
+    from app.experiments.calibrate import Calibrator, Traffic
 
-    pool = [Content(300 + 40 * (i % 10), 60 + 20 * (i % 7), (i,)) for i in range(200)]
+    traffic = Traffic(pool=_calibration_pool())
     live = load_autoscale_config(DEFAULT_CONFIG.parent / "autoscale-live.yaml")
-    small = Calibrator(live, pool, seed=5)
+    small = Calibrator(live, traffic, seed=5)
     h800 = live.controller.inventory[0].kind
     assert not small._helpers_suffice(PREFILL, 2 * small.sizer.rate_of(PREFILL, h800, 1))
     assert small._helpers_suffice(DECODE, 2 * small.sizer.rate_of(DECODE, h800, 1))
-    large = Calibrator(load_autoscale_config(DEFAULT_CONFIG), pool, seed=5)
+    large = Calibrator(load_autoscale_config(DEFAULT_CONFIG), traffic, seed=5)
     assert large._helpers_suffice(PREFILL, 2 * large.sizer.rate_of(PREFILL, h800, 1))
 
 
-def test_calibration_also_models_each_stage_with_the_deadlines_whole_slack():
-    """The measurement leaves the stage under test the whole slack (its helpers keep the
-    other stage near its solo time); the model at those targets is set beside it, and
-    gives each stage at least the controller's rate."""
-    from app.experiments.calibrate import Calibrator
+def test_an_engine_whose_queue_grows_does_not_keep_up_however_many_deadlines_it_meets():
+    """Second-half finishes against second-half arrivals: a prefill that falls behind
+    fails even when every request still meets its (long) deadline."""
+    from app.experiments.calibrate import keeps_up
+    from app.sim.records import RequestRecord
 
-    pool = [Content(300 + 40 * (i % 10), 60 + 20 * (i % 7), (i,)) for i in range(200)]
-    calibrator = Calibrator(load_autoscale_config(DEFAULT_CONFIG), pool, seed=5)
-    kinds = [stock.kind for stock in calibrator.settings.stock]
-    for role in (PREFILL, DECODE):
-        proportional = [calibrator.sizer.rate_of(role, kind, 1) for kind in kinds]
-        whole = [calibrator.whole_slack[role].rate_of(role, kind, 1) for kind in kinds]
-        assert all(w >= p > 0 for w, p in zip(whole, proportional, strict=True))
-        if role == PREFILL:
-            assert all(w > p for w, p in zip(whole, proportional, strict=True))
-            assert sum(whole) > 1.3 * sum(proportional)
+    def record(arrival: float, first_token: float) -> RequestRecord:
+        return RequestRecord(f"r{arrival}", arrival, arrival + 100.0, 100.0, 10, 10,
+                             first_token_s=first_token, finish_s=first_token + 1.0)
+
+    steady = [record(t / 10, t / 10 + 0.1) for t in range(200)]
+    behind = [record(t / 10, 2 * t / 10) for t in range(200)]  # served at half the rate
+    assert keeps_up(steady, PREFILL, 20.0)
+    assert not keeps_up(behind, PREFILL, 20.0)
+    assert keeps_up(steady, DECODE, 20.0)

@@ -1,0 +1,356 @@
+"""Stage capacities of the served system: what engines of one kind sustain with `p_slo`
+of the requests within their own deadlines.
+
+SARA's stage models (`prefill.py`, `decode.py`) size for one first-token and one
+per-token target, the mean request's, and leave out what the engines do beyond the
+paper's roofline: the per-step overhead, the batching of prompts, the prefix cache and
+the scheduler's caps. Sized from them, pools came out 2-8x too large in prefill and up
+to 1.5x too small in decode, and only measured capacity factors made them usable.
+These models describe the engines the router serves on instead:
+- **Each request's own budget.** Traffic is a sample of requests (prompt, cached
+  prefix, output, deadline). A stage is given, per request, its solo time on the
+  reference GPU plus a share of that request's slack (deadline minus solo time), so a
+  long prompt or a long answer may wait as long as its own deadline allows.
+- **Prefill** is a FCFS M/G/n queue of prompts whose service is each prompt's share of a
+  full chunked-prefill iteration: its uncached tokens at the batched per-token cost plus
+  its attention over the cached context (`app.hardware`). A request meets its prefill
+  budget b_i when W <= b_i - S_i, S_i its prefill alone on the engine, W the queue's wait
+  (`MgkQueue`, refined method); the attainment is the mean over the sample.
+- **Decode** is continuous batching: n requests share each step, whose time t(n) is the
+  engine's iteration time for n sequences at the slots' time-averaged context (weights,
+  KV reads that grow with the context, all-reduce and per-step overhead). Little's law
+  gives the occupancy, n = lambda E[N - 1] t(n); the engine is saturated when n would pass
+  its `max_num_seqs` or its KV cache (less the KV that sessions keep parked between
+  steps). A request meets its decode budget when (N_i - 1) t(n) fits it.
+- **Unified** engines run both in one iteration (chunked prefill): each step carries
+  the prompts' tokens that arrived during the previous one besides the decode tokens,
+  so t solves t = T(n decodes, lambda E[u] t prompt tokens); a request meets its
+  deadline when its prompt waits one step, runs in ceil(u / budget) more, then decodes.
+Every input is the engine's own (iteration model, scheduler caps, KV capacity) or the
+traffic's; nothing is fitted to a measurement (`app.experiments.calibrate` checks).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from app.config import SchedulerConfig
+from app.hardware import BatchShape, InstanceSpec, PrefillChunk, make_instance
+from app.planning.allocator import LengthMoments
+from app.planning.distributions import LengthDist
+from app.planning.queues import Method, MgkQueue
+from app.planning.search import max_feasible_rate
+from app.workload import WorkloadRequest
+
+PREFILL, DECODE, UNIFIED = "prefill", "decode", "unified"
+GRID_POINTS = 24  # quantiles per length in a sample built from moments (24 x 24 requests)
+FIXED_POINT_STEPS = 60
+MIN_CV = 0.05
+
+
+@dataclass(frozen=True)
+class TrafficSample:
+    """Requests standing for the traffic: lengths and end-to-end deadlines.
+
+    `cached_tokens`: prompt tokens the serving engine already holds (an agent step's
+    context, a shared prefix). `held_kv_tokens`: context that sessions keep parked on a
+    decoding engine between their steps (tool waits), per engine."""
+
+    prompt_tokens: np.ndarray
+    cached_tokens: np.ndarray
+    output_tokens: np.ndarray
+    deadline_s: np.ndarray
+    held_kv_tokens: float = 0.0
+
+    def __post_init__(self) -> None:
+        n = len(self.prompt_tokens)
+        if n == 0:
+            raise ValueError("a traffic sample needs at least one request")
+        for name in ("cached_tokens", "output_tokens", "deadline_s"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries, want {n}")
+        if np.any(self.prompt_tokens < 1) or np.any(self.output_tokens < 1):
+            raise ValueError("prompts and outputs need at least one token")
+        if np.any(self.cached_tokens < 0) or np.any(self.cached_tokens >= self.prompt_tokens):
+            raise ValueError("cached tokens must be in [0, prompt tokens)")
+        if self.held_kv_tokens < 0:
+            raise ValueError(f"held KV must be >= 0 tokens, got {self.held_kv_tokens}")
+
+    @property
+    def uncached_tokens(self) -> np.ndarray:
+        return self.prompt_tokens - self.cached_tokens
+
+    @classmethod
+    def from_lengths(cls, prompt: np.ndarray, cached: np.ndarray, output: np.ndarray,
+                     reference: InstanceSpec, slo_scale: float,
+                     held_kv_tokens: float = 0.0) -> TrafficSample:
+        """Deadlines as the experiments set them: `slo_scale` x solo time on `reference`
+        (the cached prefix counted as cached, as `app.slo` does)."""
+        prompt, cached, output = (np.asarray(a, dtype=np.int64) for a in (prompt, cached, output))
+        solo = SoloPhases.of(reference, prompt, cached, output)
+        return cls(prompt, cached, output, slo_scale * solo.total_s, held_kv_tokens)
+
+    @classmethod
+    def from_requests(cls, requests: Sequence[WorkloadRequest], reference: InstanceSpec,
+                      slo_scale: float, held_kv_tokens: float = 0.0) -> TrafficSample:
+        """The requests themselves, their cached prefix what one engine serving them in
+        order would hold (`prefix_hits`); deadlines `slo_scale` x solo time."""
+        prompt = np.array([r.num_prompt_tokens for r in requests])
+        return cls.from_lengths(prompt, np.array(prefix_hits(requests)),
+                                np.array([r.num_output_tokens for r in requests]),
+                                reference, slo_scale, held_kv_tokens)
+
+    @classmethod
+    def from_moments(cls, workload: LengthMoments, reference: InstanceSpec, slo_scale: float,
+                     held_kv_tokens: float = 0.0, points: int = GRID_POINTS) -> TrafficSample:
+        """A quantile grid of the moments a controller measures: prompts from the input
+        distribution, outputs exponential with the observed mean (SARA's assumption),
+        independent; each prompt's cached share is the traffic's mean one."""
+        probs = (np.arange(points) + 0.5) / points
+        prompts = np.maximum(1, np.round(workload.input_len.quantile(probs)))
+        outputs = np.maximum(1, np.round(
+            LengthDist.exponential(workload.mean_output_len).quantile(probs)))
+        cached_share = 1.0 - min(1.0, workload.prefill_len.mean / workload.input_len.mean)
+        prompt = np.repeat(prompts, points)
+        output = np.tile(outputs, points)
+        cached = np.minimum(np.floor(prompt * cached_share), prompt - 1)
+        return cls.from_lengths(prompt, cached, output, reference, slo_scale, held_kv_tokens)
+
+
+def prefix_hits(requests: Sequence[WorkloadRequest]) -> list[int]:
+    """Prompt tokens each request finds cached on one engine that served all before it
+    with a cache that evicts nothing: the longest prefix of its hash blocks seen before
+    (as the engines match it, at most the prompt less one token), or the context an
+    agent step extends."""
+    seen: set[int] = set()  # chained block hashes: equal hash, equal prefix
+    hits = []
+    for r in requests:
+        matched = 0
+        for block in r.block_hashes:
+            if block not in seen:
+                break
+            matched += 1
+        seen.update(r.block_hashes)
+        context = (0 if r.num_appended_tokens is None
+                   else r.num_prompt_tokens - r.num_appended_tokens)
+        hits.append(min(max(matched * r.hash_block_size, context), r.num_prompt_tokens - 1))
+    return hits
+
+
+@dataclass(frozen=True)
+class SoloPhases:
+    """Each request alone on one instance: time to first token, mean time per later one."""
+
+    ttft_s: np.ndarray
+    tpot_s: np.ndarray
+    output_tokens: np.ndarray
+
+    @property
+    def decode_s(self) -> np.ndarray:
+        return np.maximum(self.output_tokens - 1, 0) * self.tpot_s
+
+    @property
+    def total_s(self) -> np.ndarray:
+        return self.ttft_s + self.decode_s
+
+    @classmethod
+    def of(cls, instance: InstanceSpec, prompt: np.ndarray, cached: np.ndarray,
+           output: np.ndarray) -> SoloPhases:
+        memo: dict[tuple[int, int, int], tuple[float, float]] = {}
+        ttft, tpot = np.empty(len(prompt)), np.empty(len(prompt))
+        for i, key in enumerate(zip(prompt.tolist(), cached.tolist(), output.tolist(),
+                                    strict=True)):
+            if key not in memo:
+                memo[key] = instance.solo_phases_s(key[0], key[2], num_cached_tokens=key[1])
+            ttft[i], tpot[i] = memo[key]
+        return cls(ttft, tpot, output)
+
+
+@dataclass(frozen=True)
+class StageBudgets:
+    """What each request may spend in one stage: its solo time there on the reference
+    GPU plus `share` of its slack (prefill; decode gets the rest of the slack)."""
+
+    prefill_s: np.ndarray
+    decode_s: np.ndarray
+    total_s: np.ndarray  # the whole deadline: a unified engine runs both stages
+
+    @classmethod
+    def split(cls, sample: TrafficSample, reference: InstanceSpec,
+              prefill_share: float) -> StageBudgets:
+        if not 0 <= prefill_share <= 1:
+            raise ValueError(f"prefill share must be in [0, 1], got {prefill_share}")
+        solo = SoloPhases.of(reference, sample.prompt_tokens, sample.cached_tokens,
+                             sample.output_tokens)
+        slack = np.maximum(sample.deadline_s - solo.total_s, 0.0)
+        return cls(solo.ttft_s + prefill_share * slack,
+                   solo.decode_s + (1 - prefill_share) * slack, sample.deadline_s)
+
+
+class EngineModel:
+    """One engine kind's stage capacities for a traffic sample and stage budgets."""
+
+    def __init__(self, instance: InstanceSpec, sample: TrafficSample, budgets: StageBudgets,
+                 scheduler: SchedulerConfig | None = None, p_slo: float = 0.9,
+                 method: Method = Method.REFINED) -> None:
+        if not 0 < p_slo < 1:
+            raise ValueError(f"p_slo must be in (0, 1), got {p_slo}")
+        self.instance, self.sample, self.budgets = instance, sample, budgets
+        self.scheduler = scheduler or SchedulerConfig()
+        self.p_slo, self.method = p_slo, method
+
+    @classmethod
+    def named(cls, gpu: str, model: str, tp: int, sample: TrafficSample, budgets: StageBudgets,
+              max_num_seqs: int | None = None, p_slo: float = 0.9) -> EngineModel:
+        scheduler = SchedulerConfig() if max_num_seqs is None else SchedulerConfig(
+            max_num_seqs=max_num_seqs)
+        return cls(make_instance(gpu, model, tp), sample, budgets, scheduler, p_slo)
+
+    def rate(self, role: str, engines: int = 1) -> float:
+        """Largest arrival rate `engines` engines of this kind carry in `role` with p_slo
+        of the requests within their budgets (0 if none)."""
+        if engines < 1:
+            return 0.0
+        if role == PREFILL:
+            return self._prefill_rate(engines)
+        if role == DECODE:
+            return engines * self._largest(self.decode_attainment, self._decode_ceiling())
+        if role == UNIFIED:  # prompts only lengthen the steps: decode's ceiling fails too
+            return engines * self._largest(self.unified_attainment, self._decode_ceiling())
+        raise ValueError(f"unknown role {role!r}")
+
+    def _largest(self, attainment: Callable[[float], float], ceiling: float) -> float:
+        if not ceiling > 0:
+            return 0.0
+        return max_feasible_rate(lambda r: attainment(r) >= self.p_slo, ceiling)
+
+    # ---- prefill -----------------------------------------------------------
+    @cached_property
+    def _solo_prefill_s(self) -> np.ndarray:
+        s = self.sample
+        return SoloPhases.of(self.instance, s.prompt_tokens, s.cached_tokens,
+                             np.ones_like(s.output_tokens)).ttft_s
+
+    @cached_property
+    def _prefill_work_s(self) -> np.ndarray:
+        """Each prompt's share of a full chunked-prefill iteration: its uncached tokens at
+        the batched per-token cost, plus its attention over its cached context."""
+        full = self.scheduler.max_num_batched_tokens
+        parts = self.instance.iteration_breakdown(BatchShape.build([PrefillChunk(full, 0)]))
+        per_token = (parts.linear_s + parts.allreduce_s + parts.overhead_s) / full
+        s = self.sample
+        attention = np.array([self.instance.iteration_breakdown(BatchShape.build(
+            [PrefillChunk(u, c)])).attention_s for u, c in
+            zip(s.uncached_tokens.tolist(), s.cached_tokens.tolist(), strict=True)])
+        return s.uncached_tokens * per_token + attention
+
+    def prefill_attainment(self, rate: float, engines: int = 1) -> float:
+        """Share of requests whose first token comes within their prefill budget."""
+        work = self._prefill_work_s
+        if rate <= 0:
+            return float(np.mean(self._solo_prefill_s <= self.budgets.prefill_s))
+        if rate * work.mean() >= engines:
+            return 0.0
+        service = LengthDist.from_moments(float(work.mean()), max(float(work.std() / work.mean()),
+                                                                  MIN_CV))
+        queue = MgkQueue(rate, engines, service)
+        allowed = self.budgets.prefill_s - self._solo_prefill_s
+        return float(np.mean(queue.wait_cdf_many(allowed, self.method)))
+
+    def _prefill_rate(self, engines: int) -> float:
+        return self._largest(lambda r: self.prefill_attainment(r, engines),
+                             engines / float(self._prefill_work_s.mean()))
+
+    # ---- decode ------------------------------------------------------------
+    @cached_property
+    def _decode_steps(self) -> np.ndarray:
+        """Steps each request spends in a decode batch (the first token comes with the
+        prompt's last prefill iteration)."""
+        return np.maximum(self.sample.output_tokens - 1, 0)
+
+    @cached_property
+    def _slot_context(self) -> float:
+        """Context length of a batch slot, averaged over time: each request counts for
+        the steps it stays, at its mean context while it decodes."""
+        s, steps = self.sample, self._decode_steps
+        context = s.prompt_tokens + s.output_tokens / 2
+        return float(np.sum(steps * context) / max(np.sum(steps), 1))
+
+    @cached_property
+    def _slots(self) -> int:
+        """Requests a step can hold: the scheduler's cap, and the KV cache less what
+        parked sessions keep."""
+        free = self.instance.kv_capacity_tokens - self.sample.held_kv_tokens
+        return int(max(0, min(self.scheduler.max_num_seqs, free // max(self._slot_context, 1))))
+
+    def step_s(self, num_decoding: float, num_prefill_tokens: float = 0.0) -> float:
+        """One iteration with `num_decoding` sequences (fractional: linear between the
+        neighbouring integers) and `num_prefill_tokens` of prompts at the mean cached
+        context."""
+        lo = math.floor(num_decoding)
+        t_lo = self._iteration(lo, num_prefill_tokens)
+        if lo == num_decoding:
+            return t_lo
+        return t_lo + (num_decoding - lo) * (self._iteration(lo + 1, num_prefill_tokens) - t_lo)
+
+    def _iteration(self, num_decoding: int, num_prefill_tokens: float) -> float:
+        chunks = []
+        if num_prefill_tokens >= 1:
+            cached = float(np.mean(self.sample.cached_tokens))
+            chunks = [PrefillChunk(round(num_prefill_tokens), round(cached))]
+        batch = BatchShape.build(chunks)
+        batch = BatchShape(batch.num_prefill_tokens, batch.num_prefill_seqs,
+                           batch.prefill_attention_pairs, batch.prefill_kv_read_tokens,
+                           num_decoding, round(num_decoding * self._slot_context))
+        return self.instance.iteration_time_s(batch)
+
+    def _occupancy(self, rate: float, prefill_tokens_per_s: float = 0.0
+                   ) -> tuple[float, float] | None:
+        """(sequences per step, step time) at `rate` by Little's law, n = rate E[N-1] t,
+        with the prompts' tokens that arrive during a step carried by the next; None
+        when the engine saturates (n past its slots, or prompts past a step's budget)."""
+        steps = float(np.mean(self._decode_steps)) * rate
+        n, t = 1.0, self.step_s(1.0)
+        for _ in range(FIXED_POINT_STEPS):
+            # a request decodes in a step of at least itself, however light the load
+            t = self.step_s(max(n, 1.0), prefill_tokens_per_s * t)
+            new = steps * t
+            budget = self.scheduler.max_num_batched_tokens
+            if new > self._slots or prefill_tokens_per_s * t > budget:
+                return None
+            if abs(new - n) <= 1e-6 * max(n, 1.0):
+                return new, t
+            n = new
+        return None  # not converging: the step grows faster than it serves
+
+    def decode_attainment(self, rate: float) -> float:
+        """Share of requests whose decode fits their decode budget."""
+        state = self._occupancy(rate)
+        if state is None:
+            return 0.0
+        return float(np.mean(self._decode_steps * state[1] <= self.budgets.decode_s))
+
+    def _decode_ceiling(self) -> float:
+        """A rate the decode cannot carry: its slots full at the full step time."""
+        if self._slots < 1 or not np.any(self._decode_steps):
+            return 0.0
+        return self._slots / (float(np.mean(self._decode_steps)) * self.step_s(self._slots))
+
+    # ---- unified -----------------------------------------------------------
+    def unified_attainment(self, rate: float) -> float:
+        """Share of requests within their whole deadline on a unified engine: the prompt
+        waits for the step running at its arrival (half of one on average; one counted),
+        is computed over ceil(u / budget) steps, then decodes at the loaded step."""
+        tokens_per_s = rate * float(np.mean(self.sample.uncached_tokens))
+        state = self._occupancy(rate, tokens_per_s)
+        if state is None:
+            return 0.0
+        step = state[1]
+        chunks = np.ceil(self.sample.uncached_tokens / self.scheduler.max_num_batched_tokens)
+        finish = step + np.maximum(chunks * step, self._solo_prefill_s) + self._decode_steps * step
+        return float(np.mean(finish <= self.budgets.total_s))

@@ -1,0 +1,144 @@
+"""Stage capacities of the served system (`app/planning/served.py`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from app.hardware import make_instance
+from app.planning.allocator import LengthMoments
+from app.planning.distributions import LengthDist
+from app.planning.queues import MgkQueue
+from app.planning.served import (
+    DECODE,
+    PREFILL,
+    UNIFIED,
+    EngineModel,
+    StageBudgets,
+    TrafficSample,
+    prefix_hits,
+)
+from app.workload import WorkloadRequest
+
+pytestmark = pytest.mark.unit
+
+MODEL = "llama-3.1-8b"
+REFERENCE = make_instance("A800", MODEL)
+
+
+def _sample(prompt: int = 800, output: int = 200, cached: int = 0, n: int = 64,
+            scale: float = 3.0, held: float = 0.0) -> TrafficSample:
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(prompt // 2, prompt * 3 // 2, n)
+    outputs = rng.integers(output // 2, output * 3 // 2, n)
+    return TrafficSample.from_lengths(prompts, np.minimum(cached, prompts - 1), outputs,
+                                      REFERENCE, scale, held)
+
+
+def _model(sample: TrafficSample, role: str, gpu: str = "A800", **kwargs) -> EngineModel:
+    share = {PREFILL: 1.0, DECODE: 0.0, UNIFIED: 0.5}[role]
+    return EngineModel.named(gpu, MODEL, 1, sample, StageBudgets.split(sample, REFERENCE, share),
+                             **kwargs)
+
+
+def test_prefix_hits_count_blocks_seen_before_and_an_agent_step_s_context():
+    def request(i: int, blocks: tuple[int, ...], prompt: int, appended: int | None = None):
+        return WorkloadRequest(f"r{i}", 0.0, prompt, 10, blocks, 16,
+                               num_appended_tokens=appended)
+
+    hits = prefix_hits([
+        request(0, (1, 2, 3), 50),  # new: nothing cached
+        request(1, (1, 2, 3), 50),  # the same prompt: its 3 blocks (48 tokens)
+        request(2, (1, 2), 32),  # whole prompt seen: all but the last token
+        request(3, (1, 9), 40),  # one leading block shared
+        request(4, (), 5000, appended=200),  # an agent step extends 4,800 cached tokens
+    ])
+    assert hits == [0, 48, 31, 16, 4800]
+
+
+def test_the_lattice_wait_cdf_agrees_with_the_pointwise_one():
+    queue = MgkQueue(30.0, 2, LengthDist.lognormal(0.05, 1.5))
+    points = np.array([-1.0, 0.0, 0.01, 0.05, 0.2, 0.6])
+    many = queue.wait_cdf_many(points)
+    assert many[0] == 0.0 and many[1] == pytest.approx(1 - queue.wait_probability)
+    for t, value in zip(points[2:], many[2:], strict=True):
+        assert value == pytest.approx(queue.wait_cdf(t), abs=2e-3)
+
+
+def test_decode_occupancy_obeys_little_s_law_and_the_rate_stops_at_the_slots():
+    model = _model(_sample(), DECODE)
+    rate = model.rate(DECODE)
+    n, step = model._occupancy(rate)
+    steps = float(np.mean(model._decode_steps))
+    assert n == pytest.approx(rate * steps * step, rel=1e-4)
+    assert n <= model._slots
+    capped = _model(_sample(), DECODE, max_num_seqs=16)
+    assert capped._slots == 16
+    assert capped.rate(DECODE) < rate
+    assert capped._occupancy(1.01 * capped._decode_ceiling()) is None
+
+
+def test_context_that_sessions_park_on_a_decoder_takes_its_slots():
+    long_context = _sample(prompt=60_000, output=300)
+    free = _model(long_context, DECODE)
+    parked = _model(_sample(prompt=60_000, output=300,
+                            held=0.5 * REFERENCE.kv_capacity_tokens), DECODE)
+    assert parked._slots < free._slots <= 256
+    assert parked.rate(DECODE) < free.rate(DECODE)
+
+
+def test_a_stronger_gpu_decodes_more_and_attention_grows_with_the_context():
+    short, long = _sample(prompt=500), _sample(prompt=20_000)
+    a800, h800 = _model(short, DECODE), _model(short, DECODE, gpu="H800")
+    assert h800.rate(DECODE) > a800.rate(DECODE)
+    assert a800.step_s(64) > a800.step_s(8)
+    assert _model(long, DECODE).step_s(8) > a800.step_s(8)
+
+
+def test_prefill_carries_more_with_cached_prefixes_and_longer_deadlines():
+    base = _model(_sample(prompt=4000), PREFILL)
+    cached = _model(_sample(prompt=4000, cached=3000), PREFILL)
+    loose = _model(_sample(prompt=4000, scale=6.0), PREFILL)
+    rate = base.rate(PREFILL)
+    assert 0 < rate < cached.rate(PREFILL)
+    assert rate < loose.rate(PREFILL)
+    assert base.prefill_attainment(0.5 * rate) >= base.prefill_attainment(rate) >= 0.9
+    assert base.prefill_attainment(1.2 * rate) < 0.9
+    assert base.rate(PREFILL, 2) > 2 * rate  # two engines share one queue
+
+
+def test_each_request_s_own_budget_counts_in_the_prefill_queue():
+    """Requests with long answers may wait long for their first token: giving half the
+    requests a far deadline lets the queue run hotter than when every request has the
+    tight one."""
+    tight = _sample(prompt=4000)
+    mixed = TrafficSample(tight.prompt_tokens, tight.cached_tokens, tight.output_tokens,
+                          np.where(np.arange(len(tight.deadline_s)) % 2 == 0,
+                                   tight.deadline_s * 5, tight.deadline_s))
+    assert _model(mixed, PREFILL).rate(PREFILL) > _model(tight, PREFILL).rate(PREFILL)
+
+
+def test_a_unified_engine_carries_less_than_its_decode_alone():
+    sample = _sample(prompt=2000)
+    unified, decode = _model(sample, UNIFIED), _model(sample, DECODE)
+    assert 0 < unified.rate(UNIFIED) < decode.rate(DECODE)
+
+
+def test_a_sample_from_moments_keeps_the_means_and_the_cached_share():
+    moments = LengthMoments(LengthDist.lognormal(2000, 1.5), 250.0,
+                            uncached_len=LengthDist.lognormal(200, 1.0))
+    sample = TrafficSample.from_moments(moments, REFERENCE, 2.0, points=24)
+    assert len(sample.prompt_tokens) == 24 * 24
+    assert np.mean(sample.output_tokens) == pytest.approx(250, rel=0.1)
+    assert np.mean(sample.prompt_tokens) == pytest.approx(2000, rel=0.25)
+    share = sample.cached_tokens.sum() / sample.prompt_tokens.sum()
+    assert share == pytest.approx(0.9, abs=0.01)
+
+
+def test_a_bad_sample_is_refused():
+    with pytest.raises(ValueError, match="cached tokens"):
+        TrafficSample(np.array([10]), np.array([10]), np.array([5]), np.array([1.0]))
+    with pytest.raises(ValueError, match="at least one request"):
+        TrafficSample(np.array([]), np.array([]), np.array([]), np.array([]))
+    with pytest.raises(ValueError, match="prefill share"):
+        StageBudgets.split(_sample(), REFERENCE, 1.5)
