@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from app.config import Frozen
-from app.control.controller import ControllerSettings, StageSlo
+from app.control.controller import CapacityModel, ControllerSettings, StageSlo
 from app.control.plan import ScalingRules
 from app.hardware import GPU_CATALOG, make_instance
 from app.planning.inventory import DECODE, PREFILL, UNIFIED, PoolLimits, Stock, capacity_key
@@ -81,6 +81,10 @@ class ControllerConfig(Frozen):
     capacity_factors: dict[str, float] = Field(
         default_factory=dict, description="measured / modelled rate per pool and kind, keyed "
         "'decode:A800' (`goodserve autoscale --calibrate` measures them); 1 where absent")
+    capacity_model: CapacityModel = Field(
+        CapacityModel.SARA, description="what sizes the pools: sara (SARA's stage models at "
+        "the mean request's stage targets) or served (each request's own deadline, the "
+        "engines' iteration model, prefix hits and KV; app/planning/served.py)")
 
     @model_validator(mode="after")
     def _roles_known(self) -> ControllerConfig:
@@ -122,7 +126,7 @@ class ControllerConfig(Frozen):
                               self.budget_per_hour),
             rules=self.rules, interval_s=self.interval_s, headroom=self.headroom,
             startup_s=self.startup_s, switch_margin=self.switch_margin,
-            capacity_factors=dict(self.capacity_factors))
+            capacity_factors=dict(self.capacity_factors), capacity_model=self.capacity_model)
 
     @property
     def rules(self) -> ScalingRules:

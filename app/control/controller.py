@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from app.control.observe import IntervalStats, LoadWindow, RatePredictor
@@ -30,9 +31,18 @@ from app.control.plan import (
 )
 from app.hardware import InstanceSpec
 from app.planning.allocator import LengthMoments
-from app.planning.inventory import InventorySizer, PoolLimits, PoolTargets, Stock
+from app.planning.inventory import PREFILL, InventorySizer, PoolLimits, PoolTargets, Stock
 from app.planning.params import ModelParams, SloTargets
+from app.planning.pools import Observation
+from app.planning.served import ServedCapacity
 from app.planning.split import DEFAULT_P_SLO, stage_slos
+
+
+class CapacityModel(StrEnum):
+    """What sizes the pools (`InventorySizer`)."""
+
+    SARA = "sara"  # SARA's stage models at the mean request's stage targets
+    SERVED = "served"  # the served-system models (app/planning/served.py)
 
 
 @dataclass(frozen=True)
@@ -69,6 +79,22 @@ class ControllerSettings:
     startup_s: float = 60.0  # an engine serves this long after it is started
     switch_margin: float = 0.1  # keep a pool's engines while within this of the cheapest
     capacity_factors: Mapping[str, float] = field(default_factory=dict)  # measured / modelled
+    capacity_model: CapacityModel = CapacityModel.SARA
+
+    def sizer(self, observation: Observation, per_engine_share: int = 1) -> InventorySizer:
+        """The inventory sizer for observed traffic, on the configured capacity model;
+        the context sessions park between steps is spread over `per_engine_share`
+        engines."""
+        lengths = observation.workload
+        served = None
+        if self.capacity_model is CapacityModel.SERVED:
+            held = (observation.held_kv_tokens or 0.0) / max(per_engine_share, 1)
+            served = ServedCapacity.from_moments(
+                self.model, lengths, self.slo.reference, self.slo.slo_scale, self.slo.p_slo,
+                held_kv_tokens=held)
+        return InventorySizer(ModelParams.named(self.model), lengths,
+                              self.slo.targets_for(lengths), self.stock,
+                              factors=self.capacity_factors, served=served)
 
     def __post_init__(self) -> None:
         if not self.interval_s > 0:
@@ -166,9 +192,8 @@ class Controller:
         ahead = max(forecast + trend * self.settings.startup_s / self.settings.interval_s,
                     forecast, stats.rate_rps, committed_rps(stats))
         sized = ahead * (1 + self.settings.headroom)
-        sizer = InventorySizer(self._model, stats.observation(sized).workload,
-                               self.settings.slo.targets(stats), self.settings.stock,
-                               factors=self.settings.capacity_factors)
+        holders = sum(e.state is EngineState.ACTIVE and e.role != PREFILL for e in engines)
+        sizer = self.settings.sizer(stats.observation(sized), holders)
         rate = sized + self._backlog_rate(sizer, sized, engines)
         targets = sizer.size(rate, self.settings.roles, self.settings.limits,
                              engines_by_pool(engines), self.settings.switch_margin)

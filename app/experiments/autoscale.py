@@ -44,8 +44,7 @@ from app.control.strategies import (
     ThroughputScaler,
 )
 from app.hardware import get_model
-from app.planning.inventory import DECODE, PREFILL, UNIFIED, InventorySizer, PoolTargets
-from app.planning.params import ModelParams
+from app.planning.inventory import DECODE, PREFILL, UNIFIED, PoolTargets
 from app.planning.pools import Observation
 from app.routing.registry import PolicyKind, RoutingOptions, build_routing
 from app.sessions import shaped_file_workload, shaped_preset_workload
@@ -280,10 +279,7 @@ def sized_pools(settings: ControllerSettings, workload: Workload,
                 rate: float) -> PoolTargets:
     """SARA's inventory sizing for `rate` requests/s x (1 + headroom), on the workload's
     moments."""
-    lengths = observed(workload).workload
-    sizer = InventorySizer(ModelParams.named(settings.model), lengths,
-                           settings.slo.targets_for(lengths), settings.stock,
-                           factors=settings.capacity_factors)
+    sizer = settings.sizer(observed(workload))
     return sizer.size(rate * (1 + settings.headroom), settings.roles, settings.limits)
 
 

@@ -33,6 +33,7 @@ from app.planning.params import ModelParams, SloTargets
 from app.planning.prefill import PrefillStage
 from app.planning.queues import Method
 from app.planning.search import first_true, max_feasible_rate
+from app.planning.served import ServedCapacity
 from app.planning.split import (
     EngineCapacity,
     EngineKind,
@@ -162,9 +163,12 @@ class InventorySizer:
 
     def __init__(self, model: ModelParams, workload: LengthMoments, slo: SloTargets,
                  stock: Sequence[Stock], method: Method = Method.REFINED,
-                 factors: Mapping[str, float] | None = None) -> None:
+                 factors: Mapping[str, float] | None = None,
+                 served: ServedCapacity | None = None) -> None:
         """`factors`: measured / modelled rate per pool and kind (`capacity_key`), from
-        a calibration against the engines; 1 where absent."""
+        a calibration against the engines; 1 where absent. `served`: the served-system
+        models (`app/planning/served.py`) instead of SARA's stage models."""
+        self.served = served
         names = [s.kind.name for s in stock]
         if len(set(names)) < len(names):
             raise ValueError(f"each engine kind appears once in the stock, got {names}")
@@ -193,6 +197,8 @@ class InventorySizer:
         """Largest rate `engines` engines of `kind` carry in `role` within the SLOs."""
         if engines <= 0:
             return 0.0
+        if self.served is not None:
+            return self.served.rate(role, kind, engines) * self.factor(role, kind)
         if role == DECODE:
             return engines * self.capacity(kind).decode_rps * self.factor(DECODE, kind)
         key = (kind, engines)
@@ -223,14 +229,14 @@ class InventorySizer:
         """Fewest engines of `kind` carrying `rate` in `role` (its stock permitting or not)."""
         if rate <= 0:
             return 0
-        if role == PREFILL:
+        if role == PREFILL and self.served is None:
             sizing = self._prefill_stage(kind).min_instances(
                 rate / self.factor(PREFILL, kind), self.slo.ttft_s, self.slo.p_slo, self.method)
             return math.inf if sizing is None else sizing.num_instances
         if self.rate_of(role, kind, 1) == 0:
             return math.inf
-        if role == DECODE:
-            return math.ceil(rate / self.rate_of(DECODE, kind, 1))
+        if role != PREFILL and (role == DECODE or self.served is not None):
+            return math.ceil(rate / self.rate_of(role, kind, 1))
         return first_true(lambda n: self.rate_of(role, kind, n) >= rate, 0)
 
     def fill(self, role: str, rate: float, available: Mapping[EngineKind, int],

@@ -45,6 +45,7 @@ from app.planning.allocator import LengthMoments
 from app.planning.distributions import LengthDist
 from app.planning.queues import Method, MgkQueue
 from app.planning.search import max_feasible_rate
+from app.planning.split import EngineKind
 from app.workload import WorkloadRequest
 
 PREFILL, DECODE, UNIFIED = "prefill", "decode", "unified"
@@ -174,7 +175,9 @@ class SoloPhases:
 @dataclass(frozen=True)
 class StageBudgets:
     """What each request may spend in one stage: its solo time there on the reference
-    GPU plus `share` of its slack (prefill; decode gets the rest of the slack)."""
+    GPU plus `share` of its slack (prefill; decode gets the rest of the slack). A share
+    of None splits each request's slack in proportion to its own solo phases (first
+    token within scale x its solo prefill, the rest within scale x its solo decode)."""
 
     prefill_s: np.ndarray
     decode_s: np.ndarray
@@ -182,14 +185,16 @@ class StageBudgets:
 
     @classmethod
     def split(cls, sample: TrafficSample, reference: InstanceSpec,
-              prefill_share: float) -> StageBudgets:
-        if not 0 <= prefill_share <= 1:
+              prefill_share: float | None) -> StageBudgets:
+        if prefill_share is not None and not 0 <= prefill_share <= 1:
             raise ValueError(f"prefill share must be in [0, 1], got {prefill_share}")
         solo = SoloPhases.of(reference, sample.prompt_tokens, sample.cached_tokens,
                              sample.output_tokens)
         slack = np.maximum(sample.deadline_s - solo.total_s, 0.0)
-        return cls(solo.ttft_s + prefill_share * slack,
-                   solo.decode_s + (1 - prefill_share) * slack, sample.deadline_s)
+        share = (solo.ttft_s / solo.total_s if prefill_share is None
+                 else np.full(len(slack), prefill_share))
+        return cls(solo.ttft_s + share * slack, solo.decode_s + (1 - share) * slack,
+                   sample.deadline_s)
 
 
 class EngineModel:
@@ -354,3 +359,32 @@ class EngineModel:
         chunks = np.ceil(self.sample.uncached_tokens / self.scheduler.max_num_batched_tokens)
         finish = step + np.maximum(chunks * step, self._solo_prefill_s) + self._decode_steps * step
         return float(np.mean(finish <= self.budgets.total_s))
+
+
+class ServedCapacity:
+    """The served models of every engine kind for one traffic sample: what the inventory
+    sizer asks in place of SARA's stage models (`InventorySizer(served=...)`)."""
+
+    def __init__(self, model: str, sample: TrafficSample, reference: InstanceSpec,
+                 p_slo: float = 0.9, prefill_share: float | None = None) -> None:
+        self.model, self.sample, self.p_slo = model, sample, p_slo
+        self.budgets = StageBudgets.split(sample, reference, prefill_share)
+        self._engines: dict[EngineKind, EngineModel] = {}
+        self._rates: dict[tuple[str, EngineKind, int], float] = {}
+
+    @classmethod
+    def from_moments(cls, model: str, workload: LengthMoments, reference: InstanceSpec,
+                     slo_scale: float, p_slo: float = 0.9, held_kv_tokens: float = 0.0,
+                     prefill_share: float | None = None) -> ServedCapacity:
+        sample = TrafficSample.from_moments(workload, reference, slo_scale, held_kv_tokens)
+        return cls(model, sample, reference, p_slo, prefill_share)
+
+    def rate(self, role: str, kind: EngineKind, engines: int) -> float:
+        key = (role, kind, engines)
+        if key not in self._rates:
+            if kind not in self._engines:
+                self._engines[kind] = EngineModel.named(
+                    kind.gpu, self.model, kind.tp, self.sample, self.budgets,
+                    kind.max_num_seqs, self.p_slo)
+            self._rates[key] = self._engines[kind].rate(role, engines)
+        return self._rates[key]

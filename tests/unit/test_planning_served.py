@@ -142,3 +142,44 @@ def test_a_bad_sample_is_refused():
         TrafficSample(np.array([]), np.array([]), np.array([]), np.array([]))
     with pytest.raises(ValueError, match="prefill share"):
         StageBudgets.split(_sample(), REFERENCE, 1.5)
+
+
+def test_the_inventory_sizer_sizes_from_the_served_models_when_given_them():
+    from app.planning.inventory import InventorySizer, PoolLimits, Stock
+    from app.planning.params import ModelParams, SloTargets
+    from app.planning.served import ServedCapacity
+    from app.planning.split import EngineKind
+
+    moments = LengthMoments(LengthDist.lognormal(1500, 1.2), 200.0)
+    served = ServedCapacity.from_moments(MODEL, moments, REFERENCE, 3.0)
+    a800, a40 = EngineKind("A800"), EngineKind("A40")
+    stock = [Stock(a800, 8, 2.0), Stock(a40, 8, 0.8)]
+    sizer = InventorySizer(ModelParams.named(MODEL), moments, SloTargets(1.0, 1.0, 0.05, 0.9),
+                           stock, factors={"decode:A800": 0.5}, served=served)
+    assert sizer.rate_of(DECODE, a800, 3) == pytest.approx(3 * 0.5 * served.rate(DECODE, a800, 1))
+    assert sizer.rate_of(PREFILL, a40, 2) == served.rate(PREFILL, a40, 2)
+    rate = 0.9 * sizer.rate_of(DECODE, a800, 2) + 0.9 * sizer.rate_of(DECODE, a40, 1)
+    targets = sizer.size(rate, (PREFILL, DECODE), PoolLimits())
+    assert targets.meets_slo
+    for role in (PREFILL, DECODE):
+        assert sizer.carried(role, targets.engines[role]) >= rate
+
+
+def test_a_controller_on_the_served_models_spreads_parked_context_over_its_decoders():
+    from app.control.controller import CapacityModel
+    from app.experiments.autoscale import DEFAULT_CONFIG, load_autoscale_config
+    from app.planning.pools import Observation
+
+    config = load_autoscale_config(DEFAULT_CONFIG)
+    settings = config.controller.model_copy(update={
+        "capacity_model": CapacityModel.SERVED, "capacity_factors": {}}).settings(
+        config.model, config.roles)
+    observation = Observation(rate_rps=5.0, mean_input_len=40_000, cv_input_len=0.5,
+                              mean_output_len=300, held_kv_tokens=800_000)
+    kind = settings.stock[1].kind  # A800
+    alone = settings.sizer(observation, per_engine_share=1_000_000)
+    crowded = settings.sizer(observation, per_engine_share=2)
+    assert alone.served is not None and crowded.served is not None
+    assert crowded.rate_of(DECODE, kind, 1) < alone.rate_of(DECODE, kind, 1)
+    sara = config.controller.settings(config.model, config.roles).sizer(observation)
+    assert sara.served is None
