@@ -10,6 +10,7 @@ from pathlib import Path
 import typer
 from tqdm import tqdm
 
+from app.control.controller import CapacityModel
 from app.experiments.autoscale import (
     CALIBRATION_SEED_OFFSET,
     DEFAULT_CONFIG,
@@ -24,7 +25,7 @@ from app.experiments.autoscale import (
     write_outputs,
 )
 from app.experiments.autoscale_live import run_both, write_live_outputs
-from app.experiments.calibrate import Calibrator, Traffic, factors
+from app.experiments.calibrate import Calibrator, Traffic, factors, sara_factors
 from app.experiments.replay import Backend, cli_error
 from app.hardware import get_model
 from app.routing.registry import RoutingOptions
@@ -56,6 +57,9 @@ def autoscale(
     calibrate: bool = typer.Option(False, help="first measure the sizing model's capacity "
                                    "factors per pool and kind in the simulator (content drawn "
                                    "with another seed) and size with them"),
+    capacity_model: CapacityModel | None = typer.Option(
+        None, help="sara | served: what sizes the model-based strategies' pools (default: "
+        "the config's); served drops the config's capacity factors, measured for sara"),
     out: Path | None = typer.Option(None, help="write summary.json, CSVs and the PNG here"),
     as_json: bool = typer.Option(False, "--json", help="print only the JSON object"),
 ) -> None:
@@ -73,6 +77,12 @@ def autoscale(
         workload = build_workload(experiment, profile, trace, prompts, seed, kind, sessions)
     except ValueError as error:
         raise cli_error(str(error)) from None
+    if capacity_model is not None:
+        update = {"capacity_model": capacity_model}
+        if capacity_model is CapacityModel.SERVED:
+            update["capacity_factors"] = {}
+        experiment = experiment.model_copy(update={
+            "controller": experiment.controller.model_copy(update=update)})
     measured: dict[str, float] = {}
     if calibrate:
         measured = _measured_factors(experiment, kind, prompts, workload, seed)
@@ -86,6 +96,7 @@ def autoscale(
              "rate_unit": "sessions/s" if is_session else "requests/s",
              "seed": seed, "routing": "goodserve (running-history lengths)",
              "backend": backend.value,
+             "capacity_model": experiment.controller.capacity_model.value,
              "capacity_factors": measured or dict(experiment.controller.capacity_factors)}
     if backend is Backend.LIVE:
         live, sim = run_both(experiment, profile, workload, seed)
@@ -124,11 +135,14 @@ def _check_inputs(names: list[str], strategies: str, backend: Backend, kind: Con
 
 def _measured_factors(experiment: AutoscaleConfig, kind: ContentMode, prompts: Path | None,
                       workload: Workload, seed: int) -> dict[str, float]:
-    """Capacity factors measured on the experiment's content, drawn with another seed."""
+    """Capacity factors measured on the experiment's content, drawn with another seed,
+    for the model the experiment sizes with."""
     if kind.is_preset:
         traffic = Traffic(preset=SessionPreset(kind.value),
                           context_limit=get_model(experiment.model).max_context_tokens)
     else:
         traffic = Traffic(pool=[row.content() for row in load_prompts(prompts)] if prompts
                           else contents_of(workload))
-    return factors(Calibrator(experiment, traffic, seed + CALIBRATION_SEED_OFFSET).run())
+    rows = Calibrator(experiment, traffic, seed + CALIBRATION_SEED_OFFSET).run()
+    served = experiment.controller.capacity_model is CapacityModel.SERVED
+    return factors(rows) if served else sara_factors(rows)

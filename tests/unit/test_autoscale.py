@@ -293,7 +293,7 @@ def test_calibration_skips_a_stage_whose_helpers_would_be_the_bottleneck():
 def test_an_engine_whose_queue_grows_does_not_keep_up_however_many_deadlines_it_meets():
     """Second-half finishes against second-half arrivals: a prefill that falls behind
     fails even when every request still meets its (long) deadline."""
-    from app.experiments.calibrate import keeps_up
+    from app.experiments.calibrate import keeps_up, late_rate
     from app.sim.records import RequestRecord
 
     def record(arrival: float, first_token: float) -> RequestRecord:
@@ -305,3 +305,4 @@ def test_an_engine_whose_queue_grows_does_not_keep_up_however_many_deadlines_it_
     assert keeps_up(steady, PREFILL, 20.0)
     assert not keeps_up(behind, PREFILL, 20.0)
     assert keeps_up(steady, DECODE, 20.0)
+    assert late_rate(steady, 20.0) == pytest.approx(10.0)  # 100 arrivals in [10, 20)
