@@ -31,7 +31,7 @@ from app.control.plan import (
 )
 from app.hardware import InstanceSpec
 from app.planning.allocator import LengthMoments
-from app.planning.inventory import PREFILL, InventorySizer, PoolLimits, PoolTargets, Stock
+from app.planning.inventory import PREFILL, UNIFIED, InventorySizer, PoolLimits, PoolTargets, Stock
 from app.planning.params import ModelParams, SloTargets
 from app.planning.pools import Observation
 from app.planning.served import ServedCapacity
@@ -81,14 +81,23 @@ class ControllerSettings:
     capacity_factors: Mapping[str, float] = field(default_factory=dict)  # measured / modelled
     capacity_model: CapacityModel = CapacityModel.SARA
 
+    @property
+    def parks_context(self) -> bool:
+        """Whether the sizing counts the context sessions park on the engines between
+        steps: the served models do, on unified engines."""
+        return self.capacity_model is CapacityModel.SERVED and self.roles == (UNIFIED,)
+
     def sizer(self, observation: Observation, per_engine_share: int = 1) -> InventorySizer:
         """The inventory sizer for observed traffic, on the configured capacity model;
         the context sessions park between steps is spread over `per_engine_share`
-        engines."""
+        engines. Only unified engines keep it: a disaggregated decoder receives each
+        step's context with the step and frees it after (the prefill engines' prefix
+        caches hold it, evictable)."""
         lengths = observation.workload
         served = None
         if self.capacity_model is CapacityModel.SERVED:
-            held = (observation.held_kv_tokens or 0.0) / max(per_engine_share, 1)
+            parked = observation.held_kv_tokens if self.parks_context else None
+            held = (parked or 0.0) / max(per_engine_share, 1)
             served = ServedCapacity.from_moments(
                 self.model, lengths, self.slo.reference, self.slo.slo_scale, self.slo.p_slo,
                 held_kv_tokens=held)

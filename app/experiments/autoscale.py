@@ -27,7 +27,7 @@ import json
 import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +70,8 @@ DEFAULT_CONFIG = REPO / "configs" / "autoscale-sim.yaml"
 STRATEGIES = ("static-peak", "static-mean", "queue-length", "throughput-planner",
               "saturation", "sara")
 GOODPUT_BIN_S = 30.0
+MAX_HOLDER_ROUNDS = 16  # static sizing: rounds spreading parked context over more engines
+MANY_ENGINES = 1 << 30  # parked context spread so thin it takes no slot
 CALIBRATION_SEED_OFFSET = 1000  # calibration draws its content apart from the experiment's
 
 
@@ -278,9 +280,25 @@ def build_workload(config: AutoscaleConfig, profile: RateProfile, trace: Path | 
 def sized_pools(settings: ControllerSettings, workload: Workload,
                 rate: float) -> PoolTargets:
     """SARA's inventory sizing for `rate` requests/s x (1 + headroom), on the workload's
-    moments."""
-    sizer = settings.sizer(observed(workload))
-    return sizer.size(rate * (1 + settings.headroom), settings.roles, settings.limits)
+    moments. Where the sizing counts the context sessions park on the engines, a fixed
+    fleet has no running engines to spread it over: it takes the fewest engines that
+    carry the rate with the context spread over them, by raising the pool's floor from
+    what the rate alone needs until they do."""
+    observation = observed(workload)
+    target = rate * (1 + settings.headroom)
+    targets = settings.sizer(observation, MANY_ENGINES).size(target, settings.roles,
+                                                             settings.limits)
+    if not (settings.parks_context and observation.held_kv_tokens):
+        return targets
+    holders = targets.total(UNIFIED)
+    for _ in range(MAX_HOLDER_ROUNDS):
+        floors = {**settings.limits.min_engines, UNIFIED: holders}
+        limits = replace(settings.limits, min_engines=floors)
+        targets = settings.sizer(observation, holders).size(target, settings.roles, limits)
+        if targets.meets_slo:
+            break
+        holders += 1
+    return targets
 
 
 def setups_for(model: str, targets: PoolTargets) -> list[InstanceSetup]:

@@ -19,7 +19,7 @@ from app.experiments.autoscale import (
     AutoscaleConfig,
     load_autoscale_config,
 )
-from app.planning.inventory import DECODE, PREFILL
+from app.planning.inventory import DECODE, PREFILL, UNIFIED
 from app.sessions import (
     iter_session_rows,
     preset_sessions,
@@ -306,3 +306,26 @@ def test_an_engine_whose_queue_grows_does_not_keep_up_however_many_deadlines_it_
     assert not keeps_up(behind, PREFILL, 20.0)
     assert keeps_up(steady, DECODE, 20.0)
     assert late_rate(steady, 20.0) == pytest.approx(10.0)  # 100 arrivals in [10, 20)
+
+
+def test_static_pools_on_the_served_models_spread_parked_context_over_their_engines():
+    """Chat sessions park megatokens of context in tool waits: laid on one unified engine
+    they would leave it no slot, so the static sizing spreads them over as many engines
+    as it buys, and the pool it buys carries the rate with them spread so."""
+    from app.control.controller import CapacityModel
+    from app.experiments.autoscale import build_workload, load_profile, observed, sized_pools
+    from app.workload import LoadShape
+
+    config = load_autoscale_config(AGENTS_CONFIG).model_copy(update={"mode": "unified"})
+    config = config.model_copy(update={"controller": config.controller.model_copy(
+        update={"capacity_model": CapacityModel.SERVED, "capacity_factors": {}})})
+    profile = load_profile(config, LoadShape.PHASES, ContentMode.CHAT_AGENT, 60.0)
+    workload = build_workload(config, profile, None, None, 1, ContentMode.CHAT_AGENT, None)
+    assert observed(workload).held_kv_tokens > 0
+    settings = config.controller.settings(config.model, config.roles)
+    rate = observed(workload).rate_rps
+    targets = sized_pools(settings, workload, rate)
+    assert targets.total(UNIFIED) >= 1 and targets.meets_slo
+    engines = targets.total(UNIFIED)
+    spread = settings.sizer(observed(workload), engines)
+    assert spread.carried(UNIFIED, targets.engines[UNIFIED]) >= rate * (1 + settings.headroom)

@@ -165,12 +165,12 @@ def test_the_inventory_sizer_sizes_from_the_served_models_when_given_them():
         assert sizer.carried(role, targets.engines[role]) >= rate
 
 
-def test_a_controller_on_the_served_models_spreads_parked_context_over_its_decoders():
+def test_a_controller_on_the_served_models_spreads_parked_context_over_unified_engines():
     from app.control.controller import CapacityModel
     from app.experiments.autoscale import DEFAULT_CONFIG, load_autoscale_config
     from app.planning.pools import Observation
 
-    config = load_autoscale_config(DEFAULT_CONFIG)
+    config = load_autoscale_config(DEFAULT_CONFIG).model_copy(update={"mode": "unified"})
     settings = config.controller.model_copy(update={
         "capacity_model": CapacityModel.SERVED, "capacity_factors": {}}).settings(
         config.model, config.roles)
@@ -180,6 +180,13 @@ def test_a_controller_on_the_served_models_spreads_parked_context_over_its_decod
     alone = settings.sizer(observation, per_engine_share=1_000_000)
     crowded = settings.sizer(observation, per_engine_share=2)
     assert alone.served is not None and crowded.served is not None
-    assert crowded.rate_of(DECODE, kind, 1) < alone.rate_of(DECODE, kind, 1)
+    assert crowded.rate_of(UNIFIED, kind, 1) < alone.rate_of(UNIFIED, kind, 1)
     sara = config.controller.settings(config.model, config.roles).sizer(observation)
     assert sara.served is None
+    disaggregated = load_autoscale_config(DEFAULT_CONFIG)  # decoders free it after each step
+    pd = disaggregated.controller.model_copy(update={
+        "capacity_model": CapacityModel.SERVED, "capacity_factors": {}}).settings(
+        disaggregated.model, disaggregated.roles)
+    assert not pd.parks_context and settings.parks_context
+    assert pd.sizer(observation, 2).rate_of(DECODE, kind, 1) == pytest.approx(
+        pd.sizer(observation, 1_000_000).rate_of(DECODE, kind, 1))
