@@ -236,3 +236,28 @@ def test_content_modes_of_the_replay_command(tmp_path):
         _replay_workload(tmp_path, content=ContentMode.SESSIONS)
     with pytest.raises(ValueError, match="poisson or gamma"):
         _replay_workload(tmp_path, content=ContentMode.CODING_AGENT, arrivals=Arrivals.BATCH)
+
+
+def test_plan_cluster_rate_rescales_a_session_log_s_arrivals(tmp_path):
+    """`goodserve plan cluster --content sessions --rate R` starts the log's sessions at
+    R per second, as `goodserve replay --rate` does: five sessions ten seconds apart all
+    start within 20 s at 0.5 sessions/s, and one does at 0.05."""
+    from typer.testing import CliRunner
+
+    from app.cli import cli
+
+    sessions = [AgentSession(f"s{i}", 10.0 * i, (_step("0", prompt=2000, out=40),))
+                for i in range(5)]
+    path = tmp_path / "log.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in iter_session_rows(sessions)))
+
+    def steps_per_s(rate: float) -> float:
+        result = CliRunner().invoke(cli, [
+            "plan", "cluster", "--cluster", "configs/paper-4gpu.yaml", "--content",
+            "sessions", "--sessions", str(path), "--rate", str(rate), "--duration", "20",
+            "--json"])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output)["rate_rps"]
+
+    assert steps_per_s(0.5) == pytest.approx(5 / 20)
+    assert steps_per_s(0.05) == pytest.approx(1 / 20)
