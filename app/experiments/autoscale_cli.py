@@ -27,7 +27,6 @@ from app.experiments.autoscale import (
 from app.experiments.autoscale_live import run_both, write_live_outputs
 from app.experiments.calibrate import Calibrator, Traffic, factors, sara_factors
 from app.experiments.replay import Backend, cli_error
-from app.hardware import get_model
 from app.routing.registry import RoutingOptions
 from app.sessions import SessionPreset
 from app.workload import ContentMode, LoadShape, Workload, load_prompts
@@ -138,8 +137,7 @@ def _measured_factors(experiment: AutoscaleConfig, kind: ContentMode, prompts: P
     """Capacity factors measured on the experiment's content, drawn with another seed,
     for the model the experiment sizes with."""
     if kind.is_preset:
-        traffic = Traffic(preset=SessionPreset(kind.value),
-                          context_limit=get_model(experiment.model).max_context_tokens)
+        traffic = Traffic.sessions(SessionPreset(kind.value), experiment.model)
     else:
         traffic = Traffic(pool=[row.content() for row in load_prompts(prompts)] if prompts
                           else contents_of(workload))

@@ -104,6 +104,11 @@ class Traffic:
         arrivals = SyntheticArrivals(Arrivals.POISSON, rate, duration_s)
         return preset_workload(self.preset, arrivals, self.context_limit, seed)
 
+    @classmethod
+    def sessions(cls, preset: SessionPreset, model: str) -> Traffic:
+        """Sessions of `preset` for `model`, whose context limit bounds them."""
+        return cls(preset=preset, context_limit=get_model(model).max_context_tokens)
+
     @property
     def label(self) -> str:
         return "prompts" if self.preset is None else self.preset.value
@@ -167,8 +172,7 @@ class Calibrator:
                 len(workload), 1))
         sample = TrafficSample.from_requests(workload.requests, self.reference, self.scale)
         budgets = StageBudgets.split(sample, self.reference, PREFILL_SHARE[role])
-        model = EngineModel.named(kind.gpu, self.config.model, kind.tp, sample, budgets,
-                                  kind.max_num_seqs, self.p_slo)
+        model = EngineModel.for_kind(kind, self.config.model, sample, budgets, self.p_slo)
         return model.rate(role)
 
     def sustained(self, role: str, kind: EngineKind, served_rps: float) -> tuple[float, Run]:
@@ -289,10 +293,12 @@ def main(
     """Measure what one engine per pool kind sustains against the served and SARA models;
     prints both factors (the `capacity_factors` line for each)."""
     try:
-        traffic = traffic_for(content, prompts, config)
+        if not config.exists():
+            raise ValueError(f"{config} does not exist")
+        experiment = load_autoscale_config(config)
+        traffic = traffic_for(content, prompts, experiment.model)
     except (ValueError, OSError) as error:
         raise cli_error(str(error)) from None
-    experiment = load_autoscale_config(config)
     calibrator = Calibrator(experiment, traffic, seed, duration_s)
     rows = calibrator.run()
     for r in rows:
@@ -321,12 +327,10 @@ def main(
             "sara_factors": sara_factors(rows)}, indent=2) + "\n")
 
 
-def traffic_for(content: str, prompts: Path | None, config: Path) -> Traffic:
+def traffic_for(content: str, prompts: Path | None, model: str) -> Traffic:
     """The calibration's traffic: a prompt file's content, or an agent-session preset."""
     from app.workload import load_prompts
 
-    if not config.exists():
-        raise ValueError(f"{config} does not exist")
     if content == "prompts":
         if prompts is None:
             raise ValueError("--content prompts needs --prompts (prompt_lengths.jsonl)")
@@ -338,9 +342,7 @@ def traffic_for(content: str, prompts: Path | None, config: Path) -> Traffic:
     except ValueError:
         raise ValueError(f"unknown content {content!r}: prompts, coding-agent or "
                          "chat-agent") from None
-    model = load_autoscale_config(config).model
-    return Traffic(preset=preset, context_limit=get_model(model).max_context_tokens)
-
+    return Traffic.sessions(preset, model)
 
 if __name__ == "__main__":
     typer.run(main)

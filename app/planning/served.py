@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import numpy as np
@@ -210,11 +210,10 @@ class EngineModel:
         self.p_slo, self.method = p_slo, method
 
     @classmethod
-    def named(cls, gpu: str, model: str, tp: int, sample: TrafficSample, budgets: StageBudgets,
-              max_num_seqs: int | None = None, p_slo: float = 0.9) -> EngineModel:
-        scheduler = SchedulerConfig() if max_num_seqs is None else SchedulerConfig(
-            max_num_seqs=max_num_seqs)
-        return cls(make_instance(gpu, model, tp), sample, budgets, scheduler, p_slo)
+    def for_kind(cls, kind: EngineKind, model: str, sample: TrafficSample,
+                 budgets: StageBudgets, p_slo: float = 0.9) -> EngineModel:
+        return cls(make_instance(kind.gpu, model, kind.tp), sample, budgets, kind.scheduler(),
+                   p_slo)
 
     def rate(self, role: str, engines: int = 1) -> float:
         """Largest arrival rate `engines` engines of this kind carry in `role` with p_slo
@@ -308,10 +307,8 @@ class EngineModel:
         if num_prefill_tokens >= 1:
             cached = float(np.mean(self.sample.cached_tokens))
             chunks = [PrefillChunk(round(num_prefill_tokens), round(cached))]
-        batch = BatchShape.build(chunks)
-        batch = BatchShape(batch.num_prefill_tokens, batch.num_prefill_seqs,
-                           batch.prefill_attention_pairs, batch.prefill_kv_read_tokens,
-                           num_decoding, round(num_decoding * self._slot_context))
+        batch = replace(BatchShape.build(chunks), num_decode_seqs=num_decoding,
+                        decode_context_tokens=round(num_decoding * self._slot_context))
         return self.instance.iteration_time_s(batch)
 
     def _occupancy(self, rate: float, prefill_tokens_per_s: float = 0.0
@@ -383,8 +380,7 @@ class ServedCapacity:
         key = (role, kind, engines)
         if key not in self._rates:
             if kind not in self._engines:
-                self._engines[kind] = EngineModel.named(
-                    kind.gpu, self.model, kind.tp, self.sample, self.budgets,
-                    kind.max_num_seqs, self.p_slo)
+                self._engines[kind] = EngineModel.for_kind(kind, self.model, self.sample,
+                                                           self.budgets, self.p_slo)
             self._rates[key] = self._engines[kind].rate(role, engines)
         return self._rates[key]

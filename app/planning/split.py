@@ -25,6 +25,7 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+from app.config import SchedulerConfig
 from app.hardware import InstanceSpec
 from app.planning.allocator import LengthMoments
 from app.planning.decode import DecodeStage
@@ -57,6 +58,12 @@ class EngineKind:
     def name(self) -> str:
         """'H800', 'V100x2'; the batch cap is not part of the name."""
         return self.gpu if self.tp == 1 else f"{self.gpu}x{self.tp}"
+
+    def scheduler(self) -> SchedulerConfig:
+        """The engine's scheduler settings: the defaults, with its batch cap."""
+        if self.max_num_seqs is None:
+            return SchedulerConfig()
+        return SchedulerConfig(max_num_seqs=self.max_num_seqs)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
-from app.config import EngineRole, SchedulerConfig
+from app.config import EngineRole
 from app.control.controller import ControlStep
 from app.control.observe import LoadWindow
 from app.control.plan import EngineRecord, EngineState
@@ -110,9 +110,8 @@ def context_target(view: ClusterView, num_tokens: int) -> InstanceId | None:
 
 def engine_setup(model: str, role: str, kind: EngineKind) -> InstanceSetup:
     """A simulated engine of `kind` serving `model` in `role`."""
-    scheduler = SchedulerConfig() if kind.max_num_seqs is None else SchedulerConfig(
-        max_num_seqs=kind.max_num_seqs)
-    return InstanceSetup(make_instance(kind.gpu, model, kind.tp), scheduler, EngineRole(role))
+    return InstanceSetup(make_instance(kind.gpu, model, kind.tp), kind.scheduler(),
+                         EngineRole(role))
 
 
 class ElasticPools:

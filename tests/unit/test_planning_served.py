@@ -18,6 +18,7 @@ from app.planning.served import (
     TrafficSample,
     prefix_hits,
 )
+from app.planning.split import EngineKind
 from app.workload import WorkloadRequest
 
 pytestmark = pytest.mark.unit
@@ -35,10 +36,11 @@ def _sample(prompt: int = 800, output: int = 200, cached: int = 0, n: int = 64,
                                       REFERENCE, scale, held)
 
 
-def _model(sample: TrafficSample, role: str, gpu: str = "A800", **kwargs) -> EngineModel:
+def _model(sample: TrafficSample, role: str, gpu: str = "A800",
+           max_num_seqs: int | None = None) -> EngineModel:
     share = {PREFILL: 1.0, DECODE: 0.0, UNIFIED: 0.5}[role]
-    return EngineModel.named(gpu, MODEL, 1, sample, StageBudgets.split(sample, REFERENCE, share),
-                             **kwargs)
+    return EngineModel.for_kind(EngineKind(gpu, 1, max_num_seqs), MODEL, sample,
+                                StageBudgets.split(sample, REFERENCE, share))
 
 
 def test_prefix_hits_count_blocks_seen_before_and_an_agent_step_s_context():
