@@ -15,11 +15,16 @@ The search doubles the rate from a quarter of the served model's until the engin
 misses, then bisects, up to MAX_FACTOR times that model's rate or the most its helpers
 carry (the factor is then a lower bound).
 
-An engine sustains a rate when it serves it: p_slo of the requests meet their
-deadlines, and over the window's second half the stage under test finishes as many
-requests as arrive there (STABLE_SHARE): a queue that grows without bound still meets
-long deadlines over a short window, which once made the prefill engines look 5-8
-times faster than they are.
+An engine sustains a rate when it serves it in steady state: over the window's
+second half, p_slo of the requests arriving there meet their deadlines, and the stage
+under test finishes as many requests as arrive (STABLE_SHARE). A queue that grows
+without bound still meets long deadlines over a short window, which once made the
+prefill engines look 5-8 times faster than they are. Agent sessions need a longer
+warm-up: a session's steps follow each other over its tool waits, so the steps open
+sessions send build up over a session's span (chat-agent about 40 s, coding-agent over
+100 s). Their window is at least STEADY_SPANS mean spans, and the steps that arrive
+after it (the sessions' tails, on an engine whose load is falling) are not counted: on
+60-s windows both once made the decoders look 1.5-1.9 times faster than they are.
 
 One engine of the kind serves the role under test; the other stage is served by
 helpers of the strongest kind for it, twice what the model says the rate needs (at
@@ -34,6 +39,7 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import typer
@@ -64,9 +70,10 @@ MAX_HELPERS = 16
 MAX_FACTOR = 8.0  # the search's cap on measured / served model
 MAX_REQUESTS = 4000  # per measurement: high rates are measured over a shorter window
 MIN_DURATION_S = 10.0
-MIN_SESSIONS = 30  # sessions per measurement, at least
+MIN_MEASURED = 200  # requests expected in the measured (second) half, at least
 MIN_SAMPLE = 1000  # requests the served model is evaluated on, at least
 STABLE_SHARE = 0.95  # second-half finishes over arrivals for a stage that keeps up
+STEADY_SPANS = 6.0  # session traffic: the window, in mean session spans (half is warm-up)
 PREFILL_SHARE = {PREFILL: 1.0, DECODE: 0.0, UNIFIED: 1.0}  # the measurement's slack split
 
 
@@ -170,7 +177,7 @@ class Calibrator:
         if len(workload) < MIN_SAMPLE:  # a few dozen requests give a noisy attainment
             workload = self._workload(offered, workload.duration_s * MIN_SAMPLE / max(
                 len(workload), 1))
-        sample = TrafficSample.from_requests(workload.requests, self.reference, self.scale)
+        sample = TrafficSample.from_workload(workload, self.reference, self.scale)
         budgets = StageBudgets.split(sample, self.reference, PREFILL_SHARE[role])
         model = EngineModel.for_kind(kind, self.config.model, sample, budgets, self.p_slo)
         return model.rate(role)
@@ -179,7 +186,7 @@ class Calibrator:
         """Highest offered rate the engine sustains (`Run.sustains`), and its run: doubling
         from a quarter of the served model's while it does (within MAX_FACTOR of it and
         what the helpers carry), then bisection."""
-        offered_per_request = self._probe_rate() / self._requests_per_s(self._probe_rate())
+        offered_per_request = 1.0 / self._requests_per_offered
         start = 0.25 * served_rps * offered_per_request
         lo, hi = 0.0, start
         best = Run(1.0, True, 0.0)
@@ -198,9 +205,15 @@ class Calibrator:
                 hi = mid
         return lo, best
 
-    def _requests_per_s(self, offered: float) -> float:
-        workload = self._workload(offered)
-        return len(workload) / workload.duration_s
+    @cached_property
+    def _requests_per_offered(self) -> float:
+        """Requests (agent steps) per unit of offered rate: 1 for prompts, a session's
+        mean step count for sessions."""
+        if self.traffic.preset is None:
+            return 1.0
+        rate = self._probe_rate()
+        workload = self.traffic.workload(rate, MIN_SAMPLE / rate, self.seed)
+        return len(workload) / (rate * workload.duration_s)
 
     def measure(self, role: str, kind: EngineKind, offered: float) -> Run:
         workload = self._workload(offered)
@@ -210,19 +223,33 @@ class Calibrator:
         sim = Simulator(setups, stack.policy, watchdog=stack.watchdog,
                         kv_link_gbps=self.config.kv_link_gbps, seed=self.seed)
         records = sim.run(workload).records
-        met = sum(r.outcome is RequestOutcome.MET for r in records) / len(records)
-        return Run(met, keeps_up(records, role, workload.duration_s),
+        return Run(steady_attainment(records, workload.duration_s),
+                   keeps_up(records, role, workload.duration_s),
                    late_rate(records, workload.duration_s))
 
     def _workload(self, offered: float, duration_s: float | None = None) -> Workload:
         duration = self.duration_s if duration_s is None else duration_s
         if self.traffic.preset is None and duration_s is None:
             duration = max(min(self.duration_s, MAX_REQUESTS / offered), MIN_DURATION_S)
-        elif self.traffic.preset is not None:  # slow engines: a window of a few sessions
-            duration = max(duration, MIN_SESSIONS / offered)
+        elif self.traffic.preset is not None:  # sessions: long enough to settle
+            duration = max(duration, STEADY_SPANS * self._session_span_s)
+        # enough requests in the measured half that p_slo is told from noise (a slow
+        # engine on long steps once was judged on eight)
+        duration = max(duration, 2 * MIN_MEASURED / (offered * self._requests_per_offered))
         workload = self.traffic.workload(offered, duration, self.seed)
         return assign_slos(workload, solo_latencies_s(workload.requests, self.reference),
                            self.scale)
+
+    @cached_property
+    def _session_span_s(self) -> float:
+        """Mean time from a session's first step to its last one's end, its steps served
+        alone on the reference GPU (0 for prompts)."""
+        if self.traffic.preset is None:
+            return 0.0
+        workload = self.traffic.workload(self._probe_rate(), MIN_SAMPLE / self._probe_rate(),
+                                         self.seed)
+        return mean_session_span_s(workload, solo_latencies_s(workload.requests,
+                                                              self.reference))
 
     def _helper_kind(self, role: str) -> tuple[str, EngineKind]:
         other = DECODE if role == PREFILL else PREFILL
@@ -254,6 +281,29 @@ def late_rate(records: Sequence[RequestRecord], duration_s: float) -> float:
     arrives when released, and a slow engine releases the next steps later)."""
     half = duration_s / 2
     return sum(half <= r.arrival_s < duration_s for r in records) / half
+
+
+def steady_attainment(records: Sequence[RequestRecord], duration_s: float) -> float:
+    """Share of the requests arriving over the window's second half that met their
+    deadlines (1 when none arrived there)."""
+    half = duration_s / 2
+    late = [r for r in records if half <= r.arrival_s < duration_s]
+    return sum(r.outcome is RequestOutcome.MET for r in late) / len(late) if late else 1.0
+
+
+def mean_session_span_s(workload: Workload, solo_s: Sequence[float]) -> float:
+    """Mean over sessions of the longest chain of (tool wait + solo time) through its
+    steps: how long a session stays open when nothing queues."""
+    if workload.graph is None:
+        raise ValueError("session spans need a workload of agent sessions")
+    finish: list[float] = []
+    ends: dict[str | None, float] = {}
+    for i, request in enumerate(workload.requests):  # parents come before their children
+        parents = workload.graph.parents[i]
+        start = max((finish[p] for p in parents), default=0.0) + workload.graph.tool_wait_s[i]
+        finish.append(start + solo_s[i])
+        ends[request.session_id] = max(ends.get(request.session_id, 0.0), finish[-1])
+    return sum(ends.values()) / len(ends)
 
 
 def keeps_up(records: Sequence[RequestRecord], role: str, duration_s: float) -> bool:

@@ -16,12 +16,23 @@ These models describe the engines the router serves on instead:
   its attention over the cached context (`app.hardware`). A request meets its prefill
   budget b_i when W <= b_i - S_i, S_i its prefill alone on the engine, W the queue's wait
   (`MgkQueue`, refined method); the attainment is the mean over the sample.
+- **The prefix cache evicts.** An agent step finds its session's context cached only if
+  the engine's LRU kept it over the step's idle gap (the previous step's decode and the
+  tool wait). By Che's approximation a context survives when its gap is shorter than
+  the cache's characteristic time T, where the contexts touched within T fill the cache:
+  r E[prompt x min(idle after, T)] = KV capacity, r the engine's step rate. A step whose
+  context was evicted prefills all but the shared prefix. On chat-agent sessions an
+  H800 prefill engine keeps a context 27 s at 2 steps/s and 14 s at 3 (the median gap
+  is 12 s): without this the model promised three times the rate the engine carries.
 - **Decode** is continuous batching: n requests share each step, whose time t(n) is the
   engine's iteration time for n sequences at the slots' time-averaged context (weights,
-  KV reads that grow with the context, all-reduce and per-step overhead). Little's law
-  gives the occupancy, n = lambda E[N - 1] t(n); the engine is saturated when n would pass
-  its `max_num_seqs` or its KV cache (less the KV that sessions keep parked between
-  steps). A request meets its decode budget when (N_i - 1) t(n) fits it.
+  KV reads that grow with the context, all-reduce and per-step overhead). A request
+  finds n others running (arrivals see time averages) and decodes beside them, so
+  Little's law gives the occupancy, n = lambda E[N - 1] t(1 + n); the engine is
+  saturated when n would pass its `max_num_seqs` or its KV cache (less the KV that
+  sessions keep parked between steps). A request meets its decode budget when
+  (N_i - 1) t(1 + n) fits it. (With t(n), a slow engine at a fraction of a request in
+  flight looked unloaded: the A40 on chat sessions at 0.26 of the model's rate.)
 - **Unified** engines run both in one iteration (chunked prefill): each step carries
   the prompts' tokens that arrived during the previous one besides the decode tokens,
   so t solves t = T(n decodes, lambda E[u] t prompt tokens); a request meets its
@@ -46,7 +57,7 @@ from app.planning.distributions import LengthDist
 from app.planning.queues import Method, MgkQueue
 from app.planning.search import max_feasible_rate
 from app.planning.split import EngineKind
-from app.workload import WorkloadRequest
+from app.workload import Workload, WorkloadRequest
 
 PREFILL, DECODE, UNIFIED = "prefill", "decode", "unified"
 GRID_POINTS = 24  # quantiles per length in a sample built from moments (24 x 24 requests)
@@ -67,6 +78,7 @@ class TrafficSample:
     output_tokens: np.ndarray
     deadline_s: np.ndarray
     held_kv_tokens: float = 0.0
+    reuse: ContextReuse | None = None  # sessions: which cached context each step reuses
 
     def __post_init__(self) -> None:
         n = len(self.prompt_tokens)
@@ -81,6 +93,8 @@ class TrafficSample:
             raise ValueError("cached tokens must be in [0, prompt tokens)")
         if self.held_kv_tokens < 0:
             raise ValueError(f"held KV must be >= 0 tokens, got {self.held_kv_tokens}")
+        if self.reuse is not None and len(self.reuse.parent) != n:
+            raise ValueError(f"reuse covers {len(self.reuse.parent)} requests, want {n}")
 
     @property
     def uncached_tokens(self) -> np.ndarray:
@@ -97,14 +111,20 @@ class TrafficSample:
         return cls(prompt, cached, output, slo_scale * solo.total_s, held_kv_tokens)
 
     @classmethod
-    def from_requests(cls, requests: Sequence[WorkloadRequest], reference: InstanceSpec,
-                      slo_scale: float, held_kv_tokens: float = 0.0) -> TrafficSample:
+    def from_workload(cls, workload: Workload, reference: InstanceSpec, slo_scale: float,
+                      held_kv_tokens: float = 0.0) -> TrafficSample:
         """The requests themselves, their cached prefix what one engine serving them in
-        order would hold (`prefix_hits`); deadlines `slo_scale` x solo time."""
+        order would hold (`prefix_hits`); deadlines `slo_scale` x solo time. For agent
+        sessions, which context each step reuses and after what tool wait
+        (`ContextReuse.of`), so the engine's cache may have evicted it."""
+        requests = workload.requests
         prompt = np.array([r.num_prompt_tokens for r in requests])
-        return cls.from_lengths(prompt, np.array(prefix_hits(requests)),
-                                np.array([r.num_output_tokens for r in requests]),
-                                reference, slo_scale, held_kv_tokens)
+        sample = cls.from_lengths(prompt, np.array(prefix_hits(requests)),
+                                  np.array([r.num_output_tokens for r in requests]),
+                                  reference, slo_scale, held_kv_tokens)
+        if workload.graph is None:
+            return sample
+        return replace(sample, reuse=ContextReuse.of(workload, sample.cached_tokens))
 
     @classmethod
     def from_moments(cls, workload: LengthMoments, reference: InstanceSpec, slo_scale: float,
@@ -126,8 +146,9 @@ class TrafficSample:
 def prefix_hits(requests: Sequence[WorkloadRequest]) -> list[int]:
     """Prompt tokens each request finds cached on one engine that served all before it
     with a cache that evicts nothing: the longest prefix of its hash blocks seen before
-    (as the engines match it, at most the prompt less one token), or the context an
-    agent step extends."""
+    (as the engines match it, at most the prompt less one token). Engines cache prompts:
+    an agent step's previous output is computed again. Without block hashes, an agent
+    step finds the context it extends."""
     seen: set[int] = set()  # chained block hashes: equal hash, equal prefix
     hits = []
     for r in requests:
@@ -137,9 +158,83 @@ def prefix_hits(requests: Sequence[WorkloadRequest]) -> list[int]:
                 break
             matched += 1
         seen.update(r.block_hashes)
-        context = (0 if r.num_appended_tokens is None
+        context = (0 if r.num_appended_tokens is None or r.block_hashes
                    else r.num_prompt_tokens - r.num_appended_tokens)
         hits.append(min(max(matched * r.hash_block_size, context), r.num_prompt_tokens - 1))
+    return hits
+
+
+@dataclass(frozen=True)
+class ContextReuse:
+    """How agent steps reuse their session's cached context: per request, the step whose
+    prompt it extends (`parent`, -1: none), the tool wait between that step's end and its
+    arrival, and the prompt tokens it still finds cached when the engine evicted that
+    context (the prefix it shares with other sessions)."""
+
+    parent: np.ndarray
+    tool_wait_s: np.ndarray
+    shared_tokens: np.ndarray
+
+    @classmethod
+    def of(cls, workload: Workload, cached_tokens: np.ndarray) -> ContextReuse:
+        """From a session workload's graph: a step extends its first parent's prompt;
+        its shared prefix is what blocks of other sessions cover (`prefix_hits` over the
+        requests with its own session's earlier blocks left out)."""
+        assert workload.graph is not None
+        parent = np.array([p[0] if p else -1 for p in workload.graph.parents])
+        shared = np.array(_shared_prefix_hits(workload.requests))
+        return cls(parent, np.array(workload.graph.tool_wait_s, dtype=float),
+                   np.minimum(shared, cached_tokens))
+
+    def idle_gaps_s(self, busy_s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(before, after): per request, how long the context it reuses sat untouched
+        before it arrived (nan: it reuses none), and how long its own prompt waits for the
+        session's next step (inf: none comes). `busy_s`: per request, the time after its
+        prompt was last touched on the engine until it ends (a prefill engine: the
+        decode elsewhere; a unified one: none, it touches the prompt at the end)."""
+        has_parent = self.parent >= 0
+        before = np.full(len(self.parent), np.nan)
+        before[has_parent] = busy_s[self.parent[has_parent]] + self.tool_wait_s[has_parent]
+        after = np.full(len(self.parent), np.inf)
+        np.fmin.at(after, self.parent[has_parent], before[has_parent])
+        return before, after
+
+
+def cache_time_s(prompt_tokens: np.ndarray, idle_after_s: np.ndarray, steps_per_s: float,
+                 capacity_tokens: float) -> float:
+    """Che's characteristic time of an LRU cache: the T for which the prompts touched
+    within the last T fill it, steps_per_s E[prompt x min(idle after, T)] = capacity
+    (inf: the cache holds every prompt until its session's next step)."""
+    if steps_per_s <= 0:
+        return math.inf
+    def held(t: float) -> float:
+        return steps_per_s * float(np.mean(prompt_tokens * np.minimum(idle_after_s, t)))
+    finite = idle_after_s[np.isfinite(idle_after_s)]
+    top = float(finite.max()) if len(finite) else 0.0
+    if held(top) <= capacity_tokens and np.all(np.isfinite(idle_after_s)):
+        return math.inf
+    lo, hi = 0.0, max(top, 1.0)
+    while held(hi) < capacity_tokens:
+        hi *= 2
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if held(mid) < capacity_tokens else (lo, mid)
+    return hi
+
+
+def _shared_prefix_hits(requests: Sequence[WorkloadRequest]) -> list[int]:
+    """Like `prefix_hits`, counting only blocks that another session cached first."""
+    owner: dict[int, str | None] = {}
+    hits = []
+    for r in requests:
+        matched = 0
+        for block in r.block_hashes:
+            if owner.get(block, r.session_id) == r.session_id:
+                break
+            matched += 1
+        for block in r.block_hashes:
+            owner.setdefault(block, r.session_id)
+        hits.append(min(matched * r.hash_block_size, r.num_prompt_tokens - 1))
     return hits
 
 
@@ -182,6 +277,7 @@ class StageBudgets:
     prefill_s: np.ndarray
     decode_s: np.ndarray
     total_s: np.ndarray  # the whole deadline: a unified engine runs both stages
+    solo_decode_s: np.ndarray  # the decode alone on the reference GPU
 
     @classmethod
     def split(cls, sample: TrafficSample, reference: InstanceSpec,
@@ -194,7 +290,7 @@ class StageBudgets:
         share = (solo.ttft_s / solo.total_s if prefill_share is None
                  else np.full(len(slack), prefill_share))
         return cls(solo.ttft_s + share * slack, solo.decode_s + (1 - share) * slack,
-                   sample.deadline_s)
+                   sample.deadline_s, solo.decode_s)
 
 
 class EngineModel:
@@ -208,6 +304,7 @@ class EngineModel:
         self.instance, self.sample, self.budgets = instance, sample, budgets
         self.scheduler = scheduler or SchedulerConfig()
         self.p_slo, self.method = p_slo, method
+        self._costs: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}  # cached -> prefill costs
 
     @classmethod
     def for_kind(cls, kind: EngineKind, model: str, sample: TrafficSample,
@@ -234,41 +331,81 @@ class EngineModel:
         return max_feasible_rate(lambda r: attainment(r) >= self.p_slo, ceiling)
 
     # ---- prefill -----------------------------------------------------------
-    @cached_property
-    def _solo_prefill_s(self) -> np.ndarray:
+    def _cached_at(self, steps_per_s: float, busy_s: np.ndarray) -> np.ndarray:
+        """Prompt tokens each request finds cached on an engine taking `steps_per_s`: a
+        step whose session context outlived its idle gap in the LRU (`cache_time_s`)
+        finds it, the others only their shared prefix. `busy_s`: per request, how long
+        after its prompt's last touch on this engine it ends (`ContextReuse.idle_gaps_s`)."""
         s = self.sample
-        return SoloPhases.of(self.instance, s.prompt_tokens, s.cached_tokens,
-                             np.ones_like(s.output_tokens)).ttft_s
+        if s.reuse is None:
+            return s.cached_tokens
+        before, after = s.reuse.idle_gaps_s(busy_s)
+        horizon = cache_time_s(s.prompt_tokens, after, steps_per_s,
+                               self.instance.kv_capacity_tokens)
+        evicted = before >= horizon  # nan (no session context) compares False
+        return np.where(evicted, s.reuse.shared_tokens, s.cached_tokens)
 
-    @cached_property
-    def _prefill_work_s(self) -> np.ndarray:
-        """Each prompt's share of a full chunked-prefill iteration: its uncached tokens at
-        the batched per-token cost, plus its attention over its cached context."""
-        full = self.scheduler.max_num_batched_tokens
-        parts = self.instance.iteration_breakdown(BatchShape.build([PrefillChunk(full, 0)]))
-        per_token = (parts.linear_s + parts.allreduce_s + parts.overhead_s) / full
+    @property
+    def _remote_decode_s(self) -> np.ndarray:
+        """A prefill engine's idle time per request: its decode, on another engine (of
+        whatever kind: taken alone on the reference GPU)."""
+        return self.budgets.solo_decode_s
+
+    def _prefill_costs(self, cached: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(work, solo) per request with `cached` tokens cached: its share of a full
+        chunked-prefill iteration (uncached tokens at the batched per-token cost plus its
+        attention over the cached context), and its prefill alone on the engine."""
+        key = cached.tobytes()
+        if key not in self._costs:
+            full = self.scheduler.max_num_batched_tokens
+            parts = self.instance.iteration_breakdown(BatchShape.build([PrefillChunk(full, 0)]))
+            per_token = (parts.linear_s + parts.allreduce_s + parts.overhead_s) / full
+            s = self.sample
+            uncached = s.prompt_tokens - cached
+            memo: dict[tuple[int, int], float] = {}
+            attention = np.empty(len(uncached))
+            for i, pair in enumerate(zip(uncached.tolist(), cached.tolist(), strict=True)):
+                if pair not in memo:
+                    memo[pair] = self.instance.iteration_breakdown(
+                        BatchShape.build([PrefillChunk(*pair)])).attention_s
+                attention[i] = memo[pair]
+            solo = SoloPhases.of(self.instance, s.prompt_tokens, cached,
+                                 np.ones_like(s.output_tokens)).ttft_s
+            self._costs[key] = (uncached * per_token + attention, solo)
+        return self._costs[key]
+
+    def _prefill_at(self, steps_per_s: float, busy_s: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(cached, work, solo) per request on an engine taking `steps_per_s`: the tokens
+        its cache still holds for each step (`_cached_at`) and the step's prefill costs
+        with them."""
         s = self.sample
-        attention = np.array([self.instance.iteration_breakdown(BatchShape.build(
-            [PrefillChunk(u, c)])).attention_s for u, c in
-            zip(s.uncached_tokens.tolist(), s.cached_tokens.tolist(), strict=True)])
-        return s.uncached_tokens * per_token + attention
+        cached = self._cached_at(steps_per_s, busy_s)
+        work, solo = self._prefill_costs(s.cached_tokens)
+        if s.reuse is not None and not np.array_equal(cached, s.cached_tokens):
+            evicted = cached != s.cached_tokens
+            work_miss, solo_miss = self._prefill_costs(
+                np.where(s.reuse.parent >= 0, s.reuse.shared_tokens, s.cached_tokens))
+            work, solo = np.where(evicted, work_miss, work), np.where(evicted, solo_miss, solo)
+        return cached, work, solo
 
     def prefill_attainment(self, rate: float, engines: int = 1) -> float:
         """Share of requests whose first token comes within their prefill budget."""
-        work = self._prefill_work_s
+        _, work, solo = self._prefill_at(rate / engines, self._remote_decode_s)
         if rate <= 0:
-            return float(np.mean(self._solo_prefill_s <= self.budgets.prefill_s))
+            return float(np.mean(solo <= self.budgets.prefill_s))
         if rate * work.mean() >= engines:
             return 0.0
         service = LengthDist.from_moments(float(work.mean()), max(float(work.std() / work.mean()),
                                                                   MIN_CV))
         queue = MgkQueue(rate, engines, service)
-        allowed = self.budgets.prefill_s - self._solo_prefill_s
+        allowed = self.budgets.prefill_s - solo
         return float(np.mean(queue.wait_cdf_many(allowed, self.method)))
 
     def _prefill_rate(self, engines: int) -> float:
+        work = self._prefill_costs(self.sample.cached_tokens)[0]
         return self._largest(lambda r: self.prefill_attainment(r, engines),
-                             engines / float(self._prefill_work_s.mean()))
+                             engines / float(work.mean()))
 
     # ---- decode ------------------------------------------------------------
     @cached_property
@@ -292,35 +429,38 @@ class EngineModel:
         free = self.instance.kv_capacity_tokens - self.sample.held_kv_tokens
         return int(max(0, min(self.scheduler.max_num_seqs, free // max(self._slot_context, 1))))
 
-    def step_s(self, num_decoding: float, num_prefill_tokens: float = 0.0) -> float:
+    def step_s(self, num_decoding: float, num_prefill_tokens: float = 0.0,
+               cached_context: float = 0.0) -> float:
         """One iteration with `num_decoding` sequences (fractional: linear between the
-        neighbouring integers) and `num_prefill_tokens` of prompts at the mean cached
-        context."""
+        neighbouring integers) and `num_prefill_tokens` of prompts over `cached_context`
+        tokens of cached context."""
         lo = math.floor(num_decoding)
-        t_lo = self._iteration(lo, num_prefill_tokens)
+        t_lo = self._iteration(lo, num_prefill_tokens, cached_context)
         if lo == num_decoding:
             return t_lo
-        return t_lo + (num_decoding - lo) * (self._iteration(lo + 1, num_prefill_tokens) - t_lo)
+        t_hi = self._iteration(lo + 1, num_prefill_tokens, cached_context)
+        return t_lo + (num_decoding - lo) * (t_hi - t_lo)
 
-    def _iteration(self, num_decoding: int, num_prefill_tokens: float) -> float:
+    def _iteration(self, num_decoding: int, num_prefill_tokens: float,
+                   cached_context: float) -> float:
         chunks = []
         if num_prefill_tokens >= 1:
-            cached = float(np.mean(self.sample.cached_tokens))
-            chunks = [PrefillChunk(round(num_prefill_tokens), round(cached))]
+            chunks = [PrefillChunk(round(num_prefill_tokens), round(cached_context))]
         batch = replace(BatchShape.build(chunks), num_decode_seqs=num_decoding,
                         decode_context_tokens=round(num_decoding * self._slot_context))
         return self.instance.iteration_time_s(batch)
 
-    def _occupancy(self, rate: float, prefill_tokens_per_s: float = 0.0
-                   ) -> tuple[float, float] | None:
+    def _occupancy(self, rate: float, prefill_tokens_per_s: float = 0.0,
+                   cached_context: float = 0.0) -> tuple[float, float] | None:
         """(sequences per step, step time) at `rate` by Little's law, n = rate E[N-1] t,
-        with the prompts' tokens that arrive during a step carried by the next; None
-        when the engine saturates (n past its slots, or prompts past a step's budget)."""
+        t = t(1 + n) the step a request shares with the n it finds,
+        with the prompts' tokens that arrive during a step (over `cached_context` tokens
+        of cached context) carried by the next; None when the engine saturates (n past
+        its slots, or prompts past a step's budget)."""
         steps = float(np.mean(self._decode_steps)) * rate
         n, t = 1.0, self.step_s(1.0)
         for _ in range(FIXED_POINT_STEPS):
-            # a request decodes in a step of at least itself, however light the load
-            t = self.step_s(max(n, 1.0), prefill_tokens_per_s * t)
+            t = self.step_s(1.0 + n, prefill_tokens_per_s * t, cached_context)
             new = steps * t
             budget = self.scheduler.max_num_batched_tokens
             if new > self._slots or prefill_tokens_per_s * t > budget:
@@ -347,14 +487,17 @@ class EngineModel:
     def unified_attainment(self, rate: float) -> float:
         """Share of requests within their whole deadline on a unified engine: the prompt
         waits for the step running at its arrival (half of one on average; one counted),
-        is computed over ceil(u / budget) steps, then decodes at the loaded step."""
-        tokens_per_s = rate * float(np.mean(self.sample.uncached_tokens))
-        state = self._occupancy(rate, tokens_per_s)
+        is computed over ceil(u / budget) steps, then decodes at the loaded step. A
+        unified engine touches a step's prompt at its end: the context idles over the
+        tool wait alone."""
+        cached, _, solo = self._prefill_at(rate, np.zeros(len(self.sample.prompt_tokens)))
+        uncached = self.sample.prompt_tokens - cached
+        state = self._occupancy(rate, rate * float(np.mean(uncached)), float(np.mean(cached)))
         if state is None:
             return 0.0
         step = state[1]
-        chunks = np.ceil(self.sample.uncached_tokens / self.scheduler.max_num_batched_tokens)
-        finish = step + np.maximum(chunks * step, self._solo_prefill_s) + self._decode_steps * step
+        chunks = np.ceil(uncached / self.scheduler.max_num_batched_tokens)
+        finish = step + np.maximum(chunks * step, solo) + self._decode_steps * step
         return float(np.mean(finish <= self.budgets.total_s))
 
 

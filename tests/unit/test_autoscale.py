@@ -308,6 +308,44 @@ def test_an_engine_whose_queue_grows_does_not_keep_up_however_many_deadlines_it_
     assert late_rate(steady, 20.0) == pytest.approx(10.0)  # 100 arrivals in [10, 20)
 
 
+def test_only_the_steady_half_of_a_window_counts_towards_attainment():
+    """Misses in the warm-up half and in the sessions' tails after the window do not
+    count: the second half's requests alone decide."""
+    from app.experiments.calibrate import steady_attainment
+    from app.sim.records import RequestRecord
+
+    def record(arrival: float, met: bool) -> RequestRecord:
+        done = RequestRecord(f"r{arrival}", arrival, arrival + 1.0, 1.0, 10, 10,
+                             first_token_s=arrival + 0.1,
+                             finish_s=arrival + (0.5 if met else 2.0))
+        done.outcome = done.decide()
+        return done
+
+    warm_up = [record(t, met=False) for t in range(10)]
+    steady = [record(10 + t, met=t % 4 != 0) for t in range(10)]  # 7 of 10 met
+    tail = [record(20 + t, met=False) for t in range(5)]
+    assert steady_attainment(warm_up + steady + tail, 20.0) == pytest.approx(0.7)
+    assert steady_attainment(warm_up, 40.0) == 1.0  # nothing arrived in [20, 40)
+
+
+def test_a_session_span_is_its_longest_chain_of_tool_waits_and_solo_times():
+    from app.experiments.calibrate import mean_session_span_s
+    from app.sessions import SessionGraph
+    from app.workload import Workload, WorkloadRequest
+
+    def step(session: str, i: int) -> WorkloadRequest:
+        return WorkloadRequest(f"{session}/{i}", 0.0, 100, 10, session_id=session, step_index=i)
+
+    # a: 0 -> (1, 2) fan-out -> 3 joins them; b: one step
+    requests = (step("a", 0), step("a", 1), step("a", 2), step("a", 3), step("b", 0))
+    graph = SessionGraph(parents=((), (0,), (0,), (1, 2), ()),
+                         tool_wait_s=(0.0, 2.0, 5.0, 1.0, 0.0))
+    solo = [1.0, 1.0, 3.0, 1.0, 4.0]
+    # a: 0 ends at 1; 1 at 1+2+1 = 4; 2 at 1+5+3 = 9; 3 at max(4, 9)+1+1 = 11
+    span = mean_session_span_s(Workload(requests, 10.0, graph=graph), solo)
+    assert span == pytest.approx((11.0 + 4.0) / 2)
+
+
 def test_static_pools_on_the_served_models_spread_parked_context_over_their_engines():
     """Chat sessions park megatokens of context in tool waits: laid on one unified engine
     they would leave it no slot, so the static sizing spreads them over as many engines

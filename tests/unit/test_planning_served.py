@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -13,9 +16,11 @@ from app.planning.served import (
     DECODE,
     PREFILL,
     UNIFIED,
+    ContextReuse,
     EngineModel,
     StageBudgets,
     TrafficSample,
+    cache_time_s,
     prefix_hits,
 )
 from app.planning.split import EngineKind
@@ -54,8 +59,52 @@ def test_prefix_hits_count_blocks_seen_before_and_an_agent_step_s_context():
         request(2, (1, 2), 32),  # whole prompt seen: all but the last token
         request(3, (1, 9), 40),  # one leading block shared
         request(4, (), 5000, appended=200),  # an agent step extends 4,800 cached tokens
+        # a step with block hashes: its previous prompt (3 blocks) is cached, not the
+        # previous output (block 7), which an engine never cached as a prompt
+        request(5, (1, 2, 3, 7, 8), 90, appended=20),
     ])
-    assert hits == [0, 48, 31, 16, 4800]
+    assert hits == [0, 48, 31, 16, 4800, 48]
+
+
+def test_the_cache_time_is_when_the_prompts_touched_within_it_fill_the_cache():
+    prompts = np.full(4, 1000)
+    never_back = np.full(4, np.inf)  # 1 step/s of 1,000 tokens: 1,000 T tokens held
+    assert cache_time_s(prompts, never_back, 1.0, 5000) == pytest.approx(5.0, rel=1e-6)
+    back_soon = np.full(4, 2.0)  # each prompt reused after 2 s: at most 2,000 held
+    assert cache_time_s(prompts, back_soon, 1.0, 5000) == math.inf
+    mixed = np.array([2.0, 2.0, np.inf, np.inf])  # 1,000 + 500 T = 5,000
+    assert cache_time_s(prompts, mixed, 1.0, 5000) == pytest.approx(8.0, rel=1e-6)
+
+
+def test_idle_gaps_run_from_the_parent_s_last_touch_to_the_child_s_arrival():
+    reuse = ContextReuse(parent=np.array([-1, 0, 1, 1]), tool_wait_s=np.array([0.0, 3.0, 5.0, 1.0]),
+                         shared_tokens=np.zeros(4))
+    before, after = reuse.idle_gaps_s(busy_s=np.array([0.5, 1.0, 2.0, 2.0]))
+    assert np.isnan(before[0]) and before[1:].tolist() == [3.5, 6.0, 2.0]
+    # step 1 is reused by two children: its prompt is touched again after the sooner
+    assert after.tolist() == [3.5, 2.0, math.inf, math.inf]
+
+
+def test_a_prefill_engine_loses_session_contexts_when_its_cache_overflows():
+    """Chat sessions on one H800 prefill engine: at a light rate every step finds its
+    context cached; at a rate whose parked contexts overflow the KV, steps recompute
+    theirs and the engine carries fewer steps than the never-evicting count says."""
+    from app.sessions import SessionPreset, preset_workload
+    from app.workload import Arrivals, SyntheticArrivals
+
+    workload = preset_workload(SessionPreset.CHAT_AGENT,
+                               SyntheticArrivals(Arrivals.POISSON, 1.0, 300.0), 131072, 7)
+    sample = TrafficSample.from_workload(workload, REFERENCE, 3.0)
+    assert sample.reuse is not None and np.sum(sample.reuse.parent >= 0) > 0
+    model = _model(sample, PREFILL, gpu="H800")
+    busy = model._remote_decode_s
+    light, _, _ = model._prefill_at(0.01, busy)
+    heavy, heavy_work, _ = model._prefill_at(5.0, busy)
+    assert np.array_equal(light, sample.cached_tokens)
+    assert heavy.sum() < 0.8 * sample.cached_tokens.sum()
+    never = replace(sample, reuse=None)
+    assert model.rate(PREFILL) < 0.8 * _model(never, PREFILL, gpu="H800").rate(PREFILL)
+    assert heavy_work.mean() > model._prefill_costs(sample.cached_tokens)[0].mean()
 
 
 def test_the_lattice_wait_cdf_agrees_with_the_pointwise_one():
