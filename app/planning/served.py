@@ -31,8 +31,12 @@ These models describe the engines the router serves on instead:
   Little's law gives the occupancy, n = lambda E[N - 1] t(1 + n); the engine is
   saturated when n would pass its `max_num_seqs` or its KV cache (less the KV that
   sessions keep parked between steps). A request meets its decode budget when
-  (N_i - 1) t(1 + n) fits it. (With t(n), a slow engine at a fraction of a request in
-  flight looked unloaded: the A40 on chat sessions at 0.26 of the model's rate.)
+  (N_i - 1) t(1 + n) fits it, and the KV holds its whole context beside the contexts
+  of the others (a compound Poisson sum, normal in its first two moments): long
+  contexts overflow a small KV well before the mean occupancy fills it, and an engine
+  that overflows preempts. (With t(n), a slow engine at a fraction of a request in
+  flight looked unloaded: the A40 on chat sessions at 0.26 of the model's rate; without
+  the overflow, coding sessions on two V100s decoded 1.7x what they carry.)
 - **Unified** engines run both in one iteration (chunked prefill): each step carries
   the prompts' tokens that arrived during the previous one besides the decode tokens,
   so t solves t = T(n decodes, lambda E[u] t prompt tokens); a request meets its
@@ -49,6 +53,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 
 import numpy as np
+from scipy import special
 
 from app.config import SchedulerConfig
 from app.hardware import BatchShape, InstanceSpec, PrefillChunk, make_instance
@@ -423,6 +428,28 @@ class EngineModel:
         return float(np.sum(steps * context) / max(np.sum(steps), 1))
 
     @cached_property
+    def _slot_context_sq(self) -> float:
+        """The slots' squared context, averaged over time as `_slot_context`."""
+        s, steps = self.sample, self._decode_steps
+        context = s.prompt_tokens + s.output_tokens / 2
+        return float(np.sum(steps * context**2) / max(np.sum(steps), 1))
+
+    def _kv_room(self, others: float) -> np.ndarray:
+        """Per request, the chance the KV holds its whole context beside the others it
+        finds running: their contexts a compound Poisson sum (n of them on average, each
+        from the slots' time-averaged distribution), normal in its first two moments.
+        Past it the engine preempts, and the preempted request computes its context
+        again. Long contexts on a small KV (coding sessions on two V100s hold four
+        average ones) overflow well before the mean occupancy fills it."""
+        s = self.sample
+        free = self.instance.kv_capacity_tokens - s.held_kv_tokens
+        own = s.prompt_tokens + s.output_tokens
+        if others <= 0:
+            return (own <= free).astype(float)
+        mean, spread = others * self._slot_context, math.sqrt(others * self._slot_context_sq)
+        return special.ndtr((free - own - mean) / spread)
+
+    @cached_property
     def _slots(self) -> int:
         """Requests a step can hold: the scheduler's cap, and the KV cache less what
         parked sessions keep."""
@@ -471,11 +498,13 @@ class EngineModel:
         return None  # not converging: the step grows faster than it serves
 
     def decode_attainment(self, rate: float) -> float:
-        """Share of requests whose decode fits their decode budget."""
+        """Share of requests whose decode fits their decode budget, with room in the KV
+        for them (`_kv_room`)."""
         state = self._occupancy(rate)
         if state is None:
             return 0.0
-        return float(np.mean(self._decode_steps * state[1] <= self.budgets.decode_s))
+        fits = self._decode_steps * state[1] <= self.budgets.decode_s
+        return float(np.mean(fits * self._kv_room(state[0])))
 
     def _decode_ceiling(self) -> float:
         """A rate the decode cannot carry: its slots full at the full step time."""
@@ -498,7 +527,7 @@ class EngineModel:
         step = state[1]
         chunks = np.ceil(uncached / self.scheduler.max_num_batched_tokens)
         finish = step + np.maximum(chunks * step, solo) + self._decode_steps * step
-        return float(np.mean(finish <= self.budgets.total_s))
+        return float(np.mean((finish <= self.budgets.total_s) * self._kv_room(state[0])))
 
 
 class ServedCapacity:

@@ -129,6 +129,20 @@ def test_decode_occupancy_obeys_little_s_law_and_the_rate_stops_at_the_slots():
     assert capped._occupancy(1.01 * capped._decode_ceiling()) is None
 
 
+def test_long_contexts_overflow_the_kv_before_the_mean_occupancy_fills_it():
+    """Contexts of 30k-90k tokens on an A40 (219k tokens of KV, three mean slots): with
+    1.5 others running on average the KV often cannot hold a request, so fewer meet
+    their budgets than the mean occupancy says; short prompts always fit."""
+    long = _model(_sample(prompt=60000, output=300), DECODE, gpu="A40")
+    assert long._slots == 3
+    room = long._kv_room(1.5)
+    assert 0.3 < room.mean() < 0.95
+    assert room[np.argmax(long.sample.prompt_tokens)] < room[np.argmin(long.sample.prompt_tokens)]
+    assert long._kv_room(0.0).min() == 1.0  # alone, each fits
+    short = _model(_sample(), DECODE, gpu="A40")
+    assert short._kv_room(10.0).min() > 0.999
+
+
 def test_context_that_sessions_park_on_a_decoder_takes_its_slots():
     long_context = _sample(prompt=60_000, output=300)
     free = _model(long_context, DECODE)
