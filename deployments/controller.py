@@ -9,7 +9,7 @@ plan diffs and answers the routers:
   controller gave it (`EngineActor.label`), from which a restarted controller
   rebuilds its registry;
 - routers long-poll `registry(known_key)` and push their arrival and completion
-  tallies with `report`;
+  tallies, with their agent steps' arrivals and ends, with `report`;
 - it polls every engine's status once per poll period and publishes the reports on a
   `StatusBoard`; every router replica long-polls `engine_statuses(version)`, so an
   engine answers one status call per period however many replicas route to it;
@@ -168,9 +168,18 @@ class ControllerActor:
         self._publish()
 
     async def report(self, load: LoadReport) -> None:
-        """A router's arrival and completion tallies since its last report."""
+        """A router's arrival and completion tallies and agent steps' events since its
+        last report."""
         if self.controller is not None:
             self.controller.window.merge(load)
+
+    async def sessions(self) -> list[dict[str, Any]]:
+        """What each recent decision saw of agent sessions, with the mean prompt tokens
+        their steps' cached context did not cover (operators and tests)."""
+        return [{"time_s": s.stats.end_s, "starts": s.stats.session_starts,
+                 "open": s.stats.open_sessions, "committed_rps": s.stats.committed_rps,
+                 "held_kv_tokens": s.stats.held_kv_tokens,
+                 "uncached_len": s.stats.mean_uncached_len} for s in self.steps]
 
     async def status(self) -> dict[str, Any]:
         """Registry, engine states and recent decisions (operators and tests)."""

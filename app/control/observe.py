@@ -3,16 +3,17 @@
 The routers report each arrival (prompt length, and for an agent step the tokens its
 cached context does not cover) and each completion (output length, deadline met or
 not); the controller closes the window every interval into one `IntervalStats`. Agent
-sessions are reported step by step too (`SessionTracker`): which sessions are open, the
-context they hold between steps, and the steps they are still expected to send. Plain
-bookkeeping: `now` is an argument, no clock is read.
+sessions are reported step by step too (`SessionEvent`s into `SessionTracker`): which
+sessions are open, the context they hold between steps, and the steps they are still
+expected to send. Plain bookkeeping: `now` is an argument, no clock is read.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import IntEnum
 
 import numpy as np
 
@@ -67,10 +68,36 @@ class IntervalStats:
                            held_kv_tokens=held)
 
 
+class SessionEventKind(IntEnum):
+    """An agent step's events, in the order a step has them (ties in time sort so)."""
+
+    ISSUED = 0  # the step arrived (a session's first: the session starts)
+    DONE = 1  # the step ended
+    ANSWERED = 2  # its reply was read and is the session's final answer (no tool call)
+
+
+@dataclass(frozen=True)
+class SessionEvent:
+    """One agent step's arrival or end, as the router that served it saw it."""
+
+    session_id: str
+    kind: SessionEventKind
+    time_s: float  # the router's clock (wall time, as the controller's)
+    context_tokens: int = 0  # DONE: the step's prompt + output
+    ends_session: bool = False  # DONE: its answer ends the session
+
+    @property
+    def sort_key(self) -> tuple[float, int]:
+        """The order the controller's window takes events in: by time, a step's arrival
+        before its end."""
+        return self.time_s, self.kind
+
+
 @dataclass
 class LoadReport:
-    """Arrival and completion tallies: what one router adds up between two reports to
-    the controller, and what the controller's window sums over every router."""
+    """Arrival and completion tallies, with the agent steps' events: what one router
+    adds up between two reports to the controller, and what the controller's window
+    sums over every router."""
 
     arrivals: int = 0
     input_sum: float = 0.0
@@ -81,6 +108,8 @@ class LoadReport:
     uncached: int = 0  # arrivals that reported their uncached tokens (agent steps)
     uncached_sum: float = 0.0
     uncached_sq: float = 0.0
+    # agent steps' arrivals and ends, in the order recorded (not necessarily by time)
+    session_events: list[SessionEvent] = field(default_factory=list)
 
     def arrival(self, num_prompt_tokens: int, num_uncached_tokens: int | None = None) -> None:
         self.arrivals += 1
@@ -96,14 +125,32 @@ class LoadReport:
         self.met += int(met_deadline)
         self.output_sum += num_output_tokens
 
+    def step_issued(self, session_id: str, now: float) -> None:
+        """A step of agent session `session_id` arrived (recorded with its arrival)."""
+        self.session_events.append(SessionEvent(session_id, SessionEventKind.ISSUED, now))
+
+    def step_done(self, session_id: str, now: float, context_tokens: int,
+                  ends_session: bool) -> None:
+        """A step of `session_id` ended with `context_tokens` of context (prompt +
+        output); `ends_session`: its answer ends the session."""
+        self.session_events.append(SessionEvent(session_id, SessionEventKind.DONE, now,
+                                                context_tokens, ends_session))
+
+    def session_answered(self, session_id: str, now: float) -> None:
+        """The reply a step of `session_id` ended with is the session's final answer
+        (an agent's reply without a tool call), as the API layer reads it after the
+        step's end."""
+        self.session_events.append(SessionEvent(session_id, SessionEventKind.ANSWERED, now))
+
     def merge(self, other: LoadReport) -> None:
         for name in ("arrivals", "input_sum", "input_sq", "finished", "met", "output_sum",
                      "uncached", "uncached_sum", "uncached_sq"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.session_events.extend(other.session_events)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.arrivals or self.finished)
+        return not (self.arrivals or self.finished or self.session_events)
 
 
 def _moments(count: int, total: float, squares: float) -> tuple[float, float]:
@@ -122,7 +169,13 @@ class LoadWindow:
     by `output_memory`: the completions of one window are biased towards long requests
     when the load falls (the short ones have finished), and once arrivals stop the last
     stragglers alone would make every engine look many times slower than it is.
-    Agent sessions go to `sessions`, whose estimates look `commit_horizon_s` ahead."""
+    Agent sessions go to `sessions`, whose estimates look `commit_horizon_s` ahead: the
+    sim shell calls it as steps happen; the session events of merged router reports wait
+    for the window's close and go in then, every router's sorted together by
+    `SessionEvent.sort_key` (a router reports every second, the window closes every
+    interval, so the steps of one session served by different routers keep their order).
+    Events stamped after the close wait for the next window; an end whose arrival the
+    tracker never saw (a report lost, or a controller restarted since) is left out."""
 
     def __init__(self, start_s: float, default_input_len: float = 512.0,
                  default_output_len: float = 256.0, output_memory: float = 0.5,
@@ -145,14 +198,30 @@ class LoadWindow:
         self._tally.completion(num_output_tokens, met_deadline)
 
     def merge(self, report: LoadReport) -> None:
-        """Add a router's tallies since its last report."""
+        """Add a router's tallies and session events since its last report."""
         self._tally.merge(report)
+
+    def _feed_sessions(self, events: list[SessionEvent], now: float) -> list[SessionEvent]:
+        """Into `sessions`, in time order, the events up to `now`; those after it."""
+        later = []
+        for event in sorted(events, key=lambda e: e.sort_key):
+            if event.time_s > now:
+                later.append(event)
+            elif event.kind is SessionEventKind.ISSUED:
+                self.sessions.step_issued(event.session_id, event.time_s)
+            elif event.kind is SessionEventKind.ANSWERED:
+                self.sessions.session_answered(event.session_id, event.time_s)
+            elif self.sessions.num_in_flight(event.session_id):
+                self.sessions.step_done(event.session_id, event.time_s,
+                                        event.context_tokens, event.ends_session)
+        return later
 
     def close(self, now: float) -> IntervalStats:
         """The window [start, now) as stats; a new window starts at `now`."""
         if not now > self._start_s:
             raise ValueError(f"window end {now} must be after its start {self._start_s}")
         t = self._tally
+        later = self._feed_sessions(t.session_events, now)
         if t.arrivals:
             self._last_input = _moments(t.arrivals, t.input_sum, t.input_sq)
         if t.uncached:
@@ -168,7 +237,7 @@ class LoadWindow:
                               sessions.starts, sessions.open, sessions.committed_rps,
                               sessions.held_kv_tokens)
         self._start_s = now
-        self._tally = LoadReport()
+        self._tally = LoadReport(session_events=later)
         return stats
 
 
@@ -268,6 +337,22 @@ class SessionTracker:
             self._end(session_id)
         else:
             self._held += context_tokens
+
+    def session_answered(self, session_id: str, now: float) -> None:
+        """`session_id` got its final answer after its step ended: in its tool wait
+        with no step running, it ends and its context is no longer held (otherwise a
+        later step or the idle time-out decides)."""
+        session = self._open.get(session_id)
+        if session is None or not session.in_tool_wait:
+            return
+        self._advance(now)
+        self._held -= session.context_tokens
+        self._end(session_id)
+
+    def num_in_flight(self, session_id: str) -> int:
+        """Steps of `session_id` issued and not ended (0 for a session not open)."""
+        session = self._open.get(session_id)
+        return 0 if session is None else session.in_flight
 
     def _end(self, session_id: str) -> None:
         self._totals.append(self._open.pop(session_id).num_steps)

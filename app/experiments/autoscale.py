@@ -195,13 +195,17 @@ def outcome_summary(records: Sequence[RequestRecord], duration_s: float, gpu_hou
 
 
 def session_summary(records: Sequence[RequestRecord], session_of: Mapping[str, str],
-                    contexts_moved: int, contexts_recomputed: int) -> dict[str, Any]:
+                    contexts_moved: int | None = None,
+                    contexts_recomputed: int | None = None) -> dict[str, Any]:
     """Agent sessions: how many, how many broken (a step of theirs never finished:
-    rejected, cancelled or lost), and what scale-down did to the contexts they held."""
+    rejected, cancelled or lost), and what scale-down did to the contexts they held
+    (left out where nobody counted it: live, the engines report no context moves)."""
     broken = {session_of[r.request_id] for r in records if r.finish_s is None}
-    return {"sessions": len(set(session_of.values())), "steps_served":
-            sum(r.finish_s is not None for r in records), "sessions_broken": len(broken),
-            "contexts_moved": contexts_moved, "contexts_recomputed": contexts_recomputed}
+    summary = {"sessions": len(set(session_of.values())), "steps_served":
+               sum(r.finish_s is not None for r in records), "sessions_broken": len(broken)}
+    if contexts_moved is not None and contexts_recomputed is not None:
+        summary |= {"contexts_moved": contexts_moved, "contexts_recomputed": contexts_recomputed}
+    return summary
 
 
 @dataclass(frozen=True)
@@ -354,10 +358,15 @@ def run_strategy(name: str, config: AutoscaleConfig, profile: RateProfile, workl
     stack = build_routing(PolicyKind.GOODSERVE, routing)
     sim = Simulator(setups_for(config.model, initial), stack.policy, watchdog=stack.watchdog,
                     kv_link_gbps=config.kv_link_gbps, seed=routing.seed, elastic=elastic)
-    session_of = ({r.request_id: r.session_id for r in workload.requests if r.session_id}
-                  if workload.graph is not None else {})
     return StrategyRun(name, sim.run(workload), workload.duration_s, tuple(elastic.steps),
-                       session_of)
+                       sessions_of(workload))
+
+
+def sessions_of(workload: Workload) -> dict[str, str]:
+    """Request id -> session id for session content (empty for any other)."""
+    if workload.graph is None:
+        return {}
+    return {r.request_id: r.session_id for r in workload.requests if r.session_id}
 
 
 def run_experiment(config: AutoscaleConfig, profile: RateProfile, workload: Workload,

@@ -121,8 +121,6 @@ def _check_inputs(names: list[str], strategies: str, backend: Backend, kind: Con
     if backend is Backend.LIVE and strategies != ",".join(STRATEGIES) and names != ["sara"]:
         raise cli_error("--backend live runs the sara strategy only")
     is_session = kind.is_preset or kind is ContentMode.SESSIONS
-    if is_session and backend is Backend.LIVE:
-        raise cli_error(f"--content {kind.value}: --backend sim only")
     if kind is ContentMode.SESSIONS and calibrate:
         raise cli_error("--calibrate measures prompts or a session preset, not a session log")
     if not is_session and trace is None:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import csv
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,10 @@ from app.experiments.autoscale import (
     StrategyRun,
     outcome_summary,
     run_strategy,
+    session_summary,
+    sessions_of,
     sized_pools,
+    steps_per_arrival,
 )
 from app.experiments.live_replay import drive
 from app.planning.inventory import PoolTargets
@@ -52,10 +55,21 @@ class LiveRun:
     duration_s: float
     prices: dict[str, float]  # engine kind name -> USD per hour
     gpus: dict[str, int]  # engine kind name -> GPUs per engine
+    session_of: Mapping[str, str] = field(default_factory=dict)  # request id -> session id
+
+    @property
+    def held_until_s(self) -> float:
+        """Where engine time stops counting: the arrival window's end; session content
+        runs until its last step has finished, and its cost counts that tail, as the
+        simulator's does."""
+        finished = [r.finish_s for r in self.records if r.finish_s is not None]
+        if not self.session_of or not finished:
+            return self.duration_s
+        return max(self.duration_s, max(finished))
 
     def held_intervals(self) -> list[tuple[str, float, float]]:
         """(kind, from, until) per engine, relative to the workload's start."""
-        end = self.duration_s
+        end = self.held_until_s
         return [(e["kind"], e["from_s"] - self.start_s,
                  end if e["until_s"] is None else min(e["until_s"] - self.start_s, end))
                 for e in self.status["ledger"].values()]
@@ -66,8 +80,11 @@ class LiveRun:
         gpu_hours = sum(s * self.gpus.get(kind, 1) for kind, s in seconds) / 3600.0
         cost = sum(s / 3600.0 * self.prices.get(kind, 0.0) for kind, s in seconds)
         started = sum(1 for step in self.status["steps"] for _ in step["start"])
-        return outcome_summary(self.records, self.duration_s, gpu_hours, cost,
-                               int(self.counters.get("num_drain_migrations", 0)), started)
+        summary = outcome_summary(self.records, self.duration_s, gpu_hours, cost,
+                                  int(self.counters.get("num_drain_migrations", 0)), started)
+        if self.session_of:
+            summary |= session_summary(self.records, self.session_of)
+        return summary
 
 
 def serve_config_for(config: AutoscaleConfig, initial: PoolTargets, seed: int) -> ServeConfig:
@@ -94,7 +111,9 @@ def run_live(config: AutoscaleConfig, profile: RateProfile, workload: Workload,
     from deployments.router import build_app, free_port
 
     settings = config.controller.settings(config.model, config.roles)
-    initial = sized_pools(settings, workload, float(profile.rate_at(0.0)))
+    # the profile's rates are sessions/s for session content
+    initial = sized_pools(settings, workload,
+                          float(profile.rate_at(0.0)) * steps_per_arrival(workload))
     serve_config = serve_config_for(config, initial, seed)
     init_local_ray(serve_config.cluster, inventory=config.controller.inventory)
     port = free_port()
@@ -115,7 +134,8 @@ def run_live(config: AutoscaleConfig, profile: RateProfile, workload: Workload,
         ray.shutdown()
     prices = {s.kind.name: s.price_per_hour for s in settings.stock}
     gpus = {s.kind.name: s.kind.tp for s in settings.stock}
-    return LiveRun(records, status, counters, start_s, workload.duration_s, prices, gpus)
+    return LiveRun(records, status, counters, start_s, workload.duration_s, prices, gpus,
+                   sessions_of(workload))
 
 
 def run_both(config: AutoscaleConfig, profile: RateProfile, workload: Workload,
@@ -144,7 +164,7 @@ def held_timeline(live: LiveRun, sim: StrategyRun) -> list[tuple[float, int, int
     intervals = live.held_intervals()
     rows = []
     t = 0.0
-    while t <= live.duration_s:
+    while t <= live.held_until_s:
         held_live = sum(a <= t < b for _, a, b in intervals)
         before = [s for s in samples if s.time_s <= t] or samples[:1]  # the initial pools
         held_sim = (sum(before[-1].serving.values()) + sum(before[-1].starting.values())

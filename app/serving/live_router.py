@@ -158,7 +158,7 @@ class LiveRouter:
         self._background: set[asyncio.Task] = set()
         self._num_routed = self._num_rejected = self._num_finished = self._num_dropped = 0
         self._num_migrations = self._num_drain_migrations = self._num_failovers = 0
-        self._load_report = LoadReport()  # arrivals and completions since the last take
+        self._load_report = LoadReport()  # arrivals, completions, steps since the last take
         # finishes not yet told to the other replicas (with a status feed: a board);
         # bounded, so a feed that stopped asking costs no more than this
         self._finished_to_tell: deque[FinishReport] = deque(maxlen=DEFAULT_FINISH_CAPACITY)
@@ -243,7 +243,6 @@ class LiveRouter:
             session_id=request.session_id,
             max_output_tokens=request.sampling.max_tokens,
         )
-        self._load_report.arrival(route.num_prompt_tokens)
         if self.predict is not None:
             started = time.perf_counter()
             predicted = await self.predict(route)
@@ -253,9 +252,11 @@ class LiveRouter:
         try:
             prefill, target = self._place(route, self.clock(), request.sampling.resumable)
         except RequestRejected as exc:
+            self._load_report.arrival(route.num_prompt_tokens)
             self._num_rejected += 1
             self.metrics.rejected(exc.code)
             raise
+        self._report_arrival(route, prefill or target)
         self.metrics.routed(self.instances[target].tags, time.perf_counter() - started)
         flight = Flight.routed(request, route, target, prefill, self.disaggregated, text)
         for iid in {prefill or target, target}:
@@ -264,6 +265,19 @@ class LiveRouter:
         self.tracker.load.update(flight)
         self._num_routed += 1
         return flight
+
+    def _report_arrival(self, route: RouteRequest, computed_on: InstanceId) -> None:
+        """A routed request into the load report. An agent step also reports its arrival
+        to the session's count and the prompt tokens `computed_on` (the engine that
+        computes its prompt) is not believed to cache, by this router's prefix index
+        (before the step's own blocks go in)."""
+        if route.session_id is None:
+            self._load_report.arrival(route.num_prompt_tokens)
+            return
+        cached = self.tracker.prefix_blocks(computed_on, route.block_hashes) * PREFIX_BLOCK_SIZE
+        self._load_report.arrival(route.num_prompt_tokens,
+                                  max(route.num_prompt_tokens - cached, 1))
+        self._load_report.step_issued(route.session_id, route.arrival_s)
 
     def _place(self, route: RouteRequest, now: float,
                resumable: bool = True) -> tuple[InstanceId | None, InstanceId]:
@@ -582,10 +596,31 @@ class LiveRouter:
                                else Outcome.CANCELLED)
             for listener in self._listeners:
                 listener.on_drop(flight.route, now)
+        if flight.route.session_id is not None:
+            self._report_step_done(flight, now)
         if self.kv_transport is not None:
             self.kv_transport.sweep()
         used = [*flight.placement.instance_ids, flight.placement.prefill_instance_id]
         self.tracker.forget_left([iid for iid in used if iid is not None])
+
+    def _report_step_done(self, flight: Flight, now: float) -> None:
+        """An agent step's end into the load report, with its context (prompt + output).
+        Whether the answer ends the session is the tool parser's to say, which reads the
+        reply after the stream is over: the step is reported as not ending it, and the
+        API layer tells a final answer apart (`session_answered`); a session without
+        one ends once it is silent for the controller's idle time-out."""
+        output = flight.output
+        finished = flight.state is FlightState.FINISHED and output.finish_s is not None
+        end_s = output.finish_s if finished else now
+        self._load_report.step_done(flight.route.session_id, end_s,
+                                    flight.route.num_prompt_tokens + len(output.token_ids),
+                                    ends_session=False)
+
+    def session_answered(self, session_id: str) -> None:
+        """A step of `session_id` ended with the session's final answer (the API layer
+        read no tool call in a reply that could make one): into the load report, so the
+        controller stops counting the session open."""
+        self._load_report.session_answered(session_id, self.clock())
 
     def cancel(self, flight: Flight) -> None:
         """End a flight whose stream will never be read (a sibling choice was refused)."""
@@ -689,7 +724,8 @@ class LiveRouter:
             length.on_finish(report, now)
 
     def take_load_report(self) -> LoadReport:
-        """Arrivals and completions since the last call (for the pool controller)."""
+        """Arrivals, completions and agent steps' events since the last call (for the
+        pool controller)."""
         report, self._load_report = self._load_report, LoadReport()
         return report
 

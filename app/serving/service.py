@@ -506,8 +506,17 @@ class CompletionService:
             choices.append(meta.choice(
                 index, text, finish_reason, output.stop_reason,
                 self._logprobs(flight, meta.chat), tool_calls))
+        self._tell_final_answers(flights, readers)
         return JsonReply(200, meta.full(choices, self._usage(flights),
                                         [self._summary(f) for f in flights]))
+
+    def _tell_final_answers(self, flights: list[Flight],
+                            readers: list[ToolCallReader | None]) -> None:
+        """An agent step whose reply could call a tool and did not is its session's final
+        answer: the router tells the controller, which stops counting the session open."""
+        for flight, reader in zip(flights, readers, strict=True):
+            if reader is not None and not reader.called and flight.route.session_id:
+                self.router.session_answered(flight.route.session_id)
 
     async def _stream(self, flights: list[Flight], readers: list[ToolCallReader | None],
                       meta: ResponseMeta, options: StreamOptions) -> AsyncIterator[str]:
@@ -557,6 +566,7 @@ class CompletionService:
                 chunk = choices[index].chunk(meta, item[-1].finished)
                 if chunk is not None:
                     yield sse(with_usage(chunk, choices[index].num_sent))
+            self._tell_final_answers(flights, readers)
             yield sse(meta.last_chunk(self._usage(flights) if options.include_usage else None,
                                       [self._summary(f) for f in flights]))
             yield sse("[DONE]")

@@ -234,7 +234,6 @@ def test_autoscale_input_errors_are_one_line(tmp_path, args, message):
 @pytest.mark.parametrize("args, message", [
     ([], "--content trace needs --trace"),
     (["--content", "sessions"], "needs --sessions"),
-    (["--content", "chat-agent", "--backend", "live", "--strategies", "sara"], "sim only"),
     (["--content", "sessions", "--sessions", "/none.jsonl"], "does not exist"),
 ])
 def test_autoscale_content_errors_are_one_line(args, message):

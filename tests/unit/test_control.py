@@ -14,7 +14,13 @@ from app.control.controller import (
     StageSlo,
     committed_rps,
 )
-from app.control.observe import LoadWindow, RatePredictor, SessionTracker
+from app.control.observe import (
+    LoadReport,
+    LoadWindow,
+    RatePredictor,
+    SessionEventKind,
+    SessionTracker,
+)
 from app.control.plan import EngineRecord, EngineState, PoolPlanner, ScalingRules
 from app.control.strategies import QueueLengthScaler, SaturationScaler, ThroughputScaler
 from app.hardware import make_instance
@@ -353,6 +359,81 @@ def test_window_reports_uncached_lengths_and_scales_the_held_context_with_the_ra
     bare = plain.close(10.0)
     assert bare.mean_uncached_len is None and bare.held_kv_tokens is None
     assert bare.committed_rps is None and committed_rps(bare) == 0.0
+
+
+def test_session_events_of_two_routers_merge_into_what_one_tracker_fed_directly_sees():
+    """Session s: step 1 on router a (0-10 s, context 1,000), step 2 on b (20-30 s,
+    1,500, then a tool wait); f: a step on a (1-2 s, 300), its last on b (3-4 s); t: a
+    step on a (5-8 s, 600, then a tool wait). b reports before a."""
+    a, b = LoadReport(), LoadReport()
+    a.step_issued("s", 0.0)
+    a.step_issued("f", 1.0)
+    a.step_done("f", 2.0, 300, ends_session=False)
+    a.step_issued("t", 5.0)
+    a.step_done("t", 8.0, 600, ends_session=False)
+    a.step_done("s", 10.0, 1000, ends_session=False)
+    b.step_issued("f", 3.0)
+    b.step_done("f", 4.0, 400, ends_session=True)
+    b.step_issued("s", 20.0)
+    b.step_done("s", 30.0, 1500, ends_session=False)
+    assert [e.kind for e in b.session_events] == [SessionEventKind.ISSUED,
+                                                  SessionEventKind.DONE] * 2
+    assert (b.session_events[1].context_tokens, b.session_events[1].ends_session) == (400, True)
+    window = LoadWindow(0.0, commit_horizon_s=30.0)
+    window.merge(b)
+    window.merge(a)
+    merged = window.close(40.0)
+    direct = SessionTracker(0.0, horizon_s=30.0)
+    for event in sorted(a.session_events + b.session_events, key=lambda e: e.sort_key):
+        if event.kind is SessionEventKind.ISSUED:
+            direct.step_issued(event.session_id, event.time_s)
+        else:
+            direct.step_done(event.session_id, event.time_s, event.context_tokens,
+                             event.ends_session)
+    once = direct.close(40.0)
+    assert (merged.session_starts, merged.open_sessions) == (once.starts, once.open) == (3, 2)
+    # held: s 1,000 over 10-20 s and 1,500 over 30-40 s, f 300 over 2-3 s, t 600 over 8-40 s
+    held = (1000 * 10 + 1500 * 10 + 300 * 1 + 600 * 32) / 40
+    assert merged.held_kv_tokens == pytest.approx(held) == once.held_kv_tokens
+    # f finished after 2 steps; s (2 issued) and t (1) wait on a tool: at least one step
+    # each, at 2 later steps per 78 open session-seconds (s 40, f 3, t 35) x 30 s
+    assert merged.committed_rps == pytest.approx(2 * (2 / 78 * 30) / 30) == once.committed_rps
+
+
+def test_session_events_after_the_close_wait_and_an_end_never_issued_is_left_out():
+    report = LoadReport()
+    assert report.is_empty
+    report.step_done("before-restart", 1.0, 100, ends_session=False)
+    report.step_issued("late", 12.0)
+    assert not report.is_empty and report.arrivals == report.finished == 0
+    window = LoadWindow(0.0)
+    window.merge(report)
+    first = window.close(10.0)
+    assert (first.session_starts, first.open_sessions, first.held_kv_tokens) == (0, 0, None)
+    second = window.close(20.0)
+    assert (second.session_starts, second.open_sessions) == (1, 1)
+    assert window.sessions.num_in_flight("late") == 1
+    assert window.sessions.num_in_flight("before-restart") == 0
+
+
+def test_a_final_answer_after_the_step_ends_its_session_and_frees_its_context():
+    """The API layer reads the reply after the step's end: the answer event, at the
+    same time as the end, sorts after it, and ends the session in its tool wait; an
+    answer while another call of the session still runs ends nothing."""
+    report = LoadReport()
+    report.step_issued("s", 0.0)
+    report.session_answered("s", 4.0)  # recorded last, stamped with the end's time
+    report.step_done("s", 4.0, 1000, ends_session=False)
+    report.step_issued("p", 0.0)
+    report.step_issued("p", 0.0)
+    report.step_done("p", 2.0, 500, ends_session=False)
+    report.session_answered("p", 2.0)  # its other call still runs
+    window = LoadWindow(0.0)
+    window.merge(report)
+    stats = window.close(10.0)
+    assert (stats.session_starts, stats.open_sessions) == (2, 1)
+    assert window.sessions.num_in_flight("p") == 1
+    assert stats.held_kv_tokens == 0.0  # s ended at its answer; p never waited on a tool
 
 
 def test_controller_sizes_for_the_steps_open_sessions_have_committed():

@@ -285,6 +285,38 @@ async def test_auto_calls_through_the_service(fail_at):
     service.close()
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_an_agent_reply_without_a_tool_call_ends_its_session_for_the_controller(stream):
+    """A session step that calls tools leaves its session open; one that could call
+    and answers in text is the session's final answer, which the router reports after
+    the step's end; a step offered no tool says nothing either way."""
+    from app.control.observe import SessionEventKind
+
+    def kinds(service: CompletionService) -> list[tuple[str, SessionEventKind]]:
+        return [(e.session_id, e.kind) for e in service.router.take_load_report().session_events]
+
+    async def ask(service: CompletionService, **fields) -> None:
+        reply = await service.complete(chat_body(max_tokens=64, stream=stream, **fields),
+                                       chat=True)
+        if stream:
+            await sse_payloads(reply)
+        else:
+            assert reply.status_code == 200, reply.body
+
+    calls = tool_service(Spelling("a", TWO_CALLS))
+    await ask(calls, tools=[WEATHER, CLOCK], session_id="s")
+    assert kinds(calls) == [("s", SessionEventKind.ISSUED), ("s", SessionEventKind.DONE)]
+    calls.close()
+    answer = tool_service(Spelling("a", "It is sunny in Oslo."))
+    await ask(answer, tools=[WEATHER, CLOCK], session_id="s")
+    assert kinds(answer) == [("s", SessionEventKind.ISSUED), ("s", SessionEventKind.DONE),
+                             ("s", SessionEventKind.ANSWERED)]
+    await ask(answer, session_id="chat")  # no tools: the user may still say more
+    assert kinds(answer) == [("chat", SessionEventKind.ISSUED),
+                             ("chat", SessionEventKind.DONE)]
+    answer.close()
+
+
 async def test_auto_without_a_tool_parser_is_refused_by_name():
     service = tool_service(Spelling("a", TWO_CALLS), parser=None)
     for fields in ({}, {"tool_choice": "auto"}):
