@@ -68,6 +68,10 @@ class ControllerConfig(Frozen):
     drain_deadline_s: float = Field(
         30.0, ge=0, description="a draining engine's requests migrate by token ids after this")
     startup_s: float = Field(60.0, ge=0, description="seconds an engine takes to serve")
+    trend_damping: float = Field(
+        1.0, ge=0, le=1, description="the rate trend carried over the start-up is damped by "
+        "this per interval (1: extended in full, 0: not at all): a trend that held while "
+        "rising overshoots at a peak")
     switch_margin: float = Field(
         0.1, ge=0, description="pools keep the engines they run while that costs at most "
         "this share more than the cheapest mix (a switch pays a start-up and a drain)")
@@ -125,8 +129,9 @@ class ControllerConfig(Frozen):
             limits=PoolLimits(dict(self.min_engines), dict(self.max_engines),
                               self.budget_per_hour),
             rules=self.rules, interval_s=self.interval_s, headroom=self.headroom,
-            startup_s=self.startup_s, switch_margin=self.switch_margin,
-            capacity_factors=dict(self.capacity_factors), capacity_model=self.capacity_model)
+            startup_s=self.startup_s, trend_damping=self.trend_damping,
+            switch_margin=self.switch_margin, capacity_factors=dict(self.capacity_factors),
+            capacity_model=self.capacity_model)
 
     @property
     def rules(self) -> ScalingRules:

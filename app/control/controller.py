@@ -77,6 +77,7 @@ class ControllerSettings:
     interval_s: float = 30.0
     headroom: float = 0.1  # size for the forecast x (1 + headroom)
     startup_s: float = 60.0  # an engine serves this long after it is started
+    trend_damping: float = 1.0  # per interval, on the trend extended over the start-up
     switch_margin: float = 0.1  # keep a pool's engines while within this of the cheapest
     capacity_factors: Mapping[str, float] = field(default_factory=dict)  # measured / modelled
     capacity_model: CapacityModel = CapacityModel.SARA
@@ -110,6 +111,16 @@ class ControllerSettings:
             raise ValueError(f"interval must be > 0 s, got {self.interval_s}")
         if self.headroom < 0 or self.startup_s < 0 or self.switch_margin < 0:
             raise ValueError("headroom, start-up time and switch margin must be >= 0")
+        if not 0 <= self.trend_damping <= 1:
+            raise ValueError(f"trend damping must be in [0, 1], got {self.trend_damping}")
+
+    @property
+    def trend_intervals(self) -> float:
+        """How many intervals of the current trend the look-ahead adds: the start-up's
+        intervals h, each damped by phi (Gardner's damped trend, sum of phi^k for k = 1..h;
+        h itself when phi is 1)."""
+        h, phi = self.startup_s / self.interval_s, self.trend_damping
+        return h if phi == 1 else phi * (1 - phi**h) / (1 - phi)
 
 
 @dataclass(frozen=True)
@@ -198,7 +209,7 @@ class Controller:
         trend = 0.0 if self._previous_forecast is None else forecast - self._previous_forecast
         self._previous_forecast = forecast
         # never below what was just observed: a falling trend must not undershoot it
-        ahead = max(forecast + trend * self.settings.startup_s / self.settings.interval_s,
+        ahead = max(forecast + trend * self.settings.trend_intervals,
                     forecast, stats.rate_rps, committed_rps(stats))
         sized = ahead * (1 + self.settings.headroom)
         holders = sum(e.state is EngineState.ACTIVE and e.role != PREFILL for e in engines)

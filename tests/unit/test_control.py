@@ -190,9 +190,28 @@ def test_controller_sizes_ahead_of_a_ramp_by_the_start_up_time():
     assert slow_step.targets.rate_rps > fast_step.targets.rate_rps
 
 
+def test_a_damped_trend_adds_fewer_intervals_of_it_over_the_start_up():
+    full = settings(startup_s=60.0)  # two intervals
+    assert full.trend_intervals == 2.0
+    assert settings(startup_s=60.0, trend_damping=0.5).trend_intervals == pytest.approx(0.75)
+    assert settings(startup_s=60.0, trend_damping=0.0).trend_intervals == 0.0
+    steps = {}
+    for phi in (1.0, 0.5, 0.0):
+        controller = Controller(settings(startup_s=60.0, trend_damping=phi), 0.0)
+        for t, rate in ((30.0, 20.0), (60.0, 40.0), (90.0, 60.0)):
+            feed(controller, rate)
+            steps[phi] = controller.step(t, [])
+    assert steps[1.0].targets.rate_rps > steps[0.5].targets.rate_rps > steps[0.0].targets.rate_rps
+    # damped to 0: the look-ahead is the forecast itself, never below the rate seen
+    assert steps[0.0].targets.rate_rps == pytest.approx(
+        max(steps[0.0].forecast_rps, 60.0) * 1.1, rel=1e-6)
+
+
 def test_settings_errors():
     with pytest.raises(ValueError, match="interval"):
         settings(interval_s=0.0)
+    with pytest.raises(ValueError, match="trend damping"):
+        settings(trend_damping=1.5)
 
 
 # ---- the strategies SARA is compared with ---------------------------------------------
