@@ -346,8 +346,7 @@ class SessionTracker:
         if session is None or not session.in_tool_wait:
             return
         self._advance(now)
-        self._held -= session.context_tokens
-        self._end(session_id)
+        self._end_waiting(session_id)
 
     def num_in_flight(self, session_id: str) -> int:
         """Steps of `session_id` issued and not ended (0 for a session not open)."""
@@ -356,6 +355,11 @@ class SessionTracker:
 
     def _end(self, session_id: str) -> None:
         self._totals.append(self._open.pop(session_id).num_steps)
+
+    def _end_waiting(self, session_id: str) -> None:
+        """End a session in its tool wait: the context it held is held no more."""
+        self._held -= self._open[session_id].context_tokens
+        self._end(session_id)
 
     def _advance(self, now: float) -> None:
         now = max(now, self._last_s)
@@ -370,8 +374,7 @@ class SessionTracker:
         held = self._held_area / span if self._seen and span > 0 else None
         for session_id, session in list(self._open.items()):
             if session.in_tool_wait and now - session.last_event_s >= self.idle_timeout_s:
-                self._held -= session.context_tokens
-                self._end(session_id)
+                self._end_waiting(session_id)
         stats = SessionStats(self._starts, len(self._open), self.committed_rps(), held)
         later, area = (x * self.pace_memory for x in self._pace_sums)
         self._pace_sums = (later + self._later, area + self._open_area)

@@ -21,10 +21,11 @@ under test finishes as many requests as arrive (STABLE_SHARE). A queue that grow
 without bound still meets long deadlines over a short window, which once made the
 prefill engines look 5-8 times faster than they are. Agent sessions need a longer
 warm-up: a session's steps follow each other over its tool waits, so the steps open
-sessions send build up over a session's span (chat-agent about 40 s, coding-agent over
-100 s). Their window is at least STEADY_SPANS mean spans, and the steps that arrive
-after it (the sessions' tails, on an engine whose load is falling) are not counted: on
-60-s windows both once made the decoders look 1.5-1.9 times faster than they are.
+sessions send build up over a session's span (chat-agent about 65 s, coding-agent about
+180 s, tool waits and solo service). Their window is at least STEADY_SPANS mean spans,
+and the steps that arrive after it (the sessions' tails, on an engine whose load is
+falling) are not counted: on 60-s windows both once made the decoders look 1.5-1.9
+times faster than they are.
 
 One engine of the kind serves the role under test; the other stage is served by
 helpers of the strongest kind for it, twice what the model says the rate needs (at
@@ -211,9 +212,15 @@ class Calibrator:
         mean step count for sessions."""
         if self.traffic.preset is None:
             return 1.0
+        workload = self._session_sample
+        return len(workload) / (self._probe_rate() * workload.duration_s)
+
+    @cached_property
+    def _session_sample(self) -> Workload:
+        """Sessions at the probe rate over MIN_SAMPLE / rate seconds: what the window's
+        length is worked out from (steps per session, a session's span)."""
         rate = self._probe_rate()
-        workload = self.traffic.workload(rate, MIN_SAMPLE / rate, self.seed)
-        return len(workload) / (rate * workload.duration_s)
+        return self.traffic.workload(rate, MIN_SAMPLE / rate, self.seed)
 
     def measure(self, role: str, kind: EngineKind, offered: float) -> Run:
         workload = self._workload(offered)
@@ -246,8 +253,7 @@ class Calibrator:
         alone on the reference GPU (0 for prompts)."""
         if self.traffic.preset is None:
             return 0.0
-        workload = self.traffic.workload(self._probe_rate(), MIN_SAMPLE / self._probe_rate(),
-                                         self.seed)
+        workload = self._session_sample
         return mean_session_span_s(workload, solo_latencies_s(workload.requests,
                                                               self.reference))
 
@@ -279,16 +285,19 @@ def late_rate(records: Sequence[RequestRecord], duration_s: float) -> float:
     """Requests per second arriving over the window's second half: the offered rate, and
     for closed-loop sessions the rate their steps reach once sessions overlap (a step
     arrives when released, and a slow engine releases the next steps later)."""
-    half = duration_s / 2
-    return sum(half <= r.arrival_s < duration_s for r in records) / half
+    return len(second_half(records, duration_s)) / (duration_s / 2)
 
 
 def steady_attainment(records: Sequence[RequestRecord], duration_s: float) -> float:
     """Share of the requests arriving over the window's second half that met their
     deadlines (1 when none arrived there)."""
-    half = duration_s / 2
-    late = [r for r in records if half <= r.arrival_s < duration_s]
+    late = second_half(records, duration_s)
     return sum(r.outcome is RequestOutcome.MET for r in late) / len(late) if late else 1.0
+
+
+def second_half(records: Sequence[RequestRecord], duration_s: float) -> list[RequestRecord]:
+    """The requests that arrived over the window's second half: the measured ones."""
+    return [r for r in records if duration_s / 2 <= r.arrival_s < duration_s]
 
 
 def mean_session_span_s(workload: Workload, solo_s: Sequence[float]) -> float:
@@ -311,7 +320,7 @@ def keeps_up(records: Sequence[RequestRecord], role: str, duration_s: float) -> 
     token; otherwise the last) at least STABLE_SHARE of the requests arriving there, less
     the count's noise."""
     half = duration_s / 2
-    arrived = sum(half <= r.arrival_s < duration_s for r in records)
+    arrived = len(second_half(records, duration_s))
     if arrived == 0:
         return True
     done = [r.first_token_s if role == PREFILL else r.finish_s for r in records]
