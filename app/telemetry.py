@@ -34,6 +34,10 @@ LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10
                      60.0, 120.0, 300.0)
 DECISION_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01,
                       0.025, 0.05, 0.1)
+# arrival to placement: tokenizing and the prediction's micro-batch wait on top of the
+# policy, 0.1-50 ms on a loaded replica, seconds when its event loop is starved
+PLACEMENT_BUCKETS_S = (1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 3e-3, 5e-3, 7.5e-3, 0.01, 0.015,
+                       0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 BYTE_BUCKETS = (1e6, 1e7, 1e8, 1e9, 1e10, 1e11)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5, 2.0, 4.0)
@@ -142,6 +146,10 @@ class RouterMetrics:
         self.decision_latency = f.histogram(
             "goodserve_routing_decision_seconds", "Time the policy took to place a request "
             "(the prediction not included)", DECISION_BUCKETS_S, ("policy",))
+        self.placement_latency = f.histogram(
+            "goodserve_routing_arrival_to_placement_seconds", "From the request's arrival "
+            "at the router to its placement: tokenizing, the prediction (micro-batch wait "
+            "included) and the policy", PLACEMENT_BUCKETS_S, ("policy",))
         self.prediction_latency = f.histogram(
             "goodserve_prediction_seconds", "Output-length prediction per request, "
             "micro-batch wait included", DECISION_BUCKETS_S, ())
@@ -212,6 +220,10 @@ class RouterMetrics:
     def routed(self, instance: Tags, decision_s: float) -> None:
         self.decisions.inc(tags={"policy": self.policy, **instance})
         self.decision_latency.observe(decision_s, tags={"policy": self.policy})
+
+    def placed(self, since_arrival_s: float) -> None:
+        """A request was placed `since_arrival_s` after it reached the router."""
+        self.placement_latency.observe(since_arrival_s, tags={"policy": self.policy})
 
     def predicted(self, seconds: float) -> None:
         self.prediction_latency.observe(seconds)

@@ -73,7 +73,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from tqdm import tqdm
 
 from app.config import load_cluster_config
 from app.experiments.replay import ReplaySpec, build_workload, context_limit_of, run_replay
@@ -95,6 +94,7 @@ from benchmarks.matrix_io import (
     ratio,
     read_rows,
 )
+from predictor.progress import progress
 
 if TYPE_CHECKING:
     from app.config import ClusterConfig
@@ -379,11 +379,12 @@ def in_pool(fn: Callable[..., Any], tasks: Sequence[tuple], jobs: int, desc: str
     """fn(*task) per task as each finishes, in `jobs` processes (in this one for 1),
     under a progress bar."""
     if jobs <= 1:
-        yield from (fn(*task) for task in tqdm(tasks, desc=desc, unit=unit))
+        yield from (fn(*task) for task in progress(tasks, desc=desc, unit=unit))
         return
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         futures = [pool.submit(fn, *task) for task in tasks]
-        for future in tqdm(as_completed(futures), total=len(futures), desc=desc, unit=unit):
+        for future in progress(as_completed(futures), total=len(futures), desc=desc,
+                               unit=unit):
             yield future.result()
 
 

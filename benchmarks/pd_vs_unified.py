@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from tqdm import tqdm
 
 from app.config import ClusterConfig, load_cluster_config
 from app.experiments.autoscale import observed
@@ -58,6 +57,7 @@ from benchmarks.goodput_experiments import (
     held_out_prompts,
     train_moe,
 )
+from predictor.progress import Progress
 
 SCALES = (1.0, 1.5, 2.0, 2.5, 3.0)
 UNIFIED = "unified"
@@ -246,7 +246,7 @@ def pd_vs_unified(
     cells: list[dict] = []
     every = every_prefill_pool(inventory(cluster)) if every_split else []
     runs = len(seed_list) * len(scale_list) * (2 + max(0, len(every) - 1))
-    with tqdm(total=runs, desc="simulations") as bar:
+    with Progress(total=runs, desc="simulations") as bar:
         for seed in seed_list:
             routing = RoutingOptions(seed, GoodServeConfig(), lambda: PredictorLength(
                 load_predictor(predictor_dir, "moe")))

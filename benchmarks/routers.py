@@ -22,6 +22,7 @@ Writes under --out: cells.csv (one row per workload, seed, variant and scale) an
 report.md (each variant's met requests over one router's, mean over seeds).
 Usage: python -m benchmarks.routers [--workloads headline,chat-agent] [--seeds 1,2,3]
        [--variants 1,2,4,8,16,4/nothing,4/budgets] [--jobs 2] [--resume] [--spread-ticks]
+       [--reestimate conditional|repredict]
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import typer
 from app.config import load_cluster_config
 from app.experiments.replay import ReplaySpec, run_replay
 from app.routing.fleet import FleetConfig, Sharing, Spread
-from app.routing.goodserve import GoodServeConfig
+from app.routing.goodserve import GoodServeConfig, LengthReestimate
 from app.routing.length import PredictorLength
 from app.routing.registry import PolicyKind, RoutingOptions
 from app.workload import spread_within_ticks
@@ -102,10 +103,13 @@ def unit_label(workload: str, spread_ticks: bool) -> str:
 
 def run_unit(unit: Unit, variants: Sequence[Variant], scales: Sequence[float],
              predictor_dir: Path, test_prompts: Path, calibration: Path,
-             spread_ticks: bool = False) -> list[dict]:
+             spread_ticks: bool = False,
+             reestimate: LengthReestimate = LengthReestimate.CONDITIONAL) -> list[dict]:
     """Every variant at every scale on one workload and seed; with `spread_ticks` the
     Mooncake trace's requests that share a timestamp arrive spread over their tick
-    (`spread_within_ticks`), and the workload is labelled `mooncake/spread`."""
+    (`spread_within_ticks`), and the workload is labelled `mooncake/spread`.
+    `reestimate` is how the watchdog re-estimates the MoE's lengths (the headline's; the
+    agentic units' label-free histories condition on the tokens generated either way)."""
     from predictor.registry import load_predictor
 
     routing = RoutingOptions(unit.seed)
@@ -114,7 +118,8 @@ def run_unit(unit: Unit, variants: Sequence[Variant], scales: Sequence[float],
         from app.workload import load_prompts, load_trace, trace_workload
 
         cluster_name, config = "small", load_cluster_config(CLUSTERS["small"])
-        routing = RoutingOptions(unit.seed, GoodServeConfig(), lambda: PredictorLength(
+        routing = RoutingOptions(unit.seed, GoodServeConfig(reestimate=reestimate),
+                                 lambda: PredictorLength(
             load_predictor(predictor_dir, "moe")))
         work = attach_predictions(trace_workload(
             load_trace(DEFAULT_TRACE), rate=HEADLINE_RATE, duration_s=HEADLINE_DURATION_S,
@@ -146,11 +151,12 @@ def run_unit(unit: Unit, variants: Sequence[Variant], scales: Sequence[float],
     return rows
 
 
-def report(cells: Sequence[dict]) -> str:
+def report(cells: Sequence[dict], reestimate: LengthReestimate) -> str:
     """Per workload and scale: each variant's met over one router's, mean [min, max]
     over seeds."""
     lines = ["# Several router replicas against one (simulator)", "",
-             "Met requests with K replicas / with one router, mean [min, max] over seeds.", ""]
+             "Met requests with K replicas / with one router, mean [min, max] over seeds. "
+             f"The watchdog re-estimates the MoE's lengths by `{reestimate.value}`.", ""]
     variants = sorted({c["variant"] for c in cells if c["variant"] != "1"},
                       key=lambda v: (int(v.split("/")[0]), v))
     lines += ["| workload | seeds | scale | one router met | " + " | ".join(variants) + " |",
@@ -188,6 +194,9 @@ def routers(
     spread_ticks: Annotated[bool, typer.Option(
         "--spread-ticks", help="mooncake: spread each tick's requests (the trace's "
         "timestamps are rounded) up to the next tick instead of one instant")] = False,
+    reestimate: Annotated[LengthReestimate, typer.Option(
+        help="how the watchdog re-estimates the MoE's lengths (headline)")] = (
+        LengthReestimate.CONDITIONAL),
 ) -> int:
     """Run every variant on each unit; write cells.csv and report.md."""
     try:
@@ -218,10 +227,11 @@ def routers(
     units = [Unit(w, s) for w in chosen for s in (seed_list if w == "headline" else agentic_list)
              if (unit_label(w, spread_ticks), s) not in done]
     for rows in in_pool(run_unit, [(u, variant_list, scale_list, split_dir / "predictors",
-                                    test_prompts, calibration, spread_ticks) for u in units],
+                                    test_prompts, calibration, spread_ticks, reestimate)
+                                   for u in units],
                         jobs, "router variants", "unit"):
         append_rows(path, rows, CELL_FIELDS)
-    text = report(read_rows(path, integer=("seed", "met", "requests")))
+    text = report(read_rows(path, integer=("seed", "met", "requests")), reestimate)
     (out / "report.md").write_text(text)
     print(text)
     return 0

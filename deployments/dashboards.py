@@ -130,6 +130,9 @@ ROUTING = Dashboard("goodserve-routing", "GoodServe - routing, prediction, migra
     Panel("Routing decision time", (
         Query(_quantile(0.5, "routing_decision_seconds"), "p50"),
         Query(_quantile(0.99, "routing_decision_seconds"), "p99")), "s"),
+    Panel("Arrival to placement (tokenizing, prediction and policy)", (
+        Query(_quantile(0.5, "routing_arrival_to_placement_seconds"), "p50"),
+        Query(_quantile(0.99, "routing_arrival_to_placement_seconds"), "p99")), "s"),
     Panel("Prediction time per request", (
         Query(_quantile(0.5, "prediction_seconds"), "p50"),
         Query(_quantile(0.99, "prediction_seconds"), "p99")), "s"),

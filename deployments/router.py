@@ -195,15 +195,19 @@ class RouterDeployment:
 
     @http_app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
+        received = time.perf_counter()  # the arrival, before the body is read
         if denied := self._denied(request, Access.USER):
             return denied
-        return _reply(await self.service.complete(await request.body(), chat=False))
+        return _reply(await self.service.complete(await request.body(), chat=False,
+                                                  received_perf_s=received))
 
     @http_app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
+        received = time.perf_counter()  # the arrival, before the body is read
         if denied := self._denied(request, Access.USER):
             return denied
-        return _reply(await self.service.complete(await request.body(), chat=True))
+        return _reply(await self.service.complete(await request.body(), chat=True,
+                                                  received_perf_s=received))
 
     @http_app.get("/v1/models")
     async def models(self, request: Request) -> Response:

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
+
+from predictor.progress import progress
 
 __all__ = ["TrainConfig", "log_length_loss", "train_loop"]
 
@@ -48,7 +49,8 @@ def train_loop(
         list(parameters), lr=config.learning_rate, weight_decay=config.weight_decay
     )
     epoch_losses: list[float] = []
-    bar = tqdm(range(config.epochs), desc=desc, disable=not config.show_progress, leave=False)
+    bar = progress(range(config.epochs), desc=desc, unit="epochs", enabled=config.show_progress,
+                   leave=False, lines=config.epochs)  # on a log: a line per epoch
     for _ in bar:
         order = torch.randperm(num_rows, generator=gen).numpy()
         total = 0.0

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import typer
-from tqdm import tqdm
 
 from app.control.controller import CapacityModel
 from app.experiments.autoscale import (
@@ -30,6 +29,7 @@ from app.experiments.replay import Backend, cli_error
 from app.routing.registry import RoutingOptions
 from app.sessions import SessionPreset
 from app.workload import ContentMode, LoadShape, Workload, load_prompts
+from predictor.progress import Progress
 
 
 def autoscale(
@@ -104,7 +104,7 @@ def autoscale(
         typer.echo(json.dumps(summary, indent=None if as_json else 2))
         return
     routing = RoutingOptions(seed=seed)
-    with tqdm(total=len(names), desc="strategies", disable=as_json) as bar:
+    with Progress(total=len(names), desc="strategies", enabled=not as_json) as bar:
         runs = run_experiment(experiment, profile, workload, names, routing,
                               progress=lambda _: bar.update())
     summary = (write_outputs(out, runs, setup) if out is not None

@@ -571,10 +571,10 @@ def attach_predictions(workload: Workload, length: OutputLengthEstimator) -> Wor
 
 
 def _run_with_progress(spec: ReplaySpec, workload: Workload, show: bool) -> list[RunOutcome]:
-    from tqdm import tqdm
+    from predictor.progress import Progress
 
     total = num_simulations(spec) * len(workload)
-    with tqdm(total=total, unit="req", disable=not show, desc="replay") as bar:
+    with Progress(total=total, unit="req", enabled=show, desc="replay") as bar:
         return run_replay(spec, workload, bar.update)
 
 
@@ -626,12 +626,13 @@ def run_live_with_progress(
     spec: ReplaySpec, workload: Workload, show: bool, predictor_dir: Path | None
 ) -> list[RunOutcome]:
     import ray
-    from tqdm import tqdm
+
+    from predictor.progress import Progress
 
     total = len(spec.policies) * len(spec.slo_scales) * len(workload)
     owns_ray = not ray.is_initialized()  # stop only a Ray this run starts
     try:
-        with tqdm(total=total, unit="req", disable=not show, desc="live replay") as bar:
+        with Progress(total=total, unit="req", enabled=show, desc="live replay") as bar:
             return run_live_replay(spec, workload, predictor_dir, bar.update)
     finally:
         if owns_ray:

@@ -10,7 +10,7 @@ touching an object per instance.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -52,6 +52,7 @@ class ViewArrays:
     ids: tuple[InstanceId, ...]
     table: np.ndarray  # (instances, len(COLUMNS)) float64
     rank: np.ndarray | None = None  # `rank_of(ids)`, when the builder has it
+    positions: Mapping[InstanceId, int] | None = None  # id -> row, when the builder has it
 
     @classmethod
     def of(cls, views: Sequence[InstanceView]) -> ViewArrays:
@@ -69,6 +70,14 @@ class ViewArrays:
     def id_rank(self) -> np.ndarray:
         return self.rank if self.rank is not None else rank_of(self.ids)
 
+    @cached_property
+    def row_of(self) -> Mapping[InstanceId, int]:
+        """id -> row: kept by the builder across snapshots of the same instances, so a
+        lookup does not index every instance again."""
+        if self.positions is not None:
+            return self.positions
+        return {iid: i for i, iid in enumerate(self.ids)}
+
 
 class ViewColumns:
     """Columns kept in step with a substrate's list of views: `set(i, view)` when view
@@ -79,8 +88,9 @@ class ViewColumns:
         self._ids: list[InstanceId] = []
         self._table = np.zeros((0, len(COLUMNS)))
         self._shared = False
-        self._members: tuple[tuple[int, ...] | None, tuple[InstanceId, ...], np.ndarray] | None
-        self._members = None  # (rows key, ids, their rank) of the last arrays
+        self._members: tuple[tuple[int, ...] | None, tuple[InstanceId, ...], np.ndarray,
+                             dict[InstanceId, int]] | None
+        self._members = None  # (rows key, ids, their rank, id -> row) of the last arrays
 
     def set(self, index: int, view: InstanceView) -> None:
         if self._shared:
@@ -99,9 +109,9 @@ class ViewColumns:
         key = None if rows is None else tuple(rows)
         if self._members is None or self._members[0] != key:
             ids = tuple(self._ids) if key is None else tuple(self._ids[i] for i in key)
-            self._members = (key, ids, rank_of(ids))
-        _, ids, rank = self._members
+            self._members = (key, ids, rank_of(ids), {iid: i for i, iid in enumerate(ids)})
+        _, ids, rank, positions = self._members
         if key is None:
             self._shared = True
-            return ViewArrays(ids, self._table, rank)
-        return ViewArrays(ids, self._table[list(key)], rank)
+            return ViewArrays(ids, self._table, rank, positions)
+        return ViewArrays(ids, self._table[list(key)], rank, positions)

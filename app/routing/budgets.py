@@ -21,7 +21,6 @@ cost instead it stops throttling and late requests flood the strongest instance
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -31,12 +30,15 @@ from app.routing.view import InstanceId
 
 
 class SlackBudgets:
-    """instance -> min-heap of admitted requests' slack (longest stall each tolerates),
-    with lazy removal."""
+    """instance -> admitted requests' slack (longest stall each tolerates), with each
+    instance's smallest kept until its budgets change. A dict per instance, not a heap:
+    the watchdog rewrites an instance's budgets every check, and a heap with lazy
+    removal would keep every superseded entry."""
 
     def __init__(self) -> None:
-        self._heaps: dict[InstanceId, list[tuple[float, str]]] = {}
-        self._req_to_slot: dict[str, tuple[InstanceId, float]] = {}
+        self._by_instance: dict[InstanceId, dict[str, float]] = {}  # iid -> rid -> slack
+        self._req_to_instance: dict[str, InstanceId] = {}
+        self._own_min: dict[InstanceId, float] = {}  # smallest slack, while unchanged
         # `shortest_stalls`' last answer, and the instances whose budgets changed since
         self._stalls: tuple[tuple[InstanceId, ...], dict[InstanceId, int], np.ndarray] = (
             (), {}, np.zeros(0))
@@ -45,21 +47,32 @@ class SlackBudgets:
         self._others: dict[InstanceId, float] = {}
 
     def __len__(self) -> int:
-        return len(self._req_to_slot)
+        return len(self._req_to_instance)
 
     def admit(self, instance_id: InstanceId, request_id: str, slack_s: float) -> None:
         """Record (or move, or update) a request; infinite slack constrains nothing."""
         self.remove(request_id)
         if math.isinf(slack_s):
             return
-        self._req_to_slot[request_id] = (instance_id, slack_s)
-        self._changed.add(instance_id)
-        heapq.heappush(self._heaps.setdefault(instance_id, []), (slack_s, request_id))
+        self._req_to_instance[request_id] = instance_id
+        self._by_instance.setdefault(instance_id, {})[request_id] = slack_s
+        self._touched(instance_id)
+
+    def admit_many(self, instance_id: InstanceId, request_ids: Sequence[str],
+                   slacks_s: Sequence[float]) -> None:
+        """`admit` for requests on one instance (the watchdog's refresh of its budgets)."""
+        for request_id, slack_s in zip(request_ids, slacks_s, strict=True):
+            self.admit(instance_id, request_id, float(slack_s))
 
     def remove(self, request_id: str) -> None:
-        slot = self._req_to_slot.pop(request_id, None)
-        if slot is not None:
-            self._changed.add(slot[0])
+        instance_id = self._req_to_instance.pop(request_id, None)
+        if instance_id is not None:
+            del self._by_instance[instance_id][request_id]
+            self._touched(instance_id)
+
+    def _touched(self, instance_id: InstanceId) -> None:
+        self._changed.add(instance_id)
+        self._own_min.pop(instance_id, None)
 
     def shortest_stall_s(self, instance_id: InstanceId) -> float:
         """Smallest slack among requests still on the instance, this router's and, as
@@ -67,18 +80,17 @@ class SlackBudgets:
         return min(self._own_shortest_s(instance_id), self._others.get(instance_id, math.inf))
 
     def _own_shortest_s(self, instance_id: InstanceId) -> float:
-        heap = self._heaps.get(instance_id)
-        while heap:
-            slack_s, rid = heap[0]
-            if self._req_to_slot.get(rid) == (instance_id, slack_s):
-                return slack_s
-            heapq.heappop(heap)
-        return math.inf
+        smallest = self._own_min.get(instance_id)
+        if smallest is None:
+            slacks = self._by_instance.get(instance_id)
+            smallest = self._own_min[instance_id] = min(slacks.values()) if slacks else math.inf
+        return smallest
 
     def own_shortest_stalls(self) -> dict[InstanceId, float]:
         """Per instance, the smallest slack among this router's own requests: what it
         tells the other router replicas."""
-        stalls = {iid: self._own_shortest_s(iid) for iid in list(self._heaps)}
+        stalls = {iid: self._own_shortest_s(iid) for iid, slacks in self._by_instance.items()
+                  if slacks}
         return {iid: stall for iid, stall in stalls.items() if not math.isinf(stall)}
 
     def take_others(self, stalls: Mapping[InstanceId, float]) -> None:

@@ -136,7 +136,7 @@ class Replica:
         if not changed:
             return current
         arrays = current.arrays
-        rows = {iid: i for i, iid in enumerate(arrays.ids) if iid in changed}
+        rows = {iid: arrays.row_of[iid] for iid in changed if iid in arrays.row_of}
         if not rows:
             return current
         views, table = list(current.instances), arrays.table.copy()
@@ -149,7 +149,8 @@ class Replica:
             table[i, RUNNING], table[i, WAITING] = running, waiting
         return ClusterView(current.time_s, tuple(views), current.prefix_lookup,
                            current.kv_capacity_floor_tokens,
-                           ViewArrays(arrays.ids, table, arrays.rank), current.prefix_directory)
+                           ViewArrays(arrays.ids, table, arrays.rank, arrays.positions),
+                           current.prefix_directory)
 
 
 class RouterFleet(RoutingPolicy):

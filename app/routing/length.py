@@ -70,6 +70,14 @@ class OutputLengthEstimator(StepListener, ABC):
         """Batched `predict_total` (the watchdog re-predicts a whole instance at once)."""
         return [self.predict_total(r, n) for r, n in zip(requests, num_generated, strict=True)]
 
+    def conditional_totals(
+        self, requests: Sequence[RouteRequest], num_generated: Sequence[int]
+    ) -> list[float]:
+        """Totals re-estimated without a new prediction: the arrival estimate's
+        distribution, given each request has already produced `num_generated` tokens.
+        Estimators whose prediction is already that (history, exact) predict again."""
+        return self.predict_totals(requests, num_generated)
+
     def on_progress(self, req_to_num_generated: Mapping[str, int]) -> None:
         """How far running requests have got (the watchdog reports at each check)."""
 
@@ -207,6 +215,39 @@ class PredictorLength(OutputLengthEstimator):
             for r, n in zip(requests, num_generated, strict=True)
         ]
         return [float(x) for x in self.predictor.predict(items)]
+
+    def conditional_totals(
+        self, requests: Sequence[RouteRequest], num_generated: Sequence[int]
+    ) -> list[float]:
+        """The arrival prediction p times the median of the recent true/predicted
+        ratios above n / p: the total given the request outlived n tokens, with no
+        second call to the predictor. Uncalibrated, the arrival prediction (at least
+        n + 1); outliving every ratio seen, n + 1 (about to end, as the history says).
+        A request with no arrival prediction attached is predicted again. A bisection
+        per request on the sorted window: the window changes at every finish, so an
+        array of it would be rebuilt at nearly every check."""
+        ratios = self._ratios.sorted
+        calibrated = len(ratios) >= MIN_CALIBRATION_SAMPLES
+        totals: list[float] = []
+        missing: list[int] = []
+        for i, (request, n) in enumerate(zip(requests, num_generated, strict=True)):
+            arrival = request.predicted_output_tokens
+            if arrival is None:
+                missing.append(i)
+                totals.append(0.0)
+            elif not calibrated:
+                totals.append(float(max(arrival, n + 1)))
+            else:
+                start = bisect.bisect_right(ratios, n / arrival)
+                above = len(ratios) - start
+                totals.append(max(arrival * ratios[start + above // 2], n + 1.0) if above
+                              else n + 1.0)
+        if missing:
+            again = self.predict_totals([requests[i] for i in missing],
+                                        [num_generated[i] for i in missing])
+            for i, total in zip(missing, again, strict=True):
+                totals[i] = total
+        return totals
 
     def on_finish(self, report: FinishReport, now: float) -> None:
         self.predictor.observe(report.num_output_tokens, report.request.task)

@@ -169,6 +169,8 @@ class ClusterView:
         return ViewArrays.of(self.instances)
 
     def get(self, instance_id: InstanceId) -> InstanceView:
+        if self.columns is not None:  # the substrate's id -> row, not a dict per snapshot
+            return self.instances[self.columns.row_of[instance_id]]
         return self.by_id[instance_id]
 
     def prefix_hit_tokens(self, instance_id: InstanceId, request: RouteRequest) -> int:

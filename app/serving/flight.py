@@ -50,6 +50,10 @@ class GenerationRequest:
     task: str | None = None
     streamed: bool = False  # the client sees tokens as they come (a rerun must match them)
     session_id: str | None = None  # the agent session (conversation) it continues
+    # time.perf_counter() when it reached the router (arrival_s is on the router's clock,
+    # wall time, which can step): where arrival-to-placement is measured from; None: at
+    # `LiveRouter.submit`
+    received_perf_s: float | None = None
 
 
 class OutputHook(Protocol):

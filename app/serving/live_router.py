@@ -230,6 +230,8 @@ class LiveRouter:
 
         `text` is the client's view of the output (stop strings and stop token ids end it
         where it says); without one only the engine ends it."""
+        received = (time.perf_counter() if request.received_perf_s is None
+                    else request.received_perf_s)
         if request.request_id in self.flights:
             raise ValueError(f"duplicate request id {request.request_id}")
         route = RouteRequest(
@@ -257,7 +259,9 @@ class LiveRouter:
             self.metrics.rejected(exc.code)
             raise
         self._report_arrival(route, prefill or target)
-        self.metrics.routed(self.instances[target].tags, time.perf_counter() - started)
+        placed = time.perf_counter()
+        self.metrics.routed(self.instances[target].tags, placed - started)
+        self.metrics.placed(placed - received)
         flight = Flight.routed(request, route, target, prefill, self.disaggregated, text)
         for iid in {prefill or target, target}:
             self.instances[iid].remember_prefix(route.block_hashes)

@@ -88,7 +88,7 @@ def make_predict(predictor: Predictor | None) -> tuple[Predict | None, Callable[
     from predictor.batching import PredictionBatcher, use_one_inference_thread
 
     use_one_inference_thread()
-    batcher = PredictionBatcher(predictor).start()
+    batcher = PredictionBatcher(predictor)
 
     async def predict(route: RouteRequest) -> float:
         return await batcher.predict_async(PredictionInput(route.prompt or "", task=route.task))
@@ -253,8 +253,12 @@ class CompletionService:
         return JsonReply(denied.status_code, error_body(denied.message, denied.error_type),
                          denied.headers)
 
-    async def complete(self, raw: bytes, chat: bool) -> JsonReply | AsyncIterator[str]:
-        """A full JSON reply, or the SSE lines of a streamed one."""
+    async def complete(self, raw: bytes, chat: bool, received_perf_s: float | None = None
+                       ) -> JsonReply | AsyncIterator[str]:
+        """A full JSON reply, or the SSE lines of a streamed one. `received_perf_s`: the
+        request's arrival (`time.perf_counter()`; default now), where its
+        arrival-to-placement time starts, so parsing and tokenizing count in it."""
+        received = time.perf_counter() if received_perf_s is None else received_perf_s
         try:
             await self.start()
             if self.closing:
@@ -262,7 +266,7 @@ class CompletionService:
                                "service_unavailable")
             self.check_size(len(raw))
             body = parse_body(raw, ChatCompletionRequest if chat else CompletionRequest)
-            request_id, requests = self._generation_requests(body, chat)
+            request_id, requests = self._generation_requests(body, chat, received)
             readers = self._tool_readers(body, requests, chat)
             flights = await self._submit_all(requests, body, readers)
         except ApiError as exc:
@@ -325,7 +329,8 @@ class CompletionService:
         return JsonReply(200, {"request_id": request_id, "target": moved, "moving": True})
 
     # ---- helpers -----------------------------------------------------------------------
-    def _generation_requests(self, body: Any, chat: bool) -> tuple[str, list[GenerationRequest]]:
+    def _generation_requests(self, body: Any, chat: bool,
+                             received_perf_s: float) -> tuple[str, list[GenerationRequest]]:
         """The response id and one request per choice (`n`); choice i of response
         `cmpl-<id>` is request `<id>` when n = 1, else `<id>.<i>` (its seed, when
         given, seed + i, as vLLM's)."""
@@ -387,6 +392,7 @@ class CompletionService:
                 task=body.task,
                 streamed=body.stream,
                 session_id=body.session_id,
+                received_perf_s=received_perf_s,
             ))
         return request_id, requests
 

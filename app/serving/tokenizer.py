@@ -5,14 +5,18 @@ ids), so it tokenizes prompts itself and detokenizes what engines stream back.
 - `HfTokenizer`: the served model's own tokenizer, from its local directory.
 - `WordHashTokenizer`: for clusters of simulated engines, which generate no
   language: whitespace words map to stable ids, ids decode to `<id>` words.
+`OutputText` turns an output's ids into the text a client sees, decoding each new
+token once (`IncrementalDecoder`) rather than the whole output per streamed chunk.
 """
 
 from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from bisect import bisect_right
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from app.serving.api import ChatMessage, render_chat
@@ -43,6 +47,11 @@ class Tokenizer(ABC):
         """One token's text on its own (as logprobs show it, like vLLM)."""
         return self.decode([token_id])
 
+    def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
+        """A decoder for an output that grows a few tokens at a time, which decodes each
+        step's new ids rather than all of them again."""
+        return IncrementalDecoder(partial(self.decode, skip_special_tokens=skip_special_tokens))
+
 
 class HfTokenizer(Tokenizer):
     """A Hugging Face tokenizer loaded from a local directory (never the hub)."""
@@ -64,6 +73,15 @@ class HfTokenizer(Tokenizer):
 
     def token_text(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id])  # special tokens by name, as vLLM's
+
+    def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
+        """Steps decode with the Rust `tokenizers` backend itself: transformers' decode is
+        the backend's plus a few microseconds a call (and a clean-up of spaces it skips
+        for BPE models, which served LLMs are)."""
+        backend = getattr(self._tokenizer, "backend_tokenizer", None)
+        if backend is None:  # a Python ("slow") tokenizer
+            return super().incremental_decoder(skip_special_tokens)
+        return IncrementalDecoder(partial(backend.decode, skip_special_tokens=skip_special_tokens))
 
     def render_chat(self, messages: Sequence[ChatMessage],
                     tools: Sequence[dict[str, Any]] | None = None) -> str:
@@ -95,6 +113,86 @@ class WordHashTokenizer(Tokenizer):
         return "".join(f" <{t}>" for t in token_ids)
 
 
+class _AppendOnlyText:
+    """Text that only grows, kept in pieces: reading its last characters costs their
+    number, not the whole text's (a stream reads a few per token)."""
+
+    def __init__(self) -> None:
+        self._pieces: list[str] = []
+        self._starts: list[int] = []  # where each piece starts in the text
+        self.length = 0
+
+    def append(self, piece: str) -> None:
+        if piece:
+            self._pieces.append(piece)
+            self._starts.append(self.length)
+            self.length += len(piece)
+
+    def since(self, start: int) -> str:
+        """The text from character `start` on."""
+        if not self._pieces:
+            return ""
+        first = bisect_right(self._starts, start) - 1
+        return "".join(self._pieces[first:])[start - self._starts[first]:]
+
+
+class IncrementalDecoder:
+    """The text of a growing list of token ids, decoding per step only the ids whose text
+    is not confirmed yet and the ids confirmed just before them (vLLM's prefix and read
+    offsets): decoding all the ids at every step costs quadratic time in their number.
+
+    The text is what `decode` gives for all the ids, trailing U+FFFD included, when
+    `decode` is local: where the text of some ids ends in a whole character, the ids after
+    them decode (behind the few before, which give SentencePiece its leading space) to the
+    rest of the text. Byte-level BPE, SentencePiece and one-word-per-id decoders are.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self._decode = decode
+        self._confirmed = _AppendOnlyText()  # the text through the last whole character
+        self._window: list[int] = []  # the ids decoded at each step
+        self._num_context = 0  # the window's first ids: confirmed, decoded for context
+        self._context_text = ""  # what those ids decode to on their own
+        self._pending = ""  # the other ids' text: empty or ending in U+FFFD
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        """Decode more ids."""
+        self._window.extend(token_ids)
+        new_text = self._decode(self._window)[len(self._context_text):]
+        if not new_text or new_text.endswith(REPLACEMENT_CHAR):  # the next id may complete it
+            self._pending = new_text
+            return
+        self._confirmed.append(new_text)
+        self._pending = ""
+        self._window = self._window[self._num_context:]
+        self._num_context = len(self._window)
+        self._context_text = self._decode(self._window)
+
+    @property
+    def length(self) -> int:
+        return self._confirmed.length + len(self._pending)
+
+    @property
+    def whole_length(self) -> int:
+        """The length short of trailing U+FFFD: a character the next id may complete (the
+        confirmed text never ends in one)."""
+        return self._confirmed.length + len(self._pending.rstrip(REPLACEMENT_CHAR))
+
+    @property
+    def confirmed_length(self) -> int:
+        """The length of the text no later id changes."""
+        return self._confirmed.length
+
+    def since(self, start: int, end: int | None = None) -> str:
+        """The text from character `start` (to `end`)."""
+        confirmed = self._confirmed.length
+        if start >= confirmed:
+            tail = self._pending[start - confirmed:]
+        else:
+            tail = self._confirmed.since(start) + self._pending
+        return tail if end is None else tail[:end - start]
+
+
 @dataclass(frozen=True)
 class StopHit:
     """Where a stop condition ended the output within a batch of new tokens."""
@@ -115,6 +213,9 @@ class OutputText:
     `len(longest stop) - 1` characters (they may begin a stop) and a trailing incomplete
     UTF-8 character until the token that completes it arrives. Special tokens are left
     out of the text unless not `skip_special_tokens`.
+
+    The text is decoded incrementally (`Tokenizer.incremental_decoder`) and every search
+    and delta reads only its end, so a chunk costs the same however long the output is.
     """
 
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (),
@@ -126,28 +227,25 @@ class OutputText:
         self.stop_token_ids = frozenset(stop_token_ids)
         self.include_stop = include_stop
         self.min_tokens = min_tokens
+        self._longest_stop = max(map(len, self.stop), default=0)
         self.reset()
 
     def reset(self) -> None:
         """Forget the output (the request starts over)."""
         self.token_ids: list[int] = []
         self.stop_reason: str | int | None = None
-        self._text: str | None = ""  # decoded token_ids (None: not decoded since a change)
-        self._sent = ""  # text streamed so far
+        self._decoded = self.tokenizer.incremental_decoder(self.skip_special_tokens)
+        self._cut: str | None = None  # the text a stop string ended
+        self._num_sent = 0  # characters streamed so far
 
     @property
     def text(self) -> str:
         """The output text so far (final once a stop ended it). As in vLLM, trailing
         U+FFFD are held back: an incomplete UTF-8 character the next token may complete,
         and never shown when it ends the output."""
-        if self._text is None:
-            self._text = self._decode(self.token_ids)
-        if isinstance(self.stop_reason, str):  # the text before a stop string is whole
-            return self._text
-        return self._text.rstrip(REPLACEMENT_CHAR)
-
-    def _decode(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(token_ids, self.skip_special_tokens)
+        if self._cut is not None:  # the text before a stop string is whole
+            return self._cut
+        return self._decoded.since(0, self._decoded.whole_length)
 
     def observe(self, token_ids: Sequence[int]) -> StopHit | None:
         """Take new output tokens; the hit when a stop ends the output among them."""
@@ -161,57 +259,72 @@ class OutputText:
             batch = batch[:token_stop + 1]
         # the stop token's own text is left out before stop strings are looked for
         shown = batch[:-1] if token_stop is not None and not self.include_stop else batch
-        shown_text = None  # the output through `shown`, once decoded
         if self.stop and len(shown) > eligible:
-            shown_text = self._decode(self.token_ids + shown)
-            found = self._stop_string_in(shown, eligible, shown_text)
+            found = self._decode_to_stop_string(shown, eligible)
             if found is not None:
-                num_tokens, text, reason = found
-                self._end(batch[:num_tokens], text, reason)
-                return StopHit(num_tokens, reason)
-        if shown_text is None and token_stop is not None:
-            shown_text = self._decode(self.token_ids + shown)
-        if token_stop is not None:
-            self._end(batch, shown_text, batch[-1])
-            return StopHit(len(batch), batch[-1])
+                num_tokens, self._cut, self.stop_reason = found
+                self.token_ids.extend(batch[:num_tokens])
+                return StopHit(num_tokens, self.stop_reason)
+        else:
+            self._decoded.extend(shown)
         self.token_ids.extend(batch)
-        self._text = shown_text  # shown is the whole batch here; None: decoded when read
+        if token_stop is None:
+            return None
+        self.stop_reason = batch[-1]
+        return StopHit(len(batch), batch[-1])
+
+    def _decode_to_stop_string(self, batch: list[int],
+                               eligible: int) -> tuple[int, str, str] | None:
+        """Decode the batch token by token: (tokens through the one completing the
+        earliest stop string, the text cut there, the stop string), or None when no stop
+        string ends in this batch at or after its token `eligible`.
+
+        A stop string counts only if the batch's whole text has one as well (text ending
+        in U+FFFD may still change). After the first token, a search starts at the first
+        character the token can have changed, less the longest stop: the earlier ones
+        were searched already.
+        """
+        decoded = self._decoded
+        if eligible:
+            decoded.extend(batch[:eligible])
+            before = decoded.length
+        else:
+            before = decoded.whole_length
+        start = max(before - self._longest_stop + 1, 0)
+        search_from, found = start, None
+        for k in range(eligible + 1, len(batch) + 1):  # the token that completes it
+            decoded.extend(batch[k - 1:k])
+            if found is not None:
+                continue
+            hit = self._earliest_stop(search_from)
+            if hit is not None:
+                position, stop = hit
+                end = position + len(stop) if self.include_stop else position
+                found = k, decoded.since(0, end), stop
+            search_from = max(search_from, decoded.confirmed_length - self._longest_stop + 1)
+        if found is None or found[0] == len(batch) or self._earliest_stop(start) is not None:
+            return found
         return None
 
-    def _end(self, kept: list[int], text: str, reason: str | int) -> None:
-        self.token_ids.extend(kept)
-        self._text = text
-        self.stop_reason = reason
-
-    def _stop_string_in(self, batch: list[int], eligible: int,
-                        whole: str) -> tuple[int, str, str] | None:
-        """(tokens through the one completing the earliest stop string, the text cut
-        there, the stop string), or None when no stop string ends in this batch at or
-        after its token `eligible`; `whole` is the output decoded through the batch."""
-        before = self._decode(self.token_ids + batch[:eligible]) if eligible else self.text
-        start = max(len(before) - max(map(len, self.stop)) + 1, 0)
-        if self._earliest_stop(whole, start) is None:
-            return None
-        for k in range(eligible + 1, len(batch) + 1):  # the token that completes it
-            text = self._decode(self.token_ids + batch[:k])
-            found = self._earliest_stop(text, start)
-            if found is not None:
-                position, stop = found
-                end = position + len(stop) if self.include_stop else position
-                return k, text[:end], stop
-        raise AssertionError("a stop string found in the whole batch is in some prefix")
-
-    def _earliest_stop(self, text: str, start: int) -> tuple[int, str] | None:
-        hits = [(pos, stop) for stop in self.stop if (pos := text.find(stop, start)) >= 0]
+    def _earliest_stop(self, start: int) -> tuple[int, str] | None:
+        """(position, stop string) of the earliest stop string in the text from `start`."""
+        text = self._decoded.since(start)
+        hits = [(start + pos, stop) for stop in self.stop if (pos := text.find(stop)) >= 0]
         return min(hits, default=None)
 
     def delta(self, final: bool = False) -> str:
-        """The text not streamed yet (all of it when `final` or stopped)."""
-        text = self.text
-        if not final and self.stop_reason is None and self.stop and not self.include_stop:
-            text = text[:max(len(text) - max(map(len, self.stop)) + 1, len(self._sent))]
-        if not text.startswith(self._sent):  # a merge rewrote earlier text: resend nothing
+        """The text not streamed yet (all of it when `final` or stopped).
+
+        Streamed text is never rewritten (a later token only adds to the text), except
+        by a stop string's cut, which can fall before the end of what was streamed with
+        `include_stop` or `min_tokens`: then nothing more is sent."""
+        length = len(self._cut) if self._cut is not None else self._decoded.whole_length
+        if length < self._num_sent:
             return ""
-        delta = text[len(self._sent):]
-        self._sent = text
-        return delta
+        end = length
+        if not final and self.stop_reason is None and self.stop and not self.include_stop:
+            end = max(length - self._longest_stop + 1, self._num_sent)
+        start, self._num_sent = self._num_sent, end
+        if self._cut is not None:
+            return self._cut[start:end]
+        return self._decoded.since(start, end)

@@ -189,6 +189,7 @@ def test_served_traffic_moves_the_series_prometheus_scrapes(observed):
     for series in ("ray_goodserve_requests_total",
                    "ray_goodserve_instance_decode_seconds_per_token",
                    "ray_goodserve_kv_transfer_seconds_bucket",
+                   "ray_goodserve_routing_arrival_to_placement_seconds_bucket",
                    "ray_goodserve_pool_target_engines", "ray_serve_"):
         assert series in text, series
     # the controller's view: a target and held engines per pool, a binding constraint

@@ -17,6 +17,7 @@ from app.routing.goodserve import (
     GoodServeConfig,
     JustEnoughPolicy,
     JustEnoughVariant,
+    LengthReestimate,
     RecentAdmissions,
     SloWatchdog,
     capability_s_per_token,
@@ -211,6 +212,61 @@ def test_a_trained_predictors_confident_length_comes_from_its_finished_errors():
     assert length.confident_output(request, 0.9) == pytest.approx(100 * 2.28)
     assert length.confident_output(request, 0.5) == pytest.approx(100 * 1.48)
     assert length.confident_output(replace(request, num_generated_tokens=5), 0.9) is None
+
+
+class CountingLength(PredictorLength):
+    """A trained predictor saying 100 tokens, counting its calls."""
+
+    def __init__(self) -> None:
+        super().__init__(fixed_length_predictor(100))
+        self.num_predictions = 0
+
+    def predict_totals(self, requests, num_generated):
+        self.num_predictions += 1
+        return super().predict_totals(requests, num_generated)
+
+
+def calibrated(length: PredictorLength) -> PredictorLength:
+    """Finished at 0.5, 0.52, ..., 2.48 x their arrival prediction of 100 tokens."""
+    request = replace(make_request(10.0, out=100), predicted_output_tokens=100)
+    for n in range(50, 250, 2):
+        length.on_finish(FinishReport(request, "A40", n, 0.1, 1.0), 1.0)
+    return length
+
+
+def test_conditional_totals_condition_the_arrival_spread_on_the_tokens_generated():
+    """The total given n tokens out: p x the median ratio above n / p, no new call."""
+    length = CountingLength()
+    request = replace(make_request(10.0, out=100), predicted_output_tokens=100)
+    # before 100 finishes the spread is unknown: the arrival prediction, at least n + 1
+    assert length.conditional_totals([request] * 2, [0, 140]) == [100, 141]
+    calibrated(length)
+    totals = length.conditional_totals([request] * 4, [0, 150, 247, 300])
+    assert totals == pytest.approx([150, 200, 248, 301])  # medians of 0.5-2.48, 1.52-2.48
+    assert length.num_predictions == 0
+    unpredicted = replace(make_request(10.0, out=100), predicted_output_tokens=None)
+    assert length.conditional_totals([unpredicted], [30]) == length.predict_totals(
+        [unpredicted], [30])
+    assert length.num_predictions == 2  # predicted again, as asked just above
+
+
+@pytest.mark.parametrize("reestimate, deadline_s, calls", [
+    (LengthReestimate.CONDITIONAL, 17.0, 0), (LengthReestimate.REPREDICT, 17.0, 1),
+    (LengthReestimate.AT_RISK, 17.0, 0), (LengthReestimate.AT_RISK, 5.0, 1)])
+def test_watchdog_reestimates_without_the_predictor_unless_told_to(reestimate, deadline_s,
+                                                                    calls):
+    """At t=4 on an A40 (0.04 s a token) the conditional totals (150, 200 tokens) leave
+    time to spare by 17 s and are late by 5 s: at-risk predicts again only then."""
+    status = StatusEstimator(alpha=1.0)
+    set_speed(status, "A40", 0.04)
+    length = calibrated(CountingLength())
+    dog = SloWatchdog(status, length, GoodServeConfig(reestimate=reestimate))
+    request = replace(make_request(deadline_s, prompt=500, out=400),
+                      predicted_output_tokens=100)
+    items = [ActiveRequest(replace(request, request_id=f"r{n}"), "A40", n, True)
+             for n in (10, 120)]
+    dog.check("A40", items, make_cluster(make_view("A40")), 4.0)
+    assert length.num_predictions == calls
 
 
 def confident_policy(quantile: float, fast_while_cold: bool = True) -> JustEnoughPolicy:

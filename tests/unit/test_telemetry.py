@@ -6,20 +6,25 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 
 import pytest
 
+from app.config import ClusterConfig, EngineConfig, InstanceGroup
 from app.control.controller import ControlStep
 from app.control.observe import IntervalStats
 from app.control.plan import EngineRecord, EngineState, PlanDiff
 from app.planning.inventory import PoolTargets, Stock
 from app.planning.split import EngineKind
 from app.routing.registry import build_routing
+from app.routing.view import RouteRequest
+from app.serving.config import ServeConfig
 from app.serving.live_router import EngineLost, LiveRouter, RequestRejected
+from app.serving.service import CompletionService
 from app.telemetry import ControllerMetrics, MigrationReason, Outcome, RouterMetrics
 from deployments.dashboards import DASHBOARDS, GRAFANA_DIR, all_queries, dashboard_json
 from tests.unit.metrics_utils import RecordingFactory
-from tests.unit.test_live_router import ScriptedEngine, drain, request
+from tests.unit.test_live_router import ScriptedEngine, body, drain, request
 
 pytestmark = pytest.mark.unit
 
@@ -101,6 +106,47 @@ async def test_the_live_router_counts_outcomes_rejections_moves_and_instance_sta
     await asyncio.sleep(0.01)
     assert requests.get(outcome="cancelled", reason="") == [1.0]
     router.close()
+
+
+SLOW_PREDICTION_S = 0.05
+
+
+async def slow_predict(route: RouteRequest) -> float:
+    """A predictor whose micro-batch wait is long next to any policy's time."""
+    await asyncio.sleep(SLOW_PREDICTION_S)
+    return 20.0
+
+
+async def test_arrival_to_placement_includes_the_prediction_wait_and_the_policy():
+    factory = RecordingFactory()
+    router = LiveRouter([ScriptedEngine("a", "A40")], build_routing("goodserve"),
+                        predict=slow_predict, poll_interval_s=3600,
+                        metrics=RouterMetrics(factory, "goodserve"))
+    await router.start()
+    await drain(router, await router.submit(request("r", slo_s=60.0)))
+    [policy_s] = factory["goodserve_routing_decision_seconds"].get(policy="goodserve")
+    [placed_s] = factory["goodserve_routing_arrival_to_placement_seconds"].get(
+        policy="goodserve")
+    assert placed_s >= SLOW_PREDICTION_S + policy_s
+    router.close()
+
+
+async def test_arrival_to_placement_starts_when_the_replica_received_the_request():
+    """The service passes the arrival it is given (the deployment's, before the body is
+    read) to the router, so time spent before `complete` counts too."""
+    factory = RecordingFactory()
+    cluster = ClusterConfig(groups=[InstanceGroup(engine=EngineConfig(gpu_type="A40"))])
+    service = CompletionService(ServeConfig(cluster=cluster), [ScriptedEngine("a", "A40")],
+                                metrics=factory)
+    service.router.predict = slow_predict
+    received = time.perf_counter()
+    await asyncio.sleep(0.02)  # the body on its way
+    reply = await service.complete(body(), chat=False, received_perf_s=received)
+    assert reply.status_code == 200
+    [placed_s] = factory["goodserve_routing_arrival_to_placement_seconds"].get(
+        policy="goodserve")
+    assert placed_s >= 0.02 + SLOW_PREDICTION_S
+    service.close()
 
 
 def kind(gpu: str) -> EngineKind:

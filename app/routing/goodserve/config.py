@@ -44,6 +44,14 @@ def stall_factor_label(stall_factor: float | None) -> str:
             f"{DEFAULT_STALL_FACTOR:g} with exact or label-free lengths")
 
 
+class LengthReestimate(StrEnum):
+    """How the watchdog re-estimates a running request's total length."""
+
+    CONDITIONAL = "conditional"  # the arrival estimate given the tokens generated so far
+    REPREDICT = "repredict"  # the length estimator again (a trained predictor: its model)
+    AT_RISK = "at-risk"  # conditional, and the estimator again for the requests it calls late
+
+
 class GoodServeConfig(Frozen):
     """Placement (just-enough) and watchdog knobs, shared by the router and the watchdog."""
 
@@ -117,6 +125,13 @@ class GoodServeConfig(Frozen):
     budget_refresh_iterations: int = Field(
         10, ge=1, description="admitted requests' budgets are refreshed this often "
         "(iterations of their instance); moves stay every tau")
+    reestimate: LengthReestimate = Field(
+        LengthReestimate.CONDITIONAL, description="how the watchdog re-estimates running "
+        "requests' lengths: conditional (the arrival estimate's spread given the tokens "
+        "already generated: no second predictor call), repredict (the predictor again, "
+        "with the tokens generated as a feature) or at-risk (conditional, and the "
+        "predictor again, in one call, for the requests the conditional estimate calls "
+        "late)")
     max_migrations_per_request: int = Field(
         1, ge=0, description="moves a request may make; 0 = no migration")
     migration_margin: float = Field(

@@ -7,13 +7,15 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
+import numpy as np
+
 from app.routing.base import ActiveRequest, Watchdog
 from app.routing.budgets import SlackBudgets
 from app.routing.goodserve.admissions import RecentAdmissions
-from app.routing.goodserve.config import GoodServeConfig
+from app.routing.goodserve.config import GoodServeConfig, LengthReestimate
 from app.routing.goodserve.latency import Candidate, capability_s_per_token
 from app.routing.goodserve.placer import JustEnoughPlacer
-from app.routing.length import OutputLengthEstimator, bounded_output
+from app.routing.length import OutputLengthEstimator
 from app.routing.status import InstanceEstimate, StatusEstimator
 from app.routing.view import ClusterView, FinishReport, InstanceId, InstanceView, RouteRequest
 
@@ -23,8 +25,10 @@ class SloWatchdog(Watchdog):
     requests; every tau iterations also migrate those that would miss their deadline.
 
     Expected finish of an active request = now + (queue delay if still waiting) +
-    re-predicted remaining tokens x d_g of its instance. A request on track gets its
-    budget (slack) recomputed from its progress and re-predicted length (a budget
+    re-estimated remaining tokens x d_g of its instance (`reestimate`: the arrival
+    estimate given the tokens generated, or the predictor again), all of an instance's
+    requests in one numpy pass. A request on track gets its
+    budget (slack) recomputed from its progress and re-estimated length (a budget
     fixed at admission forgets the slack a request gains by running ahead). One that
     would miss moves to the just-enough choice among *stronger* instances whose
     estimate (re-prefill of prompt + generated ids, then the remaining decode) still
@@ -76,11 +80,6 @@ class SloWatchdog(Watchdog):
         self._move_epochs[source.instance_id] = epoch
         return True
 
-    def time_left_s(self, active: ActiveRequest, estimate: InstanceEstimate, now: float) -> float:
-        """Time until the deadline, less the queue delay still ahead of a waiting request."""
-        waiting = 0.0 if active.is_running else estimate.queue_delay_s
-        return active.request.deadline_s - now - waiting
-
     def check(
         self,
         instance_id: InstanceId,
@@ -96,25 +95,38 @@ class SloWatchdog(Watchdog):
         if not watched:
             return moves
         estimate = self.status.estimate(source, now, joining=0)
-        self.length.on_progress({a.request.request_id: a.num_generated_tokens for a in watched})
-        totals = self.length.predict_totals(
-            [a.request for a in watched], [a.num_generated_tokens for a in watched]
-        )
-        for item, predicted in zip(watched, totals, strict=True):
-            total = bounded_output(item.request, predicted)
-            rid = item.request.request_id
-            remaining = max(total - item.num_generated_tokens, 1.0)
-            time_left = self.time_left_s(item, estimate, now)
-            late_s = remaining * estimate.decode_s_per_token - time_left
-            if late_s <= 0:  # on track: what it can afford now is its budget
-                self.budgets.admit(instance_id, rid, -late_s)
-                continue
+        generated = [a.num_generated_tokens for a in watched]
+        self.length.on_progress({a.request.request_id: n for a, n in zip(watched, generated,
+                                                                          strict=True)})
+        requests = [a.request for a in watched]
+        mode = self.config.reestimate
+        if mode == LengthReestimate.REPREDICT:
+            predicted = self.length.predict_totals(requests, generated)
+        else:
+            predicted = self.length.conditional_totals(requests, generated)
+        totals, late_s, time_left_s = self._lateness(watched, generated, predicted, estimate,
+                                                     now)
+        if mode == LengthReestimate.AT_RISK and (late_s > 0).any():
+            risky = np.flatnonzero(late_s > 0)
+            again = self.length.predict_totals([requests[i] for i in risky],
+                                               [generated[i] for i in risky])
+            predicted = np.asarray(predicted, dtype=np.float64)
+            predicted[risky] = again
+            totals, late_s, time_left_s = self._lateness(watched, generated, predicted,
+                                                         estimate, now)
+        on_track = late_s <= 0  # what it can afford now is its budget
+        self.budgets.admit_many(instance_id, [requests[i].request_id
+                                              for i in np.flatnonzero(on_track)],
+                                (-late_s[on_track]).tolist())
+        for index in np.flatnonzero(~on_track):
+            item, rid = watched[index], requests[index].request_id
             target = None
-            if may_move and late_s > self.config.migration_margin * max(time_left, 0.0):
+            if may_move and late_s[index] > self.config.migration_margin * max(
+                    time_left_s[index], 0.0):
                 if stronger is None:
                     stronger = stronger_than(source, view)
                 if stronger:
-                    target = self._target(item, total, stronger, view, now)
+                    target = self._target(item, float(totals[index]), stronger, view, now)
             if target is None:  # it stays, unprotected
                 self.budgets.remove(rid)
                 continue
@@ -122,6 +134,22 @@ class SloWatchdog(Watchdog):
             moves[rid] = target.instance_id
             self.req_to_num_migrations[rid] = self.req_to_num_migrations.get(rid, 0) + 1
         return moves
+
+    @staticmethod
+    def _lateness(watched: Sequence[ActiveRequest], generated: Sequence[int],
+                  predicted: Sequence[float], estimate: InstanceEstimate, now: float
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(bounded totals, expected lateness, time left) of an instance's requests in
+        one pass: remaining tokens x d_g past the deadline less the queue delay still
+        ahead of those waiting."""
+        caps = np.array([math.inf if a.request.max_output_tokens is None
+                         else float(a.request.max_output_tokens) for a in watched])
+        totals = np.minimum(np.asarray(predicted, dtype=np.float64), caps)
+        remaining = np.maximum(totals - np.asarray(generated, dtype=np.float64), 1.0)
+        deadlines = np.array([a.request.deadline_s for a in watched])
+        waiting = np.array([0.0 if a.is_running else estimate.queue_delay_s for a in watched])
+        time_left = deadlines - now - waiting
+        return totals, remaining * estimate.decode_s_per_token - time_left, time_left
 
     def on_finish(self, report: FinishReport, now: float) -> None:
         self.req_to_num_migrations.pop(report.request.request_id, None)
