@@ -34,8 +34,9 @@ LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10
                      60.0, 120.0, 300.0)
 DECISION_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01,
                       0.025, 0.05, 0.1)
-# arrival to placement: tokenizing and the prediction's micro-batch wait on top of the
-# policy, 0.1-50 ms on a loaded replica, seconds when its event loop is starved
+# arrival to placement (tokenizing and the prediction's micro-batch wait on top of the
+# policy) and the prediction alone: 0.1-50 ms on a loaded replica, seconds when its event
+# loop is starved
 PLACEMENT_BUCKETS_S = (1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 3e-3, 5e-3, 7.5e-3, 0.01, 0.015,
                        0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 BYTE_BUCKETS = (1e6, 1e7, 1e8, 1e9, 1e10, 1e11)
@@ -152,7 +153,7 @@ class RouterMetrics:
             "included) and the policy", PLACEMENT_BUCKETS_S, ("policy",))
         self.prediction_latency = f.histogram(
             "goodserve_prediction_seconds", "Output-length prediction per request, "
-            "micro-batch wait included", DECISION_BUCKETS_S, ())
+            "micro-batch wait included", PLACEMENT_BUCKETS_S, ())
         self.length_error = f.histogram(
             "goodserve_output_length_error_tokens", "|predicted - actual| output length of "
             "finished requests, by direction (over / under)", TOKEN_BUCKETS, ("direction",))

@@ -4,9 +4,10 @@
         [--out results/live-decision-latency]
 
 On local Ray: the default serve config (simulated H800, A800, A40 and 2xV100 engines,
-one router replica, GoodServe's policy) with a saved history length predictor behind
-the micro-batcher, so each request is parsed, tokenized, predicted and placed by the
-replica. `vllm bench serve` (`benchmarks.vllm_bench_serve`: `--backend openai` on
+one router replica, GoodServe's policy) with a length predictor behind the
+micro-batcher (--predictor-dir, e.g. the trained MoE; else a history predictor saved
+here), so each request is parsed, tokenized, predicted and placed by the replica.
+`vllm bench serve` (`benchmarks.vllm_bench_serve`: `--backend openai` on
 /v1/completions, the random dataset over a tiny BPE tokenizer built here, short
 prompts and outputs so the engines are not the limit) sends Poisson arrivals at each
 rate in turn. The replica's histograms `goodserve_routing_arrival_to_placement_seconds`
@@ -174,8 +175,8 @@ def readme(result: dict[str, Any]) -> str:
         f"`{setup['command']}`",
         "",
         f"{setup['engines']} simulated engines behind {setup['router_replicas']} router "
-        f"replica ({setup['policy']} policy, history length predictor behind the "
-        f"micro-batcher); `vllm bench serve` on /v1/completions, random dataset, "
+        f"replica ({setup['policy']} policy, {setup['predictor']} length predictor); "
+        "`vllm bench serve` on /v1/completions, random dataset, "
         f"{setup['num_prompts']} prompts per rate of {setup['input_len']} tokens "
         f"(tiny BPE tokenizer) and {setup['output_len']} output tokens, Poisson arrivals; "
         f"{setup['cpus']} cores shared by the client, Ray and the engines.",
@@ -208,6 +209,10 @@ def live_decision_latency(
     metrics_port: Annotated[int, typer.Option(help="Ray's Prometheus endpoint")] = 18093,
     out: Annotated[Path | None, typer.Option(help="write the JSON and README.md here")] =
         None,
+    predictor_dir: Annotated[Path | None, typer.Option(
+        help="a trained predictor directory (`goodserve predictor train`); default: a "
+        "history predictor saved here")] = None,
+    predictor_name: Annotated[str, typer.Option(help="which of --predictor-dir's")] = "moe",
 ) -> int:
     """Arrival-to-placement p50 / p99 of a live router replica per offered rate."""
     import ray
@@ -228,9 +233,10 @@ def live_decision_latency(
         work = Path(tmp)
         tokenizer = work / "tokenizer"
         build_tokenizer(tokenizer, get_model(TINY_MODEL_NAME).vocab_size)
+        if predictor_dir is None:
+            predictor_dir, predictor_name = history_predictor(work / "predictors"), "history"
         config = fleet.model_copy(update={"routing": fleet.routing.model_copy(update={
-            "predictor_dir": str(history_predictor(work / "predictors")),
-            "predictor_name": "history"})})
+            "predictor_dir": str(predictor_dir), "predictor_name": predictor_name})})
         init_local_ray(config.cluster, metrics_export_port=metrics_port,
                        metrics_report_interval_ms=1000)
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -260,7 +266,7 @@ def live_decision_latency(
         "setup": {
             "command": " ".join(["python -m benchmarks.live_decision_latency", *sys.argv[1:]]),
             "engines": num_engines, "router_replicas": config.num_router_replicas,
-            "policy": policy, "predictor": "history (micro-batched)",
+            "policy": policy, "predictor": f"{predictor_name} (micro-batched)",
             "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
             "arrivals": "Poisson", "cpus": os.cpu_count(), "keep_up": KEEP_UP,
         },

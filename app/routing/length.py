@@ -189,6 +189,10 @@ class PredictorLength(OutputLengthEstimator):
         self.predictor = predictor
         # true / predicted length of recently finished requests, prediction made at arrival
         self._ratios = SortedWindow(calibration_window)
+        self.calibration_window = calibration_window
+        # the same ratios by the arrival prediction's power of two: a short prediction
+        # errs by other factors than a long one
+        self._ratios_by_scale: dict[int, SortedWindow] = {}
 
     def confident_output(self, request: RouteRequest, quantile: float) -> float | None:
         """The arrival prediction scaled by the `quantile` of recent true/predicted
@@ -219,15 +223,16 @@ class PredictorLength(OutputLengthEstimator):
     def conditional_totals(
         self, requests: Sequence[RouteRequest], num_generated: Sequence[int]
     ) -> list[float]:
-        """The arrival prediction p times the median of the recent true/predicted
-        ratios above n / p: the total given the request outlived n tokens, with no
-        second call to the predictor. Uncalibrated, the arrival prediction (at least
-        n + 1); outliving every ratio seen, n + 1 (about to end, as the history says).
-        A request with no arrival prediction attached is predicted again. A bisection
-        per request on the sorted window: the window changes at every finish, so an
-        array of it would be rebuilt at nearly every check."""
-        ratios = self._ratios.sorted
-        calibrated = len(ratios) >= MIN_CALIBRATION_SAMPLES
+        """The arrival prediction p scaled by how far surviving n tokens moves the
+        median of the recent true/predicted ratios: p x median(ratios above n / p) /
+        median(ratios), so the total is p itself until the request outlives the early
+        enders, with no second call to the predictor. The ratios are those of requests
+        predicted in the same power of two as p (64-127 tokens, say) once enough have
+        finished. Uncalibrated, the arrival prediction (at least n + 1); outliving every
+        ratio seen, n + 1 (about to end, as the history says). A request with no arrival
+        prediction attached is predicted again. A bisection per request on the sorted
+        window: the window changes at every finish, so an array of it would be rebuilt
+        at nearly every check."""
         totals: list[float] = []
         missing: list[int] = []
         for i, (request, n) in enumerate(zip(requests, num_generated, strict=True)):
@@ -235,13 +240,17 @@ class PredictorLength(OutputLengthEstimator):
             if arrival is None:
                 missing.append(i)
                 totals.append(0.0)
-            elif not calibrated:
+                continue
+            ratios = self._ratios_near(arrival)
+            if ratios is None:
                 totals.append(float(max(arrival, n + 1)))
             else:
                 start = bisect.bisect_right(ratios, n / arrival)
                 above = len(ratios) - start
-                totals.append(max(arrival * ratios[start + above // 2], n + 1.0) if above
-                              else n + 1.0)
+                median = ratios[len(ratios) // 2]
+                totals.append(
+                    max(arrival * ratios[start + above // 2] / median, n + 1.0) if above
+                    else n + 1.0)
         if missing:
             again = self.predict_totals([requests[i] for i in missing],
                                         [num_generated[i] for i in missing])
@@ -249,8 +258,26 @@ class PredictorLength(OutputLengthEstimator):
                 totals[i] = total
         return totals
 
+    def _ratios_near(self, predicted: int) -> list[float] | None:
+        """The sorted ratios of requests predicted in the same power of two as
+        `predicted`, else of all requests; None while too few have finished."""
+        near = self._ratios_by_scale.get(_scale_of(predicted))
+        if near is not None and len(near) >= MIN_CALIBRATION_SAMPLES:
+            return near.sorted
+        return self._ratios.sorted if len(self._ratios) >= MIN_CALIBRATION_SAMPLES else None
+
     def on_finish(self, report: FinishReport, now: float) -> None:
         self.predictor.observe(report.num_output_tokens, report.request.task)
         predicted = report.request.predicted_output_tokens
         if predicted:
-            self._ratios.append(report.num_output_tokens / predicted)
+            ratio = report.num_output_tokens / predicted
+            self._ratios.append(ratio)
+            scale = _scale_of(predicted)
+            if scale not in self._ratios_by_scale:
+                self._ratios_by_scale[scale] = SortedWindow(self.calibration_window)
+            self._ratios_by_scale[scale].append(ratio)
+
+
+def _scale_of(predicted: int) -> int:
+    """A prediction's power of two."""
+    return max(int(predicted), 1).bit_length()

@@ -65,6 +65,7 @@ def test_a_rate_is_kept_up_with_when_all_completed_near_the_offered_rate():
     assert not slow["kept_up"]
     page = readme({"setup": {"command": "python -m benchmarks.live_decision_latency",
                              "engines": 4, "router_replicas": 1, "policy": "goodserve",
+                             "predictor": "moe (micro-batched)",
                              "num_prompts": 300, "input_len": 32, "output_len": 8,
                              "cpus": 2},
                    "rates": [row, slow], "highest_kept_up_rps": 10.0})

@@ -235,19 +235,41 @@ def calibrated(length: PredictorLength) -> PredictorLength:
 
 
 def test_conditional_totals_condition_the_arrival_spread_on_the_tokens_generated():
-    """The total given n tokens out: p x the median ratio above n / p, no new call."""
+    """The total given n tokens out: p x the median ratio above n / p over the median
+    ratio (1.5 here), no new call."""
     length = CountingLength()
     request = replace(make_request(10.0, out=100), predicted_output_tokens=100)
     # before 100 finishes the spread is unknown: the arrival prediction, at least n + 1
     assert length.conditional_totals([request] * 2, [0, 140]) == [100, 141]
     calibrated(length)
-    totals = length.conditional_totals([request] * 4, [0, 150, 247, 300])
-    assert totals == pytest.approx([150, 200, 248, 301])  # medians of 0.5-2.48, 1.52-2.48
+    totals = length.conditional_totals([request] * 5, [0, 120, 150, 247, 300])
+    # medians of 0.5-2.48 (1.5) and of 1.22-2.48 (1.86); above 1.5 the median, 2.0, gives
+    # 133 tokens where 150 are out: n + 1; past 2.47 only 2.48 is left, then nothing
+    assert totals == pytest.approx([100, 100 * 1.86 / 1.5, 151, 248, 301])
     assert length.num_predictions == 0
     unpredicted = replace(make_request(10.0, out=100), predicted_output_tokens=None)
     assert length.conditional_totals([unpredicted], [30]) == length.predict_totals(
         [unpredicted], [30])
     assert length.num_predictions == 2  # predicted again, as asked just above
+
+
+def test_conditional_totals_take_the_spread_of_predictions_of_the_same_scale():
+    """Short predictions ran 0.2-3x their length, long ones 0.9-1.1x: having reached its
+    prediction, a request predicted 40 tokens is conditioned on the short ones' ratios
+    (in the same power of two), one predicted 400 on the long ones'; one predicted
+    3,000 (none near) with nothing generated is its prediction."""
+    length = CountingLength()
+    short, long_ = (replace(make_request(10.0, out=100), predicted_output_tokens=p)
+                    for p in (40, 400))
+    for k in range(113):  # 8-120 tokens: ratios 0.2-3.0, median 1.6
+        length.on_finish(FinishReport(short, "A40", 8 + k, 0.1, 1.0), 1.0)
+    for k in range(162):  # 360-440 tokens: ratios 0.9-1.1, median 1.0
+        length.on_finish(FinishReport(long_, "A40", 360 + k // 2, 0.1, 1.0), 1.0)
+    huge = replace(long_, predicted_output_tokens=3000)
+    totals = length.conditional_totals([short, long_, huge], [40, 400, 0])
+    # above 1: medians 2.025 (short) and 1.0525 (long)
+    assert totals == pytest.approx([40 * 2.025 / 1.6, 400 * 1.0525, 3000])
+    assert length.num_predictions == 0
 
 
 @pytest.mark.parametrize("reestimate, deadline_s, calls", [
