@@ -94,7 +94,7 @@ from benchmarks.matrix_io import (
     ratio,
     read_rows,
 )
-from predictor.progress import progress
+from predictor.progress import Progress
 
 if TYPE_CHECKING:
     from app.config import ClusterConfig
@@ -379,11 +379,11 @@ def in_pool(fn: Callable[..., Any], tasks: Sequence[tuple], jobs: int, desc: str
     """fn(*task) per task as each finishes, in `jobs` processes (in this one for 1),
     under a progress bar."""
     if jobs <= 1:
-        yield from (fn(*task) for task in progress(tasks, desc=desc, unit=unit))
+        yield from (fn(*task) for task in Progress(tasks, desc=desc, unit=unit))
         return
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         futures = [pool.submit(fn, *task) for task in tasks]
-        for future in progress(as_completed(futures), total=len(futures), desc=desc,
+        for future in Progress(as_completed(futures), total=len(futures), desc=desc,
                                unit=unit):
             yield future.result()
 

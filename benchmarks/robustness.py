@@ -62,7 +62,7 @@ from benchmarks.matrix_io import (
     ratio,
     read_rows,
 )
-from predictor.progress import progress
+from predictor.progress import Progress
 
 SCALES = (1.0, 1.5, 2.0, 3.0)
 PROCESSES = ("poisson", "mooncake", "gamma-cv4", "gamma-cv13", "batch")
@@ -327,7 +327,7 @@ def robustness(
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = [pool.submit(run_workload, setup, *workload, missing)
                    for workload, missing in todo]
-        for future in progress(futures, desc="workloads", unit="workload"):
+        for future in Progress(futures, desc="workloads", unit="workload"):
             append_cells(cells_path, future.result())
     write_matrix(out, matrix(read_cells(cells_path)))
     print(f"wrote {out / 'cells.csv'}, matrix.csv, matrix.md, matrix.png")

@@ -16,7 +16,7 @@ from typing import Generic, Self, TextIO, TypeVar
 
 from tqdm import tqdm
 
-__all__ = ["Progress", "progress"]
+__all__ = ["Progress"]
 
 T = TypeVar("T")
 
@@ -139,19 +139,3 @@ class Progress(Generic[T]):
         self._last_n, self._last_time = self.n, now
         if self.total:
             self._next_n = self._threshold(self.n * self._lines // self.total + 1)
-
-
-def progress(
-    iterable: Iterable[T],
-    *,
-    desc: str,
-    total: int | None = None,
-    unit: str = "it",
-    enabled: bool = True,
-    leave: bool = True,
-    lines: int = LINES,
-    file: TextIO | None = None,
-) -> Progress[T]:
-    """`iterable`'s items, counted on a bar or in log lines (see `Progress`)."""
-    return Progress(iterable, desc=desc, total=total, unit=unit, enabled=enabled,
-                    leave=leave, lines=lines, file=file)

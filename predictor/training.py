@@ -9,7 +9,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from predictor.progress import progress
+from predictor.progress import Progress
 
 __all__ = ["TrainConfig", "log_length_loss", "train_loop"]
 
@@ -49,7 +49,7 @@ def train_loop(
         list(parameters), lr=config.learning_rate, weight_decay=config.weight_decay
     )
     epoch_losses: list[float] = []
-    bar = progress(range(config.epochs), desc=desc, unit="epochs", enabled=config.show_progress,
+    bar = Progress(range(config.epochs), desc=desc, unit="epochs", enabled=config.show_progress,
                    leave=False, lines=config.epochs)  # on a log: a line per epoch
     for _ in bar:
         order = torch.randperm(num_rows, generator=gen).numpy()

@@ -44,7 +44,7 @@ from app.planning.split import EngineKind
 from app.routing.registry import PolicyKind, RoutingOptions
 from app.slo import DEFAULT_REFERENCE_GPU, reference_instance
 from app.workload import Arrivals, ContentMode, Workload
-from predictor.progress import progress as progress_of
+from predictor.progress import Progress
 
 SHOWN = 10  # best-modelled layouts reported besides unified and those simulated
 MAX_SIMULATED = 65  # above this many layouts --verify simulates the whole-kind ones
@@ -144,7 +144,7 @@ def check_layouts(cluster: ClusterConfig, workload: Workload, scale: float, plan
     shown = [e for rank, e in enumerate(plan.estimates)
              if rank < top or e.layout in simulate or e.layout.mode == UNIFIED]
     checks = []
-    for estimate in progress_of(shown, desc="layouts", enabled=progress):
+    for estimate in Progress(shown, desc="layouts", enabled=progress):
         check = _modelled(plan, estimate, model, moments.workload, moments.rate_rps,
                           cluster.kv_link_gbps)
         if estimate.layout in simulate:

@@ -423,16 +423,23 @@ class EngineModel:
     def _slot_context(self) -> float:
         """Context length of a batch slot, averaged over time: each request counts for
         the steps it stays, at its mean context while it decodes."""
-        s, steps = self.sample, self._decode_steps
-        context = s.prompt_tokens + s.output_tokens / 2
-        return float(np.sum(steps * context) / max(np.sum(steps), 1))
+        return self._over_slots(self._decoding_context)
 
     @cached_property
     def _slot_context_sq(self) -> float:
         """The slots' squared context, averaged over time as `_slot_context`."""
-        s, steps = self.sample, self._decode_steps
-        context = s.prompt_tokens + s.output_tokens / 2
-        return float(np.sum(steps * context**2) / max(np.sum(steps), 1))
+        return self._over_slots(self._decoding_context**2)
+
+    @cached_property
+    def _decoding_context(self) -> np.ndarray:
+        """Each request's mean context while it decodes."""
+        return self.sample.prompt_tokens + self.sample.output_tokens / 2
+
+    def _over_slots(self, values: np.ndarray) -> float:
+        """Per-request `values` averaged over time in a batch slot: each request counts
+        for the steps it stays."""
+        steps = self._decode_steps
+        return float(np.sum(steps * values) / max(np.sum(steps), 1))
 
     def _kv_room(self, others: float) -> np.ndarray:
         """Per request, the chance the KV holds its whole context beside the others it

@@ -189,7 +189,6 @@ class PredictorLength(OutputLengthEstimator):
         self.predictor = predictor
         # true / predicted length of recently finished requests, prediction made at arrival
         self._ratios = SortedWindow(calibration_window)
-        self.calibration_window = calibration_window
         # the same ratios by the arrival prediction's power of two: a short prediction
         # errs by other factors than a long one
         self._ratios_by_scale: dict[int, SortedWindow] = {}
@@ -274,7 +273,7 @@ class PredictorLength(OutputLengthEstimator):
             self._ratios.append(ratio)
             scale = _scale_of(predicted)
             if scale not in self._ratios_by_scale:
-                self._ratios_by_scale[scale] = SortedWindow(self.calibration_window)
+                self._ratios_by_scale[scale] = SortedWindow(self._ratios.size)
             self._ratios_by_scale[scale].append(ratio)
 
 

@@ -68,6 +68,12 @@ class RegistryLog:
         self._stop.set()
         self._thread.join(timeout=15)
 
+    def __enter__(self) -> RegistryLog:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
     def active_at(self, t: float) -> set[str]:
         """Engines taking requests in the registry in force at `t`."""
         current = set()
@@ -149,12 +155,9 @@ def controller_of(name: str):
 def test_a_step_load_grows_and_shrinks_the_pools_with_nothing_lost(ray_session):
     with serving(elastic_config("elastic"), "elastic") as url:
         controller = controller_of("elastic")
-        log = RegistryLog(controller)
-        try:
+        with RegistryLog(controller) as log:
             results = asyncio.run(drive(url, STEP))
             status = settle(controller)
-        finally:
-            log.stop()
         assert_served_all(results)
         assert_grew_and_shrank(log, status)
         # every published registry differs from the one before it, under a new version

@@ -79,13 +79,10 @@ def windows_after(controller, done_s: float, timeout_s: float = 30.0) -> list[di
 def test_agent_sessions_grow_and_shrink_the_pools_and_reach_the_controller(ray_session):
     with serving(elastic_config("elastic-sessions"), "elastic-sessions") as url:
         controller = controller_of("elastic-sessions")
-        log = RegistryLog(controller)
-        try:
+        with RegistryLog(controller) as log:
             sessions = asyncio.run(drive_sessions(url, SESSION_STEP))
             done_s = time.time()  # every step has ended
             status = settle(controller)
-        finally:
-            log.stop()
         seen = windows_after(controller, done_s)
     steps = [step for replies in sessions.values() for step in replies]
     failed = [(code, body) for code, body in steps if code != 200]

@@ -16,7 +16,7 @@ import predictor.progress as progress_module
 from predictor.cli import app
 from predictor.moe import MoEPredictor
 from predictor.neural import MLPPredictor
-from predictor.progress import Progress, progress
+from predictor.progress import Progress
 from predictor.synthetic import make_synthetic_records
 from predictor.training import TrainConfig, train_loop
 from tests.unit.torch_utils import one_torch_thread  # noqa: F401  (autouse fixture)
@@ -42,7 +42,7 @@ def log_lines(text: str) -> list[str]:
 
 def test_long_loop_logs_a_few_complete_lines():
     out = io.StringIO()
-    items = list(progress(range(10_000), desc="replay", unit="req", file=out))
+    items = list(Progress(range(10_000), desc="replay", unit="req", file=out))
     assert items == list(range(10_000))
     lines = log_lines(out.getvalue())
     assert 2 <= len(lines) <= 11
@@ -79,7 +79,7 @@ def test_unknown_total_logs_by_time(monkeypatch):
 
 def test_postfix_is_in_the_line():
     out = io.StringIO()
-    bar = progress(range(2), desc="fit", unit="epochs", lines=2, file=out)
+    bar = Progress(range(2), desc="fit", unit="epochs", lines=2, file=out)
     for epoch in bar:
         bar.set_postfix(loss=f"{epoch / 2:.2f}")
     lines = log_lines(out.getvalue())
@@ -88,7 +88,7 @@ def test_postfix_is_in_the_line():
 
 def test_terminal_gets_a_bar_updating_in_place():
     out = TerminalStream()
-    assert sum(progress(range(50), desc="layouts", file=out)) == sum(range(50))
+    assert sum(Progress(range(50), desc="layouts", file=out)) == sum(range(50))
     text = out.getvalue()
     assert "\r" in text and "layouts" in text
     assert re.search(r"100%\|[^|\r]+\| 50/50", text), text
@@ -96,7 +96,7 @@ def test_terminal_gets_a_bar_updating_in_place():
 
 def test_disabled_writes_nothing():
     out, tty = io.StringIO(), TerminalStream()
-    assert list(progress(range(5), desc="x", enabled=False, file=out)) == list(range(5))
+    assert list(Progress(range(5), desc="x", enabled=False, file=out)) == list(range(5))
     with Progress(total=5, desc="y", enabled=False, file=tty) as bar:
         bar.update(5)
     assert out.getvalue() == "" and tty.getvalue() == ""

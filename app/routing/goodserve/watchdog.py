@@ -15,7 +15,7 @@ from app.routing.goodserve.admissions import RecentAdmissions
 from app.routing.goodserve.config import GoodServeConfig, LengthReestimate
 from app.routing.goodserve.latency import Candidate, capability_s_per_token
 from app.routing.goodserve.placer import JustEnoughPlacer
-from app.routing.length import OutputLengthEstimator
+from app.routing.length import OutputLengthEstimator, bounded_output
 from app.routing.status import InstanceEstimate, StatusEstimator
 from app.routing.view import ClusterView, FinishReport, InstanceId, InstanceView, RouteRequest
 
@@ -142,9 +142,8 @@ class SloWatchdog(Watchdog):
         """(bounded totals, expected lateness, time left) of an instance's requests in
         one pass: remaining tokens x d_g past the deadline less the queue delay still
         ahead of those waiting."""
-        caps = np.array([math.inf if a.request.max_output_tokens is None
-                         else float(a.request.max_output_tokens) for a in watched])
-        totals = np.minimum(np.asarray(predicted, dtype=np.float64), caps)
+        totals = np.array([bounded_output(a.request, float(total))
+                           for a, total in zip(watched, predicted, strict=True)])
         remaining = np.maximum(totals - np.asarray(generated, dtype=np.float64), 1.0)
         deadlines = np.array([a.request.deadline_s for a in watched])
         waiting = np.array([0.0 if a.is_running else estimate.queue_delay_s for a in watched])
