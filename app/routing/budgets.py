@@ -105,7 +105,7 @@ class SlackBudgets:
         """`shortest_stall_s` of each instance, recomputed only for the instances whose
         budgets changed since the last call with the same ids."""
         ids, position, stalls = self._stalls
-        if ids != instance_ids:
+        if ids is not instance_ids and ids != instance_ids:
             ids = tuple(instance_ids)
             position = {iid: i for i, iid in enumerate(ids)}
             stalls = np.array([self.shortest_stall_s(i) for i in ids], dtype=np.float64)

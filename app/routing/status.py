@@ -11,15 +11,17 @@ usable at once. Clock-agnostic: `now` is an argument.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 from app.engine_types import EngineStatus, PrefillTotals
 from app.hardware import InstanceSpec
-from app.routing.arrays import ViewArrays
+from app.routing.arrays import COLUMNS, ViewArrays, view_row
 from app.routing.base import StepListener
 from app.routing.view import InstanceId, InstanceView, StepReport
 
@@ -56,22 +58,19 @@ class _Ema:
 
 
 DEPARTURE_WINDOW = 32  # recent finishes used for the departure rate
+# lists of instances whose estimates are kept between calls: every instance, and the
+# subsets that can hold long contexts
+KEPT_ESTIMATES = 4
 
 
 @dataclass
 class _Departures:
-    """Recent finish times of one instance -> its departure rate (requests/s)."""
+    """Recent finish times of one instance: its departure rate is the finishes after
+    the first over the span from it to `now`, so an instance that stopped finishing
+    loses rate (`_Terms.queue_s`)."""
 
     times: deque[float] = field(default_factory=lambda: deque(maxlen=DEPARTURE_WINDOW))
     seen: int = 0  # finished-counter value already taken
-
-    def rate_per_s(self, now: float) -> float | None:
-        """Finishes per second over the window up to `now` (None until two finishes);
-        measured to `now`, so an instance that stopped finishing loses rate."""
-        if len(self.times) < 2:
-            return None
-        span = now - self.times[0]
-        return (len(self.times) - 1) / span if span > 0 else None
 
 
 @dataclass
@@ -117,6 +116,7 @@ class StatusEstimator(StepListener):
         self.alpha = alpha
         self._states: dict[InstanceId, _InstanceState] = {}
         self._table = _StateTable()
+        self._estimates: list[_Estimates] = []  # newest first
 
     def _state(self, instance_id: InstanceId) -> _InstanceState:
         """The instance's state, to read or update (its table row is refreshed before
@@ -228,86 +228,34 @@ class StatusEstimator(StepListener):
         `view`, so stale EMAs from a past burst (or missing reports) do not linger.
         `now` (default: the view's time) dates the departure rate.
         """
-        prior = catalog_prior(view.spec)
         state = self._states.get(view.instance_id)
-        if state is None:
-            return prior
-        if view.num_outstanding == 0:
-            return InstanceEstimate(
-                0.0, prior.prefill_s_per_token, prior.decode_s_per_token, state.num_samples
-            )
-        decode = state.decode_iteration.value
-        prefill_s, prefill_tokens = state.prefill_step_s.value, state.prefill_step_tokens.value
-        return InstanceEstimate(
-            queue_delay_s=self._queue_delay_s(state, view, now),
-            prefill_s_per_token=(
-                prior.prefill_s_per_token if prefill_s is None else prefill_s / prefill_tokens
-            ),
-            decode_s_per_token=(
-                prior.decode_s_per_token if decode is None
-                else decode * self._batch_growth(state, view, joining)
-            ),
-            num_samples=state.num_samples,
-        )
+        row = _NO_STATE_ROW if state is None else _state_row(state)
+        terms = _Terms.of_row(row, view_row(view), joining)
+        return InstanceEstimate(terms.queue_s(view.updated_s if now is None else now),
+                                terms.prefill, terms.decode,
+                                0 if state is None else state.num_samples)
 
     def estimate_arrays(self, arrays: ViewArrays, now: float,
                         joining: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(q_g, p_g, d_g) for every instance of `arrays` at once: `estimate` over
-        columns, equal to it figure for figure."""
-        self._table.refresh(self._states)
-        state = self._table.rows(arrays.ids)
-        running, waiting = arrays.column("num_running"), arrays.column("num_waiting")
-        known = (state[:, _S_KNOWN] > 0) & (running + waiting > 0)
-        # Little's law where requests wait: waiting / departure rate (0 without a rate)
-        finishes = state[:, _S_FINISHES]
-        span = now - state[:, _S_FIRST_FINISH]  # nan without a finish
-        rate = np.divide(finishes - 1, span, out=np.zeros(len(span)),
-                         where=(finishes >= 2) & (span > 0))
-        little = np.divide(waiting, rate, out=np.zeros(len(rate)), where=rate > 0)
-        queue = np.where(known & (waiting > 0), np.maximum(state[:, _S_QUEUE], little), 0.0)
-        p = np.divide(state[:, _S_PREFILL_S], state[:, _S_PREFILL_TOKENS],
-                      out=arrays.column("unloaded_prefill_s_per_token").copy(),
-                      where=known & (state[:, _S_PREFILL_TOKENS] > 0))
-        upcoming = np.minimum(running + joining, arrays.column("max_num_seqs"))
-        intercept, slope = arrays.column("batch_intercept"), arrays.column("batch_slope")
-        growth = np.maximum((intercept + slope * upcoming)
-                            / (intercept + slope * state[:, _S_BATCH]), 1.0)
-        d = np.where(known & (state[:, _S_DECODE] >= 0), state[:, _S_DECODE] * growth,
-                     arrays.column("unloaded_decode_s_per_token"))
-        return queue, p, d
+        columns, equal to it figure for figure.
 
-    @staticmethod
-    def _batch_growth(state: _InstanceState, view: InstanceView, joining: int) -> float:
-        """How much slower a step will be with the running batch (+ the `joining`
-        requests) than at the batch size the EMA was measured at.
-
-        The measured speed is the truth at the measured load; the hardware model only
-        supplies the shape of speed vs batch size. Requests still waiting are not
-        counted: an engine that leaves requests waiting runs a full batch (slots or
-        KV), and the wait is q_g's part of T (Little's law on the queue). Counting
-        them as well made weak instances look slower than they ran under a steady
-        queue (docs/goodserve-routing.md, "decode batch growth").
-        """
-        measured = state.decode_batch.value or 1.0
-        upcoming = view.num_running + joining
-        if view.max_num_seqs is not None:  # the rest wait; q_g covers them
-            upcoming = min(upcoming, view.max_num_seqs)
-        intercept, slope = view.spec.decode_batch_line
-        return max((intercept + slope * upcoming) / (intercept + slope * measured), 1.0)
-
-    @staticmethod
-    def _queue_delay_s(state: _InstanceState, view: InstanceView, now: float | None) -> float:
-        """q_g: the EMA of observed waits, raised to Little's law on the current queue.
-
-        Observed waits are only known once requests leave the queue, so the EMA lags a
-        growing queue; `num_waiting / departure rate` sees it at once.
-        """
-        if view.num_waiting == 0:
-            return 0.0
-        ema = state.queue_delay.value or 0.0
-        rate = state.departures.rate_per_s(view.updated_s if now is None else now)
-        little = view.num_waiting / rate if rate else 0.0
-        return max(ema, little)
+        Between two decisions only a few instances report or change their counts, so
+        the terms that do not depend on `now` are kept (for the last `KEPT_ESTIMATES`
+        lists of instances and `joining` values asked) and recomputed only for the rows
+        whose state or columns changed; the queue's Little's-law part, which ages with
+        `now`, is recomputed for the rows that have one."""
+        dirty = self._table.refresh(self._states)
+        for kept in self._estimates:
+            kept.stale |= dirty
+        cache = next((c for c in self._estimates if c.joining == joining and (
+            c.ids is arrays.ids or c.ids == arrays.ids)), None)
+        if cache is None:
+            cache = _Estimates.of(arrays, self._table.rows(arrays.ids), joining)
+            self._estimates = [cache, *self._estimates[:KEPT_ESTIMATES - 1]]
+        else:
+            cache.update(arrays, self._table)
+        return cache.at(now)
 
 
 # `_StateTable` columns
@@ -325,37 +273,169 @@ class _StateTable:
         self.dirty: set[InstanceId] = set()
         self._row: dict[InstanceId, int] = {}
         self._table = np.zeros((1, _NUM_STATE_COLUMNS))
-        self._lookup: tuple[tuple[InstanceId, ...], np.ndarray] = ((), np.zeros(0, np.int64))
 
-    def refresh(self, states: dict[InstanceId, _InstanceState]) -> None:
-        for instance_id in self.dirty:
+    def refresh(self, states: dict[InstanceId, _InstanceState]) -> set[InstanceId]:
+        """Rewrite the rows of the instances whose state changed: those instances."""
+        dirty, self.dirty = self.dirty, set()
+        for instance_id in dirty:
             row = self._row.get(instance_id)
             if row is None:
                 row = self._row[instance_id] = len(self._table)
                 self._table = np.vstack([self._table, np.zeros((1, _NUM_STATE_COLUMNS))])
-                self._lookup = ((), self._lookup[1])
             state = states.get(instance_id)
             self._table[row] = _NO_STATE if state is None else _state_row(state)
-        self.dirty.clear()
+        return dirty
 
     def rows(self, ids: Sequence[InstanceId]) -> np.ndarray:
         """The state rows of `ids`, in order (row 0 for an instance never seen)."""
-        if self._lookup[0] != ids:  # tuples compare by identity first: cheap when unchanged
-            self._lookup = (tuple(ids), np.array([self._row.get(i, 0) for i in ids],
-                                                 dtype=np.int64))
-        return self._table[self._lookup[1]]
+        return self._table[[self._row.get(i, 0) for i in ids]]
+
+    def row(self, instance_id: InstanceId) -> list[float]:
+        return self._table[self._row.get(instance_id, 0)].tolist()
 
 
-_NO_STATE = np.zeros(_NUM_STATE_COLUMNS)
+_NO_STATE_ROW = [0.0] * _NUM_STATE_COLUMNS
+_NO_STATE = np.array(_NO_STATE_ROW)
 
 
-def _state_row(state: _InstanceState) -> np.ndarray:
+def _state_row(state: _InstanceState) -> list[float]:
     """What `StatusEstimator.estimate` reads of a state; nan for an EMA with no sample."""
     def value(ema: _Ema) -> float:
-        return np.nan if ema.value is None else ema.value
+        return math.nan if ema.value is None else ema.value
 
     times = state.departures.times
-    return np.array([1.0, state.queue_delay.value or 0.0, value(state.decode_iteration),
-                     state.decode_batch.value or 1.0, value(state.prefill_step_s),
-                     value(state.prefill_step_tokens), len(times),
-                     times[0] if times else np.nan])
+    return [1.0, state.queue_delay.value or 0.0, value(state.decode_iteration),
+            state.decode_batch.value or 1.0, value(state.prefill_step_s),
+            value(state.prefill_step_tokens), len(times), times[0] if times else math.nan]
+
+
+class _Terms(NamedTuple):
+    """One instance's estimate terms that do not age with `now` (q_g's Little's-law
+    part does: `queue_s`). A decision recomputes them only for the instances that
+    changed, so they are computed a row at a time, with the float operations of the
+    columns' `_terms`.
+
+    d_g is the measured decode step time grown by the hardware model's batch line from
+    the batch it was measured at to the running batch plus the `joining` requests.
+    Requests still waiting are not counted: an engine that leaves requests waiting runs
+    a full batch (slots or KV), and the wait is q_g's part (Little's law on the queue);
+    counting them made weak instances look slower than they ran under a steady queue
+    (docs/goodserve-routing.md, "decode batch growth")."""
+
+    waiting: float
+    queue_ema: float  # the observed-wait EMA where requests wait, else 0
+    departed: float  # finishes in the window - 1, where Little's law applies, else 0
+    first_finish_s: float
+    prefill: float  # p_g
+    decode: float  # d_g
+
+    @classmethod
+    def of_row(cls, state: Sequence[float], view: Sequence[float], joining: int) -> _Terms:
+        """From a state row (`_state_row`) and the instance's view columns (`view_row`)."""
+        running, waiting = view[_RUNNING], view[_WAITING]
+        known = state[_S_KNOWN] > 0 and running + waiting > 0
+        queues = known and waiting > 0
+        finishes = state[_S_FINISHES]
+        prefill_s, prefill_tokens, decode = (state[_S_PREFILL_S], state[_S_PREFILL_TOKENS],
+                                             state[_S_DECODE])
+        intercept, slope = view[_INTERCEPT], view[_SLOPE]
+        growth = max((intercept + slope * min(running + joining, view[_MAX_NUM_SEQS]))
+                     / (intercept + slope * state[_S_BATCH]), 1.0)
+        return cls(
+            waiting, state[_S_QUEUE] if queues else 0.0,
+            finishes - 1 if queues and finishes >= 2 else 0.0, state[_S_FIRST_FINISH],
+            prefill_s / prefill_tokens if known and prefill_tokens > 0 else view[_PRIOR_P],
+            decode * growth if known and decode >= 0 else view[_PRIOR_D])
+
+    def queue_s(self, now: float) -> float:
+        """q_g: the observed-wait EMA, raised to Little's law on the current queue
+        (waiting / departure rate). Observed waits are only known once requests leave
+        the queue, so the EMA lags a growing queue; Little's law sees it at once."""
+        span = now - self.first_finish_s
+        if self.departed > 0 and span > 0:
+            rate = self.departed / span
+            return max(self.queue_ema, self.waiting / rate)
+        return self.queue_ema
+
+
+_RUNNING, _WAITING, _PRIOR_P, _PRIOR_D, _INTERCEPT, _SLOPE, _MAX_NUM_SEQS = (
+    COLUMNS.index(name) for name in (
+        "num_running", "num_waiting", "unloaded_prefill_s_per_token",
+        "unloaded_decode_s_per_token", "batch_intercept", "batch_slope", "max_num_seqs"))
+
+
+@dataclass
+class _Estimates:
+    """`estimate_arrays`' answer for one list of instances, kept between calls: the
+    `_Terms` as columns, and the view table they were computed from."""
+
+    ids: tuple[InstanceId, ...]
+    joining: int
+    table: np.ndarray  # the view columns the terms were computed from
+    waiting: np.ndarray
+    queue_ema: np.ndarray
+    departed: np.ndarray
+    first_finish_s: np.ndarray
+    prefill: np.ndarray
+    decode: np.ndarray
+    queued: np.ndarray  # the rows whose queue ages with `now` (departed > 0)
+    stale: set[InstanceId] = field(default_factory=set)  # state changed since computed
+
+    @classmethod
+    def of(cls, arrays: ViewArrays, state: np.ndarray, joining: int) -> _Estimates:
+        waiting, queue_ema, departed, first_finish_s, prefill, decode = _terms(
+            state, arrays.table, joining)
+        return cls(arrays.ids, joining, arrays.table, waiting, queue_ema, departed,
+                   first_finish_s, prefill, decode, np.flatnonzero(departed > 0))
+
+    def update(self, arrays: ViewArrays, table: _StateTable) -> None:
+        """Recompute the rows whose state is stale or whose view columns changed."""
+        width = arrays.table.shape[1]
+        changed = set((np.flatnonzero(arrays.table != self.table) // width).tolist())
+        row_of = arrays.row_of
+        changed.update(row_of[i] for i in self.stale if i in row_of)
+        self.stale.clear()
+        self.table = arrays.table
+        if not changed:
+            return
+        columns = (self.waiting, self.queue_ema, self.departed, self.first_finish_s,
+                   self.prefill, self.decode)
+        for row in changed:
+            terms = _Terms.of_row(table.row(self.ids[row]), self.table[row].tolist(),
+                                  self.joining)
+            for column, value in zip(columns, terms, strict=True):
+                column[row] = value
+        self.queued = np.flatnonzero(self.departed > 0)
+
+    def at(self, now: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(q_g, p_g, d_g) at `now` (`_Terms.queue_s` over the rows with a queue)."""
+        queue = self.queue_ema.copy()
+        rows = self.queued
+        if len(rows):
+            span = now - self.first_finish_s[rows]
+            rate = np.divide(self.departed[rows], span, out=np.zeros(len(rows)),
+                             where=span > 0)
+            little = np.divide(self.waiting[rows], rate, out=np.zeros(len(rows)),
+                               where=rate > 0)
+            queue[rows] = np.maximum(queue[rows], little)
+        return queue, self.prefill.copy(), self.decode.copy()
+
+
+def _terms(state: np.ndarray, view: np.ndarray, joining: int) -> tuple[np.ndarray, ...]:
+    """`_Terms.of_row` over rows: (waiting, queue EMA, departed, first finish, p_g, d_g)."""
+    running, waiting = view[:, _RUNNING], view[:, _WAITING]
+    known = (state[:, _S_KNOWN] > 0) & (running + waiting > 0)
+    queues = known & (waiting > 0)
+    finishes = state[:, _S_FINISHES]
+    departed = np.where(queues & (finishes >= 2), finishes - 1, 0.0)
+    queue_ema = np.where(queues, state[:, _S_QUEUE], 0.0)
+    p = np.divide(state[:, _S_PREFILL_S], state[:, _S_PREFILL_TOKENS],
+                  out=view[:, _PRIOR_P].copy(),
+                  where=known & (state[:, _S_PREFILL_TOKENS] > 0))
+    intercept, slope = view[:, _INTERCEPT], view[:, _SLOPE]
+    upcoming = np.minimum(running + joining, view[:, _MAX_NUM_SEQS])
+    growth = np.maximum((intercept + slope * upcoming)
+                        / (intercept + slope * state[:, _S_BATCH]), 1.0)
+    d = np.where(known & (state[:, _S_DECODE] >= 0), state[:, _S_DECODE] * growth,
+                 view[:, _PRIOR_D])
+    return waiting.copy(), queue_ema, departed, state[:, _S_FIRST_FINISH].copy(), p, d

@@ -185,7 +185,7 @@ class ClusterView:
         """`prefix_hit_tokens` for each of `instance_ids`, in one directory query when
         the substrate keeps a directory."""
         if not request.block_hashes:
-            return [0] * len(instance_ids)
+            return np.zeros(len(instance_ids), dtype=np.int64)
         if self.prefix_directory is None:
             return [self.prefix_hit_tokens(i, request) for i in instance_ids]
         blocks = self.prefix_directory.hit_blocks(request.block_hashes, instance_ids)

@@ -154,6 +154,37 @@ def test_vectorised_estimates_equal_the_per_instance_ones():
     assert p[0] == views[0].spec.unloaded_prefill_s_per_token
 
 
+def test_kept_estimates_follow_every_change_between_decisions():
+    """The estimates kept between calls equal the per-instance ones after reports on
+    some instances, counts moving on others, an instance forgotten, and another list
+    of instances asked in between."""
+    rng = random.Random(11)
+    status = StatusEstimator(alpha=0.3)
+    views = list(random_views(rng, 24, 0.0))
+    columns = ViewColumns()
+    for i, v in enumerate(views):
+        columns.set(i, v)
+    for step in range(60):
+        now = 10.0 + step * 0.5
+        if rng.random() < 0.5:
+            feed([status], tuple(rng.sample(views, 6)), rng, now)
+        for i in rng.sample(range(len(views)), 3):
+            views[i] = replace(views[i], num_waiting=rng.choice([0, 0, 2, 9]),
+                               num_running=rng.choice([0, 3, 64]))
+            columns.set(i, views[i])
+        if step % 17 == 5:
+            status.forget(views[step % len(views)].instance_id)
+        if step % 7 == 0:
+            status.estimate_arrays(ViewArrays.of(views[:5]), now)
+        arrays = columns.arrays()
+        for joining in (0, 1):
+            q, p, d = status.estimate_arrays(arrays, now + 0.1, joining)
+            for i, v in enumerate(views):
+                e = status.estimate(v, now + 0.1, joining)
+                assert (q[i], p[i], d[i]) == (e.queue_delay_s, e.prefill_s_per_token,
+                                              e.decode_s_per_token), (step, joining, i)
+
+
 def test_a_simulated_run_places_every_request_alike_on_both_paths():
     """The whole loop (watchdog moves, finishes, budgets) over a mixed 24-instance
     cluster: the same outcome for every request."""

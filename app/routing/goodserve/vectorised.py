@@ -11,7 +11,8 @@ tries (point estimate, confident length, cap while cold).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 import numpy as np
 
@@ -27,50 +28,71 @@ from app.routing.view import ClusterView, InstanceView, RouteRequest
 @dataclass(frozen=True)
 class Scored:
     """Every instance scored for one request at one output length (`Candidate`'s
-    fields as columns)."""
+    fields as columns). The masks are computed once each and kept: a placement and
+    its record read them several times."""
 
-    arrays: ViewArrays
+    scorer: InstanceScorer
+    floor_output_tokens: float
     latency_s: np.ndarray
     slack_s: np.ndarray
-    latency_floor_s: np.ndarray
-    has_memory_room: np.ndarray
-    stall_s: np.ndarray
-    shortest_stall_s: np.ndarray
-    reserved: np.ndarray
-    uncached_tokens: np.ndarray
+    reserved: np.ndarray | None = None  # None: no instance reserved
+    _masks: dict[tuple[str, float], np.ndarray] = field(
+        default_factory=dict, compare=False, repr=False)
+
+    @property
+    def arrays(self) -> ViewArrays:
+        return self.scorer.arrays
 
     @property
     def capability(self) -> np.ndarray:
         return self.arrays.column("unloaded_decode_s_per_token")
 
+    @cached_property
+    def latency_floor_s(self) -> np.ndarray:
+        return self.scorer.latency_s(self.floor_output_tokens)
+
     def meets_deadline(self, headroom: float = 0.0) -> np.ndarray:
-        return self.slack_s >= headroom * self.latency_s
+        mask = self._masks.get(("meets", headroom))
+        if mask is None:
+            mask = self._masks["meets", headroom] = self.slack_s >= headroom * self.latency_s
+        return mask
 
     def harmless(self) -> np.ndarray:
-        return self.has_memory_room & (self.stall_s <= self.shortest_stall_s)
+        return self.scorer.harmless
+
+    @cached_property
+    def _admissible(self) -> np.ndarray:
+        harmless = self.scorer.harmless
+        return harmless if self.reserved is None else ~self.reserved & harmless
 
     def admissible(self) -> np.ndarray:
-        return ~self.reserved & self.harmless()
+        return self._admissible
 
     def feasible(self, headroom: float = 0.0) -> np.ndarray:
-        return self.meets_deadline(headroom) & self.admissible()
+        mask = self._masks.get(("feasible", headroom))
+        if mask is None:
+            mask = self._masks["feasible", headroom] = (self.meets_deadline(headroom)
+                                                        & self._admissible)
+        return mask
 
     def could_meet_deadline(self) -> np.ndarray:
         return self.slack_s + self.latency_s - self.latency_floor_s >= 0
 
     def candidate(self, i: int) -> Candidate:
         """Row i as the plain path's `Candidate`."""
+        scorer = self.scorer
         return Candidate(self.arrays.ids[i], float(self.latency_s[i]), float(self.slack_s[i]),
-                         float(self.capability[i]), bool(self.has_memory_room[i]),
-                         float(self.latency_floor_s[i]), float(self.stall_s[i]),
-                         float(self.shortest_stall_s[i]), bool(self.reserved[i]),
-                         int(self.uncached_tokens[i]))
+                         float(self.capability[i]), bool(scorer.has_memory_room[i]),
+                         float(self.latency_floor_s[i]), float(scorer.stall_s[i]),
+                         float(scorer.shortest_stall_s[i]),
+                         self.reserved is not None and bool(self.reserved[i]),
+                         int(scorer.uncached_tokens[i]))
 
     def first(self, mask: np.ndarray, *keys: np.ndarray) -> int | None:
         """Row of the smallest (keys..., id) among `mask` (the first key is primary)."""
         rows = np.flatnonzero(mask)
-        if len(rows) == 0:
-            return None
+        if len(rows) <= 1:
+            return int(rows[0]) if len(rows) else None
         order = np.lexsort((self.arrays.id_rank[rows], *(k[rows] for k in reversed(keys))))
         return int(rows[order[0]])
 
@@ -84,7 +106,8 @@ class Scored:
 @dataclass(frozen=True)
 class InstanceScorer:
     """What scoring one request reads of every instance, computed once: the terms of
-    T that do not depend on the output length."""
+    T that do not depend on the output length, and whether taking the request harms
+    no admitted request (`Candidate.harmless`)."""
 
     request: RouteRequest
     arrays: ViewArrays
@@ -96,6 +119,7 @@ class InstanceScorer:
     stall_s: np.ndarray
     shortest_stall_s: np.ndarray
     uncached_tokens: np.ndarray
+    harmless: np.ndarray
 
     @classmethod
     def build(cls, request: RouteRequest, instances: tuple[InstanceView, ...] | list,
@@ -106,8 +130,9 @@ class InstanceScorer:
         queue, prefill_per_token, decode = status.estimate_arrays(arrays, now)
         context = request.num_context_tokens
         hits = np.asarray(view.prefix_hits_of(request, arrays.ids), dtype=np.float64)
+        uncached = np.maximum(context - hits, 1)
         if long_context:  # `latency.for_context`, column by column
-            span = hits + np.maximum(context - hits, 1) / 2
+            span = hits + uncached / 2
             prefill_per_token = prefill_per_token * np.maximum(
                 1.0, 1.0 + arrays.column("prefill_span_slope") * (span - SHORT_SPAN_TOKENS))
             decode = decode * np.maximum(
@@ -115,24 +140,26 @@ class InstanceScorer:
         if request.kv_ready_s is not None:
             prefill = np.zeros(len(arrays))
         else:
-            prefill = np.maximum(context - hits, 1) * prefill_per_token
+            prefill = uncached * prefill_per_token
         shortest = (budgets.shortest_stalls(arrays.ids) if budgets is not None
                     else np.full(len(arrays), math.inf))
+        room = arrays.column("kv_free_tokens") >= context - hits
+        stall = stall_factor * prefill
         return cls(request, arrays, now, kv_wait_s(request, now), queue + prefill, decode,
-                   arrays.column("kv_free_tokens") >= context - hits,
-                   stall_factor * prefill, shortest,
-                   np.maximum(context - hits, 0).astype(np.int64))
+                   room, stall, shortest, np.maximum(context - hits, 0).astype(np.int64),
+                   room & (stall <= shortest))
+
+    def latency_s(self, output_tokens: float) -> np.ndarray:
+        """T at `output_tokens` (the association of `latency_with_prefill_s`, so the
+        floats are the same)."""
+        generated = self.request.num_generated_tokens
+        return self.wait_s + (self.ahead_s + max(output_tokens - generated, 1.0)
+                              * self.decode_s)
 
     def score(self, output_tokens: float, floor_output_tokens: float = 1.0) -> Scored:
-        generated = self.request.num_generated_tokens
-        # the association of `latency_with_prefill_s`, so the floats are the same
-        latency = self.wait_s + (self.ahead_s + max(output_tokens - generated, 1.0)
-                                 * self.decode_s)
-        floor = self.wait_s + (self.ahead_s + max(floor_output_tokens - generated, 1.0)
-                               * self.decode_s)
-        return Scored(self.arrays, latency, self.request.deadline_s - (self.now + latency),
-                      floor, self.has_memory_room, self.stall_s, self.shortest_stall_s,
-                      np.zeros(len(self.arrays), dtype=bool), self.uncached_tokens)
+        latency = self.latency_s(output_tokens)
+        return Scored(self, floor_output_tokens, latency,
+                      self.request.deadline_s - (self.now + latency))
 
 
 def reserve_strongest(request: RouteRequest, scored: Scored, view: ClusterView,
@@ -145,7 +172,7 @@ def reserve_strongest(request: RouteRequest, scored: Scored, view: ClusterView,
     stranding = [i for i in rows if admissions.stranding(scored.arrays.ids[i])]
     if not stranding or not request.slo_s > admissions.slo_span_quantile_s(quantile):
         return scored
-    reserved = scored.reserved.copy()
+    reserved = np.zeros(len(scored.arrays), dtype=bool)
     reserved[stranding] = True
     return replace(scored, reserved=reserved)
 
@@ -154,12 +181,12 @@ def pick_just_enough(scored: Scored, variant: JustEnoughVariant, headroom: float
                      among: np.ndarray | None = None,
                      affinity_tokens: int | None = None) -> int | None:
     """`placer.pick_just_enough` over columns (`among` narrows the rows)."""
-    feasible = scored.feasible(headroom)
+    feasible = scored.feasible(headroom)  # kept by `scored`: narrowed into a new mask
     if among is not None:
-        feasible &= among
+        feasible = feasible & among
     if affinity_tokens is not None and feasible.any():  # `placer.near_cache`
-        least = scored.uncached_tokens[feasible].min()
-        feasible &= scored.uncached_tokens <= least + affinity_tokens
+        uncached = scored.scorer.uncached_tokens
+        feasible = feasible & (uncached <= uncached[feasible].min() + affinity_tokens)
     if variant == JustEnoughVariant.LEAST_SLACK:
         return scored.first(feasible, scored.slack_s)
     return scored.first(feasible, -scored.capability, scored.slack_s)
@@ -169,7 +196,7 @@ def pick_while_cold(scored: Scored, variant: JustEnoughVariant, headroom: float,
                     admissions: RecentAdmissions,
                     affinity_tokens: int | None = None) -> int | None:
     """`placer.pick_while_cold` over columns."""
-    spare = scored.feasible(headroom)
+    spare = scored.feasible(headroom).copy()
     for i in np.flatnonzero(spare):
         spare[i] = not admissions.contended(scored.arrays.ids[i])
     spare_row = scored.first(spare, scored.latency_s)
@@ -197,7 +224,7 @@ def fallback(scored: Scored, triage: bool, affinity_tokens: int | None = None) -
 
 def triage_sink(scored: Scored) -> int:
     """`placer.triage_sink` over columns."""
-    room = scored.has_memory_room
+    room = scored.scorer.has_memory_room
     admissible_room = room & scored.admissible()
     pool = (admissible_room if admissible_room.any()
             else room if room.any() else np.ones(len(room), dtype=bool))
