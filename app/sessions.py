@@ -4,8 +4,9 @@ Agentic traffic is closed-loop. A session arrives (Poisson or Gamma); each of it
 steps is an LLM call whose prompt is the application's shared prefix (system prompt and
 tools), then the session's own history, then what the last tool returned. A step is
 issued only when every step it waits for has finished, plus a tool wait (heavy-tailed:
-most tools answer in a second, a few take minutes). A step may fan out into parallel
-calls that a later step joins. Every step carries its own end-to-end deadline.
+most tools answer in a second, a few take minutes), and, where a session log gives the
+step its own arrival, not before that. A step may fan out into parallel calls that a
+later step joins. Every step carries its own end-to-end deadline.
 
 The session graph is drawn once, seeded, with every length fixed; only *when* each
 step is issued depends on the serving system. `StepReleases` is that dependency
@@ -21,19 +22,25 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from app.workload import (
     Arrivals,
+    Count,
+    Identifier,
     RateProfile,
     SyntheticArrivals,
     Workload,
     WorkloadRequest,
+    jsonl_rows,
+    parse_row,
+    row_error,
     shaped_arrivals,
 )
-from predictor.jsonl import iter_jsonl_objects
 
 SESSION_BLOCK_TOKENS = 256  # tokens per prefix-hash block of generated session prompts
 
@@ -53,6 +60,8 @@ class AgentStep:
     num_output_tokens: int
     block_hashes: tuple[int, ...]  # chained prefix hashes of the prompt
     hash_block_size: int = SESSION_BLOCK_TOKENS
+    # a session log's own arrival of the step, after its session's: never issued before
+    arrival_offset_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,7 @@ class AgentSession:
     arrival_s: float
     steps: tuple[AgentStep, ...]
     app: str = "app"
+    app_prefix_tokens: int = 0  # the app's shared prefix (system prompt, tools) in tokens
 
     def __post_init__(self) -> None:
         seen: set[str] = set()
@@ -74,8 +84,9 @@ class AgentSession:
             if step.step_id in seen:
                 raise ValueError(f"session {self.session_id}: step id {step.step_id} repeats")
             seen.add(step.step_id)
-        if not self.steps or self.steps[0].wait_for:
-            raise ValueError(f"session {self.session_id}: the first step must wait for nothing")
+        if not self.steps or self.steps[0].wait_for or self.steps[0].arrival_offset_s:
+            raise ValueError(f"session {self.session_id}: the first step must wait for "
+                             "nothing and arrive with its session")
 
 
 @dataclass(frozen=True)
@@ -84,10 +95,18 @@ class SessionGraph:
 
     parents: tuple[tuple[int, ...], ...]  # index -> indices it waits for
     tool_wait_s: tuple[float, ...]  # index -> wait after its last parent ends
+    # index -> the earliest it may be issued (its own arrival); None: as soon as ready
+    earliest_s: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if len(self.parents) != len(self.tool_wait_s):
             raise ValueError("one tool wait per request")
+        if self.earliest_s is not None and len(self.earliest_s) != len(self.parents):
+            raise ValueError("one earliest issue time per request")
+
+    def release_s(self, index: int, ready_s: float) -> float:
+        """When request `index` is issued once it is ready at `ready_s`."""
+        return ready_s if self.earliest_s is None else max(ready_s, self.earliest_s[index])
 
     @property
     def roots(self) -> list[int]:
@@ -107,12 +126,14 @@ def sessions_workload(
     """The sessions' steps as one workload (ids '<session>/<step>'), with their graph.
 
     A step's `arrival_s` is its session's arrival until it is released; requests are
-    ordered by session arrival, so the first steps are sorted as the simulator needs.
+    ordered by session arrival, so the first steps are sorted as the simulator needs. A
+    step's own arrival offset goes into the graph as the earliest it may be issued.
     """
     ordered = sorted(sessions, key=lambda s: (s.arrival_s, s.session_id))
     requests: list[WorkloadRequest] = []
     parents: list[tuple[int, ...]] = []
     waits: list[float] = []
+    earliest: list[float] = []
     for session in ordered:
         index = {}
         for number, step in enumerate(session.steps):
@@ -131,9 +152,11 @@ def sessions_workload(
             ))
             parents.append(tuple(index[w] for w in step.wait_for))
             waits.append(step.tool_wait_s)
+            earliest.append(session.arrival_s + step.arrival_offset_s)
     if not requests:
         raise ValueError("no sessions")
-    return Workload(tuple(requests), duration_s, name, SessionGraph(tuple(parents), tuple(waits)))
+    graph = SessionGraph(tuple(parents), tuple(waits), tuple(earliest))
+    return Workload(tuple(requests), duration_s, name, graph)
 
 
 # ---- release logic ----------------------------------------------------------------
@@ -150,7 +173,8 @@ class Release:
 @dataclass
 class StepReleases:
     """When each request of a workload is issued: open loop (at its arrival) or, with a
-    session graph, closed loop (when its parents ended, plus its tool wait).
+    session graph, closed loop (when its parents ended, plus its tool wait; a step that
+    waits for none at its arrival), never before the earliest time the graph gives it.
 
     A request whose parent was rejected, or never finished, is never issued: the
     session cannot go on without that step's answer. `cancelled` lists them so the
@@ -173,7 +197,7 @@ class StepReleases:
         else:
             if len(self.graph.parents) != len(self.requests):
                 raise ValueError("the session graph does not match the requests")
-            self._roots = self.graph.roots
+            self._roots = sorted(self.graph.roots, key=self._root_s)
             self._children = self.graph.children()
             self._num_waiting_on = [len(p) for p in self.graph.parents]
         self._root_rank = {index: rank for rank, index in enumerate(self._roots)}
@@ -196,7 +220,11 @@ class StepReleases:
         if rank >= len(self._roots):
             return None
         index = self._roots[rank]
-        return Release(self.requests[index].arrival_s, index)
+        return Release(self._root_s(index), index)
+
+    def _root_s(self, index: int) -> float:
+        arrival_s = self.requests[index].arrival_s
+        return arrival_s if self.graph is None else self.graph.release_s(index, arrival_s)
 
     def after_end(self, index: int, now: float, finished: bool) -> tuple[list[Release], list[int]]:
         """(requests now ready, requests cancelled) when request `index` ended at `now`;
@@ -209,7 +237,8 @@ class StepReleases:
         for child in self._children[index]:
             self._num_waiting_on[child] -= 1
             if self._num_waiting_on[child] == 0 and child not in self._released:
-                ready.append(Release(now + self.graph.tool_wait_s[child], child))
+                ready_s = now + self.graph.tool_wait_s[child]
+                ready.append(Release(self.graph.release_s(child, ready_s), child))
         return ready, []
 
     def _cancel_below(self, index: int) -> list[int]:
@@ -394,7 +423,7 @@ class SessionBuilder:
             waits = tuple(b[0] for b in branch_ids)
             tool_wait = shape.tool_wait.draw(rng, 1 + int(rng.poisson(
                 max(shape.tool_calls_per_step - 1.0, 0.0))))
-        return AgentSession(session_id, arrival_s, tuple(steps), f"app{app}")
+        return AgentSession(session_id, arrival_s, tuple(steps), f"app{app}", prefix_tokens)
 
     def _next_context(self, base: _Context, branches: list[tuple[str, _Context, int]],
                       session_id: str) -> tuple[_Context, int]:
@@ -485,113 +514,170 @@ def shaped_file_workload(path: str | Path, profile: RateProfile, seed: int = 0) 
 # ---- session trace files -----------------------------------------------------------
 
 
-def _number(row: dict[str, Any], name: str, where: str, minimum: float,
-            default: float | None = None) -> float:
-    value = row.get(name, default)
-    if value is None:
-        raise ValueError(f"{where}: missing field {name!r}")
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{where}: field {name!r}: expected a number, got {value!r}")
-    if not value >= minimum:
-        raise ValueError(f"{where}: field {name!r}: must be >= {minimum}, got {value!r}")
-    return float(value)
+class SessionLine(BaseModel):
+    """One line of a session log, one step (`load_session_trace` gives the meaning).
 
+    Unknown keys are errors: a misspelt optional field would silently change the replay."""
 
-def _parents(row: dict[str, Any], where: str) -> tuple[str, ...]:
-    parent = row.get("parent")
-    if parent is None:
-        return ()
-    if isinstance(parent, str | int) and not isinstance(parent, bool):
-        return (str(parent),)
-    if isinstance(parent, list) and all(isinstance(p, str | int) for p in parent):
-        return tuple(str(p) for p in parent)
-    raise ValueError(f"{where}: field 'parent': expected a step id or a list of them")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
+    session_id: Identifier
+    step_id: Identifier | None = None  # default: its position in the session
+    parent: Identifier | list[Identifier] | None = None
+    input_tokens: Count
+    appended_tokens: Annotated[int, Field(ge=0)] | None = None
+    output_tokens: Count
+    tool_wait_ms: float = Field(0.0, ge=0, allow_inf_nan=False)
+    arrival_ms: float | None = Field(None, ge=0, allow_inf_nan=False)
+    app: Identifier | None = None
+    app_prefix_tokens: int = Field(0, ge=0)
 
-@dataclass
-class _FileSession:
-    arrival_s: float | None = None
-    rows: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    @field_validator("appended_tokens")
+    @classmethod
+    def _within_input(cls, appended: int | None, info: ValidationInfo) -> int | None:
+        limit = info.data.get("input_tokens")
+        if appended is not None and limit is not None and appended > limit:
+            raise PydanticCustomError("appended_tokens_too_many",
+                                      "Input should be at most input_tokens ({limit})",
+                                      {"limit": limit})
+        return appended
+
+    @field_validator("app_prefix_tokens")
+    @classmethod
+    def _with_app(cls, num_tokens: int, info: ValidationInfo) -> int:
+        if num_tokens and info.data.get("app") is None:  # else silently no shared prefix
+            raise PydanticCustomError("app_missing", "Input should come with an 'app'")
+        return num_tokens
+
+    @property
+    def parents(self) -> tuple[str, ...]:
+        if self.parent is None:
+            return ()
+        return (self.parent,) if isinstance(self.parent, str) else tuple(self.parent)
 
 
 def load_session_trace(path: str | Path, block_size: int = SESSION_BLOCK_TOKENS
                        ) -> list[AgentSession]:
     """Sessions from a JSONL agent log, one step per line:
 
-    `session_id`, `step_id`, `parent` (a step id, a list of them, or null for the
-    first step), `input_tokens` (the whole prompt), `appended_tokens` (new at its end;
-    the rest is shared with its first parent's prompt and output), `output_tokens`,
-    `tool_wait_ms` (after the parents finish; default 0), `arrival_ms` (the session's
-    start, on its first step; default 0), `app` (optional: sessions of one app share
-    the prefix given by `app_prefix_tokens`). Steps come in any order after the ones
-    they wait for. ValueError names the file, line and field.
+    - `session_id`; `step_id` (default: its position in the session); `parent` (a step
+      id, a list of them, or null: steps it waits for);
+    - `input_tokens` (the whole prompt), `output_tokens`;
+    - `appended_tokens`: new at the prompt's end; the rest is shared with its first
+      parent's prompt and output. Default: what its input adds to that context, all of
+      its input for a step without a parent;
+    - `tool_wait_ms` (default 0): from the end of its last parent to when it may be sent;
+    - `arrival_ms` (ms from the log's start): on a session's first line, the session's
+      start (default 0); on a later line, the earliest the step may be sent, not before
+      its session's start. A step is sent at the later of its own arrival and its last
+      parent's end plus its tool wait: a log's arrivals are what the user or the
+      clock did, the waits what the serving system makes it wait for. Rescaling the
+      session rate moves a session's start; its steps keep their offsets from it;
+    - `app`, `app_prefix_tokens` (on a session's first line; later lines may repeat
+      them): every step of the session's prompts starts with the app's shared prefix,
+      whatever it shares with its parent (a step whose history was compacted keeps it).
+
+    Ids are strings or integers; counts are integers; times are numbers. Steps come in
+    any order after the ones they wait for. Errors name the file, line and field.
     """
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"file not found: {path}")
-    grouped: dict[str, _FileSession] = {}
-    for where, _, row in iter_jsonl_objects(path):
-        if not isinstance(row.get("session_id"), str | int):
-            raise ValueError(f"{where}: field 'session_id': expected a string")
-        entry = grouped.setdefault(str(row["session_id"]), _FileSession())
-        if "arrival_ms" in row or not entry.rows:
-            arrival = _number(row, "arrival_ms", where, 0, 0.0) / 1000
-            entry.arrival_s = arrival if entry.arrival_s is None else min(entry.arrival_s,
-                                                                          arrival)
-        entry.rows.append((where, row))
+    grouped: dict[str, list[tuple[str, SessionLine]]] = {}
+    for where, row in jsonl_rows(path):
+        line = parse_row(SessionLine, row, where)
+        grouped.setdefault(line.session_id, []).append((where, line))
     if not grouped:
         raise ValueError(f"{path}: no sessions in file")
-    return [_file_session(sid, entry, block_size) for sid, entry in grouped.items()]
+    return [_file_session(sid, lines, block_size) for sid, lines in grouped.items()]
 
 
-def _file_session(session_id: str, entry: _FileSession, block_size: int) -> AgentSession:
+def _file_session(session_id: str, lines: list[tuple[str, SessionLine]],
+                  block_size: int) -> AgentSession:
+    first = lines[0][1]
+    arrival_s = (first.arrival_ms or 0.0) / 1000
+    app = _AppPrefix(first.app, first.app_prefix_tokens, block_size)
     contexts: dict[str, tuple[_Context, int]] = {}  # step id -> (prompt, output)
-    steps = []
-    app = None
-    for where, row in entry.rows:
-        step_id = str(row.get("step_id", len(steps)))
-        parents = _parents(row, where)
-        prompt_tokens = int(_number(row, "input_tokens", where, 1))
-        appended = int(_number(row, "appended_tokens", where, 0, prompt_tokens))
-        output = int(_number(row, "output_tokens", where, 1))
-        wait = _number(row, "tool_wait_ms", where, 0, 0.0) / 1000
-        if appended > prompt_tokens:
-            raise ValueError(f"{where}: appended_tokens exceeds input_tokens")
-        unknown = [p for p in parents if p not in contexts]
+    steps: list[AgentStep] = []
+    for where, line in lines:
+        app.check_repeated(line, where)
+        step_id = line.step_id if line.step_id is not None else str(len(steps))
+        unknown = [p for p in line.parents if p not in contexts]
         if unknown:
-            raise ValueError(f"{where}: parent {unknown[0]!r} is not an earlier step of "
-                             f"session {session_id!r}")
-        app = app or (str(row["app"]) if row.get("app") is not None else None)
-        shared = prompt_tokens - appended
-        base = _app_context(row, where, block_size, session_id)
-        if parents:
-            parent_prompt, parent_output = contexts[parents[0]]
-            history = parent_prompt.extend(parent_output, block_size)
-            keep = min(shared, history.num_tokens)
-            base = _Context(keep, history.block_hashes[: keep // block_size],
-                            f"{session_id}/{step_id}")
-        prompt = replace(base, origin=f"{session_id}/{step_id}").extend(
-            prompt_tokens - base.num_tokens, block_size) if prompt_tokens > base.num_tokens \
-            else base
-        contexts[step_id] = (prompt, output)
-        steps.append(AgentStep(step_id, parents, wait, prompt_tokens, appended, output,
-                               tuple(prompt.block_hashes[: prompt_tokens // block_size]),
-                               block_size))
-    return AgentSession(session_id, entry.arrival_s or 0.0, tuple(steps), app or "app")
+            raise row_error(where, "parent", f"{unknown[0]!r} is not an earlier step of "
+                                             f"session {session_id!r}")
+        offset_s = 0.0
+        if line.arrival_ms is not None and steps:
+            offset_s = line.arrival_ms / 1000 - arrival_s
+            if offset_s < 0:
+                raise row_error(where, "arrival_ms", "before its session's start "
+                                                     f"({arrival_s * 1000:g} ms)")
+        parent = contexts[line.parents[0]] if line.parents else None
+        prompt, appended = _step_prompt(line, parent, app, f"{session_id}/{step_id}")
+        contexts[step_id] = (prompt, line.output_tokens)
+        steps.append(AgentStep(
+            step_id, line.parents, line.tool_wait_ms / 1000, line.input_tokens, appended,
+            line.output_tokens, tuple(prompt.block_hashes[: line.input_tokens // block_size]),
+            block_size, offset_s))
+    return AgentSession(session_id, arrival_s, tuple(steps), app.name or "app",
+                        app.num_tokens)
 
 
-def _app_context(row: dict[str, Any], where: str, block_size: int,
-                 session_id: str) -> _Context:
-    """A first step's shared application prefix (none without `app`)."""
-    if row.get("app") is None:
-        return _Context(0, [], session_id)
-    tokens = int(_number(row, "app_prefix_tokens", where, 0, 0.0))
-    tokens = min(tokens, int(_number(row, "input_tokens", where, 1)))
-    return _Context(0, [], f"app:{row['app']}").extend(tokens, block_size)
+@dataclass(frozen=True)
+class _AppPrefix:
+    """A session's application and the prefix every prompt of it starts with."""
+
+    name: str | None
+    num_tokens: int
+    block_size: int
+
+    def context(self, num_prompt_tokens: int) -> _Context:
+        """The prefix, cut to a prompt of `num_prompt_tokens` (none without an app)."""
+        if self.name is None:
+            return _Context(0, [], "")
+        tokens = min(self.num_tokens, num_prompt_tokens)
+        return _Context(0, [], f"app:{self.name}").extend(tokens, self.block_size)
+
+    def check_repeated(self, line: SessionLine, where: str) -> None:
+        """A later line may repeat its session's app and prefix, not give others."""
+        for name, value in (("app", self.name), ("app_prefix_tokens", self.num_tokens)):
+            if name in line.model_fields_set and getattr(line, name) != value:
+                raise row_error(where, name, f"differs from its session's first line "
+                                             f"({value!r})")
+
+
+def _step_prompt(line: SessionLine, parent: tuple[_Context, int] | None, app: _AppPrefix,
+                 origin: str) -> tuple[_Context, int]:
+    """A step's prompt and its appended tokens: the app prefix, then what it shares with
+    its first parent's prompt and output, then its own new tokens (named by `origin`)."""
+    num_tokens = line.input_tokens
+    prefix = app.context(num_tokens)
+    base = prefix
+    if parent is not None:
+        parent_prompt, parent_output = parent
+        history = parent_prompt.extend(parent_output, app.block_size)
+        if line.appended_tokens is not None:
+            shared = num_tokens - line.appended_tokens
+        elif num_tokens >= history.num_tokens:  # it extends its parent's context
+            shared = history.num_tokens
+        else:  # its history was rewritten (compacted): only the app prefix is known
+            shared = prefix.num_tokens
+        keep = min(shared, history.num_tokens)
+        if keep > prefix.num_tokens:
+            base = _Context(keep, history.block_hashes[: keep // app.block_size], origin)
+    if line.appended_tokens is not None:
+        appended = line.appended_tokens
+    elif parent is None:  # all of a first prompt is new to its session
+        appended = num_tokens
+    else:
+        appended = num_tokens - base.num_tokens
+    prompt = replace(base, origin=origin)
+    if num_tokens > base.num_tokens:
+        prompt = prompt.extend(num_tokens - base.num_tokens, app.block_size)
+    return prompt, appended
 
 
 def iter_session_rows(sessions: Sequence[AgentSession]) -> Iterator[dict[str, Any]]:
-    """The sessions as rows of the JSONL format `load_session_trace` reads."""
+    """The sessions as rows of the JSONL format `load_session_trace` reads, with every
+    field it reads: a log written and loaded back gives the same sessions."""
     for session in sessions:
         for number, step in enumerate(session.steps):
             row: dict[str, Any] = {
@@ -599,11 +685,18 @@ def iter_session_rows(sessions: Sequence[AgentSession]) -> Iterator[dict[str, An
                 "parent": list(step.wait_for) or None, "input_tokens": step.num_prompt_tokens,
                 "appended_tokens": step.num_appended_tokens,
                 "output_tokens": step.num_output_tokens,
-                "tool_wait_ms": round(step.tool_wait_s * 1000, 3),
+                "tool_wait_ms": _ms(step.tool_wait_s),
             }
             if number == 0:
-                row["arrival_ms"] = round(session.arrival_s * 1000, 3)
+                row |= {"arrival_ms": _ms(session.arrival_s), "app": session.app,
+                        "app_prefix_tokens": session.app_prefix_tokens}
+            elif step.arrival_offset_s:
+                row["arrival_ms"] = _ms(session.arrival_s + step.arrival_offset_s)
             yield row
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 3)
 
 
 def file_workload(path: str | Path, *, rate: float | None = None,

@@ -3,8 +3,9 @@
 A workload is two independent choices zipped together: *when* requests arrive
 (a time-scaled, windowed trace, or a synthetic process: Poisson, a bursty Gamma
 renewal process, or batches of simultaneous arrivals) and *what* they are (the trace's own
-lengths and prefix blocks, or real prompts with real output lengths). Loaders
-fail with a ValueError naming the file, line and field, never a bare KeyError.
+lengths and prefix blocks, or real prompts with real output lengths). Loaders read
+each row through a strict pydantic schema (a token count is an integer, not "12" nor
+12.0) and fail with one error form, `file:line: field 'name': what is wrong`.
 """
 
 from __future__ import annotations
@@ -16,10 +17,22 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from enum import StrEnum
+from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import numpy as np
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    TypeAdapter,
+    ValidationError,
+)
+from pydantic_core import PydanticCustomError
 
 from app.engines.prefix import prefix_block_hashes
 from app.routing.view import RouteRequest
@@ -30,6 +43,17 @@ if TYPE_CHECKING:
 
 MOONCAKE_BLOCK_TOKENS = 512  # tokens per Mooncake hash_id
 TEXT_BYTES_PER_BLOCK = 64  # ~16 Llama-3 tokens of English text
+
+Row = TypeVar("Row")
+
+
+def _integer_as_text(value: object) -> object:
+    """An id written as an integer, as its text; anything else as given."""
+    return str(value) if type(value) is int else value
+
+
+Identifier = Annotated[StrictStr, BeforeValidator(_integer_as_text)]  # a string or an integer
+Count = Annotated[StrictInt, Field(ge=1)]  # a token count: an integer, not "12" nor 12.0
 
 
 @dataclass(frozen=True)
@@ -121,15 +145,19 @@ class TraceRow:
 
 @dataclass(frozen=True)
 class PromptRow:
-    """One row of prompt_lengths.jsonl: a real prompt and a real answer length."""
+    """One row of prompt_lengths.jsonl: a real prompt and a real answer length.
 
-    prompt_id: str
-    source: str
-    task: str
-    model: str
-    prompt_tokens: int
-    output_tokens: int
-    prompt: str
+    Also the row's schema (`parse_row`): every field strict, other keys ignored."""
+
+    __pydantic_config__ = ConfigDict(extra="ignore")
+
+    prompt_id: Identifier
+    source: StrictStr
+    task: StrictStr
+    model: StrictStr  # the model that answered
+    prompt_tokens: Count
+    output_tokens: Count
+    prompt: StrictStr
 
     def content(self) -> Content:
         hashes = text_block_hashes(self.prompt, self.prompt_tokens)
@@ -152,56 +180,68 @@ def text_block_hashes(text: str, num_tokens: int, block_size: int = 16) -> tuple
 # ---- file parsing ---------------------------------------------------------------
 
 
-def _field(row: dict[str, Any], name: str, where: str, kind: type, minimum: float) -> Any:
-    if name not in row:
-        raise ValueError(f"{where}: missing field {name!r}")
-    value = row[name]
+def row_error(where: str, field: str, message: str) -> ValueError:
+    """The one error every loader raises for a bad row: `file:line: field 'name': ...`."""
+    return ValueError(f"{where}: field {field!r}: {message}")
+
+
+@cache
+def _adapter(schema: type[Row]) -> TypeAdapter[Row]:
+    return TypeAdapter(schema)
+
+
+def parse_row(schema: type[Row], row: dict[str, Any], where: str) -> Row:
+    """`row` validated as `schema`; its first error as a `row_error`."""
     try:
-        if isinstance(value, bool):
-            raise TypeError
-        number = kind(value)
-        if kind is int and number != float(value):
-            raise ValueError
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"{where}: field {name!r}: expected {kind.__name__}, got {value!r}"
-        ) from None
-    if not number >= minimum:  # also rejects NaN
-        raise ValueError(f"{where}: field {name!r}: must be >= {minimum}, got {value!r}")
-    return number
+        return _adapter(schema).validate_python(row)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise row_error(where, str(first["loc"][0]), first["msg"]) from None
 
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+def jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(file:line, object) for every non-blank line of an existing JSON-lines file."""
     if not path.is_file():
         raise ValueError(f"file not found: {path}")
     for where, _, row in iter_jsonl_objects(path):
         yield where, row
 
 
-def _hash_ids(row: dict[str, Any], where: str) -> tuple[int, ...]:
-    ids = row.get("hash_ids", [])
-    if not isinstance(ids, list) or not all(isinstance(h, int) for h in ids):
-        raise ValueError(f"{where}: field 'hash_ids': expected a list of integers")
-    return tuple(ids)
+class MooncakeLine(BaseModel):
+    """One line of a Mooncake trace; other keys are ignored."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    timestamp: float = Field(ge=0, allow_inf_nan=False)  # ms from the trace's start
+    input_length: Count
+    output_length: Count
+    hash_ids: list[int] = []  # one id per 512-token block; equal ids, shared prefix
+
+    def trace_row(self) -> TraceRow:
+        content = Content(self.input_length, self.output_length, tuple(self.hash_ids),
+                          MOONCAKE_BLOCK_TOKENS)
+        return TraceRow(self.timestamp / 1000.0, content)
 
 
 def load_mooncake(path: str | Path) -> list[TraceRow]:
     """Mooncake JSONL: timestamp (ms), input_length, output_length, hash_ids (512-token)."""
     path = Path(path)
-    rows = []
-    for where, row in _jsonl_rows(path):
-        content = Content(
-            num_prompt_tokens=_field(row, "input_length", where, int, 1),
-            num_output_tokens=_field(row, "output_length", where, int, 1),
-            block_hashes=_hash_ids(row, where),
-            hash_block_size=MOONCAKE_BLOCK_TOKENS,
-        )
-        rows.append(TraceRow(_field(row, "timestamp", where, float, 0) / 1000.0, content))
+    rows = [parse_row(MooncakeLine, row, where).trace_row() for where, row in jsonl_rows(path)]
     return _nonempty(rows, path)
 
 
-def _parse_timestamp(value: str, where: str) -> float:
-    """Azure traces use datetimes; plain numbers are taken as seconds."""
+def _decimal_text_as_integer(value: object) -> object:
+    """A CSV cell holding a plain decimal integer, as that integer; anything else as
+    given, for the strict check to reject ("12.0" is not a count)."""
+    if isinstance(value, str) and (text := value.strip()).isascii() and text.isdecimal():
+        return int(text)
+    return value
+
+
+def _text_as_seconds(value: object) -> object:
+    """Azure timestamps are datetimes; plain numbers are taken as seconds."""
+    if not isinstance(value, str):
+        return value
     try:
         return float(value)
     except ValueError:
@@ -209,7 +249,23 @@ def _parse_timestamp(value: str, where: str) -> float:
     try:
         return datetime.fromisoformat(value.strip()).timestamp()
     except ValueError:
-        raise ValueError(f"{where}: field 'TIMESTAMP': not a datetime: {value!r}") from None
+        raise PydanticCustomError(
+            "timestamp", "Input should be a datetime or a number of seconds") from None
+
+
+CsvCount = Annotated[StrictInt, BeforeValidator(_decimal_text_as_integer), Field(ge=1)]
+
+
+class AzureLine(BaseModel):
+    """One row of an Azure LLM inference trace (CSV: every cell is text); other columns
+    are ignored."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    arrival_s: Annotated[float, BeforeValidator(_text_as_seconds)] = Field(
+        alias="TIMESTAMP", allow_inf_nan=False)
+    num_prompt_tokens: CsvCount = Field(alias="ContextTokens")
+    num_output_tokens: CsvCount = Field(alias="GeneratedTokens")
 
 
 def load_azure(path: str | Path) -> list[TraceRow]:
@@ -220,17 +276,11 @@ def load_azure(path: str | Path) -> list[TraceRow]:
     except FileNotFoundError:
         raise ValueError(f"file not found: {path}") from None
     reader = csv.DictReader(text.splitlines())
-    missing = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} - set(reader.fieldnames or ())
-    if missing:
-        raise ValueError(f"{path}:1: missing column(s) {sorted(missing)}")
     rows = []
-    for lineno, row in enumerate(reader, start=2):
-        where = f"{path}:{lineno}"
-        content = Content(
-            num_prompt_tokens=_field(row, "ContextTokens", where, int, 1),
-            num_output_tokens=_field(row, "GeneratedTokens", where, int, 1),
-        )
-        rows.append(TraceRow(_parse_timestamp(row["TIMESTAMP"] or "", where), content))
+    for row in reader:
+        line = parse_row(AzureLine, row, f"{path}:{reader.line_num}")
+        rows.append(TraceRow(line.arrival_s,
+                             Content(line.num_prompt_tokens, line.num_output_tokens)))
     rows.sort(key=lambda r: r.arrival_s)
     start = rows[0].arrival_s if rows else 0.0
     rows = [replace(r, arrival_s=r.arrival_s - start) for r in rows]
@@ -248,24 +298,13 @@ def load_trace(path: str | Path) -> list[TraceRow]:
 
 
 def load_prompts(path: str | Path) -> list[PromptRow]:
-    """prompt_lengths.jsonl rows (real prompt text + real output token counts)."""
+    """prompt_lengths.jsonl rows (real prompt text + real output token counts). A row
+    without `prompt_id` is named by its file and line; `source`, `task` and `model`
+    default to empty."""
     path = Path(path)
-    rows = []
-    for where, row in _jsonl_rows(path):
-        text = row.get("prompt")
-        if not isinstance(text, str):
-            raise ValueError(f"{where}: field 'prompt': expected a string")
-        rows.append(
-            PromptRow(
-                prompt_id=str(row.get("prompt_id", where)),
-                source=str(row.get("source", "")),
-                task=str(row.get("task", "")),
-                model=str(row.get("model", "")),
-                prompt_tokens=_field(row, "prompt_tokens", where, int, 1),
-                output_tokens=_field(row, "output_tokens", where, int, 1),
-                prompt=text,
-            )
-        )
+    rows = [parse_row(PromptRow, {"prompt_id": where, "source": "", "task": "", "model": ""}
+                      | row, where)
+            for where, row in jsonl_rows(path)]
     return _nonempty(rows, path)
 
 

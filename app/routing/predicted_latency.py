@@ -63,7 +63,7 @@ class PredictedLatencyConfig:
     # latency-predictor sidecar (training server)
     quantile: float = 0.9  # LATENCY_QUANTILE_ALPHA: models predict the p90
     min_samples_to_fit: int = 10  # LATENCY_MIN_SAMPLES_FOR_RETRAIN_FRESH
-    refit_every_num_samples: int = 100  # the sidecar retrains every LATENCY_RETRAINING_INTERVAL_SEC
+    retraining_interval_s: float = 1.0  # LATENCY_RETRAINING_INTERVAL_SEC
     max_samples_per_bucket: int = 500  # LATENCY_MAX_TRAINING_DATA_SIZE_PER_BUCKET
 
 
@@ -118,10 +118,17 @@ class OnlineLatencyModel:
     gradient boosting with the same depth, rounds, rate and p90 loss. It has no row
     or column subsampling and a fixed seed, so it is deterministic.
 
-    The sidecar retrains every second once it holds 10 samples. This model refits
-    after every `refit_every_num_samples` finished requests instead, so the refit
-    cost does not grow with load and no clock is read. Until the TPOT model exists,
-    TPOT is predicted as 0, i.e. never the reason to avoid an endpoint.
+    The sidecar retrains on a timer, every LATENCY_RETRAINING_INTERVAL_SEC (1 s in
+    llm-d/llm-d-latency-predictor, `deploy/base/training/configmap.yaml`), on every
+    sample it holds once it holds 10 (`training/training_server.py`,
+    `continuous_training_loop` and `train`). Here the timer ticks at the multiples of
+    `retraining_interval_s` of the caller's clock: the first `add` or `predict` after a
+    tick refits on the samples received before it, so the model in use at time t was
+    fitted at the last tick before t, as the sidecar's is. Not modelled: the
+    scheduler sends its samples in batches every second (`FlushInterval`), and the
+    prediction servers fetch each new model every MODEL_SYNC_INTERVAL_SEC (10 s in
+    `deploy/base/prediction/configmap.yaml`). Until the TPOT model exists, TPOT is
+    predicted as 0, i.e. never the reason to avoid an endpoint.
 
     Fits and predictions run on one OpenMP thread. The data is small, and simulator
     cells running side by side would otherwise oversubscribe the cores; on a busy
@@ -129,11 +136,11 @@ class OnlineLatencyModel:
     """
 
     def __init__(self, quantile: float = 0.9, min_samples_to_fit: int = 10,
-                 refit_every_num_samples: int = 100, max_samples_per_bucket: int = 500,
+                 retraining_interval_s: float = 1.0, max_samples_per_bucket: int = 500,
                  random_state: int = 42) -> None:
         self.quantile = quantile
         self.min_samples_to_fit = min_samples_to_fit
-        self.refit_every_num_samples = refit_every_num_samples
+        self.retraining_interval_s = retraining_interval_s
         self.max_samples_per_bucket = max_samples_per_bucket
         self.random_state = random_state
         self.ttft_model_: HistGradientBoostingRegressor | None = None
@@ -141,24 +148,34 @@ class OnlineLatencyModel:
         self._ttft_samples: Samples = {}
         self._tpot_samples: Samples = {}
         self._num_since_fit = 0
+        self._last_tick = -math.inf  # index of the latest retraining tick handled
         self._threads: ThreadpoolController | None = None
 
-    def add(self, features: LatencyFeatures, ttft_s: float | None, tpot_s: float | None) -> None:
-        """Learn from one finished request (features as at its dispatch); refit when due."""
+    def add(self, features: LatencyFeatures, ttft_s: float | None, tpot_s: float | None,
+            now: float) -> None:
+        """Learn from one request's latencies (features as at its dispatch), received at
+        `now`: after the refit of any tick that came before it."""
+        self.retrain_if_due(now)
         if ttft_s is not None and ttft_s > 0:
             self._store(self._ttft_samples, features.bucket_key(features.prefix_cache_score),
                         features.ttft_row(), ttft_s)
         if tpot_s is not None and tpot_s > 0:  # TPOT entries carry a prefix score of 0
             self._store(self._tpot_samples, features.bucket_key(0.0), features.tpot_row(), tpot_s)
-        self._num_since_fit += 1
-        fitted = self.ttft_model_ is not None
-        due = self.refit_every_num_samples if fitted else self.min_samples_to_fit
-        if self._num_since_fit >= due:
+
+    def retrain_if_due(self, now: float) -> None:
+        """Run the retraining of the latest tick at or before `now`, if not yet run. A
+        tick with no new sample would refit the same model, so it is skipped."""
+        tick = math.floor(now / self.retraining_interval_s)
+        if tick <= self._last_tick:
+            return
+        self._last_tick = tick
+        if self._num_since_fit:
             self.refit()
 
     def _store(self, samples: Samples, key: tuple[int, int, int], row: tuple[float, ...],
                target_s: float) -> None:
         samples.setdefault(key, deque(maxlen=self.max_samples_per_bucket)).append((row, target_s))
+        self._num_since_fit += 1
 
     def refit(self) -> OnlineLatencyModel:
         for name, samples in (("ttft_model_", self._ttft_samples),
@@ -183,8 +200,11 @@ class OnlineLatencyModel:
         with self._one_thread():
             return model.fit(np.array([r for r, _ in rows]), np.array([t for _, t in rows]))
 
-    def predict(self, features: Sequence[LatencyFeatures]) -> tuple[np.ndarray, np.ndarray] | None:
-        """Predicted (TTFT, TPOT) seconds per feature row; None until a TTFT model exists."""
+    def predict(self, features: Sequence[LatencyFeatures],
+                now: float) -> tuple[np.ndarray, np.ndarray] | None:
+        """Predicted (TTFT, TPOT) seconds per feature row by the model in use at `now`;
+        None until a TTFT model exists."""
+        self.retrain_if_due(now)
         if self.ttft_model_ is None:
             return None
         with self._one_thread():
@@ -314,16 +334,21 @@ class PredictedLatencyPolicy(SeededPolicy):
       others instead 1% of the time.
     - TPOT budget: the request's TPOT SLO, lowered to the tightest TPOT SLO among the
       requests still running on that endpoint.
-    - Cold start: until the sidecar has 10 samples, scoring falls back to the
-      scorer's composite of free KV, relative queue and prefix score. The real
+    - Cold start: until the sidecar has fitted on 10 samples, scoring falls back to
+      the scorer's composite of free KV, relative queue and prefix score. The real
       sidecar would answer with a constant 10 ms prior, which ties every endpoint.
     - Runs llm-d's streaming mode, which its per-request TTFT and TPOT SLOs need:
       both models are trained, and both headrooms are checked.
+    - Prefill tokens in flight count on the serving endpoint until the request
+      finishes, as llm-d counts them there (only a separate prefill pod's count
+      drops at the first token: `ResponseBody` in llm-d/llm-d-inference-scheduler,
+      `pkg/epp/framework/plugins/requestcontrol/dataproducer/predictedlatency/
+      requestcontrol_hooks.go`).
 
     Deviations:
-    - Prefill tokens in flight drop when the request finishes, not at its first
-      token. This is llm-d's non-streaming accounting; the policy hears only of
-      finishes.
+    - The TTFT sample reaches the model when the request finishes. llm-d's streaming
+      mode sends it at the first token (`processFirstTokenForLatencyPrediction`,
+      same file); a policy hears of a request again only at its finish.
     - Input length counts tokens, not words.
     - The sidecar's gated no-queue/queued sub-models and 10% hold-out are left out.
     - No admission: the latency-slo-admitter sheds only negative-priority requests.
@@ -337,7 +362,7 @@ class PredictedLatencyPolicy(SeededPolicy):
         self.config = config or PredictedLatencyConfig()
         c = self.config
         self.model = model or OnlineLatencyModel(
-            c.quantile, c.min_samples_to_fit, c.refit_every_num_samples,
+            c.quantile, c.min_samples_to_fit, c.retraining_interval_s,
             c.max_samples_per_bucket)
         self._dispatched: dict[str, Dispatch] = {}  # request id -> dispatch
         self._prefill_tokens_on: Counter[InstanceId] = Counter()
@@ -348,7 +373,7 @@ class PredictedLatencyPolicy(SeededPolicy):
         candidates = view.holding(request)
         if not candidates:
             return no_fit(request)
-        endpoints = self.endpoints(request, candidates, view)
+        endpoints = self.endpoints(request, candidates, view, now)
         endpoints = self._affinity(endpoints, self.config.strict_affinity_threshold)
         endpoints = self._headroom_tier(endpoints)
         endpoints = self._affinity(endpoints, self.config.loose_affinity_threshold)
@@ -361,12 +386,13 @@ class PredictedLatencyPolicy(SeededPolicy):
         return chosen.inst.instance_id
 
     def endpoints(self, request: RouteRequest, candidates: Sequence[InstanceView],
-                  view: ClusterView) -> list[Endpoint]:
-        """Each candidate with its features, predictions and headrooms."""
+                  view: ClusterView, now: float) -> list[Endpoint]:
+        """Each candidate with its features, predictions (by the model in use at `now`)
+        and headrooms."""
         hits = view.prefix_hits_of(request, [v.instance_id for v in candidates])
         features = [self._features(request, v, int(h))
                     for v, h in zip(candidates, hits, strict=True)]
-        predicted = self.model.predict(features)
+        predicted = self.model.predict(features, now)
         if predicted is None:
             return [Endpoint(v, f, None, None, 0.0, 0.0, self._num_dispatched(v))
                     for v, f in zip(candidates, features, strict=True)]
@@ -450,7 +476,7 @@ class PredictedLatencyPolicy(SeededPolicy):
         ttft_s = report.first_token_s - report.request.arrival_s
         tpot_s = ((report.finish_s - report.first_token_s) / (report.num_output_tokens - 1)
                   if report.num_output_tokens > 1 else None)
-        self.model.add(dispatch.features, ttft_s, tpot_s)
+        self.model.add(dispatch.features, ttft_s, tpot_s, now)
 
     def on_drop(self, request: RouteRequest, now: float) -> None:
         self._forget(request.request_id)

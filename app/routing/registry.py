@@ -58,6 +58,7 @@ class PolicyKind(StrEnum):
     GOODSERVE_LEAST_SLACK = "goodserve-least-slack"
     GOODSERVE_ADMISSION = "goodserve-admission"
     GOODSERVE_SESSION_LENGTHS = "goodserve-session-lengths"
+    GOODSERVE_PAPER = "goodserve-paper"  # the paper's algorithm, every addition off
 
     @classmethod
     def from_str(cls, name: str) -> PolicyKind:
@@ -78,7 +79,7 @@ SIM_ONLY = frozenset({PolicyKind.GOODSERVE_EXACT})
 ABLATIONS = frozenset({
     PolicyKind.GOODSERVE_NO_MIGRATION, PolicyKind.GOODSERVE_HISTORY,
     PolicyKind.GOODSERVE_LEAST_SLACK, PolicyKind.GOODSERVE_ADMISSION,
-    PolicyKind.GOODSERVE_SESSION_LENGTHS,
+    PolicyKind.GOODSERVE_SESSION_LENGTHS, PolicyKind.GOODSERVE_PAPER,
 })
 
 
@@ -118,6 +119,13 @@ def _goodserve(
     config = options.goodserve.model_copy(update=overrides)
     policy, watchdog = make_goodserve(length, config)
     return RoutingStack(policy, watchdog, policy.status)
+
+
+def _paper(options: RoutingOptions) -> RoutingStack:
+    """GoodServe as the paper has it: the options' length estimator and knobs with
+    every addition beyond the paper off (`GoodServeConfig.paper_algorithm`)."""
+    paper = replace(options, goodserve=options.goodserve.paper_algorithm())
+    return _goodserve(paper, paper.goodserve_length())
 
 
 def _exact_lengths(options: RoutingOptions) -> RoutingStack:
@@ -196,6 +204,7 @@ for _kind, _builder in {
         o, o.goodserve_length(), admission_control=True
     ),
     PolicyKind.GOODSERVE_SESSION_LENGTHS: lambda o: _goodserve(o, SessionHistoryLength()),
+    PolicyKind.GOODSERVE_PAPER: _paper,
 }.items():
     POLICY_REGISTRY.register(_kind, _builder)
 

@@ -1040,3 +1040,30 @@ def test_long_context_estimates_follow_the_hardware_model_and_leave_short_ones_a
     chunk = spec.solo_phases_s(context, 2, num_cached_tokens=hit)[0]
     assert prefill_time_s(request, for_context(prior, spec, request, hit), hit) == (
         pytest.approx(chunk, rel=0.15))
+
+
+def test_paper_variant_turns_every_addition_off_and_keeps_the_papers_knobs():
+    config = GoodServeConfig(alpha=0.3, tau_iterations=40, variant=JustEnoughVariant.LEAST_SLACK,
+                             admission_control=True)
+    paper = config.paper_algorithm()
+    assert paper.variant is JustEnoughVariant.WEAKEST  # the paper's rule
+    assert paper.headroom == 0.0
+    assert not paper.admission_control
+    assert paper.cache_affinity_tokens is None
+    assert not paper.long_context_estimates
+    assert paper.triage is False and paper.triage_min_context_tokens is None
+    assert not paper.protect_admitted  # do-no-harm budgets
+    assert paper.confidence_quantile == 0.5  # the point estimate alone
+    assert not paper.fast_while_cold
+    assert paper.reservation_quantile == 1.0
+    assert paper.budget_refresh_iterations == 40  # the watchdog runs every tau
+    assert paper.reestimate is LengthReestimate.REPREDICT
+    assert (paper.migration_margin, paper.migration_cost_quantile) == (0.0, 1.0)
+    assert (paper.alpha, paper.tau_iterations, paper.max_migrations_per_request) == (0.3, 40, 1)
+
+    stack = build_routing("goodserve-paper", RoutingOptions(goodserve=config))
+    assert isinstance(stack.watchdog, SloWatchdog)
+    assert isinstance(stack.policy.length, RunningHistoryLength)  # the options' estimator
+    expected = paper.for_length(stack.policy.length)
+    assert stack.policy.config == expected and stack.watchdog.config == expected
+    assert stack.watchdog.check_period_iterations == 40

@@ -8,10 +8,13 @@ from dataclasses import replace
 
 import pytest
 
+from app.engine_types import EngineStatus, PrefillTotals
 from app.routing.base import Reject
 from app.routing.cache_aware import PreblePolicy
 from app.routing.kv_router import KvRouterPolicy, softmax_pick
 from app.routing.predicted_latency import (
+    LatencyFeatures,
+    OnlineLatencyModel,
     PredictedLatencyConfig,
     PredictedLatencyPolicy,
     composite_scores,
@@ -19,7 +22,7 @@ from app.routing.predicted_latency import (
     latency_scores,
 )
 from app.routing.registry import PolicyKind, make_policy
-from app.routing.session_affinity import SessionAffinityPolicy
+from app.routing.session_affinity import HashRing, SessionAffinityPolicy, ring_point
 from app.routing.view import FinishReport
 from tests.unit.routing_utils import SPECS, make_cluster, make_request, make_view
 
@@ -36,6 +39,15 @@ def finish(request, instance_id: str, first_token_s: float, num_output_tokens: i
            tpot_s: float = 0.02) -> FinishReport:
     finish_s = first_token_s + tpot_s * (num_output_tokens - 1)
     return FinishReport(request, instance_id, num_output_tokens, first_token_s, finish_s)
+
+
+def computed(instance_id: str, num_prompt_tokens: int) -> EngineStatus:
+    """An engine report that counts `num_prompt_tokens` prompt tokens computed so far."""
+    return EngineStatus(
+        engine_id=instance_id, gpu_type=instance_id, role="unified", num_waiting=0,
+        num_running=1, recent_iteration_s=(), recent_queue_wait_s=(), num_kv_blocks_used=0,
+        num_kv_blocks_free=20_000, num_cached_prefix_blocks=0,
+        prefill=PrefillTotals(num_tokens=num_prompt_tokens))
 
 
 # --- Dynamo KV router ---------------------------------------------------------------
@@ -55,23 +67,50 @@ def test_dynamo_kv_router_picks_the_lowest_prefill_plus_decode_blocks():
 
     busy = make_request(9.0, prompt=640, rid="busy", block_hashes=tuple(range(1000, 1040)))
     assert policy.choose(busy, make_cluster(make_view("A40")), 0.0) == "A40"
-    # A40 now holds busy's 40 blocks and, while it waits there, its 640 prefill tokens:
-    # A40 (640 + 256)/16 + (40 + 64) = 160 > A800's 96
-    waiting = three(A40={"waiting": 1})
-    assert policy.logits(target, blocks, waiting, cached) == [128, 96, 160]
-    assert policy.choose(target, make_cluster(*waiting, hits=hits), 0.0) == "A800"
+    # A40 now holds busy's 40 blocks and, until its prefill completes, its 640 prefill
+    # tokens: A40 (640 + 256)/16 + (40 + 64) = 160 > A800's 96
+    assert policy.logits(target, blocks, three(), cached) == [128, 96, 160]
+    assert policy.choose(target, make_cluster(*three(), hits=hits), 0.0) == "A800"
     policy.on_finish(finish(target, "A800", 1.0), 2.0)
-    # once busy runs (no longer waiting) only its blocks count: 256/16 + 104 = 120
+    # once A40 has computed busy's 640 prompt tokens only its blocks count: 256/16 + 104
+    policy.on_status(computed("A40", 640), 2.0)
     assert policy.logits(target, blocks, three(), cached)[2] == 120
 
     twin = make_request(9.0, prompt=1024, rid="twin",
                         block_hashes=HASHES[:32] + tuple(range(5000, 5032)))
     policy.choose(twin, make_cluster(make_view("A40")), 0.0)
-    # distinct blocks: 40 + 64 active, of the target's 64 only 32 are new: 16 + 104 + 32
+    # distinct blocks: 40 + 64 active, of the target's 64 only 32 are new; twin's 1024
+    # prompt tokens wait to be computed: (1024 + 256)/16 + 104 + 32 = 216
+    assert policy.logits(target, blocks, three(), cached)[2] == 216
+    policy.on_status(computed("A40", 640 + 1024), 3.0)
     assert policy.logits(target, blocks, three(), cached)[2] == 152
     policy.on_finish(finish(busy, "A40", 1.0), 2.0)
     policy.on_drop(twin, 2.0)
     assert policy.logits(target, blocks, three(), cached) == [128, 96, 80]  # all forgotten
+
+
+def test_dynamo_counts_a_long_prefill_until_the_engine_has_computed_all_of_it():
+    # Dynamo drops a request's prefill tokens at its first token (mark_prefill_completed),
+    # so a long context in chunked prefill counts in full while it runs
+    policy = KvRouterPolicy(seed=0)
+    a40 = make_cluster(make_view("A40"))
+    long = make_request(9.0, prompt=8192, rid="long", block_hashes=tuple(range(512)))
+    short = make_request(9.0, prompt=512, rid="short", block_hashes=tuple(range(900, 932)))
+    assert policy.choose(long, a40, 0.0) == policy.choose(short, a40, 0.0) == "A40"
+    probe = make_request(9.0, prompt=160, rid="probe", block_hashes=tuple(range(700, 710)))
+    running = [make_view("A40", running=2)]  # both admitted: neither is waiting
+
+    def logit() -> float:
+        return policy.logits(probe, policy.blocks_of(probe), running, [0])[0]
+
+    # (8192 + 512 + 160)/16 prefill + (512 + 32 + 10) blocks = 554 + 554
+    assert logit() == 1108
+    policy.on_status(computed("A40", 4096), 1.0)  # half of long's prompt: all still counts
+    assert logit() == 1108
+    policy.on_status(computed("A40", 8192), 2.0)  # long's prefill completes: 42 + 554
+    assert logit() == 596
+    policy.on_status(computed("A40", 8704), 3.0)  # then short's: 10 + 554
+    assert logit() == 564
 
 
 def test_dynamo_softmax_sampling_follows_range_normalized_logits():
@@ -131,6 +170,25 @@ def test_session_whose_owner_cannot_hold_it_goes_where_it_would_if_the_owner_lef
         gone = policy.choose(
             request, make_cluster(*[v for v in views if v.instance_id != owner]), 0.0)
         assert fallback == gone != owner
+
+
+def clockwise_from(key: str, nodes, vnodes: int) -> list[str]:
+    """The ring walk by brute force: every point sorted, those after the key's hash
+    first, then the rest, each node at its first appearance."""
+    points = sorted((ring_point(f"{n}-{k}"), n) for n in nodes for k in range(vnodes))
+    position = ring_point(key)
+    clockwise = [n for p, n in points if p > position] + [n for p, n in points if p <= position]
+    return list(dict.fromkeys(clockwise))
+
+
+@pytest.mark.parametrize("vnodes", [2, 160])
+def test_ring_walk_visits_nodes_in_the_brute_force_clockwise_order(vnodes: int):
+    ring = HashRing(vnodes)
+    for nodes in ([f"e{k}" for k in range(24)], [f"e{k}" for k in range(24) if k % 5],
+                  [f"e{k}" for k in range(30)]):  # built, shrunk, then grown
+        ring.sync(nodes)
+        for j in range(200):  # with 2 points per node many keys wrap past the last point
+            assert list(ring.walk(f"s{j}")) == clockwise_from(f"s{j}", nodes, vnodes)
 
 
 def test_requests_without_a_session_go_to_the_lowest_qps_instance():
@@ -222,6 +280,26 @@ def test_preble_does_not_rebalance_before_fifty_requests_per_instance():
     assert all(policy.load.allocation[key] == {"a"} for _, _, key in groups)
 
 
+def test_preble_prices_a_groups_running_requests_at_its_median_finished_output():
+    # Preble's node cost: running requests x the group's decode length x median TPOT,
+    # the length being the median output of the group's finished requests
+    policy = warmed_up_preble()  # w: 1024 tokens on H800, its own group, declared 45
+    h800 = make_view("H800")
+    cluster = make_cluster(h800, hits={"H800": 64})  # w's 64 blocks are cached there
+    policy.on_finish(finish(make_request(9.0, rid="w"), "H800", 1.0, num_output_tokens=301,
+                            tpot_s=0.02), 2.0)
+    followers = [make_request(9.0, prompt=1280, rid=f"f{k}", block_hashes=tuple(range(1000, 1064))
+                              + tuple(range(5000 + 100 * k, 5016 + 100 * k))) for k in range(2)]
+    for request in followers:  # 1024 cached > 256 missed: both join w's group on H800
+        assert policy.choose(request, cluster, 3.0) == "H800"
+    # prefill (1024 + 256 + 256) x 2.5196e-5 = .038701; decode 2 x 301 x .02 = 12.04
+    assert policy.load.load_s(h800) == pytest.approx(12.078701, rel=1e-5)
+    policy.on_finish(finish(followers[0], "H800", 4.0, num_output_tokens=215, tpot_s=0.02), 5.0)
+    # the group's length is now the median of 301 and 215, 258, for f1 still running:
+    # .038701 + 1 x 258 x .02 = 5.198701
+    assert policy.load.load_s(h800) == pytest.approx(5.198701, rel=1e-5)
+
+
 # --- llm-d predicted latency --------------------------------------------------------
 
 
@@ -242,14 +320,14 @@ def test_llm_d_latency_scorer_on_hand_computed_headrooms():
 def endpoints_with(policy, predictions, request, views, dispatched=()):
     """Endpoints as the policy builds them, with the given (TTFT, TPOT) predictions."""
     class Fixed:
-        def predict(self, features):
+        def predict(self, features, now):
             return tuple(zip(*predictions, strict=True))
 
     for k, view in enumerate(views):
         if view.instance_id in dispatched:
             policy.choose(make_request(9.0, rid=f"busy{k}"), make_cluster(view), 0.0)
     policy.model = Fixed()
-    return policy.endpoints(request, views, make_cluster(*views))
+    return policy.endpoints(request, views, make_cluster(*views), 0.0)
 
 
 def test_llm_d_negative_headroom_prefers_idle_then_the_least_severe_deficit():
@@ -286,7 +364,7 @@ def test_llm_d_prefix_affinity_sticks_unless_the_sticky_ttft_is_5s_worse():
 def test_llm_d_scores_the_cold_start_by_the_composite_fallback():
     views = [make_view("H800", waiting=4), make_view("A40", free_blocks=2_000)]
     policy = PredictedLatencyPolicy()
-    endpoints = policy.endpoints(make_request(9.0), views, make_cluster(*views))
+    endpoints = policy.endpoints(make_request(9.0), views, make_cluster(*views), 0.0)
     assert all(e.ttft_s is None for e in endpoints)
     # (free KV + queue relative to the longest + prefix score) / 3, rounded to 1/100:
     # H800 (.5 + 0 + 0) / 3 = .1667 -> .17; A40 (.1 + 1 + 0) / 3 = .3667 -> .37
@@ -308,7 +386,7 @@ def test_llm_d_regressor_learns_and_the_headroom_filter_drops_the_endpoint_that_
     views = [make_view("A40", instance_id="slow", waiting=14),
              make_view("A40", instance_id="fast", waiting=1)]
     request = make_request(9.0, prompt=512, rid="probe", ttft_slo_s=0.8, tpot_slo_s=0.1)
-    slow, fast = policy.endpoints(request, views, make_cluster(*views))
+    slow, fast = policy.endpoints(request, views, make_cluster(*views), 6.0)
     # p90 boosting lumps the lightly loaded levels (all below the running quantile share
     # one gradient), so the fast endpoint is over-predicted but still far below the slow
     assert slow.ttft_s == pytest.approx(1.45, abs=0.1)
@@ -320,10 +398,30 @@ def test_llm_d_regressor_learns_and_the_headroom_filter_drops_the_endpoint_that_
     assert policy.choose(request, make_cluster(*views), 6.0) == "slow"
     policy.on_drop(request, 7.0)  # forgotten: nothing in flight any more
     plain = make_request(9.0, prompt=512, rid="plain")
-    endpoints = policy.endpoints(plain, views, make_cluster(*views))
+    endpoints = policy.endpoints(plain, views, make_cluster(*views), 7.0)
     assert [e.num_dispatched for e in endpoints] == [0, 0]
     # without SLOs the headroom is minus the prediction: the fast endpoint scores higher
     assert latency_scores(endpoints, config) == [0.01, 1.01]
+
+
+def test_llm_d_sidecar_retrains_each_second_on_the_samples_received_before_the_tick():
+    # llm-d's training server refits every LATENCY_RETRAINING_INTERVAL_SEC (1 s) on all
+    # it holds, once it holds 10; between ticks the model of the last tick answers
+    model = OnlineLatencyModel(retraining_interval_s=1.0)
+    row = LatencyFeatures(kv_cache_percentage=0.5, input_token_length=512,
+                          num_request_waiting=0, num_request_running=1,
+                          prefill_tokens_in_flight=512, prefix_cache_score=0.0)
+    for k in range(10):  # ten TTFTs of .1 s between 0.1 and 0.55 s
+        model.add(row, 0.1, None, 0.1 + 0.05 * k)
+    assert model.predict([row], 0.99) is None  # no tick since they came: still cold
+    ttft, tpot = model.predict([row], 1.0)  # tick 1 fits them: p90 of ten .1 s is .1 s
+    assert ttft[0] == pytest.approx(0.1) and tpot[0] == 0.0  # no TPOT sample yet
+    for _ in range(30):
+        model.add(row, 0.5, 0.02, 1.2)
+    assert model.predict([row], 1.99)[0][0] == pytest.approx(0.1)  # tick 1's model
+    # tick 2: TTFT p90 of 10 x .1 and 30 x .5 s is .5 s; TPOT p90 of 30 x .02 s
+    ttft, tpot = model.predict([row], 2.0)
+    assert ttft[0] == pytest.approx(0.5) and tpot[0] == pytest.approx(0.02)
 
 
 # --- every peer ----------------------------------------------------------------------

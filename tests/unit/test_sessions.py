@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from app.routing.registry import RoutingOptions, build_routing
 from app.sessions import (
     AgentSession,
     AgentStep,
+    Release,
     SessionPreset,
     StepReleases,
     file_workload,
@@ -189,20 +191,158 @@ def test_session_trace_round_trip(tmp_path):
     assert w.graph.parents == ((), (0,))
 
 
-@pytest.mark.parametrize("line, message", [
-    ({"session_id": "a", "step_id": "0", "input_tokens": 0, "output_tokens": 3},
-     "bad.jsonl:1: field 'input_tokens'"),
-    ({"session_id": "a", "step_id": "1", "parent": "9", "input_tokens": 5,
-      "output_tokens": 3}, "parent '9' is not an earlier step"),
-    ({"step_id": "0", "input_tokens": 5, "output_tokens": 3}, "field 'session_id'"),
-    ({"session_id": "a", "input_tokens": 5, "appended_tokens": 9, "output_tokens": 3},
-     "appended_tokens exceeds input_tokens"),
+FIRST = {"session_id": "a", "step_id": "0", "input_tokens": 500, "output_tokens": 3,
+         "arrival_ms": 1000, "app": "x", "app_prefix_tokens": 100}
+
+
+@pytest.mark.parametrize("lines, message", [
+    ([FIRST | {"input_tokens": 0}],
+     "field 'input_tokens': Input should be greater than or equal to 1"),
+    ([FIRST | {"tool_wait_ms": "5"}], "field 'tool_wait_ms': Input should be a valid number"),
+    ([{k: v for k, v in FIRST.items() if k != "session_id"}],
+     "field 'session_id': Field required"),
+    ([FIRST | {"appended_tokens": 501}],
+     "field 'appended_tokens': Input should be at most input_tokens (500)"),
+    ([FIRST | {"apended_tokens": 5}], "field 'apended_tokens': Extra inputs are not permitted"),
+    ([FIRST | {"parent": [1.5]}], "field 'parent': Input should be a valid string"),
+    ([FIRST | {"app": None}], "field 'app_prefix_tokens': Input should come with an 'app'"),
+    ([FIRST, {"session_id": "a", "step_id": "1", "parent": "9", "input_tokens": 5,
+              "output_tokens": 3}],
+     "field 'parent': '9' is not an earlier step of session 'a'"),
+    ([FIRST, {"session_id": "a", "step_id": "1", "input_tokens": 5, "output_tokens": 3,
+              "arrival_ms": 999}],
+     "field 'arrival_ms': before its session's start (1000 ms)"),
+    ([FIRST, {"session_id": "a", "step_id": "1", "parent": "0", "input_tokens": 600,
+              "output_tokens": 3, "app": "y"}],
+     "field 'app': differs from its session's first line ('x')"),
 ])
-def test_session_trace_errors_name_the_line_and_field(tmp_path, line, message):
+def test_session_trace_errors_name_the_line_and_field(tmp_path, lines, message):
     path = tmp_path / "bad.jsonl"
-    path.write_text(json.dumps(line) + "\n")
-    with pytest.raises(ValueError, match=message):
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    with pytest.raises(ValueError) as info:
         load_session_trace(path)
+    assert str(info.value) == f"{path}:{len(lines)}: {message}"
+
+
+# A hand-written log (100-token blocks). Session "s" of app "coder" (a 300-token prefix)
+# plans, fans out into three reads, joins them in an answer; a follow-up starts on its
+# own later. Session 7 (integer ids, no app) starts first; its lines come in between.
+HAND_LOG = [
+    {"session_id": "s", "step_id": "plan", "parent": None, "input_tokens": 500,
+     "appended_tokens": 500, "output_tokens": 100, "arrival_ms": 2000, "app": "coder",
+     "app_prefix_tokens": 300},
+    {"session_id": 7, "step_id": 0, "input_tokens": 200, "output_tokens": 50,
+     "arrival_ms": 1000.0},
+    {"session_id": "s", "step_id": "read-a", "parent": "plan", "input_tokens": 700,
+     "appended_tokens": 100, "output_tokens": 80, "tool_wait_ms": 1000},
+    {"session_id": "s", "step_id": "read-b", "parent": "plan", "input_tokens": 650,
+     "output_tokens": 10, "tool_wait_ms": 500, "arrival_ms": 9000},
+    {"session_id": "s", "step_id": "read-c", "parent": ["plan"], "input_tokens": 450,
+     "output_tokens": 10, "tool_wait_ms": 2500.5, "app": "coder"},
+    {"session_id": "s", "step_id": "answer", "parent": ["read-a", "read-b", "read-c"],
+     "input_tokens": 900, "appended_tokens": 120, "output_tokens": 30, "tool_wait_ms": 400,
+     "arrival_ms": 3000},
+    {"session_id": "s", "step_id": "followup", "input_tokens": 400, "output_tokens": 20,
+     "arrival_ms": 30000},
+    {"session_id": 7, "step_id": 1, "parent": 0, "input_tokens": 350, "output_tokens": 5},
+]
+
+
+def _hand_log(tmp_path) -> Path:
+    path = tmp_path / "hand.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in HAND_LOG) + "\n")
+    return path
+
+
+def test_a_session_log_s_fan_out_join_waits_and_arrivals(tmp_path):
+    s, seven = load_session_trace(_hand_log(tmp_path), block_size=100)
+    assert (s.session_id, s.arrival_s, s.app, s.app_prefix_tokens) == ("s", 2.0, "coder", 300)
+    assert [(t.step_id, t.wait_for, t.tool_wait_s, t.arrival_offset_s, t.num_appended_tokens)
+            for t in s.steps] == [
+        ("plan", (), 0.0, 0.0, 500),
+        ("read-a", ("plan",), 1.0, 0.0, 100),
+        ("read-b", ("plan",), 0.5, 7.0, 50),  # no appended_tokens: 650 - (500 + 100)
+        ("read-c", ("plan",), 2.5005, 0.0, 150),  # shorter than that: 450 - the app's 300
+        ("answer", ("read-a", "read-b", "read-c"), 0.4, 1.0, 120),
+        ("followup", (), 0.0, 28.0, 400),
+    ]
+    plan, read_a, read_b, read_c, answer, followup = (t.block_hashes for t in s.steps)
+    app = plan[:3]
+    assert len(plan) == 5 and len(read_a) == 7 and read_a[:5] == plan
+    # read-b extends plan's prompt and output (600 tokens, 6 blocks); its 50 new tokens
+    # fill no block
+    assert read_b == read_a[:6]
+    assert read_c[:3] == app and len(read_c) == 4 and read_c[3] not in read_a
+    # answer shares 780 tokens with read-a's prompt (700) and output (80): 7 blocks
+    assert answer[:7] == read_a and len(answer) == 9 and not set(answer[7:]) & set(read_a)
+    assert followup[:3] == app and len(followup) == 4 and followup[3] != plan[3]
+    assert (seven.session_id, seven.arrival_s, seven.app, seven.app_prefix_tokens) == \
+        ("7", 1.0, "app", 0)
+    first, second = seven.steps
+    assert (second.step_id, second.wait_for, second.num_appended_tokens) == ("1", ("0",), 100)
+    assert second.block_hashes[:2] == first.block_hashes and len(second.block_hashes) == 3
+    s_blocks = {h for t in s.steps for h in t.block_hashes}
+    assert not s_blocks & set(first.block_hashes + second.block_hashes)
+
+
+def test_a_session_log_s_steps_wait_for_their_parents_and_their_own_arrival(tmp_path):
+    w = sessions_workload(load_session_trace(_hand_log(tmp_path)), 60.0, "hand")
+    at = {r.request_id: i for i, r in enumerate(w.requests)}
+    assert list(at) == ["7/0", "7/1", "s/plan", "s/read-a", "s/read-b", "s/read-c",
+                        "s/answer", "s/followup"]
+    releases = StepReleases(w.requests, w.graph)
+
+    def times(found: list[Release]) -> dict[str, float]:
+        for r in found:
+            releases.after_arrival(r.index)
+        return {w.requests[r.index].request_id: r.time_s for r in found}
+
+    first = releases.first()
+    assert (first.time_s, first.index) == (1.0, at["7/0"])
+    assert times([releases.after_arrival(at["7/0"])]) == {"s/plan": 2.0}
+    # the follow-up waits for nothing: it is sent at its own arrival
+    assert times([releases.after_arrival(at["s/plan"])]) == {"s/followup": 30.0}
+    assert releases.after_arrival(at["s/followup"]) is None
+    assert times(releases.after_end(at["7/0"], 1.5, True)[0]) == {"7/1": 1.5}
+    ready, cancelled = releases.after_end(at["s/plan"], 4.0, True)
+    # read-b's own arrival (9 s) comes after plan's end plus its tool wait (4.5 s)
+    assert times(ready) == pytest.approx({"s/read-a": 5.0, "s/read-b": 9.0, "s/read-c": 6.5005})
+    assert not cancelled
+    assert releases.after_end(at["s/read-a"], 6.0, True) == ([], [])
+    assert releases.after_end(at["s/read-c"], 8.0, True) == ([], [])
+    # the join waits for its last parent plus its tool wait, past its own arrival (3 s)
+    assert times(releases.after_end(at["s/read-b"], 12.0, True)[0]) == {"s/answer": 12.4}
+
+
+def test_the_simulator_sends_a_logged_step_no_earlier_than_its_arrival(tmp_path):
+    cluster = load_cluster_config("configs/paper-4gpu.yaml")
+    w = sessions_workload(load_session_trace(_hand_log(tmp_path)), 60.0, "hand")
+    stack = build_routing("least-request", RoutingOptions())
+    records = {r.request_id: r for r in
+               Simulator.from_config(cluster, stack.policy, seed=0).run(w).records}
+    assert records["s/followup"].arrival_s == 30.0
+    plan_end = records["s/plan"].finish_s
+    assert plan_end + 0.5 < 9.0 and records["s/read-b"].arrival_s == 9.0
+    assert records["s/read-a"].arrival_s == pytest.approx(plan_end + 1.0)
+
+
+def test_rescaling_a_session_log_moves_sessions_not_their_steps_offsets(tmp_path):
+    w = file_workload(_hand_log(tmp_path), rate=0.25)  # one session each 4 s, not 1 s
+    earliest = dict(zip((r.request_id for r in w.requests), w.graph.earliest_s, strict=True))
+    assert earliest["7/0"] == 0.0 and earliest["s/plan"] == 4.0
+    assert earliest["s/read-b"] == 11.0 and earliest["s/followup"] == 32.0
+
+
+def test_a_session_log_written_and_loaded_back_is_the_same(tmp_path):
+    loaded = load_session_trace(_hand_log(tmp_path), block_size=100)
+    rows = list(iter_session_rows(loaded))
+    assert {k: rows[0][k] for k in ("arrival_ms", "app", "app_prefix_tokens")} == \
+        {"arrival_ms": 2000.0, "app": "coder", "app_prefix_tokens": 300}
+    assert [r.get("arrival_ms") for r in rows] == [2000.0, None, 9000.0, None, 3000.0,
+                                                   30000.0, 1000.0, None]
+    path = tmp_path / "written.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    assert load_session_trace(path, block_size=100) == loaded
 
 
 def _replay_workload(tmp_path, **kwargs):

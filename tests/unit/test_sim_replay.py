@@ -178,7 +178,7 @@ def test_malformed_trace_line_is_reported(tmp_path) -> None:
     result = invoke("--trace", str(trace), "--cluster", str(PAPER_CLUSTER),
                     "--out", str(tmp_path / "o"), "--no-progress")
     assert result.exit_code == 2
-    assert f"{trace}:61: missing field 'input_length'" in result.output
+    assert f"{trace}:61: field 'input_length': Field required" in result.output
 
 
 def test_renamed_cells_carry_their_label_into_every_output(tmp_path) -> None:

@@ -157,6 +157,33 @@ class GoodServeConfig(Frozen):
             update["triage_min_context_tokens"] = None
         return self.model_copy(update=update) if update else self
 
+    def paper_algorithm(self) -> GoodServeConfig:
+        """This config with every addition beyond the paper's algorithm turned off, so
+        that each addition's worth is the difference it makes. What stays is the
+        paper: the EMA status estimate, just-enough on the weakest instance that meets
+        the deadline (min T when none does), and a watchdog that re-predicts lengths
+        every tau iterations and moves late requests to stronger instances. `alpha`,
+        `tau_iterations` and `vectorised` (same decisions) keep their values, and so
+        does `max_migrations_per_request`: the paper names no cap, and a move only
+        ever goes to a stronger instance."""
+        return self.model_copy(update={
+            "variant": JustEnoughVariant.WEAKEST,
+            "headroom": 0.0,
+            "admission_control": False,
+            "cache_affinity_tokens": None,
+            "long_context_estimates": False,
+            "triage": False,
+            "triage_min_context_tokens": None,
+            "protect_admitted": False,
+            "confidence_quantile": 0.5,
+            "fast_while_cold": False,
+            "reservation_quantile": 1.0,
+            "budget_refresh_iterations": self.tau_iterations,
+            "reestimate": LengthReestimate.REPREDICT,
+            "migration_margin": 0.0,
+            "migration_cost_quantile": 1.0,
+        })
+
     @property
     def charged_stall_factor(self) -> float:
         """The stall factor in force (the per-estimator default when unresolved)."""
