@@ -139,7 +139,7 @@ class PrefixDirectory:
         return np.unpackbits(raw, bitorder="little")[:size].astype(np.int64)
 
     def _slots_of(self, instance_ids: Sequence[str]) -> np.ndarray:
-        if self._slots[0] != instance_ids:
+        if self._slots[0] is not instance_ids and self._slots[0] != instance_ids:
             unknown = len(self._bits)
             self._slots = (tuple(instance_ids), np.array(
                 [self._bits.get(i, unknown) for i in instance_ids], dtype=np.int64))

@@ -89,12 +89,20 @@ class Scored:
                          int(scorer.uncached_tokens[i]))
 
     def first(self, mask: np.ndarray, *keys: np.ndarray) -> int | None:
-        """Row of the smallest (keys..., id) among `mask` (the first key is primary)."""
+        """Row of the smallest (keys..., id) among `mask` (the first key is primary):
+        the rows tied at each key's least value narrow down key by key, cheaper than
+        sorting them. A nan key is largest, as in a sort (`fmin` skips it)."""
         rows = np.flatnonzero(mask)
+        for key in keys:
+            if len(rows) <= 1:
+                break
+            values = key[rows]
+            least = np.fmin.reduce(values)
+            if least == least:  # not every value is nan
+                rows = rows[values == least]
         if len(rows) <= 1:
             return int(rows[0]) if len(rows) else None
-        order = np.lexsort((self.arrays.id_rank[rows], *(k[rows] for k in reversed(keys))))
-        return int(rows[order[0]])
+        return int(rows[np.argmin(self.arrays.id_rank[rows])])
 
     def last(self, mask: np.ndarray, key: np.ndarray) -> int:
         """Row of the largest (key, id) among `mask` (not empty)."""
