@@ -45,7 +45,7 @@ import typer
 from app.config import ClusterConfig
 from app.engine_types import EngineStatus
 from app.experiments.replay import cli_error, cluster_model, moe_factory
-from app.routing.base import ActiveRequest, RouteDecision, RoutingPolicy, Watchdog
+from app.routing.base import ActiveRequest, RouteDecision, RoutingPolicy, Watchdog, overrides
 from app.routing.budgets import SlackBudgets, budgets_of
 from app.routing.finish_log import lengths_of
 from app.routing.fleet import FleetConfig, RouterFleet
@@ -111,11 +111,18 @@ class WorkLog:
 
 
 class TimedFinishes:
-    """Finish and drop callbacks passed on to `inner`, timed into `log` (what the timed
-    policy and the timed watchdog share)."""
+    """First-token, finish and drop callbacks passed on to `inner`, timed into `log`
+    (what the timed policy and the timed watchdog share)."""
 
     inner: RoutingPolicy | Watchdog
     log: WorkLog
+
+    def on_first_token(self, request: RouteRequest, instance_id: InstanceId,
+                       first_token_s: float, now: float) -> None:
+        if not overrides(self.inner, "on_first_token"):
+            return  # the substrates do not call a listener that ignores it
+        with self.log.timed(now, "finish"):
+            self.inner.on_first_token(request, instance_id, first_token_s, now)
 
     def on_finish(self, report: FinishReport, now: float) -> None:
         with self.log.timed(now, "finish"):
@@ -215,6 +222,10 @@ class TimedFleet(RoutingPolicy):
 
     def on_status(self, status: EngineStatus, now: float) -> None:
         self.fleet.on_status(status, now)
+
+    def on_first_token(self, request: RouteRequest, instance_id: InstanceId,
+                       first_token_s: float, now: float) -> None:
+        self.fleet.on_first_token(request, instance_id, first_token_s, now)
 
     def on_finish(self, report: FinishReport, now: float) -> None:
         self.fleet.on_finish(report, now)

@@ -47,6 +47,13 @@ class StepListener:
     def on_step(self, instance_id: InstanceId, report: StepReport, now: float) -> None:
         """Called after every iteration of every instance (status estimators learn here)."""
 
+    def on_first_token(self, request: RouteRequest, instance_id: InstanceId,
+                       first_token_s: float, now: float) -> None:
+        """Called once per request when `instance_id` produced its first output token
+        (a prefill engine's, in P/D), at `first_token_s` on the substrate's clock:
+        what a router hears as the stream starts (its TTFT, the end of its prefill).
+        A substrate calls it only on listeners that override it."""
+
     def on_finish(self, report: FinishReport, now: float) -> None:
         """Called when a request produced its last token."""
 
@@ -57,6 +64,12 @@ class StepListener:
     def on_status(self, status: EngineStatus, now: float) -> None:
         """Called with each polled engine report (the live router's feedback path;
         the simulator delivers `on_step` instead)."""
+
+
+def overrides(listener: StepListener, callback: str) -> bool:
+    """Whether `listener` implements the `StepListener` callback `callback` (a substrate
+    calls only those that do, and builds no report for the others)."""
+    return getattr(type(listener), callback) is not getattr(StepListener, callback)
 
 
 class RoutingPolicy(StepListener, ABC):

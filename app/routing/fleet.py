@@ -17,8 +17,8 @@ run it like any other:
   report, from the requests the others saw finish since its last one (its length
   estimator learns from every finish, `finish_log`);
 - every engine iteration reaches every replica's status estimator (engines publish
-  once, replicas follow); a finish reaches the replica that placed the request (its
-  policy and its watchdog: the fleet's watchdog learns nothing of its own);
+  once, replicas follow); a first token and a finish reach the replica that placed the
+  request (its policy and its watchdog: the fleet's watchdog learns nothing of its own);
 - each replica's watchdog checks only the requests that replica placed.
 The view a replica routes on is the engines' state at the decision less what it has
 not seen: the others' requests placed since its last report are taken out (waiting
@@ -271,6 +271,13 @@ class RouterFleet(RoutingPolicy):
         for replica in self.replicas:
             for listener in replica.listeners:
                 listener.on_status(status, now)
+
+    def on_first_token(self, request: RouteRequest, instance_id: InstanceId,
+                       first_token_s: float, now: float) -> None:
+        replica = self.owner.get(request.request_id)
+        if replica is not None:
+            for listener in replica.listeners:
+                listener.on_first_token(request, instance_id, first_token_s, now)
 
     def on_finish(self, report: FinishReport, now: float) -> None:
         replica = self._forget(report.request.request_id)

@@ -6,8 +6,9 @@ bookkeeping (`sequence.rs`). For each worker:
 
     logit = overlap_score_weight * prefill_tokens / block_size + decode_blocks
 
-- `prefill_tokens`: the worker's active prefill tokens (requests routed there whose
-  prefill has not completed) plus this request's tokens that the worker has not cached.
+- `prefill_tokens`: the worker's active prefill tokens (the uncached prompt tokens of
+  the requests routed there that have not produced their first token) plus this
+  request's tokens that the worker has not cached.
 - `decode_blocks`: the distinct KV blocks of the worker's active requests, plus the
   blocks of this request that are not among them.
 
@@ -21,7 +22,6 @@ from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from app.engine_types import EngineStatus
 from app.routing.base import RouteDecision
 from app.routing.baselines import SeededPolicy, no_fit
 from app.routing.view import (
@@ -30,7 +30,6 @@ from app.routing.view import (
     InstanceId,
     InstanceView,
     RouteRequest,
-    StepReport,
 )
 
 OVERLAP_SCORE_WEIGHT = 1.0  # KvRouterConfig default (--kv-overlap-score-weight)
@@ -65,67 +64,22 @@ def softmax_pick(logits: Sequence[float], temperature: float, sample: float) -> 
     return len(logits) - 1
 
 
-class PrefillQueue:
-    """The requests routed to one instance whose prefill has not completed, oldest
-    first, with their uncached prompt tokens.
-
-    Dynamo counts a request's prefill tokens in full from routing until its first
-    token, when `mark_prefill_completed` drops them (ai-dynamo/dynamo:
-    `RequestGuard::on_item` in `lib/llm/src/kv_router/push_router.rs`;
-    `PrefillLoadTracker` in `lib/kv-router/src/sequences/prefill_tracker.rs` decays
-    them only when a prefill duration is modelled). The router here hears of a
-    request again only at its finish, so the completion comes from the engine's
-    running count of prompt tokens computed (`EngineStatus.prefill`): the engine
-    prefills first come, first served, chunk by chunk, so each computed token goes to
-    the oldest request whose prefill is open, and a request's prefill completes when
-    its last uncached token has been computed. A long context in chunked prefill
-    counts in full until then.
-    """
-
-    def __init__(self) -> None:
-        self._tokens: dict[str, int] = {}  # request id -> uncached prompt tokens, oldest first
-        self.num_tokens = 0  # the queue's total: the instance's active prefill tokens
-        self._num_computed_front = 0  # tokens computed toward the oldest request
-        self._num_computed_total = 0  # the engine's count when last reported
-
-    def add(self, request_id: str, num_tokens: int) -> None:
-        if num_tokens > 0:  # a fully cached prompt has no prefill to track, as in Dynamo
-            self._tokens[request_id] = num_tokens
-            self.num_tokens += num_tokens
-
-    def remove(self, request_id: str) -> None:
-        if request_id not in self._tokens:
-            return
-        if request_id == next(iter(self._tokens)):
-            self._num_computed_front = 0
-        self.num_tokens -= self._tokens.pop(request_id)
-
-    def computed(self, num_computed_total: int) -> None:
-        """The engine reports `num_computed_total` prompt tokens computed since it
-        started: complete the prefills those since the last report cover."""
-        self._num_computed_front += max(0, num_computed_total - self._num_computed_total)
-        self._num_computed_total = num_computed_total
-        while self._tokens:
-            request_id, num_tokens = next(iter(self._tokens.items()))
-            if self._num_computed_front < num_tokens:
-                return
-            self._num_computed_front -= num_tokens
-            self.num_tokens -= self._tokens.pop(request_id)
-        self._num_computed_front = 0  # nothing open: tokens of no tracked request
-
-
 class KvRouterPolicy(SeededPolicy):
     """Dynamo KV routing: the worker with the lowest `logit` wins. With
     `router_temperature > 0` the worker is instead drawn by softmax.
 
     Tracks its own active requests per instance, as Dynamo's router does. It forgets
-    a request when the request finishes or is dropped; its prefill tokens stop
-    counting when its prefill completes (`PrefillQueue`).
+    a request when the request finishes or is dropped. A request's prefill tokens
+    count in full from routing until its first token, when they stop counting, as
+    Dynamo's `mark_prefill_completed` drops them (`RequestGuard::on_item` in
+    ai-dynamo/dynamo `lib/llm/src/kv_router/push_router.rs`; its `PrefillLoadTracker`
+    decays them before then only when a prefill duration is modelled). A long
+    context in chunked prefill counts in full until then.
 
     Deviations:
-    - Prefill completion is taken from the engine's count of prompt tokens computed,
-      spread over the routed requests first come, first served, not from each
-      request's first token (see `PrefillQueue`).
+    - A request re-routed after its first token (a fail-over or a move in the live
+      router) counts no prefill tokens on its new instance; Dynamo counts them until
+      the new stream's first token. A policy hears of one first token per request.
     - Ties are broken at random. Dynamo first prefers the worker with the smaller
       radix tree, which the view does not report.
     - A request without block hashes gets blocks of its own, as Dynamo does with
@@ -139,7 +93,8 @@ class KvRouterPolicy(SeededPolicy):
         self.router_temperature = router_temperature
         self._active: dict[str, ActiveSequence] = {}  # request id -> its sequence
         self._blocks_on: dict[InstanceId, Counter[Hashable]] = {}  # block -> active holders
-        self._prefills_on: dict[InstanceId, PrefillQueue] = {}
+        self._prefilling: set[str] = set()  # request ids without a first token yet
+        self._prefill_tokens_on: Counter[InstanceId] = Counter()  # of those, per instance
 
     def choose(self, request: RouteRequest, view: ClusterView, now: float) -> RouteDecision:
         candidates = view.holding(request)
@@ -148,7 +103,9 @@ class KvRouterPolicy(SeededPolicy):
         blocks = self.blocks_of(request)
         hits = [int(h) for h in view.prefix_hits_of(request, [v.instance_id for v in candidates])]
         i = self._pick(self.logits(request, blocks, candidates, hits))
-        num_prefill_tokens = request.num_context_tokens - hits[i]
+        # re-routed after its first token (a fail-over): no other first token will come
+        num_prefill_tokens = (request.num_context_tokens - hits[i]
+                              if request.num_generated_tokens == 0 else 0)
         self._add(request.request_id,
                   ActiveSequence(candidates[i].instance_id, blocks, num_prefill_tokens))
         return candidates[i].instance_id
@@ -168,10 +125,9 @@ class KvRouterPolicy(SeededPolicy):
         return logits
 
     def active_prefill_tokens(self, inst: InstanceView) -> int:
-        """Uncached prompt tokens of the requests routed to `inst` whose prefill has
-        not completed."""
-        queue = self._prefills_on.get(inst.instance_id)
-        return queue.num_tokens if queue is not None else 0
+        """Uncached prompt tokens of the requests routed to `inst` that have not
+        produced their first token."""
+        return self._prefill_tokens_on[inst.instance_id]
 
     @staticmethod
     def blocks_of(request: RouteRequest) -> tuple[Hashable, ...]:
@@ -186,16 +142,22 @@ class KvRouterPolicy(SeededPolicy):
         lowest = min(logits)
         return self.rng.choice([i for i, v in enumerate(logits) if v == lowest])
 
-    def _prefill_queue(self, instance_id: InstanceId) -> PrefillQueue:
-        return self._prefills_on.setdefault(instance_id, PrefillQueue())
-
     def _add(self, request_id: str, seq: ActiveSequence) -> None:
         self._forget(request_id)  # a re-routed request leaves its previous instance
         self._active[request_id] = seq
         self._blocks_on.setdefault(seq.instance_id, Counter()).update(seq.blocks)
-        self._prefill_queue(seq.instance_id).add(request_id, seq.num_prefill_tokens)
+        self._prefilling.add(request_id)
+        self._prefill_tokens_on[seq.instance_id] += seq.num_prefill_tokens
+
+    def _end_prefill(self, request_id: str) -> None:
+        """Its prefill tokens stop counting as its instance's active prefill."""
+        if request_id in self._prefilling:
+            self._prefilling.remove(request_id)
+            seq = self._active[request_id]
+            self._prefill_tokens_on[seq.instance_id] -= seq.num_prefill_tokens
 
     def _forget(self, request_id: str) -> None:
+        self._end_prefill(request_id)
         seq = self._active.pop(request_id, None)
         if seq is None:
             return
@@ -204,13 +166,10 @@ class KvRouterPolicy(SeededPolicy):
             active[block] -= 1
             if not active[block]:
                 del active[block]
-        self._prefill_queue(seq.instance_id).remove(request_id)
 
-    def on_step(self, instance_id: InstanceId, report: StepReport, now: float) -> None:
-        self._prefill_queue(instance_id).computed(report.status.prefill.num_tokens)
-
-    def on_status(self, status: EngineStatus, now: float) -> None:
-        self._prefill_queue(status.engine_id).computed(status.prefill.num_tokens)
+    def on_first_token(self, request: RouteRequest, instance_id: InstanceId,
+                       first_token_s: float, now: float) -> None:
+        self._end_prefill(request.request_id)
 
     def on_finish(self, report: FinishReport, now: float) -> None:
         self._forget(report.request.request_id)

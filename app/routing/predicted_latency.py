@@ -63,7 +63,7 @@ class PredictedLatencyConfig:
     # latency-predictor sidecar (training server)
     quantile: float = 0.9  # LATENCY_QUANTILE_ALPHA: models predict the p90
     min_samples_to_fit: int = 10  # LATENCY_MIN_SAMPLES_FOR_RETRAIN_FRESH
-    retraining_interval_s: float = 1.0  # LATENCY_RETRAINING_INTERVAL_SEC
+    model_sync_interval_s: float = 10.0  # MODEL_SYNC_INTERVAL_SEC (retrained every 1 s)
     max_samples_per_bucket: int = 500  # LATENCY_MAX_TRAINING_DATA_SIZE_PER_BUCKET
 
 
@@ -118,16 +118,18 @@ class OnlineLatencyModel:
     gradient boosting with the same depth, rounds, rate and p90 loss. It has no row
     or column subsampling and a fixed seed, so it is deterministic.
 
-    The sidecar retrains on a timer, every LATENCY_RETRAINING_INTERVAL_SEC (1 s in
-    llm-d/llm-d-latency-predictor, `deploy/base/training/configmap.yaml`), on every
+    The training server retrains every LATENCY_RETRAINING_INTERVAL_SEC (1 s in
+    llm-d/llm-d-latency-predictor, `deploy/base/training/configmap.yaml`) on every
     sample it holds once it holds 10 (`training/training_server.py`,
-    `continuous_training_loop` and `train`). Here the timer ticks at the multiples of
-    `retraining_interval_s` of the caller's clock: the first `add` or `predict` after a
-    tick refits on the samples received before it, so the model in use at time t was
-    fitted at the last tick before t, as the sidecar's is. Not modelled: the
-    scheduler sends its samples in batches every second (`FlushInterval`), and the
-    prediction servers fetch each new model every MODEL_SYNC_INTERVAL_SEC (10 s in
-    `deploy/base/prediction/configmap.yaml`). Until the TPOT model exists, TPOT is
+    `continuous_training_loop` and `train`), and the prediction servers that answer
+    the scheduler fetch its latest model every MODEL_SYNC_INTERVAL_SEC (10 s,
+    `deploy/base/prediction/configmap.yaml`). So the model in use changes at each
+    fetch, fitted on the samples received before it. Here the fetches tick at the
+    multiples of `model_sync_interval_s` of the caller's clock: the first `add` or
+    `predict` after a tick fits on the samples received before it, the one fit a
+    fetch would see (one fit per fetch, not one per second: a fit of the two models
+    takes about a second of CPU here). Not modelled: the scheduler sends its samples
+    in batches every second (`FlushInterval`). Until the TPOT model exists, TPOT is
     predicted as 0, i.e. never the reason to avoid an endpoint.
 
     Fits and predictions run on one OpenMP thread. The data is small, and simulator
@@ -136,11 +138,13 @@ class OnlineLatencyModel:
     """
 
     def __init__(self, quantile: float = 0.9, min_samples_to_fit: int = 10,
-                 retraining_interval_s: float = 1.0, max_samples_per_bucket: int = 500,
+                 model_sync_interval_s: float = 10.0, max_samples_per_bucket: int = 500,
                  random_state: int = 42) -> None:
         self.quantile = quantile
         self.min_samples_to_fit = min_samples_to_fit
-        self.retraining_interval_s = retraining_interval_s
+        if not model_sync_interval_s > 0:
+            raise ValueError(f"model sync interval must be > 0 s, got {model_sync_interval_s}")
+        self.model_sync_interval_s = model_sync_interval_s
         self.max_samples_per_bucket = max_samples_per_bucket
         self.random_state = random_state
         self.ttft_model_: HistGradientBoostingRegressor | None = None
@@ -148,13 +152,13 @@ class OnlineLatencyModel:
         self._ttft_samples: Samples = {}
         self._tpot_samples: Samples = {}
         self._num_since_fit = 0
-        self._last_tick = -math.inf  # index of the latest retraining tick handled
+        self._last_tick = -math.inf  # index of the latest model fetch handled
         self._threads: ThreadpoolController | None = None
 
     def add(self, features: LatencyFeatures, ttft_s: float | None, tpot_s: float | None,
             now: float) -> None:
-        """Learn from one request's latencies (features as at its dispatch), received at
-        `now`: after the refit of any tick that came before it."""
+        """Learn from one request's latency (features as at its dispatch), received at
+        `now`: after the fit of any fetch that came before it."""
         self.retrain_if_due(now)
         if ttft_s is not None and ttft_s > 0:
             self._store(self._ttft_samples, features.bucket_key(features.prefix_cache_score),
@@ -163,9 +167,9 @@ class OnlineLatencyModel:
             self._store(self._tpot_samples, features.bucket_key(0.0), features.tpot_row(), tpot_s)
 
     def retrain_if_due(self, now: float) -> None:
-        """Run the retraining of the latest tick at or before `now`, if not yet run. A
-        tick with no new sample would refit the same model, so it is skipped."""
-        tick = math.floor(now / self.retraining_interval_s)
+        """Fit the model of the latest fetch at or before `now`, if not yet fitted. A
+        fetch with no new sample since the last would get the same model: skipped."""
+        tick = math.floor(now / self.model_sync_interval_s)
         if tick <= self._last_tick:
             return
         self._last_tick = tick
@@ -327,8 +331,12 @@ class Dispatch:
 
 class PredictedLatencyPolicy(SeededPolicy):
     """llm-d's predicted-latency profile (see the module docstring). The regressor is
-    trained from finish reports, with TTFT = first token - arrival and
-    TPOT = (finish - first token) / (outputs - 1), on the features captured at dispatch.
+    trained on the features captured at dispatch: a TTFT sample (first token - arrival)
+    at the request's first token, as llm-d's streaming mode sends it
+    (`processFirstTokenForLatencyPrediction` in llm-d/llm-d-inference-scheduler,
+    `pkg/epp/framework/plugins/requestcontrol/dataproducer/predictedlatency/
+    requestcontrol_hooks.go`), and a TPOT sample ((finish - first token) /
+    (outputs - 1)) at its finish.
 
     - Tier filter: keeps the endpoints predicted to meet both SLOs, but keeps the
       others instead 1% of the time.
@@ -341,14 +349,12 @@ class PredictedLatencyPolicy(SeededPolicy):
       both models are trained, and both headrooms are checked.
     - Prefill tokens in flight count on the serving endpoint until the request
       finishes, as llm-d counts them there (only a separate prefill pod's count
-      drops at the first token: `ResponseBody` in llm-d/llm-d-inference-scheduler,
-      `pkg/epp/framework/plugins/requestcontrol/dataproducer/predictedlatency/
-      requestcontrol_hooks.go`).
+      drops at the first token: `ResponseBody`, same file).
 
     Deviations:
-    - The TTFT sample reaches the model when the request finishes. llm-d's streaming
-      mode sends it at the first token (`processFirstTokenForLatencyPrediction`,
-      same file); a policy hears of a request again only at its finish.
+    - One TPOT sample per request, its mean time per output token at its finish;
+      llm-d's streaming mode sends each inter-token time as it comes
+      (`processTokenForLatencyPrediction`, same file), which a policy does not hear.
     - Input length counts tokens, not words.
     - The sidecar's gated no-queue/queued sub-models and 10% hold-out are left out.
     - No admission: the latency-slo-admitter sheds only negative-priority requests.
@@ -362,7 +368,7 @@ class PredictedLatencyPolicy(SeededPolicy):
         self.config = config or PredictedLatencyConfig()
         c = self.config
         self.model = model or OnlineLatencyModel(
-            c.quantile, c.min_samples_to_fit, c.retraining_interval_s,
+            c.quantile, c.min_samples_to_fit, c.model_sync_interval_s,
             c.max_samples_per_bucket)
         self._dispatched: dict[str, Dispatch] = {}  # request id -> dispatch
         self._prefill_tokens_on: Counter[InstanceId] = Counter()
@@ -469,14 +475,18 @@ class PredictedLatencyPolicy(SeededPolicy):
             del self._tpot_slos_on[dispatch.instance_id][request_id]
         return dispatch
 
+    def on_first_token(self, request: RouteRequest, instance_id: InstanceId,
+                       first_token_s: float, now: float) -> None:
+        dispatch = self._dispatched.get(request.request_id)
+        if dispatch is not None:
+            self.model.add(dispatch.features, first_token_s - request.arrival_s, None, now)
+
     def on_finish(self, report: FinishReport, now: float) -> None:
         dispatch = self._forget(report.request.request_id)
-        if dispatch is None or report.first_token_s is None:
+        if dispatch is None or report.first_token_s is None or report.num_output_tokens < 2:
             return
-        ttft_s = report.first_token_s - report.request.arrival_s
-        tpot_s = ((report.finish_s - report.first_token_s) / (report.num_output_tokens - 1)
-                  if report.num_output_tokens > 1 else None)
-        self.model.add(dispatch.features, ttft_s, tpot_s, now)
+        tpot_s = (report.finish_s - report.first_token_s) / (report.num_output_tokens - 1)
+        self.model.add(dispatch.features, None, tpot_s, now)
 
     def on_drop(self, request: RouteRequest, now: float) -> None:
         self._forget(request.request_id)

@@ -36,7 +36,7 @@ from app.control.fleet import Member
 from app.control.observe import LoadReport
 from app.engine_types import StoredPromptKv, TokenEvent
 from app.engines.prefix import PREFIX_BLOCK_SIZE, prefix_block_hashes
-from app.routing.base import ActiveRequest, Reject, RejectCode
+from app.routing.base import ActiveRequest, Reject, RejectCode, overrides
 from app.routing.disaggregated import DisaggregatedPlacer, LeastTtftPolicy
 from app.routing.finish_log import DEFAULT_FINISH_CAPACITY, lengths_of, shareable
 from app.routing.move_path import MovePath, MoveRule, plan_move
@@ -144,6 +144,8 @@ class LiveRouter:
         own = None if stack.estimator is not None else self.estimator  # else the policy feeds it
         present = (x for x in (stack.policy, prefill_policy, stack.watchdog, own) if x is not None)
         self._listeners = list({id(x): x for x in present}.values())
+        self._first_token_listeners = [x for x in self._listeners
+                                       if overrides(x, "on_first_token")]
         self.metrics = metrics or RouterMetrics(NullFactory())
         self.clock = clock
         self.tracker = InstanceTracker(clients, estimator=self.estimator,
@@ -437,9 +439,13 @@ class LiveRouter:
         if not batch:
             return []
         now = self.clock()
+        output = flight.output
+        first = output.first_token_s is None
         flight.took_tokens(now)
         self._recount(flight)
-        output = flight.output
+        if first:
+            for listener in self._first_token_listeners:
+                listener.on_first_token(flight.route, flight.instance_id, now, now)
         kept = [
             replace(ev, finish_reason=None) if ev.finish_reason == ABORTED else ev
             for ev in batch

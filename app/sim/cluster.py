@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from app.config import EngineRole
 from app.engine_types import RequestStatus, TokenEvent
 from app.kv_link import KvLink
-from app.routing.base import ActiveRequest, Reject, RoutingPolicy, StepListener, Watchdog
+from app.routing.base import ActiveRequest, Reject, RoutingPolicy, Watchdog, overrides
 from app.routing.disaggregated import DisaggregatedPlacer, LeastTtftPolicy
 from app.routing.move_path import MovePath, MoveRule, plan_move
 from app.routing.view import FinishReport, InstanceId, RouteRequest, StepReport
@@ -47,11 +47,6 @@ class SimFlight:
     token_seed: int
     instance: SimInstance | None = None  # engine holding it now (None: queued / in transfer)
     decode_target: SimInstance | None = None  # disaggregated: chosen at arrival
-
-
-def overrides(obj: object, method: str) -> bool:
-    """Whether `obj` implements a StepListener callback (skip building unused reports)."""
-    return getattr(type(obj), method) is not getattr(StepListener, method)
 
 
 def build_pools(setups: Sequence[InstanceSetup]) -> dict[EngineRole, Pool]:
@@ -110,6 +105,7 @@ class SimCluster:
         present = (x for x in (policy, prefill_policy, watchdog) if x is not None)
         listeners = list({id(x): x for x in present}.values())  # one object may play two parts
         self.step_listeners = [x for x in listeners if overrides(x, "on_step")]
+        self.first_token_listeners = [x for x in listeners if overrides(x, "on_first_token")]
         self.finish_listeners = [x for x in listeners if overrides(x, "on_finish")]
         self.reveal_lengths = any(getattr(x, "needs_true_output_length", False) for x in listeners)
         self.router_queue: deque[SimFlight] = deque()
@@ -289,6 +285,8 @@ class SimCluster:
         record = flight.record
         if token.index == 0:
             record.first_token_s = now
+            for listener in self.first_token_listeners:
+                listener.on_first_token(flight.route, inst.instance_id, now, now)
         if not token.finished:
             return
         record.num_generated_tokens = token.index + 1

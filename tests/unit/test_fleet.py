@@ -23,16 +23,22 @@ pytestmark = pytest.mark.unit
 
 
 class Recorder(RoutingPolicy):
-    """Sends every request to `target` and keeps the views and finishes it was given."""
+    """Sends every request to `target` and keeps the views, first tokens and finishes it
+    was given."""
 
     def __init__(self, target: InstanceId = "A800") -> None:
         self.target = target
         self.views: list[ClusterView] = []
+        self.first_tokens: list[tuple[str, InstanceId, float]] = []
         self.finished: list[str] = []
 
     def choose(self, request: RouteRequest, view: ClusterView, now: float) -> InstanceId:
         self.views.append(view)
         return self.target
+
+    def on_first_token(self, request: RouteRequest, instance_id: InstanceId,
+                       first_token_s: float, now: float) -> None:
+        self.first_tokens.append((request.request_id, instance_id, first_token_s))
 
     def on_finish(self, report: FinishReport, now: float) -> None:
         self.finished.append(report.request.request_id)
@@ -216,6 +222,24 @@ def test_a_finish_reaches_the_replica_that_placed_it_and_frees_its_count():
     assert owner.own["A800"] == 0 and "done" not in router.owner
     finished = [p.finished for p in (first, second)]
     assert sorted(finished) == [[], ["done"]]
+
+
+def test_a_first_token_reaches_only_the_replica_that_placed_it():
+    policies = [Recorder(), Recorder(), Recorder()]
+    router = fleet(*policies)
+    requests = [make_request(10.0, rid=f"r{i}") for i in range(12)]
+    for r in requests:
+        router.choose(r, engines(0.0), 0.0)
+    owners = {rid: o.policy for rid, o in router.owner.items()}
+    assert len(set(map(id, owners.values()))) > 1  # spread over several replicas
+    for k, r in enumerate(requests):
+        router.on_first_token(r, "A800", 0.1 * k, 0.1 * k)
+    router.on_first_token(make_request(10.0, rid="unknown"), "A800", 2.0, 2.0)
+    for p in policies:
+        assert p.first_tokens == [(r.request_id, "A800", pytest.approx(0.1 * k))
+                                  for k, r in enumerate(requests)
+                                  if owners[r.request_id] is p]
+    assert router.owner.keys() == owners.keys()  # still placed until they finish
 
 
 def test_each_replicas_watchdog_checks_only_the_requests_it_placed():

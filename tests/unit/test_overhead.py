@@ -170,6 +170,39 @@ def test_the_timed_fleet_passes_every_feedback_to_the_replicas():
     assert [p.statuses for p in policies] == [1, 1]
 
 
+def test_first_tokens_are_timed_for_the_listeners_that_hear_them_and_reach_fleets():
+    """A policy that listens has its first-token work timed as feedback; one that does
+    not is not called (as the substrates skip it); the fleet wrapper passes them on."""
+    from app.experiments.overhead import TimedFeedback, TimedFleet, TimedWatchdog
+    from app.routing.baselines import LeastRequestPolicy
+    from app.routing.fleet import FleetConfig, RouterFleet
+    from app.routing.kv_router import KvRouterPolicy
+    from app.routing.registry import PolicyKind, build_routing
+    from tests.unit.routing_utils import make_cluster, make_request, make_view
+
+    request = make_request(9.0, rid="r")
+    kv, log = KvRouterPolicy(), WorkLog()
+    TimedFeedback(kv, log).on_first_token(request, "A40", 0.5, 0.5)
+    assert log.what == ["finish"] and log.due_s == [0.5]
+    quiet = WorkLog()
+    TimedFeedback(LeastRequestPolicy(), quiet).on_first_token(request, "A40", 0.5, 0.5)
+    TimedWatchdog(build_routing(PolicyKind.GOODSERVE).watchdog, quiet).on_first_token(
+        request, "A40", 0.5, 0.5)
+    assert quiet.what == []
+
+    heard: list[str] = []
+
+    class Hearing(LeastRequestPolicy):
+        def on_first_token(self, request, instance_id, first_token_s, now):
+            heard.append(request.request_id)
+
+    fleet = RouterFleet([(Hearing(), None), (Hearing(), None)], FleetConfig(2))
+    timed = TimedFleet(fleet, [WorkLog(), WorkLog()])
+    timed.choose(request, make_cluster(make_view("A40")), 0.0)
+    timed.on_first_token(request, "A40", 0.5, 0.5)
+    assert heard == ["r"]
+
+
 def test_timed_replicas_still_share_their_budgets_and_learn_each_others_finishes():
     """The timing wrapper shows the fleet the policy's estimator and budgets, so the
     measured replicas do the sharing work deployed ones do."""

@@ -72,8 +72,8 @@ def test_dynamo_kv_router_picks_the_lowest_prefill_plus_decode_blocks():
     assert policy.logits(target, blocks, three(), cached) == [128, 96, 160]
     assert policy.choose(target, make_cluster(*three(), hits=hits), 0.0) == "A800"
     policy.on_finish(finish(target, "A800", 1.0), 2.0)
-    # once A40 has computed busy's 640 prompt tokens only its blocks count: 256/16 + 104
-    policy.on_status(computed("A40", 640), 2.0)
+    # from busy's first token only its blocks count: 256/16 + 104
+    policy.on_first_token(busy, "A40", 2.0, 2.0)
     assert policy.logits(target, blocks, three(), cached)[2] == 120
 
     twin = make_request(9.0, prompt=1024, rid="twin",
@@ -82,16 +82,17 @@ def test_dynamo_kv_router_picks_the_lowest_prefill_plus_decode_blocks():
     # distinct blocks: 40 + 64 active, of the target's 64 only 32 are new; twin's 1024
     # prompt tokens wait to be computed: (1024 + 256)/16 + 104 + 32 = 216
     assert policy.logits(target, blocks, three(), cached)[2] == 216
-    policy.on_status(computed("A40", 640 + 1024), 3.0)
+    policy.on_first_token(twin, "A40", 3.0, 3.0)
     assert policy.logits(target, blocks, three(), cached)[2] == 152
     policy.on_finish(finish(busy, "A40", 1.0), 2.0)
     policy.on_drop(twin, 2.0)
     assert policy.logits(target, blocks, three(), cached) == [128, 96, 80]  # all forgotten
 
 
-def test_dynamo_counts_a_long_prefill_until_the_engine_has_computed_all_of_it():
+def test_dynamo_counts_each_prefill_in_full_until_that_requests_first_token():
     # Dynamo drops a request's prefill tokens at its first token (mark_prefill_completed),
-    # so a long context in chunked prefill counts in full while it runs
+    # so a long context in chunked prefill counts in full while it runs, whatever the
+    # engine has computed, and a short prompt scheduled beside it stops counting first
     policy = KvRouterPolicy(seed=0)
     a40 = make_cluster(make_view("A40"))
     long = make_request(9.0, prompt=8192, rid="long", block_hashes=tuple(range(512)))
@@ -105,11 +106,16 @@ def test_dynamo_counts_a_long_prefill_until_the_engine_has_computed_all_of_it():
 
     # (8192 + 512 + 160)/16 prefill + (512 + 32 + 10) blocks = 554 + 554
     assert logit() == 1108
-    policy.on_status(computed("A40", 4096), 1.0)  # half of long's prompt: all still counts
+    policy.on_status(computed("A40", 8704), 1.0)  # both computed, no first token yet
     assert logit() == 1108
-    policy.on_status(computed("A40", 8192), 2.0)  # long's prefill completes: 42 + 554
-    assert logit() == 596
-    policy.on_status(computed("A40", 8704), 3.0)  # then short's: 10 + 554
+    policy.on_first_token(short, "A40", 1.5, 1.5)  # short's first: (8192 + 160)/16 + 554
+    assert logit() == 1076
+    policy.on_first_token(long, "A40", 2.0, 2.0)  # then long's: 160/16 + 554
+    assert logit() == 564
+    policy.on_first_token(long, "A40", 2.5, 2.5)  # heard once: nothing more to drop
+    assert logit() == 564
+    # short fails over after its first token: no other will come, so no prefill counts
+    assert policy.choose(replace(short, num_generated_tokens=8), a40, 3.0) == "A40"
     assert logit() == 564
 
 
@@ -382,32 +388,65 @@ def test_llm_d_regressor_learns_and_the_headroom_filter_drops_the_endpoint_that_
         cluster = make_cluster(make_view("A40", instance_id="x", waiting=waiting))
         assert policy.choose(request, cluster, 0.0) == "x"
         ttft_s = 0.05 + 0.1 * waiting + noise.uniform(-0.02, 0.02)
+        policy.on_first_token(request, "x", ttft_s, ttft_s)
         policy.on_finish(finish(request, "x", ttft_s, tpot_s=0.01 + 0.002 * waiting), 5.0)
     views = [make_view("A40", instance_id="slow", waiting=14),
              make_view("A40", instance_id="fast", waiting=1)]
     request = make_request(9.0, prompt=512, rid="probe", ttft_slo_s=0.8, tpot_slo_s=0.1)
-    slow, fast = policy.endpoints(request, views, make_cluster(*views), 6.0)
+    # the first fetch, at 10 s, brings a model fitted on all of them
+    slow, fast = policy.endpoints(request, views, make_cluster(*views), 10.0)
     # p90 boosting lumps the lightly loaded levels (all below the running quantile share
     # one gradient), so the fast endpoint is over-predicted but still far below the slow
     assert slow.ttft_s == pytest.approx(1.45, abs=0.1)
     assert fast.ttft_s < 0.6 < slow.ttft_s - 0.8
     assert slow.tpot_s > fast.tpot_s
     assert not slow.meets_slo and fast.meets_slo
-    assert {policy.choose(request, make_cluster(*views), 6.0) for _ in range(20)} == {"fast"}
+    assert {policy.choose(request, make_cluster(*views), 10.0) for _ in range(20)} == {"fast"}
     policy.config = replace(config, epsilon_explore_negative=1.0)  # always probe the misses
-    assert policy.choose(request, make_cluster(*views), 6.0) == "slow"
-    policy.on_drop(request, 7.0)  # forgotten: nothing in flight any more
+    assert policy.choose(request, make_cluster(*views), 10.0) == "slow"
+    policy.on_drop(request, 11.0)  # forgotten: nothing in flight any more
     plain = make_request(9.0, prompt=512, rid="plain")
-    endpoints = policy.endpoints(plain, views, make_cluster(*views), 7.0)
+    endpoints = policy.endpoints(plain, views, make_cluster(*views), 11.0)
     assert [e.num_dispatched for e in endpoints] == [0, 0]
     # without SLOs the headroom is minus the prediction: the fast endpoint scores higher
     assert latency_scores(endpoints, config) == [0.01, 1.01]
 
 
-def test_llm_d_sidecar_retrains_each_second_on_the_samples_received_before_the_tick():
-    # llm-d's training server refits every LATENCY_RETRAINING_INTERVAL_SEC (1 s) on all
-    # it holds, once it holds 10; between ticks the model of the last tick answers
-    model = OnlineLatencyModel(retraining_interval_s=1.0)
+def test_llm_d_sends_the_ttft_sample_at_the_first_token_and_the_tpot_at_the_finish():
+    # llm-d's streaming mode trains TTFT at the first token
+    # (processFirstTokenForLatencyPrediction); TPOT here is the finish's mean
+    sent: list[tuple[float | None, float | None, float]] = []
+
+    class Recording(OnlineLatencyModel):
+        def add(self, features, ttft_s, tpot_s, now):
+            sent.append((ttft_s, tpot_s, now))
+            super().add(features, ttft_s, tpot_s, now)
+
+    policy = PredictedLatencyPolicy(seed=0, model=Recording())
+    cluster = make_cluster(make_view("A40", instance_id="x"))
+    requests = [replace(make_request(9.0, prompt=512, rid=f"t{k}"), arrival_s=0.1 * k)
+                for k in range(10)]
+    for r in requests:
+        policy.choose(r, cluster, r.arrival_s)
+    for k, r in enumerate(requests):  # each first token .3 s after its arrival
+        policy.on_first_token(r, "x", r.arrival_s + 0.3, 1.0 + 0.1 * k)
+    assert sent == [(pytest.approx(0.3), None, pytest.approx(1.0 + 0.1 * k)) for k in range(10)]
+    probe = make_request(9.0, prompt=512, rid="probe")
+    # the fetch at 10 s fits the ten TTFTs: the endpoints have predictions before any finish
+    assert policy.endpoints(probe, cluster.instances, cluster, 9.9)[0].ttft_s is None
+    assert policy.endpoints(probe, cluster.instances, cluster, 10.0)[0].ttft_s is not None
+    sent.clear()
+    # 11 tokens, 10 gaps of .02 s after the first; a one-token request sends nothing
+    policy.on_finish(finish(requests[0], "x", 0.3, num_output_tokens=11, tpot_s=0.02), 2.5)
+    policy.on_finish(finish(requests[1], "x", 0.4, num_output_tokens=1), 2.6)
+    assert sent == [(None, pytest.approx(0.02), 2.5)]
+
+
+def test_llm_d_model_in_use_is_fitted_at_each_fetch_on_the_samples_received_before_it():
+    # the prediction servers fetch the training server's model every
+    # MODEL_SYNC_INTERVAL_SEC (here 1 s), fitted on all it holds once it holds 10;
+    # between fetches the model of the last fetch answers
+    model = OnlineLatencyModel(model_sync_interval_s=1.0)
     row = LatencyFeatures(kv_cache_percentage=0.5, input_token_length=512,
                           num_request_waiting=0, num_request_running=1,
                           prefill_tokens_in_flight=512, prefix_cache_score=0.0)

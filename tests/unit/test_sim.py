@@ -335,6 +335,29 @@ def test_long_context_moves_carry_their_kv_when_that_is_cheaper() -> None:
     assert sum(r.num_kv_moves for r in slow.records) == 0
 
 
+def test_a_policy_hears_each_first_token_once_where_and_when_it_came() -> None:
+    """Moved after their first tokens, the requests produce no other: the policy hears
+    one first token per request, from the instance that produced it, at its record's
+    time (before its finish)."""
+    heard: list[tuple[str, str, float, float]] = []
+
+    class Hearing(Pin):
+        def on_first_token(self, request, instance_id, first_token_s, now):
+            heard.append((request.request_id, instance_id, first_token_s, now))
+
+        def on_finish(self, report, now):
+            assert report.request.request_id in {rid for rid, *_ in heard}
+
+    requests = make_requests(4, prompt=500, output=200, gap_s=0.0)
+    watchdog = MoveAllOnce("A40-0", "H800-0", tau=20)
+    result = run(make_setups("A40", "H800"), requests, Hearing("A40-0"), watchdog=watchdog,
+                 move_rule=MoveRule.TOKEN_IDS)
+    assert all(a.num_generated_tokens > 0 for a in watchdog.calls[0][1])
+    assert all(r.num_migrations == 1 for r in result.records)
+    assert sorted(heard) == sorted((r.request_id, "A40-0", r.first_token_s, r.first_token_s)
+                                   for r in result.records)
+
+
 def test_bad_migration_target_is_an_error() -> None:
     watchdog = MoveAllOnce("A40-0", "A40-0", tau=5)
     with pytest.raises(ValueError, match="cannot migrate"):
@@ -350,9 +373,16 @@ def test_prefill_decode_pools_transfer_kv_over_the_link() -> None:
         "A40", "A800", role=EngineRole.DECODE)
     requests = make_requests(6, prompt=8000, output=20, gap_s=0.0) + [
         WorkloadRequest("one", 0.5, 300, 1)]
-    result = run(setups, requests, LeastRequestPolicy(seed=1),
+    heard: dict[str, str] = {}  # request id -> where its first token came from
+
+    class Hearing(LeastRequestPolicy):
+        def on_first_token(self, request, instance_id, first_token_s, now):
+            heard[request.request_id] = instance_id
+
+    result = run(setups, requests, Hearing(seed=1),
                  prefill_policy=LeastTtftPolicy(), kv_link_gbps=1.0)
     assert_conserved(result)
+    assert heard == {r.request_id: "H800-0" for r in requests}  # the prefill engine's
     assert result.num_kv_transfers == 6  # the one-token request never leaves prefill
     by_id = {r.request_id: r for r in result.records}
     assert by_id["one"].instance_ids == [] and by_id["one"].finish_s is not None
