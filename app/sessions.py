@@ -108,6 +108,11 @@ class SessionGraph:
         """When request `index` is issued once it is ready at `ready_s`."""
         return ready_s if self.earliest_s is None else max(ready_s, self.earliest_s[index])
 
+    def issue_after_s(self, index: int, last_parent_end_s: float) -> float:
+        """When step `index` is issued after its last parent ended at
+        `last_parent_end_s`: its tool wait later, and not before its own arrival."""
+        return self.release_s(index, last_parent_end_s + self.tool_wait_s[index])
+
     @property
     def roots(self) -> list[int]:
         return [i for i, p in enumerate(self.parents) if not p]
@@ -168,6 +173,34 @@ class Release:
 
     time_s: float
     index: int
+
+
+@dataclass(frozen=True)
+class SessionTimeline:
+    """When each step of a session workload ends if every step takes its `step_s` and
+    nothing queues: issued as `StepReleases` issues it, at the later of its own arrival
+    and its last parent's end plus its tool wait (`SessionGraph.release_s`)."""
+
+    end_s: np.ndarray
+    wait_s: np.ndarray  # from its last parent's end to its issue (0: a first step)
+
+    @classmethod
+    def of(cls, workload: Workload, step_s: Sequence[float] | np.ndarray) -> SessionTimeline:
+        graph = workload.graph
+        if graph is None:
+            raise ValueError("a session timeline needs a workload of agent sessions")
+        end_s, wait_s = np.empty(len(workload)), np.zeros(len(workload))
+        for i, request in enumerate(workload.requests):  # parents come before children
+            parents = graph.parents[i]
+            if parents:
+                last_end_s = max(end_s[p] for p in parents)
+                issue_s = graph.issue_after_s(i, last_end_s)
+                wait_s[i] = issue_s - last_end_s
+            else:
+                issue_s = graph.release_s(i, request.arrival_s)
+            end_s[i] = issue_s + step_s[i]
+        return cls(end_s, wait_s)
+
 
 
 @dataclass
@@ -237,8 +270,7 @@ class StepReleases:
         for child in self._children[index]:
             self._num_waiting_on[child] -= 1
             if self._num_waiting_on[child] == 0 and child not in self._released:
-                ready_s = now + self.graph.tool_wait_s[child]
-                ready.append(Release(self.graph.release_s(child, ready_s), child))
+                ready.append(Release(self.graph.issue_after_s(child, now), child))
         return ready, []
 
     def _cancel_below(self, index: int) -> list[int]:

@@ -47,7 +47,7 @@ from app.hardware import get_model
 from app.planning.inventory import DECODE, PREFILL, UNIFIED, PoolTargets
 from app.planning.pools import Observation
 from app.routing.registry import PolicyKind, RoutingOptions, build_routing
-from app.sessions import shaped_file_workload, shaped_preset_workload
+from app.sessions import SessionTimeline, shaped_file_workload, shaped_preset_workload
 from app.sim.elastic import ElasticPools, Scaler, engine_setup
 from app.sim.instance import InstanceSetup
 from app.sim.records import RequestOutcome, RequestRecord
@@ -99,6 +99,10 @@ class AutoscaleConfig(Frozen):
         default_factory=dict, description="the load for one content kind, in place of "
         "`load` (coding-agent, chat-agent, sessions: rates in sessions/s)")
     controller: ControllerConfig
+    max_drain_s: float | None = Field(
+        None, ge=0, description="stop this long after the last arrival, simulated and live "
+        "alike (unfinished requests count as violated, steps not yet issued as rejected); "
+        "default: when every issued request has ended")
 
     @model_validator(mode="after")
     def _mode(self) -> AutoscaleConfig:
@@ -148,13 +152,16 @@ def observed(workload: Workload) -> Observation:
 
 def held_token_seconds(workload: Workload) -> float:
     """Context token-seconds that sessions hold in tool waits, per step (Little's law:
-    times the step rate, the context held on average). A step waits `tool_wait_s` after
-    its last parent with the first parent's context (prompt + output) held."""
+    times the step rate, the context held on average). A step waits after its last
+    parent ends, its tool wait or until its own arrival, with its first parent's context
+    (prompt + output) held (`SessionTimeline` with every step instant, as no engine is
+    known here: an upper bound where the arrival sets the wait)."""
     graph = workload.graph
     assert graph is not None
     requests = workload.requests
+    waits = SessionTimeline.of(workload, [0.0] * len(requests)).wait_s.tolist()
     held = [wait * (requests[p[0]].num_prompt_tokens + requests[p[0]].num_output_tokens)
-            for p, wait in zip(graph.parents, graph.tool_wait_s, strict=True) if p]
+            for p, wait in zip(graph.parents, waits, strict=True) if p]
     return sum(held) / len(requests)
 
 
@@ -357,7 +364,8 @@ def run_strategy(name: str, config: AutoscaleConfig, profile: RateProfile, workl
     elastic = ElasticPools(scaler, config.model, settings.stock, settings.startup_s)
     stack = build_routing(PolicyKind.GOODSERVE, routing)
     sim = Simulator(setups_for(config.model, initial), stack.policy, watchdog=stack.watchdog,
-                    kv_link_gbps=config.kv_link_gbps, seed=routing.seed, elastic=elastic)
+                    kv_link_gbps=config.kv_link_gbps, max_drain_s=config.max_drain_s,
+                    seed=routing.seed, elastic=elastic)
     return StrategyRun(name, sim.run(workload), workload.duration_s, tuple(elastic.steps),
                        sessions_of(workload))
 

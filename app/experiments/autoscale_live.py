@@ -33,7 +33,7 @@ from app.experiments.autoscale import (
     sized_pools,
     steps_per_arrival,
 )
-from app.experiments.live_replay import drive
+from app.experiments.live_replay import drive, stop_time_s
 from app.planning.inventory import PoolTargets
 from app.serving.config import RoutingConfig, ServeConfig
 from app.sim.records import RequestRecord
@@ -124,7 +124,8 @@ def run_live(config: AutoscaleConfig, profile: RateProfile, workload: Workload,
         controller = controller_for(serve_config, LIVE_APP)
         start_s = time.time()
         vocab = serve_config.engine_template.instance.model.vocab_size
-        records = asyncio.run(drive(url, workload, serve_config.model_name, vocab))
+        records = asyncio.run(drive(url, workload, serve_config.model_name, vocab,
+                                    stop_s=stop_time_s(workload, config.max_drain_s)))
         status = ray.get(controller.status.remote())
         counters = httpx.get(url + "/v1/instances", timeout=60).json()["counters"]
     finally:

@@ -58,7 +58,7 @@ from app.planning.params import ModelParams
 from app.planning.served import EngineModel, StageBudgets, TrafficSample
 from app.planning.split import EngineKind
 from app.routing.registry import PolicyKind, RoutingOptions, build_routing
-from app.sessions import SessionPreset, preset_workload
+from app.sessions import SessionPreset, SessionTimeline, preset_workload
 from app.sim.elastic import engine_setup
 from app.sim.instance import InstanceSetup
 from app.sim.records import RequestOutcome, RequestRecord
@@ -301,18 +301,16 @@ def second_half(records: Sequence[RequestRecord], duration_s: float) -> list[Req
 
 
 def mean_session_span_s(workload: Workload, solo_s: Sequence[float]) -> float:
-    """Mean over sessions of the longest chain of (tool wait + solo time) through its
-    steps: how long a session stays open when nothing queues."""
-    if workload.graph is None:
-        raise ValueError("session spans need a workload of agent sessions")
-    finish: list[float] = []
-    ends: dict[str | None, float] = {}
-    for i, request in enumerate(workload.requests):  # parents come before their children
-        parents = workload.graph.parents[i]
-        start = max((finish[p] for p in parents), default=0.0) + workload.graph.tool_wait_s[i]
-        finish.append(start + solo_s[i])
-        ends[request.session_id] = max(ends.get(request.session_id, 0.0), finish[-1])
-    return sum(ends.values()) / len(ends)
+    """Mean over sessions of the time from a session's start to its last step's end when
+    nothing queues, each step taking its solo time (`SessionTimeline`): how long a
+    session stays open."""
+    timeline = SessionTimeline.of(workload, solo_s)
+    spans: dict[str | None, float] = {}
+    for request, end_s in zip(workload.requests, timeline.end_s, strict=True):
+        # a step's arrival is its session's start until it is issued
+        spans[request.session_id] = max(spans.get(request.session_id, 0.0),
+                                        float(end_s) - request.arrival_s)
+    return sum(spans.values()) / len(spans)
 
 
 def keeps_up(records: Sequence[RequestRecord], role: str, duration_s: float) -> bool:

@@ -15,6 +15,7 @@ import hashlib
 import math
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -50,18 +51,25 @@ def prompt_token_ids(request: WorkloadRequest, vocab_size: int) -> list[int]:
     return ids + _ids(request.request_id.encode(), tail, vocab_size)
 
 
-def _record(request: WorkloadRequest, sent_s: float, done_s: float,
-            reply: httpx.Response | None, error: str | None) -> RequestRecord:
-    record = RequestRecord(
+def _new_record(request: WorkloadRequest) -> RequestRecord:
+    """The request's record before anything came back."""
+    return RequestRecord(
         request_id=request.request_id, arrival_s=request.arrival_s,
         deadline_s=request.deadline_s, slo_s=request.slo_s,
         num_prompt_tokens=request.num_prompt_tokens,
         num_output_tokens=request.num_output_tokens,
     )
+
+
+def _record(request: WorkloadRequest, sent_s: float, done_s: float,
+            reply: httpx.Response | None, error: str | None) -> RequestRecord:
+    record = _new_record(request)
     if reply is not None and reply.status_code == 200:
         data = reply.json()
         ext = data["goodserve"]
         record.finish_s = request.arrival_s + (done_s - sent_s)
+        if ext.get("ttft_s") is not None:  # the router's, from its own arrival
+            record.first_token_s = request.arrival_s + ext["ttft_s"]
         record.num_generated_tokens = data["usage"]["completion_tokens"]
         record.instance_ids = list(ext["instance_ids"])
         record.num_migrations = ext["num_migrations"]
@@ -75,6 +83,14 @@ def _record(request: WorkloadRequest, sent_s: float, done_s: float,
     return record
 
 
+def stop_time_s(workload: Workload, max_drain_s: float | None) -> float:
+    """When a replay of `workload` stops, as the simulator stops: `max_drain_s` after
+    its last arrival known in advance (inf: when every issued request has ended)."""
+    if max_drain_s is None:
+        return math.inf
+    return workload.requests[-1].arrival_s + max_drain_s
+
+
 async def drive(
     base_url: str,
     workload: Workload,
@@ -82,18 +98,29 @@ async def drive(
     vocab_size: int,
     timeout_s: float = 600.0,
     progress: Callable[[int], None] | None = None,
+    stop_s: float = math.inf,
 ) -> list[RequestRecord]:
     """Send every request when it is issued: at its arrival time, or, for agent
     sessions, when the steps it waits for have come back plus its tool wait (a step
-    whose parent failed is never sent). One record per request, in workload order."""
+    whose parent failed is never sent). At `stop_s` (workload seconds) the replay ends
+    as the simulator's does: requests still out count as unfinished, steps not yet sent
+    as rejected. One record per request, in workload order."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=100)
     releases = StepReleases(workload.requests, workload.graph)
     records: dict[int, RequestRecord] = {}
+
+    def settle(index: int, record: RequestRecord) -> None:
+        records[index] = record
+        if progress is not None:
+            progress(1)
+
     async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits) as client:
         start = time.monotonic()
         tasks: set[asyncio.Task] = set()
 
         def issue(release: Release) -> None:
+            if release.time_s > stop_s:  # left unreleased: settled when the run stops
+                return
             task = asyncio.create_task(one(release))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
@@ -104,25 +131,47 @@ async def drive(
             if following is not None:
                 issue(following)
             request = releases.issued(release.index, time.monotonic() - start)
-            record = await send(client, request, model_name, vocab_size)
-            records[release.index] = record
-            if progress is not None:
-                progress(1)
+            try:
+                record = await send(client, request, model_name, vocab_size)
+            except asyncio.CancelledError:  # the run stopped with it out
+                settle(release.index, _unfinished(request))
+                raise
+            settle(release.index, record)
             done_s = time.monotonic() - start
             ready, cancelled = releases.after_end(
                 release.index, done_s, record.outcome != RequestOutcome.REJECTED
                 and record.finish_s is not None)
             for index in cancelled:
-                records[index] = _cancelled(workload.requests[index], done_s, request)
+                settle(index, _not_issued(workload.requests[index], done_s,
+                                          f"session ended: {request.request_id} was not served"))
             for r in ready:
                 issue(r)
 
         first = releases.first()
         if first is not None:
             issue(first)
-        while tasks:
-            await asyncio.gather(*list(tasks))
+        await _until(tasks, start + stop_s)
+        now = time.monotonic() - start
+        for index in releases.unreleased():
+            settle(index, _not_issued(workload.requests[index], now,
+                                      "not issued: the run stopped first"))
     return [records[i] for i in sorted(records)]
+
+
+async def _until(tasks: set[asyncio.Task], stop_at: float) -> None:
+    """Wait for `tasks`, and the tasks they start, until the monotonic time `stop_at`;
+    then cancel what is left. A task's own error is raised."""
+    while tasks:
+        left_s = stop_at - time.monotonic()
+        if left_s <= 0:
+            break
+        done, _ = await asyncio.wait(set(tasks), timeout=None if math.isinf(left_s) else left_s)
+        for task in done:
+            task.result()
+    left = list(tasks)
+    for task in left:
+        task.cancel()
+    await asyncio.gather(*left, return_exceptions=True)
 
 
 async def send(client: httpx.AsyncClient, request: WorkloadRequest, model_name: str,
@@ -150,14 +199,19 @@ async def send(client: httpx.AsyncClient, request: WorkloadRequest, model_name: 
     return _record(request, sent, time.monotonic(), reply, error)
 
 
-def _cancelled(request: WorkloadRequest, now: float, cause: WorkloadRequest) -> RequestRecord:
-    """A session step never sent because a step it waits for was not served."""
-    record = RequestRecord(
-        request_id=request.request_id, arrival_s=now, deadline_s=now + request.slo_s,
-        slo_s=request.slo_s, num_prompt_tokens=request.num_prompt_tokens,
-        num_output_tokens=request.num_output_tokens,
-        outcome=RequestOutcome.REJECTED,
-        reject_reason=f"session ended: {cause.request_id} was not served")
+def _not_issued(request: WorkloadRequest, now: float, reason: str) -> RequestRecord:
+    """A session step never sent (a step it waits for was not served, or the run
+    stopped first): rejected at `now`."""
+    record = _new_record(replace(request, arrival_s=now))
+    record.outcome = RequestOutcome.REJECTED
+    record.reject_reason = reason
+    return record
+
+
+def _unfinished(request: WorkloadRequest) -> RequestRecord:
+    """A request still out when the run stopped: violated, as the simulator counts it."""
+    record = _new_record(request)
+    record.outcome = record.decide()
     return record
 
 
@@ -166,8 +220,10 @@ def live_cell(
     workload: Workload,
     base_url: str,
     progress: Callable[[int], None] | None = None,
+    stop_s: float = math.inf,
 ) -> tuple[list[RequestRecord], float]:
-    """Deploy the router with `config` on fresh engines, replay, tear the engines down.
+    """Deploy the router with `config` on fresh engines, replay until `stop_s`
+    (`drive`), tear the engines down.
 
     Returns the records and the wall seconds of the replay.
     """
@@ -181,7 +237,7 @@ def live_cell(
         t0 = time.monotonic()
         vocab = config.engine_template.instance.model.vocab_size
         records = asyncio.run(drive(base_url, workload, config.model_name, vocab,
-                                    progress=progress))
+                                    progress=progress, stop_s=stop_s))
         return records, time.monotonic() - t0
     finally:
         serve.delete(APP_NAME)

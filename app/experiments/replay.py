@@ -589,7 +589,7 @@ def run_live_replay(
     """
     from ray import serve
 
-    from app.experiments.live_replay import live_cell, serve_config_for
+    from app.experiments.live_replay import live_cell, serve_config_for, stop_time_s
     from app.serving.config import ServeConfig
     from deployments.cluster import init_local_ray
     from deployments.router import free_port
@@ -601,6 +601,7 @@ def run_live_replay(
     reference = reference_instance(cluster_model(spec.cluster), spec.reference_gpu)
     phases_s = solo_phases_s(workload.requests, reference)
     solo_s = phases_total_s(workload.requests, phases_s)
+    stop_s = stop_time_s(workload, spec.max_drain_s)
     init_local_ray(spec.cluster)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -612,7 +613,8 @@ def run_live_replay(
                 predictor_dir=None if predictor_dir is None else str(predictor_dir))
             for scale in spec.slo_scales:
                 cell = assign_slos(workload, solo_s, scale, phases_s)
-                records, wall_s = live_cell(config, cell, f"http://127.0.0.1:{port}", progress)
+                records, wall_s = live_cell(config, cell, f"http://127.0.0.1:{port}", progress,
+                                            stop_s)
                 makespan_s = max((r.finish_s for r in records if r.finish_s is not None),
                                  default=0.0)
                 outcomes.append(cell_outcome(kind.value, scale, records, cell.duration_s,

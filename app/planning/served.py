@@ -62,6 +62,7 @@ from app.planning.distributions import LengthDist
 from app.planning.queues import Method, MgkQueue
 from app.planning.search import max_feasible_rate
 from app.planning.split import EngineKind
+from app.sessions import SessionTimeline
 from app.workload import Workload, WorkloadRequest
 
 PREFILL, DECODE, UNIFIED = "prefill", "decode", "unified"
@@ -120,8 +121,9 @@ class TrafficSample:
                       held_kv_tokens: float = 0.0) -> TrafficSample:
         """The requests themselves, their cached prefix what one engine serving them in
         order would hold (`prefix_hits`); deadlines `slo_scale` x solo time. For agent
-        sessions, which context each step reuses and after what tool wait
-        (`ContextReuse.of`), so the engine's cache may have evicted it."""
+        sessions, which context each step reuses and after what wait, each step served
+        alone on `reference` (`ContextReuse.of`), so the engine's cache may have evicted
+        it."""
         requests = workload.requests
         prompt = np.array([r.num_prompt_tokens for r in requests])
         sample = cls.from_lengths(prompt, np.array(prefix_hits(requests)),
@@ -129,7 +131,10 @@ class TrafficSample:
                                   reference, slo_scale, held_kv_tokens)
         if workload.graph is None:
             return sample
-        return replace(sample, reuse=ContextReuse.of(workload, sample.cached_tokens))
+        solo = SoloPhases.of(reference, sample.prompt_tokens, sample.cached_tokens,
+                             sample.output_tokens)
+        return replace(sample, reuse=ContextReuse.of(workload, sample.cached_tokens,
+                                                     solo.total_s))
 
     @classmethod
     def from_moments(cls, workload: LengthMoments, reference: InstanceSpec, slo_scale: float,
@@ -172,23 +177,25 @@ def prefix_hits(requests: Sequence[WorkloadRequest]) -> list[int]:
 @dataclass(frozen=True)
 class ContextReuse:
     """How agent steps reuse their session's cached context: per request, the step whose
-    prompt it extends (`parent`, -1: none), the tool wait between that step's end and its
-    arrival, and the prompt tokens it still finds cached when the engine evicted that
-    context (the prefix it shares with other sessions)."""
+    prompt it extends (`parent`, -1: none), the wait between its last parent's end and
+    its arrival, and the prompt tokens it still finds cached when the engine evicted
+    that context (the prefix it shares with other sessions)."""
 
     parent: np.ndarray
-    tool_wait_s: np.ndarray
+    wait_s: np.ndarray  # its tool wait, or longer where its own arrival comes later
     shared_tokens: np.ndarray
 
     @classmethod
-    def of(cls, workload: Workload, cached_tokens: np.ndarray) -> ContextReuse:
-        """From a session workload's graph: a step extends its first parent's prompt;
-        its shared prefix is what blocks of other sessions cover (`prefix_hits` over the
-        requests with its own session's earlier blocks left out)."""
+    def of(cls, workload: Workload, cached_tokens: np.ndarray,
+           step_s: np.ndarray) -> ContextReuse:
+        """From a session workload's graph, each step taking `step_s` (`SessionTimeline`):
+        a step extends its first parent's prompt; its shared prefix is what blocks of
+        other sessions cover (`prefix_hits` over the requests with its own session's
+        earlier blocks left out)."""
         assert workload.graph is not None
         parent = np.array([p[0] if p else -1 for p in workload.graph.parents])
         shared = np.array(_shared_prefix_hits(workload.requests))
-        return cls(parent, np.array(workload.graph.tool_wait_s, dtype=float),
+        return cls(parent, SessionTimeline.of(workload, step_s).wait_s,
                    np.minimum(shared, cached_tokens))
 
     def idle_gaps_s(self, busy_s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -199,7 +206,7 @@ class ContextReuse:
         decode elsewhere; a unified one: none, it touches the prompt at the end)."""
         has_parent = self.parent >= 0
         before = np.full(len(self.parent), np.nan)
-        before[has_parent] = busy_s[self.parent[has_parent]] + self.tool_wait_s[has_parent]
+        before[has_parent] = busy_s[self.parent[has_parent]] + self.wait_s[has_parent]
         after = np.full(len(self.parent), np.inf)
         np.fmin.at(after, self.parent[has_parent], before[has_parent])
         return before, after

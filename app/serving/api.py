@@ -545,6 +545,7 @@ class RequestSummary:
     slo_s: float | None
     e2e_s: float
     predicted_output_tokens: int | None
+    ttft_s: float | None = None  # arrival to first token; None: no token came
     prefill_instance: str | None = None  # disaggregated: where the prompt was computed
     kv_transfer_s: float | None = None  # disaggregated: prefill -> decode KV transfer
     kv_loaded_tokens: int = 0  # prompt tokens whose KV the decode engine loaded
@@ -562,6 +563,7 @@ class RequestSummary:
             "num_migrations": self.num_migrations,
             "slo_s": self.slo_s,
             "e2e_s": round(self.e2e_s, 6),
+            "ttft_s": None if self.ttft_s is None else round(self.ttft_s, 6),
             "met_deadline": self.met_deadline,
             "predicted_output_tokens": self.predicted_output_tokens,
             "prefill_instance": self.prefill_instance,

@@ -458,6 +458,7 @@ class CompletionService:
     def _summary(self, flight: Flight) -> RequestSummary:
         finish_s = flight.output.finish_s
         end = finish_s if finish_s is not None else self.router.clock()
+        first_token_s = flight.output.first_token_s
         kv = flight.kv
         return RequestSummary(
             instance_ids=tuple(flight.placement.instance_ids),
@@ -468,6 +469,8 @@ class CompletionService:
             num_migrations=flight.placement.num_migrations,
             slo_s=flight.request.slo_s,
             e2e_s=end - flight.request.arrival_s,
+            ttft_s=(None if first_token_s is None
+                    else first_token_s - flight.request.arrival_s),
             predicted_output_tokens=flight.route.predicted_output_tokens,
         )
 

@@ -28,6 +28,8 @@ def test_live_replay_scores_every_request_of_each_cell(ray_session):
         assert len(outcome.records) == len(workload)
         assert all(r.finish_s is not None and r.num_generated_tokens == r.num_output_tokens
                    for r in outcome.records)
+        # the router's first-token time, from its own arrival, within the client's e2e
+        assert all(r.ttft_s is not None and 0 < r.ttft_s <= r.e2e_s for r in outcome.records)
         assert outcome.summary["met"] + outcome.summary["violated"] == len(workload)
     round_robin = {tuple(r.instance_ids) for r in outcomes[1].records}
     assert round_robin == {("replay-H800-0",), ("replay-A40-1",)}

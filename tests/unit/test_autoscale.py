@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -32,6 +33,7 @@ from app.workload import (
     LoadShape,
     RateProfile,
     TraceRow,
+    WorkloadRequest,
     shaped_trace_workload,
 )
 
@@ -327,22 +329,48 @@ def test_only_the_steady_half_of_a_window_counts_towards_attainment():
     assert steady_attainment(warm_up, 40.0) == 1.0  # nothing arrived in [20, 40)
 
 
+def session_steps(*sessions: tuple[str, int]) -> tuple[WorkloadRequest, ...]:
+    """Requests of sessions (id, steps), each step 100 prompt and 10 output tokens, all
+    arriving with their sessions at 0 s."""
+    from app.workload import WorkloadRequest
+
+    return tuple(WorkloadRequest(f"{sid}/{i}", 0.0, 100, 10, session_id=sid, step_index=i)
+                 for sid, num_steps in sessions for i in range(num_steps))
+
+
 def test_a_session_span_is_its_longest_chain_of_tool_waits_and_solo_times():
     from app.experiments.calibrate import mean_session_span_s
     from app.sessions import SessionGraph
-    from app.workload import Workload, WorkloadRequest
-
-    def step(session: str, i: int) -> WorkloadRequest:
-        return WorkloadRequest(f"{session}/{i}", 0.0, 100, 10, session_id=session, step_index=i)
+    from app.workload import Workload
 
     # a: 0 -> (1, 2) fan-out -> 3 joins them; b: one step
-    requests = (step("a", 0), step("a", 1), step("a", 2), step("a", 3), step("b", 0))
+    requests = session_steps(("a", 4), ("b", 1))
     graph = SessionGraph(parents=((), (0,), (0,), (1, 2), ()),
                          tool_wait_s=(0.0, 2.0, 5.0, 1.0, 0.0))
     solo = [1.0, 1.0, 3.0, 1.0, 4.0]
     # a: 0 ends at 1; 1 at 1+2+1 = 4; 2 at 1+5+3 = 9; 3 at max(4, 9)+1+1 = 11
     span = mean_session_span_s(Workload(requests, 10.0, graph=graph), solo)
     assert span == pytest.approx((11.0 + 4.0) / 2)
+    # step 2 arrives at 12 s, after its tool wait: it ends at 15, the join at 17
+    arriving = replace(graph, earliest_s=(0.0, 0.0, 12.0, 0.0, 0.0))
+    span = mean_session_span_s(Workload(requests, 10.0, graph=arriving), solo)
+    assert span == pytest.approx((17.0 + 4.0) / 2)
+
+
+def test_context_is_held_until_a_step_is_issued_by_its_tool_wait_or_its_arrival():
+    from app.experiments.autoscale import held_token_seconds
+    from app.sessions import SessionGraph
+    from app.workload import Workload
+
+    requests = session_steps(("a", 2), ("b", 2))
+    graph = SessionGraph(parents=((), (0,), (), (2,)), tool_wait_s=(0.0, 2.0, 0.0, 3.0))
+    # each step waits with its parent's 110 tokens held: 2 s and 3 s over four steps
+    assert held_token_seconds(Workload(requests, 10.0, graph=graph)) == pytest.approx(
+        110 * (2.0 + 3.0) / 4)
+    # a's second step arrives at 5 s: the context waits 5 s, not its 2 s tool wait
+    arriving = replace(graph, earliest_s=(0.0, 5.0, 0.0, 0.0))
+    assert held_token_seconds(Workload(requests, 10.0, graph=arriving)) == pytest.approx(
+        110 * (5.0 + 3.0) / 4)
 
 
 def test_static_pools_on_the_served_models_spread_parked_context_over_their_engines():

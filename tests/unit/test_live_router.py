@@ -25,9 +25,9 @@ from app.config import (
     KvConnectorKind,
 )
 from app.engine_types import EngineRequest, EngineStatus, SamplingSpec, TokenEvent
-from app.routing.base import ActiveRequest, Watchdog
+from app.routing.base import ActiveRequest, RouteDecision, RoutingPolicy, Watchdog
 from app.routing.registry import PolicyKind, RoutingStack, build_routing
-from app.routing.view import ClusterView, InstanceId
+from app.routing.view import ClusterView, InstanceId, RouteRequest
 from app.serving.config import ServeConfig
 from app.serving.flight import FlightState, GenerationRequest
 from app.serving.instances import EngineClient
@@ -185,6 +185,42 @@ async def test_engine_failure_continues_on_another_instance():
     assert "broken" not in router.view(time.time()).by_id
     router.instances["broken"].healthy = True
     assert_load_matches_flights(router)
+
+
+class FirstListed(RoutingPolicy):
+    """Picks the first instance of the view; keeps the first tokens it hears."""
+
+    def __init__(self) -> None:
+        self.heard: list[tuple[str, InstanceId, float, float]] = []
+
+    def choose(self, request: RouteRequest, view: ClusterView, now: float) -> RouteDecision:
+        return view.instances[0].instance_id
+
+    def on_first_token(self, request: RouteRequest, instance_id: InstanceId,
+                       first_token_s: float, now: float) -> None:
+        self.heard.append((request.request_id, instance_id, first_token_s, now))
+
+
+async def test_the_policy_hears_a_first_token_once_from_the_engine_that_produced_it():
+    """A fail-over after the first token brings no other; in P/D it is the prefill
+    engine's."""
+    policy = FirstListed()
+    broken, healthy = ScriptedEngine("broken", "H800", fail_at=5), ScriptedEngine("ok", "A40")
+    router = await started(broken, healthy, stack=RoutingStack(policy))
+    flight = await router.submit(request(max_tokens=20))
+    assert len(await drain(router, flight)) == 20
+    assert flight.placement.instance_ids == ["broken", "ok"]
+    first_s = flight.output.first_token_s
+    assert policy.heard == [("r1", "broken", first_s, first_s)]
+    assert flight.request.arrival_s < first_s
+
+    policy = FirstListed()
+    router = await started(*pd_engines(), stack=RoutingStack(policy),
+                           kv_transport=SimulatedLink(10.0))
+    flight = await router.submit(request("pd", max_tokens=8))
+    assert len(await drain(router, flight)) == 8
+    first_s = flight.output.first_token_s
+    assert policy.heard == [("pd", "p", first_s, first_s)]
 
 
 async def test_engine_lost_when_no_instance_can_take_over():
@@ -384,6 +420,8 @@ async def test_completion_reply_and_stream_follow_the_openai_shapes():
     assert choice["finish_reason"] == "length" and choice["text"].count("<") == 5
     assert reply.body["goodserve"]["met_deadline"] is True
     assert reply.body["goodserve"]["instance_ids"] == ["e"]
+    # the first of five tokens, one per engine step, comes well before the last
+    assert 0 < reply.body["goodserve"]["ttft_s"] < reply.body["goodserve"]["e2e_s"]
     chat = json.dumps({"model": "goodserve", "max_tokens": 4, "stream": True,
                        "messages": [{"role": "user", "content": "hi"}]}).encode()
     lines = [line async for line in await service.complete(chat, chat=True)]

@@ -24,6 +24,7 @@ from app.planning.served import (
     prefix_hits,
 )
 from app.planning.split import EngineKind
+from app.sessions import SessionTimeline
 from app.workload import WorkloadRequest
 
 pytestmark = pytest.mark.unit
@@ -77,12 +78,33 @@ def test_the_cache_time_is_when_the_prompts_touched_within_it_fill_the_cache():
 
 
 def test_idle_gaps_run_from_the_parent_s_last_touch_to_the_child_s_arrival():
-    reuse = ContextReuse(parent=np.array([-1, 0, 1, 1]), tool_wait_s=np.array([0.0, 3.0, 5.0, 1.0]),
+    reuse = ContextReuse(parent=np.array([-1, 0, 1, 1]), wait_s=np.array([0.0, 3.0, 5.0, 1.0]),
                          shared_tokens=np.zeros(4))
     before, after = reuse.idle_gaps_s(busy_s=np.array([0.5, 1.0, 2.0, 2.0]))
     assert np.isnan(before[0]) and before[1:].tolist() == [3.5, 6.0, 2.0]
     # step 1 is reused by two children: its prompt is touched again after the sooner
     assert after.tolist() == [3.5, 2.0, math.inf, math.inf]
+
+
+def test_a_step_waits_for_its_tool_or_its_own_arrival_whichever_comes_later():
+    """As `StepReleases` issues steps: step 1 is ready at 13 s but arrives at 15 s;
+    step 2 arrived long before it is ready; step 3 joins both branches."""
+    from app.sessions import AgentSession, AgentStep, sessions_workload
+
+    def step(step_id: str, wait_for: tuple[str, ...], tool_wait_s: float,
+             arrival_offset_s: float = 0.0) -> AgentStep:
+        return AgentStep(step_id, wait_for, tool_wait_s, 100, 10, 5, (), 16, arrival_offset_s)
+
+    session = AgentSession("a", 10.0, (
+        step("0", (), 0.0), step("1", ("0",), 2.0, 5.0), step("2", ("0",), 3.0, 1.0),
+        step("3", ("1", "2"), 1.0)))
+    workload = sessions_workload([session], 1.0, "a")
+    timeline = SessionTimeline.of(workload, [1.0, 1.0, 2.0, 1.0])
+    # 0: 10 -> 11; 1: max(11 + 2, 15) -> 16; 2: max(11 + 3, 11) -> 16; 3: 16 + 1 -> 18
+    assert timeline.end_s.tolist() == [11.0, 16.0, 16.0, 18.0]
+    assert timeline.wait_s.tolist() == [0.0, 4.0, 3.0, 1.0]
+    reuse = ContextReuse.of(workload, np.zeros(4, dtype=np.int64), np.array([1.0, 1.0, 2.0, 1.0]))
+    assert reuse.wait_s.tolist() == [0.0, 4.0, 3.0, 1.0]
 
 
 def test_a_prefill_engine_loses_session_contexts_when_its_cache_overflows():
