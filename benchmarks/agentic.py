@@ -55,9 +55,32 @@ load) and matrix.png (GoodServe / best baseline heat maps per workload and clust
 --move-paths token-ids,kv runs GoodServe again with every move forced to each path
 (cells "goodserve@token-ids", "goodserve@kv"); matrix.md then adds GoodServe, which
 chooses each move's path, over each forced run.
+
+Capacity (--capacity, instead of the matrix). A policy's capacity is the highest arrival
+rate at which at least 90% of the steps meet their deadline, at SLO scales 1.5, 2 and 3;
+a rejected step, and a step never sent because its session ended or the run stopped,
+counts as a miss (the simulator records each). Per (workload, cluster, seed, policy) and
+scale: the calibration's search (`find_crossing`) with the target 90%, bisecting until
+the bracket is within 3% of the rate, at most 12 runs; scale 1.5 starts from the
+per-engine first guess, each looser scale from the capacity found at the one before.
+Pairs: every workload on both clusters, coding-agent on the large one included; seeds
+0, 1, 2 (--capacity-seeds) on both; policies GoodServe and every baseline (slo-pack
+among them). Writes capacity.csv (one row per workload, cluster, seed, policy and scale:
+the capacity, the lowest rate tried that missed, the runs used; --resume keeps the
+rows at the current windows) and capacity.md (per pair and scale, GoodServe's capacity
+over the best baseline's, per seed and mean [min, max], the best baseline named; the
+weakest and the best pair; every policy's capacity, mean [min, max] over seeds).
+Cost: a search takes about 7 runs (one to three to bracket, 5 bisections), so a full
+run is 6 pairs x 3 seeds x 10 policies x 3 scales x ~7-8, about 4,000 simulator runs
+(at most 6,480); each runs one policy at one scale, about one matrix cell. By the cell
+costs above, coding-agent on the large cluster (20,000 s windows, 100-330 CPU s a run)
+is most of it: roughly 30-50 CPU hours in all, half that in wall time with --jobs 2.
+
 Usage: python -m benchmarks.agentic [--jobs 2] [--resume] [--only-clusters small]
        [--only-workloads chat-agent] [--duration coding-agent=20000]
        [--policies goodserve,round-robin] [--move-paths token-ids,kv]
+       python -m benchmarks.agentic --capacity [--jobs 2] [--resume]
+       [--capacity-seeds 0,1,2] [--report-only]
 """
 
 from __future__ import annotations
@@ -116,8 +139,16 @@ DURATION_HELP = ("arrival window per run, s: one number for every workload, or "
 CALIBRATION_SCALE = 2.0
 TARGET_MET_SHARE = 0.8
 CALIBRATION_SEED = 100
-CALIBRATION_STEPS = 6
-MIN_CALIBRATION_REQUESTS = 50  # a met share over fewer requests is too coarse to bisect on
+MAX_BRACKET_STEPS = 8  # doublings or halvings of a rate search before it gives up
+CALIBRATION_RESOLUTION = 0.011  # L*'s bracket: 6 bisections of a factor 2
+CALIBRATION_MAX_RUNS = 1 + MAX_BRACKET_STEPS + 6
+MIN_SEARCH_REQUESTS = 50  # a met share over fewer requests is too coarse to bisect on
+# capacity: the highest rate at which a policy meets CAPACITY_SHARE of the steps, per scale
+CAPACITY_SHARE = 0.9
+CAPACITY_SCALES = (1.5, 2.0, 3.0)
+CAPACITY_RESOLUTION = 0.03  # the search stops when the bracket is within 3% of the rate
+CAPACITY_MAX_RUNS = 12  # per policy and scale: a factor-2 bracket and 5 bisections take 7
+CAPACITY_SEEDS = (0, 1, 2)
 GOODSERVE, EXACT = PolicyKind.GOODSERVE.value, PolicyKind.GOODSERVE_EXACT.value
 # the baselines users deploy; llm-d, session-affinity and dynamo-kv run where the
 # policy registry has them (membership in PolicyKind), and count as baselines in any case
@@ -125,6 +156,7 @@ CANDIDATE_BASELINES = ("round-robin", "least-request", "prefix-cache", "preble",
                        "slo-pack", "llm-d", "session-affinity", "dynamo-kv")
 BASELINES = tuple(n for n in CANDIDATE_BASELINES if n in {k.value for k in PolicyKind})
 POLICIES = (GOODSERVE, EXACT, *BASELINES)
+CAPACITY_POLICIES = (GOODSERVE, *BASELINES)
 # the baselines L* is bisected on, per workload: the cheap ones, except on coding-agent,
 # where over a long window they never meet 80% at scale 2 (they spread a session's
 # steps over GPUs that must recompute its context) and the strongest two set the load
@@ -136,6 +168,8 @@ START_RATE_PER_ENGINE = {"mooncake": 0.3, "coding-agent": 0.002, "chat-agent": 0
 CELL_FIELDS = ["workload", "cluster", "load_factor", "rate", "seed", "policy", "slo_scale",
                "requests", "met", "goodput_rps"]
 CALIBRATION_FIELDS = ["workload", "cluster", "duration_s", "seed", "rate", "policies", "note"]
+CAPACITY_FIELDS = ["workload", "cluster", "duration_s", "seed", "policy", "slo_scale",
+                   "capacity", "lowest_failing_rate", "runs"]
 
 
 @dataclass(frozen=True)
@@ -228,42 +262,71 @@ class NoCrossing(ValueError):
         self.always_below = always_below  # under the target even at the lightest rate
 
 
-def bracket(share_at: Callable[[float], float], start: float, *, min_rate: float = 0.0,
-            max_steps: int = 8) -> tuple[float, float]:
-    """(low, high), at most a factor 2 apart, with share(low) >= TARGET_MET_SHARE >
-    share(high): doubling from `start` while the target is met, halving while it is
-    not, never below `min_rate`."""
-    rate = max(start, min_rate)
-    meets = share_at(rate) >= TARGET_MET_SHARE
-    for _ in range(max_steps):
-        step = rate * 2 if meets else max(rate / 2, min_rate)
-        if step == rate:
-            break
-        if (share_at(step) >= TARGET_MET_SHARE) != meets:
-            return (rate, step) if meets else (step, rate)
-        rate = step
-    where = "up to" if meets else "down to"
-    side = "above" if meets else "below"
-    raise NoCrossing(f"the best met share at scale {CALIBRATION_SCALE:g} stays {side} "
-                     f"{TARGET_MET_SHARE:.0%} {where} {rate:.3g}", always_below=not meets)
+@dataclass(frozen=True)
+class Crossing:
+    """Where a met share that falls with the rate crosses a target, as far as the rates
+    tried tell."""
+
+    low: float | None  # the highest rate tried that meets the target; None if none did
+    high: float | None  # the lowest rate tried under the target; None if every one met it
+    runs: int  # rates tried
 
 
-def calibrate(share_at: Callable[[float], float], start: float, *, min_rate: float = 0.0,
-              steps: int = CALIBRATION_STEPS) -> float:
-    """The rate where a non-increasing met share crosses TARGET_MET_SHARE: a bracket
-    (see `bracket`), then `steps` geometric bisections; the bracket's geometric middle."""
-    low, high = bracket(share_at, start, min_rate=min_rate)
-    for _ in range(steps):
-        middle = math.sqrt(low * high)
-        if share_at(middle) >= TARGET_MET_SHARE:
-            low = middle
+def find_crossing(share_at: Callable[[float], float], target: float, start: float, *,
+                  resolution: float, max_runs: int, min_rate: float = 0.0) -> Crossing:
+    """Bracket the rate where a non-increasing `share_at` falls under `target`, doubling
+    from `start` while it is met and halving while it is not (at most MAX_BRACKET_STEPS
+    steps, never below `min_rate`), then bisect geometrically until high <= low x (1 +
+    `resolution`); `share_at` is called at most `max_runs` times."""
+    low: float | None = None
+    high: float | None = None
+    runs = 0
+
+    def probe(rate: float) -> None:
+        nonlocal low, high, runs
+        runs += 1
+        if share_at(rate) >= target:
+            low = rate
         else:
-            high = middle
-    return math.sqrt(low * high)
+            high = rate
+
+    rate = max(start, min_rate)
+    probe(rate)
+    for _ in range(MAX_BRACKET_STEPS):
+        step = rate * 2 if high is None else max(rate / 2, min_rate)
+        if (low is not None and high is not None) or runs >= max_runs or step == rate:
+            break
+        rate = step
+        probe(rate)
+    while (low is not None and high is not None and high > low * (1 + resolution)
+           and runs < max_runs):
+        probe(math.sqrt(low * high))
+    return Crossing(low, high, runs)
+
+
+def calibrate(share_at: Callable[[float], float], start: float, *,
+              min_rate: float = 0.0) -> float:
+    """The rate where a non-increasing met share crosses TARGET_MET_SHARE (see
+    `find_crossing`): the final bracket's geometric middle."""
+    found = find_crossing(share_at, TARGET_MET_SHARE, start, resolution=CALIBRATION_RESOLUTION,
+                          max_runs=CALIBRATION_MAX_RUNS, min_rate=min_rate)
+    if found.low is None or found.high is None:
+        meets = found.high is None
+        where, side = ("up to", "above") if meets else ("down to", "below")
+        last = found.low if meets else found.high
+        raise NoCrossing(f"the best met share at scale {CALIBRATION_SCALE:g} stays {side} "
+                         f"{TARGET_MET_SHARE:.0%} {where} {last:.3g}", always_below=not meets)
+    return math.sqrt(found.low * found.high)
+
+
+def met_share(row: dict) -> float:
+    """Met steps over every step of the run's workload: the simulator records rejected
+    steps, steps of an ended session and steps never sent, all as not met."""
+    return ratio(int(row["met"]), int(row["requests"]))
 
 
 def best_met_share(rows: Sequence[dict]) -> float:
-    return max(ratio(int(r["met"]), int(r["requests"])) for r in rows)
+    return max(met_share(r) for r in rows)
 
 
 @dataclass(frozen=True)
@@ -291,15 +354,22 @@ class Calibration:
                    row["note"])
 
 
+def search_range(workload: str, cluster: str, seed: int,
+                 setup: MatrixSetup) -> tuple[float, float]:
+    """(start, min_rate) of a rate search: the per-engine first guess, and the lightest
+    rate whose window holds about MIN_SEARCH_REQUESTS requests."""
+    config = load_cluster_config(CLUSTERS[cluster])
+    start = START_RATE_PER_ENGINE[workload] * len(config.engines())
+    num_requests = len(make_workload(workload, config, start, seed, setup).requests)
+    return start, start * MIN_SEARCH_REQUESTS / max(num_requests, 1)
+
+
 def calibrate_pair(workload: str, cluster: str, setup: MatrixSetup, seed: int,
                    policies: Sequence[str]) -> Calibration:
     """L* by `policies`, then by every baseline when those stay under the target down
     to the lightest measurable rate (long prompts miss on weak GPUs even when idle,
     unless a baseline keeps them off those GPUs)."""
-    config = load_cluster_config(CLUSTERS[cluster])
-    start = START_RATE_PER_ENGINE[workload] * len(config.engines())
-    num_requests = len(make_workload(workload, config, start, seed, setup).requests)
-    min_rate = start * MIN_CALIBRATION_REQUESTS / max(num_requests, 1)
+    start, min_rate = search_range(workload, cluster, seed, setup)
 
     def share_by(names: Sequence[str]) -> Callable[[float], float]:
         return lambda rate: best_met_share(run_cells(
@@ -422,10 +492,20 @@ def met_table(cells: Sequence[dict]) -> dict[MetKey, dict[str, tuple[int, int]]]
     return out
 
 
-def best_baseline(met: dict[str, tuple[int, int]]) -> str | None:
-    """The baseline meeting the most requests (the earlier in CANDIDATE_BASELINES on a tie)."""
-    ran = [b for b in CANDIDATE_BASELINES if b in met]
-    return max(ran, key=lambda b: (met[b][0], -ran.index(b))) if ran else None
+def met_counts(results: dict[str, tuple[int, int]]) -> dict[str, int]:
+    """policy -> met requests, from policy -> (met, requests)."""
+    return {policy: met for policy, (met, _) in results.items()}
+
+
+def best_baseline(score: dict[str, float]) -> str | None:
+    """The baseline scoring highest (the earlier in CANDIDATE_BASELINES on a tie)."""
+    ran = [b for b in CANDIDATE_BASELINES if b in score]
+    return max(ran, key=lambda b: (score[b], -ran.index(b))) if ran else None
+
+
+def most_common(names: Sequence[str]) -> str:
+    """The name given most often (the first seen on a tie)."""
+    return Counter(names).most_common(1)[0][0]
 
 
 @dataclass(frozen=True)
@@ -449,7 +529,7 @@ class MatrixRow:
     @property
     def best_named(self) -> str:
         """The baseline best on most seeds."""
-        return Counter(self.best).most_common(1)[0][0]
+        return most_common(self.best)
 
     @property
     def noise(self) -> float | None:
@@ -467,15 +547,20 @@ def aggregate(cells: Sequence[dict]) -> list[MatrixRow]:
     table = met_table(cells)
     seeds: dict[tuple[str, str, float, float], list[int]] = defaultdict(list)
     for (workload, cluster, factor, scale, seed), met in table.items():
-        if GOODSERVE in met and best_baseline(met):
+        if GOODSERVE in met and best_baseline(met_counts(met)):
             seeds[(workload, cluster, factor, scale)].append(seed)
     return [_matrix_row(table, key, sorted(seeds[key])) for key in sorted(seeds, key=_order)]
 
 
 def _order(key: tuple[str, str, float, float]) -> tuple:
     workload, cluster, factor, scale = key
-    return (_rank(workload, WORKLOADS), workload, _rank(cluster, list(CLUSTERS)), cluster,
-            factor, scale)
+    return (*_pair_order((workload, cluster)), factor, scale)
+
+
+def _pair_order(pair: tuple[str, str]) -> tuple:
+    """Workloads, then clusters, in the order they are declared."""
+    workload, cluster = pair
+    return (_rank(workload, WORKLOADS), workload, _rank(cluster, list(CLUSTERS)), cluster)
 
 
 def _rank(name: str, known: Sequence[str]) -> int:
@@ -486,7 +571,7 @@ def _matrix_row(table: dict[MetKey, dict[str, tuple[int, int]]],
                 key: tuple[str, str, float, float], seeds: Sequence[int]) -> MatrixRow:
     workload, cluster, factor, scale = key
     per_seed = [table[(*key, s)] for s in seeds]
-    best = [best_baseline(m) or "" for m in per_seed]
+    best = [best_baseline(met_counts(m)) or "" for m in per_seed]
     ours = [m[GOODSERVE][0] for m in per_seed]
     collapse: list[float] = []
     if factor == COLLAPSE_FACTORS[0]:
@@ -544,8 +629,8 @@ def _calibration_lines(calibrations: Sequence[Calibration]) -> list[str]:
              f"{TARGET_MET_SHARE:.0%} at scale {CALIBRATION_SCALE:g}; calibration seed, "
              "window):", ""]
     for c in calibrations:
-        unit = "req/s" if c.workload == "mooncake" else "sessions/s"
-        what = f"{c.rate:.3g} {unit}" if c.rate is not None else f"skipped: {c.note}"
+        what = (f"{c.rate:.3g} {rate_unit(c.workload)}" if c.rate is not None
+                else f"skipped: {c.note}")
         lines.append(f"- {c.workload} on {c.cluster}: {what} ({', '.join(c.policies)}; "
                      f"seed {c.seed}, {c.duration_s:g} s)")
     return lines
@@ -630,6 +715,225 @@ def write_report(out: Path, calibrations: Sequence[Calibration]) -> list[MatrixR
     return rows
 
 
+# ---- capacity ----------------------------------------------------------------------------
+
+
+def rate_unit(workload: str) -> str:
+    return "req/s" if workload == "mooncake" else "sessions/s"
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """A policy's capacity at one SLO scale on one seed: the highest arrival rate tried at
+    which it met CAPACITY_SHARE of the steps."""
+
+    workload: str
+    cluster: str
+    duration_s: float
+    seed: int
+    policy: str
+    slo_scale: float
+    capacity: float  # 0 when no rate tried, down to the lightest measurable, met the share
+    lowest_failing_rate: float | None  # None when every rate tried met: a lower bound
+    runs: int  # simulator runs the search took
+
+    @property
+    def coarse(self) -> bool:
+        """The run cap stopped the search with its bracket wider than CAPACITY_RESOLUTION."""
+        return (self.capacity > 0 and self.lowest_failing_rate is not None
+                and self.lowest_failing_rate > self.capacity * (1 + CAPACITY_RESOLUTION))
+
+    @property
+    def key(self) -> tuple[str, str, int, str]:
+        """The search that found it: one per (workload, cluster, seed, policy)."""
+        return (self.workload, self.cluster, self.seed, self.policy)
+
+    def as_row(self) -> dict:
+        return {"workload": self.workload, "cluster": self.cluster,
+                "duration_s": self.duration_s, "seed": self.seed, "policy": self.policy,
+                "slo_scale": self.slo_scale, "capacity": self.capacity,
+                "lowest_failing_rate": ("" if self.lowest_failing_rate is None
+                                        else self.lowest_failing_rate),
+                "runs": self.runs}
+
+    @classmethod
+    def from_row(cls, row: dict) -> Capacity:
+        failing = row["lowest_failing_rate"]
+        return cls(row["workload"], row["cluster"], float(row["duration_s"]), int(row["seed"]),
+                   row["policy"], float(row["slo_scale"]), float(row["capacity"]),
+                   float(failing) if failing else None, int(row["runs"]))
+
+
+def capacity_searches(share_at: Callable[[float, float], float], start: float, *,
+                      min_rate: float = 0.0, max_runs: int = CAPACITY_MAX_RUNS
+                      ) -> list[tuple[float, Crossing]]:
+    """(scale, where `share_at(rate, scale)` crosses CAPACITY_SHARE) per CAPACITY_SCALES,
+    tightest first; each search starts at the capacity found at the scale before it (a
+    looser deadline seldom lowers it), so its bracket takes one or two runs."""
+    found = []
+    for scale in CAPACITY_SCALES:
+        crossing = find_crossing(lambda rate, scale=scale: share_at(rate, scale),
+                                 CAPACITY_SHARE, start, resolution=CAPACITY_RESOLUTION,
+                                 max_runs=max_runs, min_rate=min_rate)
+        found.append((scale, crossing))
+        start = crossing.low or start
+    return found
+
+
+def policy_capacities(workload: str, cluster: str, seed: int, policy: str,
+                      setup: MatrixSetup) -> list[Capacity]:
+    """`policy`'s capacity at every CAPACITY_SCALES on one seed, searched from the
+    workload's per-engine first guess."""
+    start, min_rate = search_range(workload, cluster, seed, setup)
+
+    def share_at(rate: float, scale: float) -> float:
+        (row,) = run_cells(workload, cluster, rate, seed, setup, (policy,), (scale,))
+        return met_share(row)
+
+    return [Capacity(workload, cluster, setup.duration_s(workload), seed, policy, scale,
+                     crossing.low or 0.0, crossing.high, crossing.runs)
+            for scale, crossing in capacity_searches(share_at, start, min_rate=min_rate)]
+
+
+def read_capacities(path: Path) -> list[Capacity]:
+    return [Capacity.from_row(r) for r in read_rows(path)]
+
+
+def run_capacities(out: Path, pairs: Sequence[tuple[str, str]], seeds: Sequence[int],
+                   setup: MatrixSetup, jobs: int, resume: bool) -> None:
+    """Search every (pair, seed, policy) that capacity.csv lacks at the setup's windows
+    (all of them unless `resume`), appending each as it finishes."""
+    path = out / "capacity.csv"
+    kept = ([c for c in read_capacities(path) if c.duration_s == setup.duration_s(c.workload)]
+            if resume else [])
+    path.unlink(missing_ok=True)
+    append_rows(path, [c.as_row() for c in kept], CAPACITY_FIELDS)
+    done = {c.key for c in kept}
+    tasks = [(workload, cluster, seed, policy, setup) for workload, cluster in pairs
+             for seed in seeds for policy in setup.policies
+             if (workload, cluster, seed, policy) not in done]
+    for found in in_pool(policy_capacities, tasks, jobs, "capacity", "search"):
+        append_rows(path, [c.as_row() for c in found], CAPACITY_FIELDS)
+
+
+@dataclass(frozen=True)
+class CapacityRatio:
+    """GoodServe's capacity over the best baseline's at one (workload, cluster, scale)."""
+
+    workload: str
+    cluster: str
+    slo_scale: float
+    seeds: tuple[int, ...]
+    vs_best: tuple[float, ...]  # per seed
+    best: tuple[str, ...]  # the baseline of highest capacity, per seed
+
+    @property
+    def mean(self) -> float:
+        return sum(self.vs_best) / len(self.vs_best)
+
+    @property
+    def best_named(self) -> str:
+        """The baseline best on most seeds."""
+        return most_common(self.best)
+
+
+def capacity_ratios(capacities: Sequence[Capacity]) -> list[CapacityRatio]:
+    """One row per (workload, cluster, scale), over the seeds where GoodServe and at
+    least one baseline were searched."""
+    table: dict[tuple[str, str, float], dict[int, dict[str, float]]] = defaultdict(
+        lambda: defaultdict(dict))
+    for c in capacities:
+        table[(c.workload, c.cluster, c.slo_scale)][c.seed][c.policy] = c.capacity
+    rows = []
+    for key in sorted(table, key=lambda k: (*_pair_order(k[:2]), k[2])):
+        by_seed = {s: caps for s, caps in sorted(table[key].items())
+                   if GOODSERVE in caps and best_baseline(caps)}
+        if by_seed:
+            best = {s: best_baseline(caps) or "" for s, caps in by_seed.items()}
+            rows.append(CapacityRatio(
+                *key, tuple(by_seed),
+                vs_best=tuple(ratio(caps[GOODSERVE], caps[best[s]])
+                              for s, caps in by_seed.items()),
+                best=tuple(best.values())))
+    return rows
+
+
+def pair_standing(ratios: Sequence[CapacityRatio]) -> list[tuple[tuple[str, str], float]]:
+    """Per (workload, cluster): GoodServe / best baseline as the mean over its scales of
+    each scale's mean over seeds; lowest first."""
+    means: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for r in ratios:
+        means[(r.workload, r.cluster)].append(r.mean)
+    return sorted(((pair, sum(m) / len(m)) for pair, m in means.items()),
+                  key=lambda item: item[1])
+
+
+def _capacity_text(found: Sequence[Capacity]) -> str:
+    """Mean [min, max] of the capacities, marked >= when one is a lower bound."""
+    values = [c.capacity for c in found]
+    mean = sum(values) / len(values)
+    text = (f"{mean:.3g}" if len(values) == 1
+            else f"{mean:.3g} [{min(values):.3g}, {max(values):.3g}]")
+    return (">= " if any(c.lowest_failing_rate is None for c in found) else "") + text
+
+
+def _capacity_summary_lines(ratios: Sequence[CapacityRatio]) -> list[str]:
+    lines = ["GoodServe's capacity / the best baseline's (each seed's best baseline; the one "
+             "best on most seeds is named), mean [min, max] over seeds:", "",
+             "| workload, cluster | scale | GoodServe / best | per seed | best baseline |",
+             "|---|---|---|---|---|"]
+    for r in ratios:
+        lines.append(f"| {r.workload}, {r.cluster} | {r.slo_scale:g} | {_text(r.vs_best)} | "
+                     f"{', '.join(f'{v:.2f}' for v in r.vs_best)} | {r.best_named} |")
+    if standing := pair_standing(ratios):
+        (weak, weak_ratio), (strong, strong_ratio) = standing[0], standing[-1]
+        lines += ["", f"Weakest pair: {weak[0]} on {weak[1]}, {weak_ratio:.2f}; best pair: "
+                  f"{strong[0]} on {strong[1]}, {strong_ratio:.2f} (GoodServe / best "
+                  "baseline, the mean over scales of each scale's mean over seeds)."]
+    return lines
+
+
+def _capacity_pair_lines(found: Sequence[Capacity]) -> list[str]:
+    """Every policy's capacity per scale on one (workload, cluster)."""
+    first = found[0]
+    scales = sorted({c.slo_scale for c in found})
+    order = (GOODSERVE, EXACT, *CANDIDATE_BASELINES)
+    policies = sorted({c.policy for c in found}, key=lambda p: (_rank(p, order), p))
+    seeds = " ".join(map(str, sorted({c.seed for c in found})))
+    lines = ["", f"## {first.workload}, {first.cluster} cluster ({rate_unit(first.workload)}; "
+             f"seeds {seeds}; {first.duration_s:g} s windows)", "",
+             "| policy | " + " | ".join(f"scale {s:g}" for s in scales) + " | runs |",
+             "|---|" + "---|" * len(scales) + "---|"]
+    for policy in policies:
+        mine = [c for c in found if c.policy == policy]
+        cells = [_capacity_text([c for c in mine if c.slo_scale == s]) if any(
+            c.slo_scale == s for c in mine) else "-" for s in scales]
+        lines.append(f"| {policy} | " + " | ".join(cells) + f" | {sum(c.runs for c in mine)} |")
+    return lines
+
+
+def write_capacity_markdown(path: Path, capacities: Sequence[Capacity]) -> None:
+    lines = ["# Capacity (simulator)", "",
+             f"A policy's capacity is the highest arrival rate at which at least "
+             f"{CAPACITY_SHARE:.0%} of the steps meet their deadline; rejected steps and steps "
+             "never sent (their session ended, or the run stopped) count as misses. Per "
+             "policy, seed and SLO scale: a bracket by doubling or halving the rate, then "
+             f"geometric bisection to {CAPACITY_RESOLUTION:.0%} of the rate, at most "
+             f"{CAPACITY_MAX_RUNS} simulator runs; the highest rate that met is reported. "
+             ">=: on some seed every rate tried met (a lower bound); 0: no rate tried met, "
+             f"down to the lightest whose window holds about {MIN_SEARCH_REQUESTS} requests.",
+             ""]
+    if coarse := sum(c.coarse for c in capacities):
+        lines += [f"{coarse} of {len(capacities)} searches stopped at the run cap with the "
+                  f"bracket wider than {CAPACITY_RESOLUTION:.0%} (capacity.csv: capacity and "
+                  "lowest_failing_rate).", ""]
+    lines += _capacity_summary_lines(capacity_ratios(capacities))
+    pairs = sorted({(c.workload, c.cluster) for c in capacities}, key=_pair_order)
+    for pair in pairs:
+        lines += _capacity_pair_lines([c for c in capacities if (c.workload, c.cluster) == pair])
+    path.write_text("\n".join(lines) + "\n")
+
+
 # ---- command line ------------------------------------------------------------------------
 
 
@@ -672,35 +976,50 @@ def agentic(
     calibration_seed: Annotated[int, typer.Option(
         help="seed of the L* search; must not be a reported seed")] = CALIBRATION_SEED,
     policies: Annotated[str, typer.Option(
-        help="policies per unit (the report needs goodserve and a baseline)")
-    ] = ",".join(POLICIES),
+        help="policies per unit or capacity search; the reports need goodserve and a "
+        "baseline (default: every policy; with --capacity, goodserve and the baselines)")
+    ] = "",
     calibration_policies: Annotated[str, typer.Option(
         help="baselines whose best met share L* is bisected on, for every workload "
         "(default: " + "; ".join(f"{w} {','.join(p)}" for w, p in
                                  CALIBRATION_POLICIES.items()) + ")")
     ] = "",
     duration: Annotated[str, typer.Option(help=DURATION_HELP)] = "",
-    jobs: Annotated[int, typer.Option(help="units simulated at once (processes)")] = 2,
+    jobs: Annotated[int, typer.Option(
+        help="units, or capacity searches, simulated at once (processes)")] = 2,
     resume: Annotated[bool, typer.Option(
-        "--resume", help="keep --out/calibration.csv and cells.csv; run only what they lack")
+        "--resume", help="keep --out/calibration.csv and cells.csv (capacity.csv with "
+        "--capacity); run only what they lack")
     ] = False,
     report_only: Annotated[bool, typer.Option(
         "--report-only",
-        help="rewrite matrix.* from --out/cells.csv and calibration.csv, running nothing")
+        help="rewrite matrix.* from --out/cells.csv and calibration.csv (capacity.md from "
+        "capacity.csv with --capacity), running nothing")
     ] = False,
     move_paths: Annotated[str, typer.Option(
         help="also run GoodServe with every move forced to these paths (token-ids, kv), "
         "against its default of choosing per move")] = "",
+    capacity: Annotated[bool, typer.Option(
+        "--capacity",
+        help=f"instead of the matrix, find each policy's capacity (the highest rate at which "
+        f"{CAPACITY_SHARE:.0%} of steps meet their deadline) at scales "
+        f"{', '.join(f'{s:g}' for s in CAPACITY_SCALES)}; writes --out/capacity.csv and "
+        "capacity.md (--resume keeps capacity.csv)")] = False,
+    capacity_seeds: Annotated[str, typer.Option(
+        help="seeds of --capacity, on every cluster")] = ",".join(map(str, CAPACITY_SEEDS)),
 ) -> int:
-    """Calibrate L* per (workload, cluster), run the matrix, write the report."""
+    """Calibrate L* per (workload, cluster), run the matrix, write the report; with
+    --capacity, search each policy's capacity instead."""
     try:
         workloads = _names(only_workloads, WORKLOADS, "workload")
         clusters = _names(only_clusters, list(CLUSTERS), "cluster")
-        chosen = _names(policies, POLICIES, "policy")
+        chosen = (_names(policies, POLICIES, "policy")
+                  or list(CAPACITY_POLICIES if capacity else POLICIES))
         calibrators = ({w: tuple(_names(calibration_policies, BASELINES, "baseline"))
                         for w in WORKLOADS} if calibration_policies
                        else dict(CALIBRATION_POLICIES))
         reported = {"small": _seeds(seeds), "large": _seeds(large_seeds)}
+        searched = _seeds(capacity_seeds)
         durations = _durations(duration)
         forced = [MoveRule(p) for p in _names(move_paths, [r.value for r in MoveRule
                                                            if r is not MoveRule.CHEAPER],
@@ -712,27 +1031,51 @@ def agentic(
         print(f"error: the calibration seed {calibration_seed} is a reported seed")
         return 2
     out.mkdir(parents=True, exist_ok=True)
+    if capacity:
+        if forced:
+            print("error: --move-paths applies to the matrix, not to --capacity")
+            return 2
+        return capacity_command(out, [(w, c) for w in workloads for c in clusters],
+                                MatrixSetup(durations, trace, tuple(chosen)), searched,
+                                jobs=jobs, resume=resume, report_only=report_only)
     if report_only:
         latest = {(c.workload, c.cluster): c
                   for c in read_calibrations(out / "calibration.csv")}
         write_report(out, list(latest.values()))
         print(f"wrote {out}/matrix.md, matrix.csv, matrix.png")
         return 0
-    if "mooncake" in workloads and not trace.is_file():
-        print(f"skipping mooncake: the trace {trace} is absent")
-        workloads.remove("mooncake")
     if not resume:
         for name in ("calibration.csv", "cells.csv"):
             (out / name).unlink(missing_ok=True)
     setup = MatrixSetup(durations, trace, tuple(chosen), tuple(forced))
-    calibrations = reference_rates(out, [(w, c) for w in workloads for c in clusters],
-                                   setup, calibration_seed, calibrators, jobs)
+    pairs = with_trace([(w, c) for w in workloads for c in clusters], trace)
+    calibrations = reference_rates(out, pairs, setup, calibration_seed, calibrators, jobs)
     for c in calibrations:
         if c.rate is None:
             print(f"skipping {c.workload} on {c.cluster}: {c.note}")
     run_matrix(out, plan_units(calibrations, reported), setup, jobs)
     write_report(out, calibrations)
     print(f"wrote {out}/cells.csv, matrix.md, matrix.csv, matrix.png")
+    return 0
+
+
+def with_trace(pairs: Sequence[tuple[str, str]], trace: Path) -> list[tuple[str, str]]:
+    """`pairs`, less Mooncake's (with a message) when its trace is absent."""
+    if not trace.is_file() and any(w == "mooncake" for w, _ in pairs):
+        print(f"skipping mooncake: the trace {trace} is absent")
+        return [(w, c) for w, c in pairs if w != "mooncake"]
+    return list(pairs)
+
+
+def capacity_command(out: Path, pairs: Sequence[tuple[str, str]], setup: MatrixSetup,
+                     seeds: Sequence[int], *, jobs: int, resume: bool,
+                     report_only: bool) -> int:
+    """--capacity: search what capacity.csv lacks (nothing with `report_only`), then
+    write capacity.md from it."""
+    if not report_only:
+        run_capacities(out, with_trace(pairs, setup.trace), seeds, setup, jobs, resume)
+    write_capacity_markdown(out / "capacity.md", read_capacities(out / "capacity.csv"))
+    print(f"wrote {out}/capacity.csv, capacity.md")
     return 0
 
 

@@ -1,0 +1,310 @@
+"""`benchmarks.agentic --capacity`: the rate search on synthetic met shares, what counts
+as a miss on tiny simulated runs, and the report on hand-made capacities."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import benchmarks.agentic as agentic
+from app.config import load_cluster_config
+from app.experiments.replay import ReplaySpec, run_replay
+from app.routing.registry import PolicyKind, RoutingOptions
+from benchmarks.agentic import (
+    CAPACITY_FIELDS,
+    CAPACITY_MAX_RUNS,
+    CAPACITY_RESOLUTION,
+    CAPACITY_SCALES,
+    CAPACITY_SHARE,
+    MAX_BRACKET_STEPS,
+    Capacity,
+    MatrixSetup,
+    capacity_ratios,
+    capacity_searches,
+    main,
+    met_share,
+    pair_standing,
+    read_capacities,
+    write_capacity_markdown,
+)
+from benchmarks.matrix_io import append_rows
+
+pytestmark = pytest.mark.scripts
+
+
+# ---- the search ---------------------------------------------------------------------
+
+
+def falling_share(rate: float, scale: float) -> float:
+    """1 / (1 + (rate / scale)^4): CAPACITY_SHARE at rate scale x (1/9)^(1/4)."""
+    return 1 / (1 + (rate / scale) ** 4)
+
+
+def threshold(scale: float) -> float:
+    return scale * (1 / 9) ** 0.25
+
+
+class Counted:
+    """A met share that records the (rate, scale) of every call."""
+
+    def __init__(self, share):
+        self.share = share
+        self.calls: list[tuple[float, float]] = []
+
+    def __call__(self, rate: float, scale: float) -> float:
+        self.calls.append((rate, scale))
+        return self.share(rate, scale)
+
+
+@pytest.mark.parametrize("start", [0.15, 0.5, 1.2, 6.0])
+def test_capacity_is_the_highest_rate_that_met_within_the_resolution(start):
+    share = Counted(falling_share)
+    found = capacity_searches(share, start)
+    assert [scale for scale, _ in found] == list(CAPACITY_SCALES)
+    for scale, crossing in found:
+        assert falling_share(crossing.low, scale) >= CAPACITY_SHARE
+        assert falling_share(crossing.high, scale) < CAPACITY_SHARE
+        assert crossing.high <= crossing.low * (1 + CAPACITY_RESOLUTION)
+        assert threshold(scale) / (1 + CAPACITY_RESOLUTION) <= crossing.low <= threshold(scale)
+        assert crossing.runs <= CAPACITY_MAX_RUNS
+    assert len(share.calls) == sum(c.runs for _, c in found)
+
+
+def test_each_looser_scale_starts_at_the_capacity_of_the_scale_before():
+    share = Counted(falling_share)
+    found = capacity_searches(share, 0.3)
+    firsts = [next(rate for rate, s in share.calls if s == scale) for scale in CAPACITY_SCALES]
+    assert firsts[1:] == [crossing.low for _, crossing in found[:-1]]
+    # a doubling brackets the next crossing, then 5 bisections reach 3%
+    assert [c.runs for _, c in found[1:]] == [7, 7]
+
+
+def test_a_step_in_the_met_share_is_found_from_below():
+    found = capacity_searches(lambda rate, scale: 0.95 if rate < 7 * scale else 0.5, 1.0)
+    for scale, crossing in found:
+        assert 7 * scale / (1 + CAPACITY_RESOLUTION) <= crossing.low < 7 * scale
+
+
+@pytest.mark.parametrize("max_runs", [1, 3, 6])
+def test_the_search_stops_at_the_run_cap(max_runs):
+    share = Counted(falling_share)
+    found = capacity_searches(share, 0.01, max_runs=max_runs)
+    assert all(crossing.runs <= max_runs for _, crossing in found)
+    for scale in CAPACITY_SCALES:
+        assert len([s for _, s in share.calls if s == scale]) <= max_runs
+    _, first = found[0]  # from 0.01, five doublings still meet: no bracket yet
+    assert first.high is None and first.low == pytest.approx(0.01 * 2 ** (max_runs - 1))
+
+
+def test_a_policy_that_never_meets_the_share_has_no_capacity_down_to_the_floor():
+    share = Counted(lambda rate, scale: 0.85)
+    found = capacity_searches(share, 4.0, min_rate=0.5)
+    for _, crossing in found:
+        assert crossing.low is None and crossing.high == pytest.approx(0.5)
+        assert crossing.runs == 1 + 3  # 4, 2, 1, 0.5
+    assert min(rate for rate, _ in share.calls) == pytest.approx(0.5)
+
+
+def test_a_policy_that_meets_the_share_at_every_rate_tried_has_a_lower_bound():
+    found = capacity_searches(lambda rate, scale: 1.0, 0.1)
+    for _, crossing in found:
+        assert crossing.high is None
+        assert crossing.runs == 1 + MAX_BRACKET_STEPS
+    # each scale doubles on from the highest rate the one before it met
+    assert found[0][1].low == pytest.approx(0.1 * 2 ** MAX_BRACKET_STEPS)
+    assert found[-1][1].low == pytest.approx(0.1 * 2 ** (3 * MAX_BRACKET_STEPS))
+
+
+def test_capacities_are_searched_per_policy_with_one_run_per_rate_and_scale(monkeypatch):
+    """policy_capacities runs the one policy at the one scale, and keeps the bracket."""
+    ran = []
+
+    def fake_cells(workload, cluster, rate, seed, setup, policies, scales):
+        ran.append((policies, scales))
+        (scale,) = scales
+        return [{"met": round(1000 * falling_share(rate, scale)), "requests": 1000}]
+
+    class FakeWorkload:
+        requests = [None] * 1000
+
+    monkeypatch.setattr(agentic, "run_cells", fake_cells)
+    monkeypatch.setattr(agentic, "make_workload", lambda *args: FakeWorkload())
+    setup = MatrixSetup(dict.fromkeys(agentic.WORKLOADS, 300.0), agentic.TRACE, ("slo-pack",))
+    found = agentic.policy_capacities("chat-agent", "small", 0, "slo-pack", setup)
+    assert [c.slo_scale for c in found] == list(CAPACITY_SCALES)
+    assert {p for p, _ in ran} == {("slo-pack",)} and len(ran) == sum(c.runs for c in found)
+    for c in found:
+        assert c.capacity == pytest.approx(threshold(c.slo_scale), rel=CAPACITY_RESOLUTION)
+        assert c.capacity < c.lowest_failing_rate and c.duration_s == 300.0
+
+
+# ---- what counts as a miss --------------------------------------------------------------
+
+
+def tiny_coding_setup() -> MatrixSetup:
+    return MatrixSetup({**agentic.DURATION_S, "coding-agent": 120.0}, agentic.TRACE, ())
+
+
+def test_rejected_steps_and_steps_never_sent_count_as_misses():
+    """Admission control on an overloaded small cluster rejects steps, which ends their
+    sessions; a 30 s drain stops the run before other steps are sent. Every one of them
+    is in the denominator of the met share."""
+    setup = tiny_coding_setup()
+    config = load_cluster_config(agentic.CLUSTERS["small"])
+    work = agentic.make_workload("coding-agent", config, 0.3, 0, setup)
+    spec = ReplaySpec(config, (PolicyKind.GOODSERVE_ADMISSION,), (1.0,), seed=0,
+                      routing=RoutingOptions(0), max_drain_s=30.0)
+    (cell,) = run_replay(spec, work)
+    reasons = [r.reject_reason or "" for r in cell.records]
+    assert any(r.startswith("session ended") for r in reasons)
+    assert any(r.startswith("not issued") for r in reasons)
+    assert any(r.startswith("no instance can meet") for r in reasons)
+    met = sum(r.outcome == "met" for r in cell.records)
+    assert 0 < met < len(work.requests) == len(cell.records) == cell.summary["requests"]
+    assert met_share(cell.summary) == pytest.approx(met / len(work.requests))
+
+
+def test_the_searched_met_share_is_over_every_step_of_the_window():
+    setup = tiny_coding_setup()
+    config = load_cluster_config(agentic.CLUSTERS["small"])
+    steps = len(agentic.make_workload("coding-agent", config, 0.3, 0, setup).requests)
+    (row,) = agentic.run_cells("coding-agent", "small", 0.3, 0, setup,
+                               ("goodserve-admission",), (1.0,))
+    assert row["requests"] == steps and met_share(row) == pytest.approx(row["met"] / steps)
+    assert met_share(row) < 0.5  # the rejections and the sessions they ended are misses
+
+
+# ---- the report -------------------------------------------------------------------------
+
+
+def capacity(policy, value, *, seed=0, scale=2.0, workload="chat-agent", cluster="small",
+             failing=None, runs=7):
+    failing = value * 1.02 if failing is None else failing
+    return Capacity(workload, cluster, 500.0, seed, policy, scale, value,
+                    failing if failing else None, runs)
+
+
+def two_pairs() -> list[Capacity]:
+    """chat-agent small: GoodServe 1.2x slo-pack on seed 0, 1.1x preble on seed 1;
+    mooncake large: GoodServe 0.9x round-robin on both seeds."""
+    return [
+        capacity("goodserve", 1.2, seed=0), capacity("slo-pack", 1.0, seed=0),
+        capacity("preble", 0.8, seed=0),
+        capacity("goodserve", 1.1, seed=1), capacity("slo-pack", 0.5, seed=1),
+        capacity("preble", 1.0, seed=1, failing=0),
+        *(capacity(p, v, seed=s, workload="mooncake", cluster="large")
+          for s in (0, 1) for p, v in (("goodserve", 3.6), ("round-robin", 4.0))),
+    ]
+
+
+def test_ratios_take_each_seeds_best_baseline_slo_pack_included():
+    large, small = capacity_ratios(two_pairs())  # workloads in WORKLOADS order
+    assert (small.workload, small.cluster, small.seeds) == ("chat-agent", "small", (0, 1))
+    assert small.best == ("slo-pack", "preble")
+    assert small.vs_best == pytest.approx((1.2, 1.1)) and small.mean == pytest.approx(1.15)
+    assert large.vs_best == pytest.approx((0.9, 0.9)) and large.best_named == "round-robin"
+    standing = pair_standing([small, large])
+    assert [pair for pair, _ in standing] == [("mooncake", "large"), ("chat-agent", "small")]
+    assert [value for _, value in standing] == pytest.approx([0.9, 1.15])
+
+
+def test_a_baseline_that_never_meets_the_share_leaves_goodserve_infinitely_ahead():
+    (row,) = capacity_ratios([capacity("goodserve", 0.4), capacity("llumnix", 0.0, failing=0.1)])
+    assert row.vs_best == (math.inf,)
+    (row,) = capacity_ratios([capacity("goodserve", 0.0, failing=0.1),
+                              capacity("llumnix", 0.0, failing=0.1)])
+    assert row.vs_best == (1.0,)  # neither meets it: alike
+
+
+def test_a_seed_without_goodserve_or_a_baseline_is_left_out():
+    rows = capacity_ratios([capacity("goodserve", 1.0, seed=0), capacity("preble", 2.0, seed=0),
+                            capacity("goodserve", 1.0, seed=1), capacity("preble", 2.0, seed=2)])
+    assert [r.seeds for r in rows] == [(0,)]
+
+
+def test_markdown_gives_the_ratio_per_pair_and_scale_and_the_weakest_and_best_pair(tmp_path):
+    path = tmp_path / "capacity.md"
+    write_capacity_markdown(path, two_pairs())
+    text = path.read_text()
+    assert "| chat-agent, small | 2 | 1.15 [1.10, 1.20] | 1.20, 1.10 | slo-pack |" in text
+    assert "| mooncake, large | 2 | 0.90 [0.90, 0.90] | 0.90, 0.90 | round-robin |" in text
+    assert ("Weakest pair: mooncake on large, 0.90; best pair: chat-agent on small, 1.15"
+            in text)
+    assert "## chat-agent, small cluster (sessions/s; seeds 0 1; 500 s windows)" in text
+    assert "## mooncake, large cluster (req/s;" in text
+    assert ("| goodserve | 1.15 [1.1, 1.2] | 14 |\n"
+            "| preble | >= 0.9 [0.8, 1] | 14 |\n"  # seed 1 met at every rate tried
+            "| slo-pack | 0.75 [0.5, 1] | 14 |") in text
+    assert "stopped at the run cap" not in text
+
+
+def test_markdown_counts_the_searches_the_run_cap_left_coarse(tmp_path):
+    path = tmp_path / "capacity.md"
+    write_capacity_markdown(path, [capacity("goodserve", 1.0, failing=1.5, runs=12),
+                                   capacity("preble", 1.0)])
+    assert "1 of 2 searches stopped at the run cap with the bracket wider than 3%" in (
+        path.read_text())
+
+
+# ---- command line -----------------------------------------------------------------------
+
+
+def fake_capacities(workload, cluster, seed, policy, setup):
+    value = {"goodserve": 1.2, "round-robin": 1.0}[policy]
+    return [Capacity(workload, cluster, setup.duration_s(workload), seed, policy, scale,
+                     value * scale, value * scale * 1.02, 7) for scale in CAPACITY_SCALES]
+
+
+def test_capacity_searches_every_pair_seed_and_policy_and_resumes(tmp_path, monkeypatch):
+    searched = []
+
+    def fake(workload, cluster, seed, policy, setup):
+        searched.append((workload, cluster, seed, policy))
+        return fake_capacities(workload, cluster, seed, policy, setup)
+
+    monkeypatch.setattr(agentic, "policy_capacities", fake)
+    argv = ["--capacity", "--out", str(tmp_path), "--jobs", "1", "--only-workloads",
+            "coding-agent,chat-agent", "--only-clusters", "large", "--capacity-seeds", "0,1",
+            "--policies", "goodserve,round-robin"]
+    assert main(argv) == 0
+    assert len(searched) == 2 * 2 * 2 and ("coding-agent", "large", 1, "round-robin") in searched
+    assert len(read_capacities(tmp_path / "capacity.csv")) == 8 * len(CAPACITY_SCALES)
+    assert "| coding-agent, large | 1.5 | 1.20 [1.20, 1.20] |" in (
+        tmp_path / "capacity.md").read_text()
+    assert not (tmp_path / "cells.csv").exists()  # the matrix did not run
+    assert main([*argv, "--resume"]) == 0 and len(searched) == 8
+    assert main([*argv, "--resume", "--duration", "chat-agent=60"]) == 0
+    assert len(searched) == 8 + 4  # chat-agent's rows were at another window
+    assert main(argv) == 0 and len(searched) == 12 + 8  # without --resume: start over
+
+
+def test_capacity_defaults_to_goodserve_and_the_baselines(tmp_path, monkeypatch):
+    policies = set()
+
+    def fake(workload, cluster, seed, policy, setup):
+        policies.add(policy)
+        return []
+
+    monkeypatch.setattr(agentic, "policy_capacities", fake)
+    assert main(["--capacity", "--out", str(tmp_path), "--jobs", "1", "--only-workloads",
+                 "chat-agent", "--only-clusters", "small", "--capacity-seeds", "0"]) == 0
+    assert policies == set(agentic.CAPACITY_POLICIES) and "slo-pack" in policies
+    assert agentic.EXACT not in policies
+
+
+def test_capacity_report_only_rewrites_the_markdown_from_the_csv(tmp_path, monkeypatch):
+    def no_search(*args):
+        raise AssertionError("searched")
+
+    monkeypatch.setattr(agentic, "policy_capacities", no_search)
+    setup = MatrixSetup(dict(agentic.DURATION_S), agentic.TRACE, ())
+    rows = [c.as_row() for p in ("goodserve", "round-robin")
+            for c in fake_capacities("chat-agent", "small", 0, p, setup)]
+    append_rows(tmp_path / "capacity.csv", rows, CAPACITY_FIELDS)
+    assert main(["--capacity", "--report-only", "--out", str(tmp_path)]) == 0
+    assert "| chat-agent, small | 3 | 1.20 |" in (tmp_path / "capacity.md").read_text()
+
+
+def test_capacity_refuses_forced_move_paths(tmp_path):
+    assert main(["--capacity", "--move-paths", "kv", "--out", str(tmp_path)]) == 2
