@@ -286,29 +286,6 @@ def test_preble_does_not_rebalance_before_fifty_requests_per_instance():
     assert all(policy.load.allocation[key] == {"a"} for _, _, key in groups)
 
 
-def test_preble_prices_a_groups_running_requests_at_its_median_finished_output():
-    # Preble's node cost: running requests x the group's decode length x median TPOT,
-    # the length being the median output of the group's finished requests
-    policy = warmed_up_preble()  # w: 1024 tokens on H800, its own group, declared 45
-    h800 = make_view("H800")
-    cluster = make_cluster(h800, hits={"H800": 64})  # w's 64 blocks are cached there
-    policy.on_finish(finish(make_request(9.0, rid="w"), "H800", 1.0, num_output_tokens=301,
-                            tpot_s=0.02), 2.0)
-    followers = [make_request(9.0, prompt=1280, rid=f"f{k}", block_hashes=tuple(range(1000, 1064))
-                              + tuple(range(5000 + 100 * k, 5016 + 100 * k))) for k in range(2)]
-    for request in followers:  # 1024 cached > 256 missed: both join w's group on H800
-        assert policy.choose(request, cluster, 3.0) == "H800"
-    # prefill (1024 + 256 + 256) x 2.5196e-5 = .038701; decode 2 x 301 x .02 = 12.04
-    assert policy.load.load_s(h800) == pytest.approx(12.078701, rel=1e-5)
-    policy.on_finish(finish(followers[0], "H800", 4.0, num_output_tokens=215, tpot_s=0.02), 5.0)
-    # the group's length is now the median of 301 and 215, 258, for f1 still running:
-    # .038701 + 1 x 258 x .02 = 5.198701
-    assert policy.load.load_s(h800) == pytest.approx(5.198701, rel=1e-5)
-
-
-# --- llm-d predicted latency --------------------------------------------------------
-
-
 def test_llm_d_latency_scorer_on_hand_computed_headrooms():
     # SLOs 1.0 s / 0.05 s; predicted TTFT .2 .6 .9 and TPOT .02 .03 .04:
     # |headroom| TTFT .8 .4 .1 (min .1, range .7) -> 1, .4286, 0
