@@ -12,9 +12,6 @@ from collections.abc import Callable, Collection, Sequence
 
 import typer
 
-# typer vendors click and does not re-export its UsageError (fastapi/typer discussion #1832)
-from typer._click.exceptions import UsageError
-
 
 def run_command(
     command: Callable[..., int | None], argv: Sequence[str] | None, description: str
@@ -27,9 +24,9 @@ def run_command(
     args = sys.argv[1:] if argv is None else argv
     try:
         code = click_command.main(args=spread(args, lists), standalone_mode=False)
-    except UsageError as error:
+    except typer.TyperException as error:  # typer's click errors; a bad argument: 2
         print(f"error: {error.format_message()}", file=sys.stderr)
-        return 2
+        return error.exit_code
     return code or 0
 
 

@@ -41,6 +41,9 @@ from deployments.metrics import RayMetricFactory
 logger = logging.getLogger(__name__)
 
 REGISTRY_WAIT_S = 1.0  # long-poll period, also the load report period
+# a cache or a proxy in front (nginx buffers by default) must pass each event on as the
+# engine produces it, or the client sees the stream arrive at once at the end
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def member_client(member: Member) -> ActorEngineClient:
@@ -107,7 +110,7 @@ def _reply(result: JsonReply | AsyncIterator[str]) -> Response:
     if isinstance(result, JsonReply):
         return JSONResponse(result.body, status_code=result.status_code,
                             headers=dict(result.headers))
-    return StreamingResponse(result, media_type="text/event-stream")
+    return StreamingResponse(result, media_type="text/event-stream", headers=STREAM_HEADERS)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)

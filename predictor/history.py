@@ -16,6 +16,7 @@ from typing import Self
 import numpy as np
 
 from predictor.base import PredictionInput, Predictor, validate_training_data
+from predictor.ranks import quantile_rank
 
 __all__ = ["HistoryPredictor", "LengthWindow", "TaskHistoryPredictor"]
 
@@ -46,7 +47,8 @@ class LengthWindow:
         ordered = self._sorted
         start = np.searchsorted(ordered, num_generated, side="right")
         count = len(ordered) - start
-        pick = start + np.floor(quantile * np.maximum(count - 1, 0)).astype(np.int64)
+        ranks = [quantile_rank(quantile, max(n, 1)) for n in count.tolist()]
+        pick = start + np.array(ranks, dtype=np.int64)
         longer = ordered[np.minimum(pick, len(ordered) - 1)] if len(ordered) else 0.0
         return np.where(count > 0, longer, 2.0 * num_generated)
 

@@ -169,13 +169,12 @@ class RunningHistoryLength(OutputLengthEstimator):
 
     def conditional_quantile(self, num_generated: int, quantile: float) -> float:
         """The `quantile` of recently finished lengths longer than `num_generated`."""
-        start = bisect.bisect_right(self._lengths.sorted, num_generated)
-        longer = len(self._lengths.sorted) - start
-        if not self._lengths.sorted:
+        if not self._lengths:
             return float(max(self.default_tokens, num_generated + 1))
-        if longer == 0:  # outlived everything seen: assume it is about to end
+        total = self._lengths.quantile_above(num_generated, quantile)
+        if total is None:  # outlived everything seen: assume it is about to end
             return float(num_generated + 1)
-        return float(self._lengths.sorted[start + min(int(quantile * longer), longer - 1)])
+        return float(total)
 
 
 class PredictorLength(OutputLengthEstimator):
@@ -243,13 +242,10 @@ class PredictorLength(OutputLengthEstimator):
             ratios = self._ratios_near(arrival)
             if ratios is None:
                 totals.append(float(max(arrival, n + 1)))
-            else:
-                start = bisect.bisect_right(ratios, n / arrival)
-                above = len(ratios) - start
-                median = ratios[len(ratios) // 2]
-                totals.append(
-                    max(arrival * ratios[start + above // 2] / median, n + 1.0) if above
-                    else n + 1.0)
+                continue
+            median_above = ratios.quantile_above(n / arrival, 0.5)
+            totals.append(n + 1.0 if median_above is None else
+                          max(arrival * median_above / ratios.quantile(0.5), n + 1.0))
         if missing:
             again = self.predict_totals([requests[i] for i in missing],
                                         [num_generated[i] for i in missing])
@@ -257,13 +253,13 @@ class PredictorLength(OutputLengthEstimator):
                 totals[i] = total
         return totals
 
-    def _ratios_near(self, predicted: int) -> list[float] | None:
-        """The sorted ratios of requests predicted in the same power of two as
-        `predicted`, else of all requests; None while too few have finished."""
+    def _ratios_near(self, predicted: int) -> SortedWindow | None:
+        """The ratios of requests predicted in the same power of two as `predicted`,
+        else of all requests; None while too few have finished."""
         near = self._ratios_by_scale.get(_scale_of(predicted))
         if near is not None and len(near) >= MIN_CALIBRATION_SAMPLES:
-            return near.sorted
-        return self._ratios.sorted if len(self._ratios) >= MIN_CALIBRATION_SAMPLES else None
+            return near
+        return self._ratios if len(self._ratios) >= MIN_CALIBRATION_SAMPLES else None
 
     def on_finish(self, report: FinishReport, now: float) -> None:
         self.predictor.observe(report.num_output_tokens, report.request.task)

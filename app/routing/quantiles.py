@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 
-
-def nearest_rank_quantile(values: Collection[float], q: float) -> float:
-    """The q-quantile of `values` at the nearest rank below (one of the values)."""
-    ordered = sorted(values)
-    return ordered[int(q * (len(ordered) - 1))]
+from predictor.ranks import quantile_rank
 
 
 class SortedWindow:
@@ -30,8 +26,14 @@ class SortedWindow:
         bisect.insort(self.sorted, value)
 
     def quantile(self, q: float) -> float:
-        """`nearest_rank_quantile` of the window (not empty)."""
-        return self.sorted[int(q * (len(self.sorted) - 1))]
+        """The q-quantile of the window (not empty), ranked by `quantile_rank`."""
+        return self.sorted[quantile_rank(q, len(self.sorted))]
+
+    def quantile_above(self, threshold: float, q: float) -> float | None:
+        """The q-quantile of the values above `threshold`; None when none is."""
+        start = bisect.bisect_right(self.sorted, threshold)
+        num_above = len(self.sorted) - start
+        return self.sorted[start + quantile_rank(q, num_above)] if num_above else None
 
     def __len__(self) -> int:
         return len(self.sorted)

@@ -22,11 +22,10 @@ say more about its next one than any global history. `SessionHistoryLength` mode
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections import OrderedDict, deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 from app.routing.length import (
@@ -35,6 +34,7 @@ from app.routing.length import (
     OutputLengthEstimator,
     RunningHistoryLength,
 )
+from app.routing.quantiles import SortedWindow
 from app.routing.view import FinishReport, RouteRequest
 
 TIER_PRIOR_COUNT = 20  # finishes at which a tier's own mean weighs as much as the global one
@@ -75,21 +75,6 @@ class RunningMean:
     def add(self, value: float) -> None:
         self.count += 1
         self.mean += (value - self.mean) / self.weight
-
-
-@dataclass
-class SortedWindow:
-    """The last `size` values, also kept sorted (quantiles by bisection)."""
-
-    size: int
-    recent: deque[float] = field(default_factory=deque)  # oldest first
-    ordered: list[float] = field(default_factory=list)
-
-    def add(self, value: float) -> None:
-        if len(self.recent) == self.size:
-            del self.ordered[bisect.bisect_left(self.ordered, self.recent.popleft())]
-        self.recent.append(value)
-        bisect.insort(self.ordered, value)
 
 
 class SessionHistoryLength(OutputLengthEstimator):
@@ -160,17 +145,14 @@ class SessionHistoryLength(OutputLengthEstimator):
         """The `quantile` of totals exp(log median + e) over recent errors e, among those
         above `num_generated` (as `RunningHistoryLength.conditional_quantile`); None
         until there are MIN_CALIBRATION_SAMPLES errors."""
-        errors = self._errors.ordered
-        if len(errors) < MIN_CALIBRATION_SAMPLES:
+        if len(self._errors) < MIN_CALIBRATION_SAMPLES:
             return None
         log_median = self._log_median(request)
-        start = 0
-        if num_generated > 0:
-            start = bisect.bisect_right(errors, math.log(num_generated) - log_median)
-        longer = len(errors) - start
-        if longer == 0:  # outlived every error seen: assume it is about to end
+        # errors at or below this one give totals the request has already reached
+        outlived = math.log(num_generated) - log_median if num_generated > 0 else -math.inf
+        error = self._errors.quantile_above(outlived, quantile)
+        if error is None:  # outlived every error seen: assume it is about to end
             return float(num_generated + 1)
-        error = errors[start + min(int(quantile * longer), longer - 1)]
         return max(math.exp(log_median + error), num_generated + 1.0)
 
     def _log_median(self, request: RouteRequest) -> float:
@@ -218,7 +200,7 @@ class SessionHistoryLength(OutputLengthEstimator):
         log_total = math.log(max(report.num_output_tokens, 1))
         arrival_log = self._req_to_arrival_log.pop(request.request_id, None)
         if arrival_log is not None:
-            self._errors.add(log_total - arrival_log)
+            self._errors.append(log_total - arrival_log)
         global_median = self._history.conditional_quantile(0, 0.5)  # before this finish
         residual = log_total - math.log(global_median) - self._tier_offset(request)
         self._residual_square.add(residual * residual)

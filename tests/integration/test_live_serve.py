@@ -35,6 +35,8 @@ def test_streaming_sends_every_token_then_done(live_url):
         "model": "goodserve", "prompt": "stream this", "max_tokens": 6, "stream": True,
     }) as reply:
         assert reply.headers["content-type"].startswith("text/event-stream")
+        assert reply.headers["cache-control"] == "no-cache"
+        assert reply.headers["x-accel-buffering"] == "no"
         lines = [line for line in reply.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]

@@ -236,16 +236,17 @@ def calibrated(length: PredictorLength) -> PredictorLength:
 
 def test_conditional_totals_condition_the_arrival_spread_on_the_tokens_generated():
     """The total given n tokens out: p x the median ratio above n / p over the median
-    ratio (1.5 here), no new call."""
+    ratio (1.48 here), no new call."""
     length = CountingLength()
     request = replace(make_request(10.0, out=100), predicted_output_tokens=100)
     # before 100 finishes the spread is unknown: the arrival prediction, at least n + 1
     assert length.conditional_totals([request] * 2, [0, 140]) == [100, 141]
     calibrated(length)
     totals = length.conditional_totals([request] * 5, [0, 120, 150, 247, 300])
-    # medians of 0.5-2.48 (1.5) and of 1.22-2.48 (1.86); above 1.5 the median, 2.0, gives
-    # 133 tokens where 150 are out: n + 1; past 2.47 only 2.48 is left, then nothing
-    assert totals == pytest.approx([100, 100 * 1.86 / 1.5, 151, 248, 301])
+    # medians (the lower of the two middle ones) of 0.5-2.48 (1.48) and of 1.22-2.48
+    # (1.84); above 1.5 the median, 2.0, gives 135 tokens where 150 are out: n + 1; past
+    # 2.47 only 2.48 is left, then nothing
+    assert totals == pytest.approx([100, 100 * 1.84 / 1.48, 151, 248, 301])
     assert length.num_predictions == 0
     unpredicted = replace(make_request(10.0, out=100), predicted_output_tokens=None)
     assert length.conditional_totals([unpredicted], [30]) == length.predict_totals(
@@ -267,8 +268,8 @@ def test_conditional_totals_take_the_spread_of_predictions_of_the_same_scale():
         length.on_finish(FinishReport(long_, "A40", 360 + k // 2, 0.1, 1.0), 1.0)
     huge = replace(long_, predicted_output_tokens=3000)
     totals = length.conditional_totals([short, long_, huge], [40, 400, 0])
-    # above 1: medians 2.025 (short) and 1.0525 (long)
-    assert totals == pytest.approx([40 * 2.025 / 1.6, 400 * 1.0525, 3000])
+    # above 1: medians (the lower of the two middle ones) 2.0 (short) and 1.05 (long)
+    assert totals == pytest.approx([40 * 2.0 / 1.6, 400 * 1.05, 3000])
     assert length.num_predictions == 0
 
 
