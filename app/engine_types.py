@@ -104,6 +104,7 @@ class EngineRequest:
     resume_token_ids: Sequence[int] = ()
     kv_transferred: bool = False  # decode role: prompt KV already delivered by a prefill engine
     kv_transfer_params: dict[str, Any] | None = None  # decode role: from the prefill's result
+    priority: int = 0  # engines in priority mode run lower values first (then arrival)
 
     def __post_init__(self) -> None:
         if not self.request_id:

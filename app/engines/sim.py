@@ -91,6 +91,7 @@ class SimBackend(EngineBackendBase):
             block_hashes=request.block_hashes(),
             token_seed=prompt_seed(tuple(request.prompt_token_ids)),
             skip_prefill=request.kv_transferred,
+            priority=request.priority,
         )
         queue: asyncio.Queue[list[TokenEvent] | None] = asyncio.Queue()
         self._req_to_queue[request.request_id] = queue

@@ -251,6 +251,7 @@ class VllmBackend(EngineBackendBase):
             "max_num_seqs": sched.max_num_seqs,
             "max_num_batched_tokens": sched.max_num_batched_tokens,
             "enable_prefix_caching": sched.enable_prefix_caching,
+            "scheduling_policy": sched.scheduling_policy.value,
             "seed": 0,
         }
         if self.config.gpu_type == "cpu":
@@ -291,7 +292,8 @@ class VllmBackend(EngineBackendBase):
         first = True
         self._active_req_ids.add(request.request_id)
         try:
-            async for output in self.engine.generate(prompt, params, request.request_id):
+            async for output in self.engine.generate(prompt, params, request.request_id,
+                                                     priority=request.priority):
                 completion = output.outputs[0]
                 wall = time.time()
                 batch = []

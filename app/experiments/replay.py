@@ -4,7 +4,9 @@
 the discrete-event simulator and writes summary.csv, requests.parquet, two PNG
 plots and report.md. Policies that declare `deadline_aware = False` (the
 load-balancing baselines) make the same decisions at every SLO scale, so they
-are simulated once and their records re-scored against each scale.
+are simulated once and their records re-scored against each scale (unless the
+router sends deadline priorities to the engines, which makes every policy's run
+depend on the deadlines).
 """
 
 from __future__ import annotations
@@ -18,13 +20,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
+from pydantic import ValidationError
 
-from app.config import ClusterConfig, load_cluster_config
+from app.config import ClusterConfig, SchedulingPolicy, load_cluster_config
 from app.knob_cli import knob_options
 from app.routing.fleet import DEFAULT_REPORT_INTERVAL_S, FleetConfig, Sharing, Spread
 from app.routing.goodserve import GoodServeConfig, goodserve_knobs, stall_factor_label
 from app.routing.length import OutputLengthEstimator, PredictorLength
 from app.routing.move_path import MoveRule
+from app.routing.priority import PriorityRule
 from app.routing.registry import (
     POLICY_REGISTRY,
     SIM_ONLY,
@@ -179,6 +183,22 @@ def _session_workload(
     return preset_workload(SessionPreset(content.value), process, context_limit, seed)
 
 
+def with_engine_order(cluster: ClusterConfig, scheduling_policy: SchedulingPolicy | None,
+                      request_priority: PriorityRule | None) -> ClusterConfig:
+    """The cluster with every engine's scheduling policy and the router's request
+    priority replaced where given, validated again."""
+    data = cluster.model_dump()
+    if scheduling_policy is not None:
+        for group in data["groups"]:
+            group["engine"]["scheduler"]["scheduling_policy"] = scheduling_policy
+    if request_priority is not None:
+        data["request_priority"] = request_priority
+    try:
+        return ClusterConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ValueError(exc.errors()[0]["msg"]) from None
+
+
 def context_limit_of(cluster: ClusterConfig) -> int:
     """The context every engine of the cluster takes (the smallest)."""
     return min(e.max_model_len for e in cluster.engines())
@@ -213,7 +233,8 @@ def _outcome(
 
 
 def _reuses_runs(spec: ReplaySpec, kind: PolicyKind) -> bool:
-    return spec.rescore and not POLICY_REGISTRY.get(kind).deadline_aware
+    return (spec.rescore and not POLICY_REGISTRY.get(kind).deadline_aware
+            and spec.cluster.request_priority is PriorityRule.NONE)
 
 
 def _policy_cells(
@@ -484,6 +505,14 @@ def replay(
         MoveRule | None,
         typer.Option(help="how migrations reach their target: cheaper | token-ids | kv "
                      "(default: the cluster config's move_path)")] = None,
+    scheduling_policy: Annotated[
+        SchedulingPolicy | None,
+        typer.Option(help="every engine's scheduling policy: fcfs | priority (default: "
+                     "the cluster config's)")] = None,
+    request_priority: Annotated[
+        PriorityRule | None,
+        typer.Option(help="the engine priority each request is sent with: none | deadline "
+                     "(default: the cluster config's request_priority)")] = None,
     goodserve: GoodServeConfig = GoodServeConfig(),
 ) -> None:
     """Replay a trace against routing policies and SLO scales; write results to --out."""
@@ -491,6 +520,9 @@ def replay(
         cluster_config = load_cluster_config(cluster)
         if move_path is not None:
             cluster_config = cluster_config.model_copy(update={"move_path": move_path})
+        if scheduling_policy is not None or request_priority is not None:
+            cluster_config = with_engine_order(cluster_config, scheduling_policy,
+                                               request_priority)
         spec = ReplaySpec(
             cluster=cluster_config,
             policies=parse_policies(policies),
@@ -529,6 +561,9 @@ def replay(
         "rate_rps": rate, "requests": len(workload),
         "duration_s": workload.duration_s, "seed": seed, "slo_reference": slo_reference_gpu,
         "move_path": spec.cluster.move_path.value, "kv_link_gbps": spec.cluster.kv_link_gbps,
+        "scheduling_policy": ",".join(sorted({e.scheduler.scheduling_policy.value
+                                              for e in spec.cluster.engines()})),
+        "request_priority": spec.cluster.request_priority.value,
         "predictor": predictor or "running history", **goodserve_knobs(goodserve),
         "stall_factor": stall_factor_label(goodserve.stall_factor),
         "routers": routers, "router_spread": router_spread.value,

@@ -53,18 +53,49 @@ class ViewArrays:
     table: np.ndarray  # (instances, len(COLUMNS)) float64
     rank: np.ndarray | None = None  # `rank_of(ids)`, when the builder has it
     positions: Mapping[InstanceId, int] | None = None  # id -> row, when the builder has it
+    # each row's `InstanceView.waiting_priorities`; None when every row is None
+    waiting_priorities: tuple[tuple[int, ...] | None, ...] | None = None
 
     @classmethod
     def of(cls, views: Sequence[InstanceView]) -> ViewArrays:
         table = np.array([view_row(v) for v in views], dtype=np.float64).reshape(
             len(views), len(COLUMNS))
-        return cls(tuple(v.instance_id for v in views), table)
+        priorities = tuple(v.waiting_priorities for v in views)
+        return cls(tuple(v.instance_id for v in views), table,
+                   waiting_priorities=None if all(p is None for p in priorities)
+                   else priorities)
 
     def column(self, name: str) -> np.ndarray:
         return self.table[:, _COL[name]]
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def num_waiting_ahead(self, priority: int) -> np.ndarray:
+        """`InstanceView.num_waiting_ahead` for every row: the whole queue where the
+        engine serves in arrival order."""
+        waiting = self.column("num_waiting")
+        if self.waiting_priorities is None:
+            return waiting.copy()
+        ordered, known, rows, priorities = self._waiting_order
+        ahead = waiting.copy()
+        counted = np.bincount(rows[priorities <= priority], minlength=len(self.ids))
+        unknown = np.maximum(waiting - known, 0)
+        ahead[ordered] = np.minimum(waiting, unknown + counted)[ordered]
+        return ahead
+
+    @cached_property
+    def _waiting_order(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """`waiting_priorities` flattened: (the rows in priority mode, the priorities
+        known per row, each known priority's row, the priorities)."""
+        assert self.waiting_priorities is not None
+        per_row = self.waiting_priorities
+        ordered = np.array([p is not None for p in per_row], dtype=bool)
+        known = np.array([len(p) if p is not None else 0 for p in per_row], dtype=np.float64)
+        rows = np.repeat(np.arange(len(per_row)), known.astype(np.int64))
+        priorities = np.fromiter((x for p in per_row if p is not None for x in p),
+                                 dtype=np.int64, count=len(rows))
+        return ordered, known, rows, priorities
 
     @cached_property
     def id_rank(self) -> np.ndarray:
@@ -87,6 +118,8 @@ class ViewColumns:
     def __init__(self) -> None:
         self._ids: list[InstanceId] = []
         self._table = np.zeros((0, len(COLUMNS)))
+        self._priorities: list[tuple[int, ...] | None] = []  # waiting_priorities per row
+        self._num_ordered = 0  # rows whose waiting_priorities are not None
         self._shared = False
         self._members: tuple[tuple[int, ...] | None, tuple[InstanceId, ...], np.ndarray,
                              dict[InstanceId, int]] | None
@@ -98,11 +131,15 @@ class ViewColumns:
         if index == len(self._ids):
             self._ids.append(view.instance_id)
             self._table = np.vstack([self._table, np.zeros((1, len(COLUMNS)))])
+            self._priorities.append(None)
             self._members = None
         elif self._ids[index] != view.instance_id:
             self._ids[index] = view.instance_id
             self._members = None
         self._table[index] = view_row(view)
+        self._num_ordered += ((view.waiting_priorities is not None)
+                              - (self._priorities[index] is not None))
+        self._priorities[index] = view.waiting_priorities
 
     def arrays(self, rows: Sequence[int] | None = None) -> ViewArrays:
         """The rows (all when None), in their order."""
@@ -111,7 +148,11 @@ class ViewColumns:
             ids = tuple(self._ids) if key is None else tuple(self._ids[i] for i in key)
             self._members = (key, ids, rank_of(ids), {iid: i for i, iid in enumerate(ids)})
         _, ids, rank, positions = self._members
+        priorities = None
+        if self._num_ordered:
+            priorities = tuple(self._priorities if key is None
+                               else (self._priorities[i] for i in key))
         if key is None:
             self._shared = True
-            return ViewArrays(ids, self._table, rank, positions)
-        return ViewArrays(ids, self._table[list(key)], rank, positions)
+            return ViewArrays(ids, self._table, rank, positions, priorities)
+        return ViewArrays(ids, self._table[list(key)], rank, positions, priorities)

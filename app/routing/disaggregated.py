@@ -31,7 +31,7 @@ class LeastTtftPolicy(RoutingPolicy):
     def ttft_s(self, request: RouteRequest, inst: InstanceView, view: ClusterView,
                now: float) -> float:
         """Queue + prefill of the uncached prompt on `inst`: T's first two terms."""
-        estimate = self.status.estimate(inst, now)
+        estimate = self.status.estimate(inst, now, priority=request.priority)
         hit = view.prefix_hit_tokens(inst.instance_id, request)
         return estimate.queue_delay_s + prefill_time_s(request, estimate, hit)
 

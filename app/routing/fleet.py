@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from app.engine_types import EngineStatus
-from app.routing.arrays import COLUMNS, ViewArrays
+from app.routing.arrays import COLUMNS
 from app.routing.base import ActiveRequest, Reject, RouteDecision, RoutingPolicy, Watchdog
 from app.routing.budgets import SlackBudgets, budgets_of, smallest_stalls
 from app.routing.finish_log import FinishLog, lengths_of
@@ -149,7 +149,7 @@ class Replica:
             table[i, RUNNING], table[i, WAITING] = running, waiting
         return ClusterView(current.time_s, tuple(views), current.prefix_lookup,
                            current.kv_capacity_floor_tokens,
-                           ViewArrays(arrays.ids, table, arrays.rank, arrays.positions),
+                           replace(arrays, table=table),
                            current.prefix_directory)
 
 

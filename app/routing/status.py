@@ -217,7 +217,8 @@ class StatusEstimator(StepListener):
 
     # ---- estimates -----------------------------------------------------------
     def estimate(
-        self, view: InstanceView, now: float | None = None, joining: int = 1
+        self, view: InstanceView, now: float | None = None, joining: int = 1,
+        priority: int | None = None,
     ) -> InstanceEstimate:
         """Current (q_g, p_g, d_g) for a request about to join (`joining` = 1, the
         router) or already there (0, the watchdog); catalog prior for figures not yet
@@ -226,17 +227,23 @@ class StatusEstimator(StepListener):
         An idle instance runs at its unloaded speed whatever it reported while busy,
         and nobody queues where nothing waits: both cases use the live counts in
         `view`, so stale EMAs from a past burst (or missing reports) do not linger.
-        `now` (default: the view's time) dates the departure rate.
+        `now` (default: the view's time) dates the departure rate. `priority`: the
+        joining request's engine priority; where the engine runs its queue by
+        priority, q_g counts only the waiting requests that run before it (None: the
+        whole queue).
         """
         state = self._states.get(view.instance_id)
         row = _NO_STATE_ROW if state is None else _state_row(state)
         terms = _Terms.of_row(row, view_row(view), joining)
-        return InstanceEstimate(terms.queue_s(view.updated_s if now is None else now),
+        ahead = (None if priority is None or view.waiting_priorities is None
+                 else view.num_waiting_ahead(priority))
+        return InstanceEstimate(terms.queue_s(view.updated_s if now is None else now, ahead),
                                 terms.prefill, terms.decode,
                                 0 if state is None else state.num_samples)
 
-    def estimate_arrays(self, arrays: ViewArrays, now: float,
-                        joining: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def estimate_arrays(self, arrays: ViewArrays, now: float, joining: int = 1,
+                        priority: int | None = None
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(q_g, p_g, d_g) for every instance of `arrays` at once: `estimate` over
         columns, equal to it figure for figure.
 
@@ -255,7 +262,9 @@ class StatusEstimator(StepListener):
             self._estimates = [cache, *self._estimates[:KEPT_ESTIMATES - 1]]
         else:
             cache.update(arrays, self._table)
-        return cache.at(now)
+        ahead = (None if priority is None or arrays.waiting_priorities is None
+                 else arrays.num_waiting_ahead(priority))
+        return cache.at(now, ahead)
 
 
 # `_StateTable` columns
@@ -347,14 +356,22 @@ class _Terms(NamedTuple):
             prefill_s / prefill_tokens if known and prefill_tokens > 0 else view[_PRIOR_P],
             decode * growth if known and decode >= 0 else view[_PRIOR_D])
 
-    def queue_s(self, now: float) -> float:
+    def queue_s(self, now: float, num_ahead: float | None = None) -> float:
         """q_g: the observed-wait EMA, raised to Little's law on the current queue
         (waiting / departure rate). Observed waits are only known once requests leave
-        the queue, so the EMA lags a growing queue; Little's law sees it at once."""
+        the queue, so the EMA lags a growing queue; Little's law sees it at once.
+
+        `num_ahead` (an engine in priority mode): the waiting requests that run before
+        the joining one take the queue's place; with none ahead nothing queues before
+        it."""
+        if num_ahead is None:
+            num_ahead = self.waiting
+        elif num_ahead <= 0:
+            return 0.0
         span = now - self.first_finish_s
         if self.departed > 0 and span > 0:
             rate = self.departed / span
-            return max(self.queue_ema, self.waiting / rate)
+            return max(self.queue_ema, num_ahead / rate)
         return self.queue_ema
 
 
@@ -407,15 +424,21 @@ class _Estimates:
                 column[row] = value
         self.queued = np.flatnonzero(self.departed > 0)
 
-    def at(self, now: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(q_g, p_g, d_g) at `now` (`_Terms.queue_s` over the rows with a queue)."""
+    def at(self, now: float, num_ahead: np.ndarray | None = None
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(q_g, p_g, d_g) at `now` (`_Terms.queue_s` over the rows with a queue; with
+        `num_ahead` per row in place of the queue)."""
         queue = self.queue_ema.copy()
+        waiting = self.waiting
+        if num_ahead is not None:
+            queue[num_ahead <= 0] = 0.0
+            waiting = num_ahead
         rows = self.queued
         if len(rows):
             span = now - self.first_finish_s[rows]
             rate = np.divide(self.departed[rows], span, out=np.zeros(len(rows)),
                              where=span > 0)
-            little = np.divide(self.waiting[rows], rate, out=np.zeros(len(rows)),
+            little = np.divide(waiting[rows], rate, out=np.zeros(len(rows)),
                                where=rate > 0)
             queue[rows] = np.maximum(queue[rows], little)
         return queue, self.prefill.copy(), self.decode.copy()

@@ -19,6 +19,7 @@ from app.config import EngineRole
 from app.engine_types import EngineStatus
 from app.hardware import InstanceSpec
 from app.routing.arrays import ViewArrays
+from app.routing.priority import num_waiting_ahead
 
 if TYPE_CHECKING:
     from app.engines.prefix import PrefixDirectory
@@ -59,6 +60,9 @@ class RouteRequest:
     # disaggregated decode: when the prompt's KV is expected on the decode instance
     # (prefill finished, transfer done); that instance then computes no prefill
     kv_ready_s: float | None = None
+    # the engine priority the router sends it with (`ClusterConfig.request_priority`):
+    # where engines run by priority, what runs before it there
+    priority: int = 0
 
     @property
     def slo_s(self) -> float:
@@ -91,6 +95,10 @@ class InstanceView:
     recent_queue_wait_s: tuple[float, ...]  # arrival -> first scheduled, recent requests
     updated_s: float  # when these figures were taken
     max_num_seqs: int | None = None  # the engine's configured batch cap, when known
+    # an engine in priority mode: its waiting requests' priorities, ascending, as far as
+    # the substrate knows them (the rest count as ahead of a newcomer,
+    # `priority.num_waiting_ahead`); None: it serves its queue in arrival order
+    waiting_priorities: tuple[int, ...] | None = None
 
     @classmethod
     def from_status(
@@ -124,6 +132,10 @@ class InstanceView:
     @property
     def num_outstanding(self) -> int:
         return self.num_waiting + self.num_running
+
+    def num_waiting_ahead(self, priority: int) -> int:
+        """Waiting requests the engine runs before a new request of `priority`."""
+        return num_waiting_ahead(self.num_waiting, self.waiting_priorities, priority)
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -244,6 +244,7 @@ class Flight:
             resume_token_ids=resume,
             kv_transferred=delivered,
             kv_transfer_params=params,
+            priority=self.route.priority,
         )
 
     def prefill_request(self) -> EngineRequest:
@@ -251,7 +252,8 @@ class Flight:
         sampling = self.request.sampling
         return EngineRequest(self.engine_request_id, self.request.prompt_token_ids,
                              replace(sampling, max_tokens=1,
-                                     min_tokens=min(sampling.min_tokens, 1)))
+                                     min_tokens=min(sampling.min_tokens, 1)),
+                             priority=self.route.priority)
 
     # ---- transitions ----------------------------------------------------------------
     def _leave(self, *states: FlightState) -> None:

@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 
-from app.config import EngineConfig, EngineRole
+from app.config import EngineConfig, EngineRole, SchedulingPolicy
 from app.control.fleet import Member
 from app.control.plan import EngineState
 from app.engine_types import EngineRequest, EngineStatus, TokenEvent
@@ -129,6 +129,11 @@ class OwnLoad:
     def waiting(self, instance_id: InstanceId) -> int:
         return len(self._flights.get((instance_id, False), ()))
 
+    def waiting_priorities(self, instance_id: InstanceId) -> tuple[int, ...]:
+        """The engine priorities of this router's flights waiting there, ascending."""
+        waiting = self._flights.get((instance_id, False), {})
+        return tuple(sorted(f.route.priority for f in waiting.values()))
+
     def flights_on(self, instance_id: InstanceId) -> list[Flight]:
         return [f for running in (True, False)
                 for f in self._flights.get((instance_id, running), {}).values()]
@@ -206,14 +211,20 @@ class InstanceTracker:
         """The healthy, serving instances of `role` with their latest reports and their
         load: the router's own requests, current at every decision, plus what other
         router replicas had there at the last poll (routing on its own requests alone,
-        each replica would see an instance the others fill as idle)."""
+        each replica would see an instance the others fill as idle). An engine in
+        priority mode lists the priorities of the router's own waiting requests; the
+        other replicas' count as ahead of a newcomer."""
         views = []
         for iid, inst in self.instances.items():
+            config = inst.client.config
             if (not inst.healthy or inst.status is None or iid in exclude or inst.draining
-                    or inst.client.config.role != role):
+                    or config.role != role):
                 continue
+            ordered = config.scheduler.scheduling_policy is SchedulingPolicy.PRIORITY
             views.append(replace(inst.reported_view(), num_running=self.num_running(iid),
-                                 num_waiting=self.load.waiting(iid) + inst.others_waiting))
+                                 num_waiting=self.load.waiting(iid) + inst.others_waiting,
+                                 waiting_priorities=(self.load.waiting_priorities(iid)
+                                                     if ordered else None)))
         return ClusterView(now, tuple(views), self.prefix_blocks)
 
     def num_running(self, instance_id: InstanceId) -> int:

@@ -40,6 +40,7 @@ from app.routing.base import ActiveRequest, Reject, RejectCode, overrides
 from app.routing.disaggregated import DisaggregatedPlacer, LeastTtftPolicy
 from app.routing.finish_log import DEFAULT_FINISH_CAPACITY, lengths_of, shareable
 from app.routing.move_path import MovePath, MoveRule, plan_move
+from app.routing.priority import PriorityRule
 from app.routing.registry import RoutingStack
 from app.routing.status import StatusEstimator
 from app.routing.view import ClusterView, FinishReport, InstanceId, RouteRequest
@@ -110,12 +111,14 @@ class LiveRouter:
         metrics: RouterMetrics | None = None,
         move_rule: MoveRule = MoveRule.CHEAPER,
         status_feed: StatusFeed | None = None,
+        request_priority: PriorityRule = PriorityRule.NONE,
     ) -> None:
         """`kv_transport` moves prompts' KV from prefill to decode engines; with unified
         engines it is the connector whose stored prompts a move can load (`move_rule`
         chooses, per move, between that and recomputing by token ids). `status_feed`
         long-polls the engines' reports published for every router replica (None: this
-        router polls each engine itself every `poll_interval_s`)."""
+        router polls each engine itself every `poll_interval_s`). `request_priority`
+        gives each request the engine priority it keeps on every engine it runs on."""
         if not clients:
             raise ValueError("the router needs at least one engine")
         roles = {c.config.role for c in clients}
@@ -124,6 +127,7 @@ class LiveRouter:
                              f"{sorted(r.value for r in roles)}")
         self.disaggregated = EngineRole.PREFILL in roles
         self.move_rule = move_rule
+        self.request_priority = request_priority
         self.serve_role = EngineRole.DECODE if self.disaggregated else EngineRole.UNIFIED
         if self.disaggregated and kv_transport is None:
             raise ValueError("prefill and decode pools need a KV transport")
@@ -236,16 +240,18 @@ class LiveRouter:
                     else request.received_perf_s)
         if request.request_id in self.flights:
             raise ValueError(f"duplicate request id {request.request_id}")
+        deadline_s = math.inf if request.slo_s is None else request.arrival_s + request.slo_s
         route = RouteRequest(
             request_id=request.request_id,
             arrival_s=request.arrival_s,
-            deadline_s=math.inf if request.slo_s is None else request.arrival_s + request.slo_s,
+            deadline_s=deadline_s,
             num_prompt_tokens=len(request.prompt_token_ids),
             block_hashes=prefix_block_hashes(request.prompt_token_ids),
             prompt=request.prompt_text,
             task=request.task,
             session_id=request.session_id,
             max_output_tokens=request.sampling.max_tokens,
+            priority=self.request_priority.priority(deadline_s),
         )
         if self.predict is not None:
             started = time.perf_counter()

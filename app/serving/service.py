@@ -200,6 +200,7 @@ class CompletionService:
                                  poll_interval_s=config.poll_interval_s,
                                  kv_transport=kv_transport(config),
                                  move_rule=config.cluster.move_path,
+                                 request_priority=config.cluster.request_priority,
                                  status_feed=status_feed,
                                  metrics=RouterMetrics(metrics or NullFactory(),
                                                        config.routing.policy))

@@ -18,6 +18,7 @@ from app.kv_link import KvLink
 from app.routing.base import ActiveRequest, Reject, RoutingPolicy, Watchdog, overrides
 from app.routing.disaggregated import DisaggregatedPlacer, LeastTtftPolicy
 from app.routing.move_path import MovePath, MoveRule, plan_move
+from app.routing.priority import PriorityRule
 from app.routing.view import FinishReport, InstanceId, RouteRequest, StepReport
 from app.sessions import StepReleases
 from app.sim.engine_core import ScheduledStep, SimSequence
@@ -84,6 +85,7 @@ class SimCluster:
         seed: int,
         elastic: ElasticPools | None = None,
         move_rule: MoveRule = MoveRule.CHEAPER,
+        request_priority: PriorityRule = PriorityRule.NONE,
     ) -> None:
         self.pools = build_pools(setups)
         self.elastic = elastic
@@ -98,6 +100,7 @@ class SimCluster:
         self.watchdog = watchdog
         self.link = KvLink(kv_link_gbps)  # P->D hand-offs and KV moves share it
         self.move_rule = move_rule
+        self.request_priority = request_priority
         self.pd_placer = (DisaggregatedPlacer(prefill_policy, policy, self.link)
                           if self.disaggregated and prefill_policy is not None else None)
         self.max_ongoing_requests = max_ongoing_requests
@@ -136,6 +139,8 @@ class SimCluster:
     def _new_flight(self, index: int, now: float) -> SimFlight:
         work = self.releases.issued(index, now)
         route = work.route_request(reveal_true_length=self.reveal_lengths)
+        if self.request_priority is not PriorityRule.NONE:
+            route = replace(route, priority=self.request_priority.priority(route.deadline_s))
         record = self._record(work)
         flight = SimFlight(index, work, route, record, token_seed=self.seed * 1_000_003 + index)
         self.flights[work.request_id] = flight
@@ -233,6 +238,7 @@ class SimCluster:
                 hash_block_size=work.hash_block_size,
                 token_seed=flight.token_seed,
                 skip_prefill=skip_prefill,
+                priority=flight.route.priority,
             )
         )
         flight.instance = inst

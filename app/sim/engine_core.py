@@ -8,14 +8,38 @@ Everything is length-based (no token lists), so a 512-instance simulation of
 long-context traces stays cheap; token ids are a deterministic function of the
 request's seed and position, so a token-ID resume on another engine continues
 exactly where the first one stopped.
+
+The two scheduling policies are vLLM 0.32's (`vllm/v1/core/sched/scheduler.py`,
+`Scheduler.schedule`; `request_queue.py`):
+- the waiting queue: fcfs keeps arrival order and puts a preempted request back at
+  its front (`FCFSRequestQueue`); priority is a heap on (priority, arrival, request
+  id), a preempted request re-entering by that key (`PriorityRequestQueue`,
+  `Request.__lt__`); arrival is when the request reached this engine;
+- preemption happens only while the running requests are scheduled, when one cannot
+  grow its KV: fcfs preempts the last of the running list, priority the running
+  request of the largest (priority, arrival), the first such in running order (`max`
+  over `self.running`), which may be one already scheduled this iteration (its
+  tokens go back to the budget) or the request itself (it stops the pass);
+- waiting requests are admitted from the head of the queue until one does not fit
+  (sequence slots, token budget, KV); a waiting request never preempts a running
+  one, whatever its priority;
+- priority mode admits no waiting request in an iteration that preempted (vLLM's
+  `if not preempted_reqs`); when such an iteration has nothing to run (the request
+  that could not grow was itself the victim), it is vLLM's empty iteration, taken at
+  no cost: the next one is scheduled at once. fcfs mode admits after a preemption
+  too, as this model always has, so its runs stay comparable.
+Not modelled: vLLM skips blocked requests (LoRA, structured-output compilation, async
+KV loads) and keeps a separate queue for requests holding KV.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from app.config import SchedulerConfig
+from app.config import SchedulerConfig, SchedulingPolicy
 from app.engine_types import (
     FINISH_REASONS,
     EngineStatus,
@@ -50,6 +74,7 @@ class SimSequence:
     hash_block_size: int = 16  # tokens per entry of block_hashes
     token_seed: int = 0
     skip_prefill: bool = False  # decode role: KV arrived from a prefill engine
+    priority: int = 0  # priority mode: lower runs first (the router's request_priority)
 
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -79,6 +104,77 @@ class SimSequence:
     def context_len(self) -> int:
         return self.num_computed_tokens
 
+    @property
+    def queue_key(self) -> tuple[int, float, str]:
+        """Priority mode's waiting order (vLLM's `Request.__lt__`)."""
+        return (self.priority, self.arrival_s, self.request_id)
+
+    @property
+    def preemption_key(self) -> tuple[int, float]:
+        """Priority mode's victim: the running request with the largest key."""
+        return (self.priority, self.arrival_s)
+
+
+class FcfsQueue(deque[SimSequence]):
+    """Waiting requests in arrival order; a preempted one goes back to the front."""
+
+    def add(self, seq: SimSequence) -> None:
+        self.append(seq)
+
+    def prepend(self, seq: SimSequence) -> None:
+        self.appendleft(seq)
+
+    def peek(self) -> SimSequence:
+        return self[0]
+
+    def pop_next(self) -> SimSequence:
+        return self.popleft()
+
+    def priorities(self) -> None:
+        """Every waiting request runs before a new one: no order to report."""
+        return None
+
+
+class PriorityQueue:
+    """Waiting requests by (priority, arrival, request id); a preempted one re-enters
+    by the same key."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[tuple[int, float, str], SimSequence]] = []
+
+    def add(self, seq: SimSequence) -> None:
+        heapq.heappush(self._heap, (seq.queue_key, seq))
+
+    prepend = add
+
+    def peek(self) -> SimSequence:
+        return self._heap[0][1]
+
+    def pop_next(self) -> SimSequence:
+        return heapq.heappop(self._heap)[1]
+
+    def remove(self, seq: SimSequence) -> None:
+        self._heap = [entry for entry in self._heap if entry[1] is not seq]
+        heapq.heapify(self._heap)
+
+    def priorities(self) -> tuple[int, ...]:
+        """The waiting requests' priorities, ascending."""
+        return tuple(sorted(key[0] for key, _ in self._heap))
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[SimSequence]:
+        """In the order they would be admitted."""
+        return (seq for _, seq in sorted(self._heap))
+
+
+def waiting_queue(policy: SchedulingPolicy) -> FcfsQueue | PriorityQueue:
+    """The waiting queue of a scheduling policy (vLLM's `create_request_queue`)."""
+    if policy is SchedulingPolicy.PRIORITY:
+        return PriorityQueue()
+    return FcfsQueue()
+
 
 @dataclass(frozen=True)
 class ScheduledStep:
@@ -98,9 +194,11 @@ class SimEngineCore:
     """vLLM-v1-like scheduler over the roofline latency model.
 
     Running requests are served first (decode: one token; partial prefill: the
-    rest of the chunk budget), then waiting requests are admitted FCFS while there
-    is sequence room, token budget and KV blocks. When KV runs out, the latest
-    admitted request is preempted and later recomputed (vLLM's recompute policy).
+    rest of the chunk budget), then waiting requests are admitted in queue order
+    (arrival, or priority then arrival: the module docstring) while there is sequence
+    room, token budget and KV blocks. When KV runs out, a running request is preempted
+    (the latest admitted, or the one of the largest priority) and later recomputed
+    (vLLM's recompute policy).
     """
 
     def __init__(
@@ -112,7 +210,7 @@ class SimEngineCore:
         self.num_kv_blocks = config.num_kv_blocks or default_blocks
         cache_tokens = self.num_kv_blocks * config.block_size if config.enable_prefix_caching else 0
         self.prefix_cache = PrefixCache(cache_tokens)
-        self.waiting: deque[SimSequence] = deque()
+        self.waiting = waiting_queue(config.scheduling_policy)
         self.running: list[SimSequence] = []
         self.requests: dict[str, SimSequence] = {}
         self.req_to_blocks: dict[str, int] = {}  # request_id -> KV blocks held
@@ -136,16 +234,16 @@ class SimEngineCore:
                 f"({self.num_kv_blocks * self.config.block_size} tokens)"
             )
         self.requests[seq.request_id] = seq
-        self.waiting.append(seq)
+        self.waiting.add(seq)
 
     def abort_request(self, request_id: str) -> SimSequence | None:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return None
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-        if seq in self.running:
+        if seq.status == RequestStatus.RUNNING:
             self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
         self._free(seq)
         seq.status = RequestStatus.FINISHED_ABORTED
         return seq
@@ -157,10 +255,7 @@ class SimEngineCore:
     # ---- one iteration -----------------------------------------------------
     def begin_step(self, now_s: float) -> ScheduledStep | None:
         """Choose this iteration's batch; None when there is nothing to run."""
-        budget = self.config.max_num_batched_tokens
-        req_to_num_tokens: dict[str, int] = {}
-        budget = self._schedule_running(budget, req_to_num_tokens)
-        self._admit_waiting(budget, req_to_num_tokens, now_s)
+        req_to_num_tokens = self._schedule(now_s)
         if not req_to_num_tokens:
             return None
         batch = self._batch_shape(req_to_num_tokens)
@@ -198,6 +293,25 @@ class SimEngineCore:
         return events
 
     # ---- scheduling helpers ------------------------------------------------
+    def _schedule(self, now_s: float) -> dict[str, int]:
+        """Running requests first, then waiting ones (priority mode: none after a
+        preemption, and an iteration left empty is passed over; module docstring).
+        A pass repeats only when it preempted and scheduled nothing; each such pass
+        takes a request off the running list, so they end."""
+        skip_admission_after_preemption = (
+            self.config.scheduling_policy is SchedulingPolicy.PRIORITY)
+        while True:
+            req_to_num_tokens: dict[str, int] = {}
+            num_preemptions = self.num_preemptions
+            budget = self._schedule_running(self.config.max_num_batched_tokens,
+                                            req_to_num_tokens)
+            preempted = self.num_preemptions > num_preemptions
+            if not (preempted and skip_admission_after_preemption):
+                self._admit_waiting(budget, req_to_num_tokens, now_s)
+                return req_to_num_tokens
+            if req_to_num_tokens:
+                return req_to_num_tokens
+
     def _schedule_running(self, budget: int, req_to_num_tokens: dict[str, int]) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
@@ -205,28 +319,37 @@ class SimEngineCore:
             want = seq.prefill_target - seq.num_computed_tokens if seq.is_prefilling else 1
             num_tokens = min(want, budget)
             if not self._grow(seq, num_tokens + (0 if seq.is_prefilling else 1)):
-                victim = self.running[-1]
+                victim = self._preemption_victim()
+                victim_index = self.running.index(victim)
                 self._preempt(victim)
-                req_to_num_tokens.pop(victim.request_id, None)
+                budget += req_to_num_tokens.pop(victim.request_id, 0)
                 if victim is seq:
                     break
+                if victim_index < i:  # scheduled already: the pass goes on from seq
+                    i -= 1
                 continue
             req_to_num_tokens[seq.request_id] = num_tokens
             budget -= num_tokens
             i += 1
         return budget
 
+    def _preemption_victim(self) -> SimSequence:
+        """The running request preempted when one cannot grow (see the module docstring)."""
+        if self.config.scheduling_policy is SchedulingPolicy.PRIORITY:
+            return max(self.running, key=lambda seq: seq.preemption_key)
+        return self.running[-1]
+
     def _admit_waiting(
         self, budget: int, req_to_num_tokens: dict[str, int], now_s: float
     ) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self.waiting.peek()
             if seq.first_scheduled_s is None:
                 self._apply_prefix_hit(seq)
             num_tokens = min(seq.prefill_target - seq.num_computed_tokens, budget)
             if num_tokens > 0 and not self._grow(seq, num_tokens):
                 break
-            self.waiting.popleft()
+            self.waiting.pop_next()
             seq.status = RequestStatus.RUNNING
             self.running.append(seq)
             if seq.first_scheduled_s is None:
@@ -284,14 +407,14 @@ class SimEngineCore:
         assert self.num_free_blocks <= self.num_kv_blocks
 
     def _preempt(self, seq: SimSequence) -> None:
-        """Recompute-style preemption: drop its KV, requeue at the front."""
+        """Recompute-style preemption: drop its KV, requeue (fcfs: at the front)."""
         self.running.remove(seq)
         self._free(seq)
         seq.status = RequestStatus.PREEMPTED
         seq.num_computed_tokens = 0
         seq.prefill_target = seq.num_prompt_tokens + seq.num_output_tokens
         seq.skip_prefill = False
-        self.waiting.appendleft(seq)
+        self.waiting.prepend(seq)
         self.num_preemptions += 1
 
     def _finish(self, seq: SimSequence) -> None:

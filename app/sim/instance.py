@@ -76,6 +76,7 @@ class SimInstance:
             recent_queue_wait_s=tuple(core.recent_queue_wait_s),
             updated_s=now,
             max_num_seqs=core.config.max_num_seqs,
+            waiting_priorities=core.waiting.priorities(),
         )
 
     def status(self, now: float) -> EngineStatus:

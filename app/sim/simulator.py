@@ -20,6 +20,7 @@ from app.config import ClusterConfig
 from app.routing.base import RoutingPolicy, Watchdog
 from app.routing.disaggregated import LeastTtftPolicy
 from app.routing.move_path import MoveRule
+from app.routing.priority import PriorityRule
 from app.sessions import StepReleases
 from app.sim.cluster import SimCluster
 from app.sim.elastic import ElasticPools, ElasticStats
@@ -70,6 +71,7 @@ class Simulator:
         seed: int = 0,
         elastic: ElasticPools | None = None,
         move_rule: MoveRule = MoveRule.CHEAPER,
+        request_priority: PriorityRule = PriorityRule.NONE,
     ) -> None:
         """
         prefill_policy: disaggregated mode only; picks the prefill instance (default:
@@ -83,6 +85,7 @@ class Simulator:
             the initial pools); single use, like the policies.
         move_rule: how migrations reach their target (token ids, KV over the link, or
             the cheaper of the two per move).
+        request_priority: the engine priority each request is sent with.
         """
         if max_ongoing_requests is not None and max_ongoing_requests < 1:
             raise ValueError(f"max_ongoing_requests must be >= 1, got {max_ongoing_requests}")
@@ -98,12 +101,14 @@ class Simulator:
         self.seed = seed
         self.elastic = elastic
         self.move_rule = move_rule
+        self.request_priority = request_priority
 
     @classmethod
     def from_config(
         cls, cluster: ClusterConfig, policy: RoutingPolicy, **kwargs
     ) -> Simulator:
         kwargs.setdefault("move_rule", cluster.move_path)
+        kwargs.setdefault("request_priority", cluster.request_priority)
         return cls(setups_from_config(cluster), policy, kv_link_gbps=cluster.kv_link_gbps,
                    **kwargs)
 
@@ -150,6 +155,7 @@ class Simulator:
             seed=self.seed,
             elastic=self.elastic,
             move_rule=self.move_rule,
+            request_priority=self.request_priority,
         )
 
     def _loop(

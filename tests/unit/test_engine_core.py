@@ -179,3 +179,82 @@ def test_prefix_cache_capacity_counts_tokens_not_entries():
     core = make_core(num_kv_blocks=64, block_size=16)  # 1024 tokens
     core.prefix_cache.insert(range(4), 512)  # 2048 tokens of 512-token blocks
     assert core.prefix_cache.num_cached_tokens <= 1024 and len(core.prefix_cache) == 2
+
+
+# ---- priority mode (vLLM's scheduling_policy="priority") ------------------------------
+
+
+def step_once(core: SimEngineCore, now: float) -> tuple[dict[str, int], float]:
+    """One iteration; (what it ran, when it ended)."""
+    step = core.begin_step(now)
+    assert step is not None
+    core.complete_step(step, step.end_s)
+    return step.req_to_num_tokens, step.end_s
+
+
+def test_priority_mode_orders_the_waiting_queue_by_priority_then_arrival():
+    arrivals = [("a", 5, 0.0), ("b", 1, 2.0), ("c", 1, 1.0), ("d", 5, 0.0), ("e", 0, 3.0)]
+    order = {}
+    for policy in ("fcfs", "priority"):
+        core = make_core(max_num_seqs=1, scheduling_policy=policy)
+        for rid, priority, arrival in arrivals:
+            core.add_request(make_seq(rid, out=3, priority=priority, arrival_s=arrival))
+        order[policy] = [seq.request_id for seq in core.waiting]
+        events, _ = run_to_completion(core)
+        assert [e.request_id for e in events if e.index == 0] == order[policy]
+    assert order == {"fcfs": ["a", "b", "c", "d", "e"], "priority": ["e", "c", "b", "a", "d"]}
+    core = make_core(scheduling_policy="priority")
+    for rid, priority, arrival in arrivals:
+        core.add_request(make_seq(rid, priority=priority, arrival_s=arrival))
+    assert core.waiting.priorities() == (0, 1, 1, 5, 5)
+    assert core.abort_request("c") is not None and core.waiting.priorities() == (0, 1, 5, 5)
+    assert make_core().waiting.priorities() is None  # fcfs: the whole queue is ahead
+
+
+def staggered_core(policy: str) -> SimEngineCore:
+    """Nine KV blocks of 16 tokens, full after three admissions: running in order
+    high-a (priority 1), low (9), high-b (2); high-b's first decode needs a tenth."""
+    core = make_core(num_kv_blocks=9, block_size=16, scheduling_policy=policy)
+    now = 0.0
+    for rid, prompt, priority in (("high-a", 40, 1), ("low", 40, 9), ("high-b", 47, 2)):
+        core.add_request(make_seq(rid, prompt=prompt, out=50, priority=priority, arrival_s=now))
+        _, now = step_once(core, now)
+    assert [s.request_id for s in core.running] == ["high-a", "low", "high-b"]
+    assert core.num_free_blocks == 0 and core.num_preemptions == 0
+    return core
+
+
+def test_priority_mode_preempts_the_largest_priority_even_if_already_scheduled():
+    """The victim ran earlier in the same pass: its tokens go back and the request that
+    could not grow is scheduled; nothing waiting is admitted in that iteration."""
+    core = staggered_core("priority")
+    ran, _ = step_once(core, 10.0)
+    assert ran == {"high-a": 1, "high-b": 1}
+    assert core.requests["low"].status == RequestStatus.PREEMPTED
+    assert [s.request_id for s in core.waiting] == ["low"]
+
+
+def test_fcfs_mode_preempts_the_last_admitted():
+    """high-b, the request that could not grow, is the victim; fcfs admits after a
+    preemption, so it is recomputed (prompt + its one token) in the same iteration."""
+    core = staggered_core("fcfs")
+    ran, _ = step_once(core, 10.0)
+    assert core.num_preemptions == 1
+    assert ran == {"high-a": 1, "low": 1, "high-b": 48}
+
+
+def test_priority_mode_passes_over_an_iteration_left_empty():
+    """The request that cannot grow is itself the victim and comes first: vLLM's
+    iteration schedules nothing; the next one runs the others at once."""
+    core = make_core(num_kv_blocks=9, block_size=16, scheduling_policy="priority")
+    core.add_request(make_seq("low", prompt=40, out=100, priority=9))
+    _, now = step_once(core, 0.0)
+    for rid in ("high-a", "high-b"):
+        core.add_request(make_seq(rid, prompt=40, out=100, priority=1, arrival_s=now))
+    while core.num_preemptions == 0:
+        ran, now = step_once(core, now)
+    assert {"high-a", "high-b"} <= ran.keys()
+    events, _ = run_to_completion(core, now)
+    finished = [e.request_id for e in events if e.finished]
+    assert finished[-1] == "low" and sorted(finished) == ["high-a", "high-b", "low"]
+    assert core.num_free_blocks == core.num_kv_blocks

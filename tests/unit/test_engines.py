@@ -4,16 +4,17 @@ index, and the status estimator learning p_g from what engines report."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 
-from app.config import EngineBackend, EngineConfig
+from app.config import EngineBackend, EngineConfig, SchedulerConfig
 from app.engine_types import EngineRequest, EngineStatus, PrefillTotals, SamplingSpec
 from app.engines.factory import make_backend
 from app.engines.prefix import PrefixCache, prefix_block_hashes
 from app.engines.sim import SimBackend
-from app.engines.vllm import VllmStatsRecorder
+from app.engines.vllm import VllmBackend, VllmStatsRecorder
 from app.routing.status import StatusEstimator
 from app.routing.view import StepReport
 from tests.unit.routing_utils import make_view
@@ -91,6 +92,35 @@ def test_sim_backend_abort_ends_the_stream():
     events, again, status = asyncio.run(run())
     assert 0 < len(events) < 5000 and not again
     assert status.num_running == 0 and status.num_waiting == 0
+
+
+def test_sim_backend_in_priority_mode_serves_the_lower_priority_value_first():
+    """One slot, busy: of two requests waiting, the later one with the lower priority
+    value runs first."""
+    config = SIM_CONFIG.model_copy(update={"scheduler": SchedulerConfig(
+        max_num_seqs=1, scheduling_policy="priority")})
+
+    async def run():
+        backend = SimBackend("e0", config)
+        try:
+            busy = asyncio.ensure_future(_collect(backend, request("busy", max_tokens=200)))
+            await asyncio.sleep(0.05)
+            later = [asyncio.ensure_future(_collect(backend, replace(request(rid), priority=p)))
+                     for rid, p in (("b", 5), ("c", 1))]
+            return [await task for task in (busy, *later)]
+        finally:
+            await backend.shutdown()
+
+    _, b, c = asyncio.run(run())
+    assert c[-1].time_s <= b[0].time_s  # c ran to its end before b started
+
+
+def test_vllm_engine_args_carry_the_scheduling_policy():
+    config = EngineConfig(gpu_type="cpu", backend=EngineBackend.VLLM, model_path="/m",
+                          scheduler=SchedulerConfig(scheduling_policy="priority"))
+    assert VllmBackend("e0", config).engine_kwargs()["scheduling_policy"] == "priority"
+    assert VllmBackend("e0", config.model_copy(update={"scheduler": SchedulerConfig()})
+                       ).engine_kwargs()["scheduling_policy"] == "fcfs"
 
 
 # ---- vLLM stats recorder (fed what vLLM's stat loggers receive) ----------------------

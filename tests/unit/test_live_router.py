@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 
@@ -23,9 +24,11 @@ from app.config import (
     InstanceGroup,
     KvConnectorConfig,
     KvConnectorKind,
+    SchedulerConfig,
 )
 from app.engine_types import EngineRequest, EngineStatus, SamplingSpec, TokenEvent
 from app.routing.base import ActiveRequest, RouteDecision, RoutingPolicy, Watchdog
+from app.routing.priority import PriorityRule
 from app.routing.registry import PolicyKind, RoutingStack, build_routing
 from app.routing.view import ClusterView, InstanceId, RouteRequest
 from app.serving.config import ServeConfig
@@ -269,6 +272,39 @@ async def test_view_counts_requests_the_router_sent_but_the_engine_has_not_repor
     await router.submit(request("r2"))
     view = router.view(time.time()).get("e")
     assert (view.num_waiting, view.num_running) == (2, 0)
+
+
+async def test_deadline_priorities_reach_the_engines_and_a_moved_request_keeps_its_own():
+    """Engines in priority mode: each request goes out with its deadline in ms, the view
+    lists the router's waiting requests' priorities, and a move resubmits with the
+    same priority."""
+    a, b = ScriptedEngine("a", "A40"), ScriptedEngine("b", "H800")
+    for engine in (a, b):
+        engine.config = engine.config.model_copy(
+            update={"scheduler": SchedulerConfig(scheduling_policy="priority")})
+    router = LiveRouter([a, b], build_routing("round-robin"), poll_interval_s=3600,
+                        request_priority=PriorityRule.DEADLINE)
+    await router.start()
+    late, soon = request("late", 30, slo_s=60.0), request("soon", 30, slo_s=20.0)
+    flights = [await router.submit(r) for r in (late, soon)]
+    priorities = {r.request_id: math.floor((r.arrival_s + r.slo_s) * 1000) for r in (late, soon)}
+    assert {f.request_id: f.route.priority for f in flights} == priorities
+    view = router.view(time.time())
+    assert {v.waiting_priorities for v in view.instances} == {
+        (priorities["late"],), (priorities["soon"],)}
+    flight = flights[0]
+    source = a if flight.instance_id == "a" else b
+    target = b if source is a else a
+    events = []
+    async for batch in router.stream(flight):
+        events.extend(batch)
+        if len(events) == 5:
+            assert router.migrate("late") == target.engine_id
+    assert [r.priority for r in source.received if r.request_id == "late"] == [priorities["late"]]
+    assert target.received[-1].request_id == "late@1"
+    assert target.received[-1].priority == priorities["late"]
+    await drain(router, flights[1])
+    router.close()
 
 
 async def test_max_tokens_caps_the_length_estimate():

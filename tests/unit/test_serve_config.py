@@ -51,6 +51,8 @@ def test_vllm_model_path_expands_home():
      "router_autoscaling: {min_replicas: 3, max_replicas: 2}\n", "min_replicas 3 > max_replicas 2"),
     ("cluster: {groups: [{engine: {gpu_type: A40}}]}\nrouter_autoscaling: {min_replicas: 0}\n",
      "min_replicas"),
+    ("cluster: {request_priority: deadline, groups: [{engine: {gpu_type: A40}}]}\n",
+     "no engine has scheduling_policy priority"),
 ])
 def test_bad_serve_configs_say_what_is_wrong(tmp_path, yaml_text, message):
     path = tmp_path / "bad.yaml"

@@ -15,6 +15,7 @@ from app.routing.base import ActiveRequest, Reject, RoutingPolicy, Watchdog
 from app.routing.baselines import LeastRequestPolicy, RandomPolicy
 from app.routing.disaggregated import LeastTtftPolicy
 from app.routing.move_path import MoveRule
+from app.routing.priority import PriorityRule
 from app.routing.view import ClusterView, FinishReport, RouteRequest, StepReport
 from app.sim.events import ArrivalEvent, EventKind, StepEndEvent, StepStartEvent, heap_key
 from app.sim.instance import InstanceSetup, Pool, SimInstance
@@ -333,6 +334,27 @@ def test_long_context_moves_carry_their_kv_when_that_is_cheaper() -> None:
     assert max(r.finish_s for r in fast.records) < max(r.finish_s for r in by_ids.records)
     slow, _ = moved(0.05, MoveRule.CHEAPER)
     assert sum(r.num_kv_moves for r in slow.records) == 0
+
+
+@pytest.mark.parametrize("rule", list(PriorityRule))
+def test_priority_engines_run_the_earliest_deadline_first_and_moves_keep_it(rule) -> None:
+    """Four requests at once, latest deadline first, on one-slot engines in priority
+    mode: by deadline under the deadline rule, else by arrival; moved together to
+    another such engine, they run there in the same order."""
+    requests = [WorkloadRequest(f"r{i}", 0.0, 300, 40, slo_s=40.0 - 10 * i) for i in range(4)]
+    setups = make_setups("A40", "H800", max_num_seqs=1, scheduling_policy="priority")
+    expected = ["r3", "r2", "r1", "r0"] if rule is PriorityRule.DEADLINE else [
+        "r0", "r1", "r2", "r3"]
+
+    def finish_order(result) -> list[str]:
+        return [r.request_id for r in sorted(result.records, key=lambda r: r.finish_s)]
+
+    assert finish_order(run(setups, requests, Pin("A40-0"), request_priority=rule)) == expected
+    moved = run(setups, requests, Pin("A40-0"), watchdog=MoveAllOnce("A40-0", "H800-0", 5),
+                request_priority=rule, move_rule=MoveRule.TOKEN_IDS)
+    assert all(r.instance_ids == ["A40-0", "H800-0"] for r in moved.records)
+    assert finish_order(moved) == expected
+    assert_conserved(moved)
 
 
 def test_a_policy_hears_each_first_token_once_where_and_when_it_came() -> None:

@@ -127,6 +127,22 @@ def test_routing_knobs_reach_the_policy_and_the_report(tmp_path) -> None:
     assert rejected[("0", "3")] < 30 and rejected[("1000", "3")] < 30
 
 
+def test_deadline_priorities_are_simulated_at_every_scale(tmp_path) -> None:
+    """Engines in priority mode with deadline priorities: even a deadline-unaware
+    policy's run depends on the deadlines, so no scale is re-scored from another."""
+    out = tmp_path / "out"
+    result = invoke(
+        "--trace", str(small_trace(tmp_path / "t.jsonl")), "--cluster", str(PAPER_CLUSTER),
+        "--policies", "round-robin,goodserve", "--slo-scales", "1,3", "--out", str(out),
+        "--scheduling-policy", "priority", "--request-priority", "deadline", "--no-progress",
+    )
+    assert result.exit_code == 0, result.output
+    rows = list(csv.DictReader((out / "summary.csv").open()))
+    assert len(rows) == 4 and all(float(row["wall_s"]) > 0 for row in rows)
+    report = (out / "report.md").read_text()
+    assert "- scheduling_policy: priority" in report and "- request_priority: deadline" in report
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -140,6 +156,7 @@ def test_routing_knobs_reach_the_policy_and_the_report(tmp_path) -> None:
          "burstiness"),
         (["--arrivals", "batch", "--rate", "2", "--duration", "5", "--burst-size", "0.5"],
          "mean burst size"),
+        (["--request-priority", "deadline"], "no engine has scheduling_policy priority"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message) -> None:

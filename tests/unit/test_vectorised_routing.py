@@ -40,18 +40,29 @@ def random_config(rng: random.Random) -> GoodServeConfig:
         cache_affinity_tokens=rng.choice([None, 0, 2048]))
 
 
-def random_views(rng: random.Random, n: int, now: float) -> tuple[InstanceView, ...]:
+PRIORITIES = [0, 1_000, 1_000, 60_000, 2**62]  # deadline priorities, ties included
+
+
+def random_views(rng: random.Random, n: int, now: float,
+                 ordered: bool = False) -> tuple[InstanceView, ...]:
+    """`ordered`: most engines run their queue by priority, some of whose waiting
+    requests' priorities are not known."""
     views = []
     for i in range(n):
         total = rng.choice([2_000, 20_000, 60_000])
+        waiting = rng.choice([0, 0, 1, 5, 40])
+        priorities = None
+        if ordered and rng.random() < 0.7:
+            known = rng.choice([waiting, waiting, rng.randrange(waiting + 1)])
+            priorities = tuple(sorted(rng.choice(PRIORITIES) for _ in range(known)))
         views.append(InstanceView(
             instance_id=f"i{rng.randrange(10 * n):03d}-{i}", spec=rng.choice(KINDS),
-            role=EngineRole.UNIFIED, num_waiting=rng.choice([0, 0, 1, 5, 40]),
+            role=EngineRole.UNIFIED, num_waiting=waiting,
             num_running=rng.choice([0, 1, 8, 64, 300]),
             num_kv_blocks_free=rng.randrange(total + 1), num_kv_blocks=total,
             kv_block_size=16, num_iterations=rng.randrange(1000), recent_iteration_s=(),
             recent_queue_wait_s=(), updated_s=now,
-            max_num_seqs=rng.choice([None, 8, 256])))
+            max_num_seqs=rng.choice([None, 8, 256]), waiting_priorities=priorities))
     return tuple(views)
 
 
@@ -78,7 +89,8 @@ def feed(estimators: list[StatusEstimator], views: tuple[InstanceView, ...],
                 status.on_status(report, seen)
 
 
-def random_request(rng: random.Random, k: int, now: float) -> RouteRequest:
+def random_request(rng: random.Random, k: int, now: float,
+                   ordered: bool = False) -> RouteRequest:
     prompt = rng.choice([50, 800, 4000, 30_000, 2_000_000])
     return RouteRequest(
         f"r{k}", now, now + rng.choice([0.5, 2.0, 10.0, 60.0, math.inf]), prompt,
@@ -86,11 +98,13 @@ def random_request(rng: random.Random, k: int, now: float) -> RouteRequest:
         predicted_output_tokens=rng.choice([None, 10, 300]),
         num_generated_tokens=rng.choice([0, 0, 0, 50]),
         max_output_tokens=rng.choice([None, 64, 2048]),
-        kv_ready_s=rng.choice([None, None, now + 0.2, now - 1.0]))
+        kv_ready_s=rng.choice([None, None, now + 0.2, now - 1.0]),
+        priority=rng.choice([-1, 500, *PRIORITIES]) if ordered else 0)
 
 
+@pytest.mark.parametrize("ordered", [False, True], ids=["fcfs", "priority"])
 @pytest.mark.parametrize("seed", range(40))
-def test_column_and_per_instance_paths_decide_alike(seed: int):
+def test_column_and_per_instance_paths_decide_alike(seed: int, ordered: bool):
     rng = random.Random(seed)
     config = random_config(rng)
     lengths = [RunningHistoryLength(window_size=200) for _ in range(2)]
@@ -104,12 +118,12 @@ def test_column_and_per_instance_paths_decide_alike(seed: int):
     decided = 0
     for step in range(30):
         now = 100.0 + step
-        views = random_views(rng, rng.choice([1, 3, 12, 40]), now)
+        views = random_views(rng, rng.choice([1, 3, 12, 40]), now, ordered)
         feed([p.status for p in policies], views, rng, now)
         hits = {v.instance_id: rng.choice([0, 0, 3, 40]) for v in views}
         view = ClusterView(now, views, lambda iid, hashes, hits=hits: min(hits[iid], len(hashes)))
         for k in range(5):
-            request = random_request(rng, step * 10 + k, now)
+            request = random_request(rng, step * 10 + k, now, ordered)
             plain, columns = (p.choose(request, view, now) for p in policies)
             assert columns == plain, (seed, step, k)
             decided += 1
@@ -140,18 +154,55 @@ def test_columns_follow_their_views_and_arrays_handed_out_stay_put():
 def test_vectorised_estimates_equal_the_per_instance_ones():
     rng = random.Random(7)
     status = StatusEstimator(alpha=0.3)
-    views = random_views(rng, 30, 50.0)
+    views = random_views(rng, 30, 50.0, ordered=True)
     feed([status], views, rng, 50.0)
     arrays = ViewArrays.of(views)
-    for joining in (0, 1):
-        q, p, d = status.estimate_arrays(arrays, 51.0, joining)
+    for joining, priority in ((0, None), (1, None), (1, -1), (1, 1_000), (1, 2**62)):
+        q, p, d = status.estimate_arrays(arrays, 51.0, joining, priority)
         for i, v in enumerate(views):
-            e = status.estimate(v, 51.0, joining)
+            e = status.estimate(v, 51.0, joining, priority)
             assert (q[i], p[i], d[i]) == (e.queue_delay_s, e.prefill_s_per_token,
                                           e.decode_s_per_token)
     status.forget(views[0].instance_id)
     q, p, d = status.estimate_arrays(arrays, 51.0)
     assert p[0] == views[0].spec.unloaded_prefill_s_per_token
+
+
+def test_waiting_ahead_per_row_equals_each_views_count():
+    """In priority mode only the waiting requests of a smaller or equal priority (and
+    those whose priority is unknown) are ahead; under fcfs the whole queue."""
+    rng = random.Random(5)
+    views = random_views(rng, 40, 0.0, ordered=True)
+    assert any(v.waiting_priorities is None and v.num_waiting for v in views)
+    columns = ViewColumns()
+    for i, v in enumerate(views):
+        columns.set(i, v)
+    rows = [3, 0, 17, 29]
+    for arrays, members in ((ViewArrays.of(views), views), (columns.arrays(), views),
+                            (columns.arrays(rows), [views[i] for i in rows])):
+        for priority in (-1, 0, 500, 1_000, 60_000, 2**62):
+            assert arrays.num_waiting_ahead(priority).tolist() == [
+                v.num_waiting_ahead(priority) for v in members]
+    view = replace(views[0], num_waiting=6, waiting_priorities=(5, 9, 9, 20))
+    assert [view.num_waiting_ahead(p) for p in (4, 5, 9, 30)] == [2, 3, 5, 6]
+    assert replace(view, waiting_priorities=None).num_waiting_ahead(4) == 6
+    assert replace(view, num_waiting=3).num_waiting_ahead(30) == 3  # never beyond the queue
+
+
+def test_priority_mode_queue_delay_counts_only_the_requests_ahead():
+    status = StatusEstimator()
+    view = replace(random_views(random.Random(2), 1, 0.0)[0], num_running=4, num_waiting=4,
+                   waiting_priorities=(10, 20, 30, 40))
+    iid = view.instance_id
+    status.observe_iteration(iid, 0.05, 0, 4, 0.0)
+    status.on_status(EngineStatus(iid, view.gpu_type, "unified", 0, 1, (), (), 0, 1, 0,
+                                  num_finished=11), 0.0)  # 10 departures over 10 s
+    whole = status.estimate(view, 10.0).queue_delay_s
+    assert whole == pytest.approx(4.0)  # Little's law on the whole queue
+    assert status.estimate(view, 10.0, priority=25).queue_delay_s == pytest.approx(2.0)
+    assert status.estimate(view, 10.0, priority=5).queue_delay_s == 0.0
+    assert status.estimate(replace(view, waiting_priorities=None), 10.0,
+                           priority=5).queue_delay_s == whole
 
 
 def test_kept_estimates_follow_every_change_between_decisions():
@@ -169,18 +220,21 @@ def test_kept_estimates_follow_every_change_between_decisions():
         if rng.random() < 0.5:
             feed([status], tuple(rng.sample(views, 6)), rng, now)
         for i in rng.sample(range(len(views)), 3):
-            views[i] = replace(views[i], num_waiting=rng.choice([0, 0, 2, 9]),
-                               num_running=rng.choice([0, 3, 64]))
+            waiting = rng.choice([0, 0, 2, 9])
+            views[i] = replace(views[i], num_waiting=waiting,
+                               num_running=rng.choice([0, 3, 64]),
+                               waiting_priorities=rng.choice([None, tuple(range(waiting))]))
             columns.set(i, views[i])
         if step % 17 == 5:
             status.forget(views[step % len(views)].instance_id)
         if step % 7 == 0:
             status.estimate_arrays(ViewArrays.of(views[:5]), now)
         arrays = columns.arrays()
+        priority = rng.choice([None, 0, 4])
         for joining in (0, 1):
-            q, p, d = status.estimate_arrays(arrays, now + 0.1, joining)
+            q, p, d = status.estimate_arrays(arrays, now + 0.1, joining, priority)
             for i, v in enumerate(views):
-                e = status.estimate(v, now + 0.1, joining)
+                e = status.estimate(v, now + 0.1, joining, priority)
                 assert (q[i], p[i], d[i]) == (e.queue_delay_s, e.prefill_s_per_token,
                                               e.decode_s_per_token), (step, joining, i)
 

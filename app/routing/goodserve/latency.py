@@ -148,7 +148,7 @@ def score_instances(
     wait = kv_wait_s(request, now)
     for inst in instances:
         hit = view.prefix_hit_tokens(inst.instance_id, request)
-        estimate = status.estimate(inst, now)
+        estimate = status.estimate(inst, now, priority=request.priority)
         if long_context:
             estimate = for_context(estimate, inst.spec, request, hit)
         prefill = prefill_time_s(request, estimate, hit)

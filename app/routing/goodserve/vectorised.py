@@ -135,7 +135,8 @@ class InstanceScorer:
               budgets: SlackBudgets | None, stall_factor: float,
               long_context: bool = True) -> InstanceScorer:
         arrays = view.arrays if instances is view.instances else ViewArrays.of(instances)
-        queue, prefill_per_token, decode = status.estimate_arrays(arrays, now)
+        queue, prefill_per_token, decode = status.estimate_arrays(arrays, now,
+                                                                  priority=request.priority)
         context = request.num_context_tokens
         hits = np.asarray(view.prefix_hits_of(request, arrays.ids), dtype=np.float64)
         uncached = np.maximum(context - hits, 1)
