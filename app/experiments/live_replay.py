@@ -230,7 +230,7 @@ def live_cell(
     from ray import serve
 
     from deployments.controller import stop_controller
-    from deployments.router import build_app
+    from deployments.router import build_app, wait_until_gone
 
     serve.run(build_app(config), name=APP_NAME, route_prefix="/")
     try:
@@ -242,6 +242,7 @@ def live_cell(
     finally:
         serve.delete(APP_NAME)
         stop_controller(config.cluster.name)
+        wait_until_gone(config)  # the next cell must not find this one's dying engines
 
 
 def serve_config_for(base: ServeConfig, policy: str, **routing: Any) -> ServeConfig:
