@@ -91,13 +91,13 @@ class RecentAdmissions:
         return arrival_number is not None and self._num_arrivals - arrival_number < self.window
 
     def slo_span_quantile_s(self, q: float) -> float:
-        """The q-quantile (nearest rank below) of recent arrivals' SLO spans; inf while
+        """The q-quantile (nearest rank, `quantile_rank`) of recent arrivals' SLO spans; inf while
         fewer than `min_slo_samples` were seen."""
         if len(self._slo_spans) < self.min_slo_samples:
             return math.inf
         return self._slo_spans.quantile(q)
 
     def quantile_s(self, instance_id: InstanceId, q: float) -> float:
-        """The q-quantile (nearest rank below) of recent T; inf before any admission."""
+        """The q-quantile (nearest rank, `quantile_rank`) of recent T; inf before any admission."""
         latencies = self._latencies.get(instance_id)
         return latencies.quantile(q) if latencies else math.inf
