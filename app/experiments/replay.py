@@ -615,12 +615,14 @@ def _run_with_progress(spec: ReplaySpec, workload: Workload, show: bool) -> list
 
 def run_live_replay(
     spec: ReplaySpec, workload: Workload, predictor_dir: Path | None = None,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int], None] | None = None, stop_serve: bool = True,
 ) -> list[RunOutcome]:
     """Every (policy, scale) cell through a local Ray Serve router, one deployment each.
 
     Deadline-unaware policies are not re-scored across scales here: a live run is
-    not repeatable, so each cell is its own run.
+    not repeatable, so each cell is its own run. `stop_serve` False: the caller stops
+    the Ray it started right after, which ends Serve too (Serve's own shutdown has its
+    controller kill itself inside the call, which Ray then logs as a failed task).
     """
     from ray import serve
 
@@ -655,7 +657,8 @@ def run_live_replay(
                 outcomes.append(cell_outcome(kind.value, scale, records, cell.duration_s,
                                              makespan_s, wall_s))
     finally:
-        serve.shutdown()
+        if stop_serve:
+            serve.shutdown()
     return outcomes
 
 
@@ -670,7 +673,8 @@ def run_live_with_progress(
     owns_ray = not ray.is_initialized()  # stop only a Ray this run starts
     try:
         with Progress(total=total, unit="req", enabled=show, desc="live replay") as bar:
-            return run_live_replay(spec, workload, predictor_dir, bar.update)
+            return run_live_replay(spec, workload, predictor_dir, bar.update,
+                                   stop_serve=not owns_ray)
     finally:
         if owns_ray:
             ray.shutdown()
