@@ -427,6 +427,49 @@ def test_triage_sends_a_hopeless_request_to_the_most_backlogged_instance():
     assert policy.choose(make_request(0.5, rid="late2"), backlogged, 0.0) == "A800"
 
 
+def test_a_hopeless_session_step_is_not_triaged_unless_asked():
+    """The sink would become the session's home: its context stays cached there and
+    draws the next steps. A session's hopeless step is placed best effort instead (the
+    fastest, H800); `triage_session_steps` triages it like a lone request (A40)."""
+    cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
+    step = make_request(0.5, rid="step", session_id="s")
+    assert policy_with_speeds(H800=0.01, A800=0.015, A40=0.04).choose(
+        step, cluster, 0.0) == "H800"
+    sink = policy_with_speeds(H800=0.01, A800=0.015, A40=0.04)
+    sink.config = sink.config.model_copy(update={"triage_session_steps": True})
+    assert sink.choose(replace(step, request_id="step2"), cluster, 0.0) == "A40"
+
+
+@pytest.mark.parametrize("vectorised", [False, True])
+def test_a_late_session_step_goes_only_where_a_drained_queue_would_meet_it(vectorised):
+    """Nothing meets 12 s: the H800 has 30 s of queue, the A40 none but needs ~23 s to
+    prefill the 100k-token context it does not cache and decode 200 tokens. Min T alone
+    picks the A40, which no drained queue makes fast enough: the session's next steps
+    would follow their context there. Its home is the H800, which would meet it once
+    drained; a lone request, or `session_homes` off, still takes the A40."""
+    status = StatusEstimator(alpha=1.0)
+    for gpu, d in (("H800", 0.01), ("A40", 0.04)):
+        set_speed(status, gpu, d)
+    status.observe_queue_wait("H800", 30.0, 0.0)
+    config = GoodServeConfig(headroom=0.0, triage=False, protect_admitted=False,
+                             long_context_estimates=False, vectorised=vectorised)
+    cluster = make_cluster(make_view("H800", waiting=4), make_view("A40", running=0),
+                           hits={"H800": 6000})
+    step = make_request(12.0, prompt=100_000, rid="step", session_id="s",
+                        block_hashes=tuple(range(6250)))
+    candidates = {c.instance_id: c for c in JustEnoughPolicy(
+        status, TrueLength(), config).placer.place(step, cluster.instances, cluster, 200,
+                                                   0.0)[1]}
+    assert not any(c.meets_deadline() for c in candidates.values())
+    assert candidates["A40"].latency_s < candidates["H800"].latency_s
+    assert candidates["H800"].capable() and not candidates["A40"].capable()
+    assert JustEnoughPolicy(status, TrueLength(), config).choose(step, cluster, 0.0) == "H800"
+    lone = replace(step, request_id="lone", session_id=None)
+    assert JustEnoughPolicy(status, TrueLength(), config).choose(lone, cluster, 0.0) == "A40"
+    off = config.model_copy(update={"session_homes": False})
+    assert JustEnoughPolicy(status, TrueLength(), off).choose(step, cluster, 0.0) == "A40"
+
+
 def test_triage_spares_a_request_that_a_short_output_would_still_let_meet():
     """A trained predictor that has not yet learned its error spread offers no
     optimistic length, so triage assumes one token: a deadline that one token meets

@@ -37,7 +37,8 @@ def random_config(rng: random.Random) -> GoodServeConfig:
         protect_admitted=rng.random() < 0.8, confidence_quantile=rng.choice([0.5, 0.9]),
         fast_while_cold=rng.random() < 0.7, reservation_quantile=rng.choice([0.8, 1.0]),
         admissions_window=rng.choice([8, 64]), min_slo_samples=rng.choice([1, 20]),
-        cache_affinity_tokens=rng.choice([None, 0, 2048]))
+        cache_affinity_tokens=rng.choice([None, 0, 2048]),
+        session_homes=rng.random() < 0.7, triage_session_steps=rng.random() < 0.3)
 
 
 PRIORITIES = [0, 1_000, 1_000, 60_000, 2**62]  # deadline priorities, ties included
@@ -99,7 +100,8 @@ def random_request(rng: random.Random, k: int, now: float,
         num_generated_tokens=rng.choice([0, 0, 0, 50]),
         max_output_tokens=rng.choice([None, 64, 2048]),
         kv_ready_s=rng.choice([None, None, now + 0.2, now - 1.0]),
-        priority=rng.choice([-1, 500, *PRIORITIES]) if ordered else 0)
+        priority=rng.choice([-1, 500, *PRIORITIES]) if ordered else 0,
+        session_id=rng.choice([None, None, "s"]))
 
 
 @pytest.mark.parametrize("ordered", [False, True], ids=["fcfs", "priority"])

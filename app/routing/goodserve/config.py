@@ -93,6 +93,15 @@ class GoodServeConfig(Frozen):
         "(triage unset), requests with at least this many context tokens are triaged all "
         "the same: their latency is mostly the known queue and prefill, so the history's "
         "guess cannot make them look hopeless; None = never (triage false: never either)")
+    triage_session_steps: bool = Field(
+        False, description="triage applies to agent-session steps too; off: a hopeless "
+        "step is placed best effort instead, since where it runs is where its session's "
+        "context is cached for the steps that follow, and the most backlogged instance "
+        "is the worst home for them")
+    session_homes: bool = Field(
+        True, description="best effort for an agent-session step only among instances "
+        "that would meet its deadline once their queues drained, where any would: the "
+        "step's context stays cached where it runs and draws its session's next steps")
     triage_quantile: float = Field(
         0.1, ge=0, le=0.5, description="the optimistic length triage assumes: this quantile "
         "of the length estimator's spread (one token when it knows none)")
@@ -174,6 +183,7 @@ class GoodServeConfig(Frozen):
             "long_context_estimates": False,
             "triage": False,
             "triage_min_context_tokens": None,
+            "session_homes": False,
             "protect_admitted": False,
             "confidence_quantile": 0.5,
             "fast_while_cold": False,

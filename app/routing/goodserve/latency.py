@@ -100,6 +100,7 @@ class Candidate:
     shortest_stall_s: float = math.inf  # smallest stall an admitted request tolerates
     reserved: bool = False  # kept for tighter deadlines (`reserve_strongest`)
     uncached_tokens: int = 0  # context it would prefill there (cache affinity)
+    queue_s: float = 0.0  # the queue part of T (q_g)
 
     def feasible(self, headroom: float = 0.0) -> bool:
         """Meets the deadline with `headroom` x T to spare and may take the request."""
@@ -120,6 +121,11 @@ class Candidate:
     def could_meet_deadline(self) -> bool:
         """Would meet the deadline were its output as short as the optimistic bound."""
         return self.slack_s + self.latency_s - self.latency_floor_s >= 0
+
+    def capable(self) -> bool:
+        """Would meet the deadline once its queue drained: the GPU itself is fast
+        enough for the request where it would run (its cache hit included)."""
+        return self.slack_s + self.queue_s >= 0
 
     def harmless(self) -> bool:
         """Has KV room and its prefill does not stall the instance past what its
@@ -165,6 +171,7 @@ def score_instances(
             stall_s=stall_factor * prefill,
             shortest_stall_s=budgets.shortest_stall_s(iid) if budgets else math.inf,
             uncached_tokens=max(request.num_context_tokens - hit, 0),
+            queue_s=estimate.queue_delay_s,
         ))
     return scored
 

@@ -76,7 +76,7 @@ def pick_while_cold(
 
 
 def fallback(candidates: Sequence[Candidate], triage: bool,
-             affinity_tokens: int | None = None) -> Candidate:
+             affinity_tokens: int | None = None, session_home: bool = False) -> Candidate:
     """Best effort when no instance meets the deadline with headroom.
 
     First the just-enough pick among instances that meet it with none to spare. Else,
@@ -85,6 +85,11 @@ def fallback(candidates: Sequence[Candidate], triage: bool,
     take the request without breaking an admitted request's budget and are not
     reserved (all of them when none can): plain min-T would herd every late request
     onto the fastest instance and make the requests already there late too.
+
+    `session_home` (an agent session's step): only instances `capable` of the request
+    once their queues drain, where there are any. The step's context stays cached where
+    it runs, so its session's next steps are drawn there; a GPU too slow for the
+    session's deadlines would hold them all late.
     """
     meeting = [c for c in candidates if c.feasible(headroom=0.0)]
     if meeting:
@@ -92,6 +97,8 @@ def fallback(candidates: Sequence[Candidate], triage: bool,
     if triage and not any(c.could_meet_deadline() for c in candidates):
         return triage_sink(candidates)
     admissible = [c for c in candidates if c.admissible()] or candidates
+    if session_home:
+        admissible = [c for c in admissible if c.capable()] or admissible
     return min(admissible, key=lambda c: (c.latency_s, c.instance_id))
 
 

@@ -103,11 +103,19 @@ class JustEnoughPolicy(RoutingPolicy):
     def triages(self, request: RouteRequest) -> bool:
         """Whether a hopeless `request` goes to the triage sink: always when triage is
         on; else when its context is long enough that its latency is mostly the known
-        queue and prefill, not the guessed output (`triage_min_context_tokens`)."""
+        queue and prefill, not the guessed output (`triage_min_context_tokens`). Never
+        a session's step unless `triage_session_steps`."""
+        if request.session_id is not None and not self.config.triage_session_steps:
+            return False
         if self.config.triage:
             return True
         floor = self.config.triage_min_context_tokens
         return floor is not None and request.num_context_tokens >= floor
+
+    def homes(self, request: RouteRequest) -> bool:
+        """Whether best effort places `request` as its session's home
+        (`placer.fallback`, `session_homes`)."""
+        return self.config.session_homes and request.session_id is not None
 
     def _optimistic_output(self, request: RouteRequest, output: float) -> float:
         """The output length triage assumes before calling a request hopeless: the
@@ -177,7 +185,7 @@ class PerInstanceScoring(ArrivalScoring):
 
     def fallback(self, scored: list[Candidate]) -> Candidate:
         return fallback(scored, self.policy.triages(self.request),
-                        self.policy.config.cache_affinity_tokens)
+                        self.policy.config.cache_affinity_tokens, self.policy.homes(self.request))
 
     def fastest_s(self, scored: list[Candidate]) -> float:
         return min(c.latency_s for c in scored)
@@ -220,7 +228,8 @@ class ColumnScoring(ArrivalScoring):
 
     def fallback(self, scored: vectorised.Scored) -> Candidate:
         return scored.candidate(vectorised.fallback(
-            scored, self.policy.triages(self.request), self.policy.config.cache_affinity_tokens))
+            scored, self.policy.triages(self.request), self.policy.config.cache_affinity_tokens,
+            self.policy.homes(self.request)))
 
     def fastest_s(self, scored: vectorised.Scored) -> float:
         return float(scored.latency_s.min())

@@ -78,6 +78,9 @@ class Scored:
     def could_meet_deadline(self) -> np.ndarray:
         return self.slack_s + self.latency_s - self.latency_floor_s >= 0
 
+    def capable(self) -> np.ndarray:
+        return self.slack_s + self.scorer.queue_s >= 0
+
     def candidate(self, i: int) -> Candidate:
         """Row i as the plain path's `Candidate`."""
         scorer = self.scorer
@@ -86,7 +89,7 @@ class Scored:
                          float(self.latency_floor_s[i]), float(scorer.stall_s[i]),
                          float(scorer.shortest_stall_s[i]),
                          self.reserved is not None and bool(self.reserved[i]),
-                         int(scorer.uncached_tokens[i]))
+                         int(scorer.uncached_tokens[i]), float(scorer.queue_s[i]))
 
     def first(self, mask: np.ndarray, *keys: np.ndarray) -> int | None:
         """Row of the smallest (keys..., id) among `mask` (the first key is primary):
@@ -121,6 +124,7 @@ class InstanceScorer:
     arrays: ViewArrays
     now: float
     wait_s: float  # until the prompt's KV arrives (disaggregated decode)
+    queue_s: np.ndarray  # q_g
     ahead_s: np.ndarray  # q_g + prefill
     decode_s: np.ndarray  # d_g
     has_memory_room: np.ndarray
@@ -154,7 +158,7 @@ class InstanceScorer:
                     else np.full(len(arrays), math.inf))
         room = arrays.column("kv_free_tokens") >= context - hits
         stall = stall_factor * prefill
-        return cls(request, arrays, now, kv_wait_s(request, now), queue + prefill, decode,
+        return cls(request, arrays, now, kv_wait_s(request, now), queue, queue + prefill, decode,
                    room, stall, shortest, np.maximum(context - hits, 0).astype(np.int64),
                    room & (stall <= shortest))
 
@@ -214,7 +218,8 @@ def pick_while_cold(scored: Scored, variant: JustEnoughVariant, headroom: float,
     return pick_just_enough(scored, variant, headroom, affinity_tokens=affinity_tokens)
 
 
-def fallback(scored: Scored, triage: bool, affinity_tokens: int | None = None) -> int:
+def fallback(scored: Scored, triage: bool, affinity_tokens: int | None = None,
+             session_home: bool = False) -> int:
     """`placer.fallback` over columns."""
     meeting = scored.feasible(0.0)
     if meeting.any():
@@ -226,6 +231,8 @@ def fallback(scored: Scored, triage: bool, affinity_tokens: int | None = None) -
         return triage_sink(scored)
     admissible = scored.admissible()
     pool = admissible if admissible.any() else np.ones(len(admissible), dtype=bool)
+    if session_home and (pool & scored.capable()).any():
+        pool = pool & scored.capable()
     chosen = scored.first(pool, scored.latency_s)
     assert chosen is not None
     return chosen
