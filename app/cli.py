@@ -10,13 +10,13 @@ from pathlib import Path
 
 import typer
 
-from app.config_reference import app as config_app
 from app.experiments.autoscale_cli import autoscale
 from app.experiments.faults import faults
 from app.experiments.overhead import overhead
 from app.experiments.plan_check import plan_cluster_command
 from app.experiments.replay import replay
 from app.planning.cli import app as plan_app
+from app.serving.config_reference import app as config_app
 from predictor.cli import app as predictor_app
 
 cli = typer.Typer(
@@ -55,7 +55,7 @@ def demo(
     figures next to the simulator's for the same workload and policies."""
     import ray
 
-    from app.demo import DEMO_POLICIES, demo_workload, format_comparison
+    from app.experiments.demo import DEMO_POLICIES, demo_workload, format_comparison
     from app.experiments.replay import ReplaySpec, run_live_with_progress, run_replay
     from app.serving.config import default_serve_config
     from deployments.cluster import init_local_ray
@@ -221,7 +221,7 @@ def tiny_model(
                              help="directory to write the model and tokenizer to"),
 ) -> None:
     """Build the tiny random Llama + tokenizer locally (what the vLLM CPU configs serve)."""
-    from app.tiny_model import build_tiny_llama
+    from app.engines.tiny_model import build_tiny_llama
 
     typer.echo(f"wrote {build_tiny_llama(out)}")
 

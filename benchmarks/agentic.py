@@ -97,11 +97,11 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from app.config import load_cluster_config
+from app.engines.config import load_cluster_config
 from app.experiments.replay import ReplaySpec, build_workload, context_limit_of, run_replay
 from app.routing.move_path import MoveRule
 from app.routing.registry import PolicyKind, RoutingOptions
-from app.workload import (
+from app.workloads.workload import (
     Arrivals,
     ContentMode,
     Workload,
@@ -120,7 +120,7 @@ from benchmarks.matrix_io import (
 from predictor.progress import Progress
 
 if TYPE_CHECKING:
-    from app.config import ClusterConfig
+    from app.engines.config import ClusterConfig
 
 REPO = Path(__file__).resolve().parents[1]
 TRACE = REPO.parent / "shared" / "data" / "traces" / "mooncake_conversation_trace.jsonl"

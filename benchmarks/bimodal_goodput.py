@@ -22,13 +22,13 @@ from typing import Annotated
 
 import typer
 
-from app.config import load_cluster_config
+from app.engines.config import load_cluster_config
+from app.experiments.knob_cli import knob_options
 from app.experiments.replay import ReplaySpec, parse_policies, run_replay
-from app.knob_cli import knob_options
 from app.routing.goodserve import GoodServeConfig
 from app.routing.registry import RoutingOptions
-from app.slo import parse_scales
-from app.workload import Content, Workload, poisson_workload
+from app.workloads.slo import parse_scales
+from app.workloads.workload import Content, Workload, poisson_workload
 
 PAPER_CLUSTER = Path(__file__).resolve().parents[1] / "configs" / "paper-4gpu.yaml"
 NUM_CONTENTS = 500  # distinct (prompt, output) lengths the arrivals draw from

@@ -3,7 +3,7 @@
 Measures prefill latency (one request, max_tokens=1) at several prompt lengths and
 decode time per token at several batch sizes, then fits the roofline parameters
 (per-iteration overhead, effective FLOP/s, effective bytes/s) by least squares on
-relative error and writes app/profiles/cpu.json, which app/hardware.py loads as the
+relative error and writes app/hardware/profiles/cpu.json, which app/hardware/specs.py loads as the
 `cpu` catalog entry. Usage: python -m benchmarks.calibrate_cpu [--out PATH]
 """
 
@@ -21,10 +21,11 @@ import numpy as np
 import typer
 from scipy.optimize import least_squares
 
-from app.config import EngineBackend, EngineConfig, SchedulerConfig
-from app.engine_types import EngineRequest, SamplingSpec
+from app.engines.config import EngineBackend, EngineConfig, SchedulerConfig
+from app.engines.messages import EngineRequest, SamplingSpec
+from app.engines.tiny_model import build_tiny_llama
 from app.engines.vllm import VllmBackend
-from app.hardware import (
+from app.hardware.specs import (
     CPU_PROFILE_PATH,
     BatchShape,
     GpuSpec,
@@ -32,7 +33,6 @@ from app.hardware import (
     PrefillChunk,
     get_model,
 )
-from app.tiny_model import build_tiny_llama
 from benchmarks.cli import run_command
 
 PREFILL_LENGTHS = (32, 128, 512, 1536)

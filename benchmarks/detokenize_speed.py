@@ -18,9 +18,9 @@ from typing import Annotated
 
 import typer
 
-from app.hardware import get_model
+from app.engines.tiny_model import TINY_MODEL_NAME, build_tokenizer
+from app.hardware.specs import get_model
 from app.serving.tokenizer import HfTokenizer, OutputText, Tokenizer, WordHashTokenizer
-from app.tiny_model import TINY_MODEL_NAME, build_tokenizer
 from benchmarks.cli import run_command
 
 # some characters span tokens in the tiny vocabulary, as in real byte-level BPE output

@@ -30,11 +30,12 @@ from typing import Annotated, Literal
 import numpy as np
 import typer
 
-from app.config import EngineBackend, EngineConfig, SchedulerConfig
-from app.engine_types import EngineRequest, PrefillTotals, SamplingSpec
+from app.engines.config import EngineBackend, EngineConfig, SchedulerConfig
+from app.engines.messages import EngineRequest, PrefillTotals, SamplingSpec
 from app.routing.base import RoutingPolicy
+from app.routing.instance_view import InstanceView
 from app.routing.status import InstanceEstimate, StatusEstimator
-from app.routing.view import ClusterView, InstanceView, RouteRequest, StepReport
+from app.routing.view import ClusterView, RouteRequest, StepReport
 from benchmarks.cli import run_command
 
 
@@ -226,10 +227,10 @@ def run_sim(
     rate: float, duration_s: float, seed: int, alpha: float, gpu: str = "A800"
 ) -> tuple[list[EstimatePoint], PrefillOutcome]:
     """One simulated instance under Poisson load with log-normal lengths."""
-    from app.hardware import make_instance
+    from app.hardware.specs import make_instance
     from app.sim.instance import InstanceSetup
     from app.sim.simulator import Simulator
-    from app.workload import Content, poisson_workload
+    from app.workloads.workload import Content, poisson_workload
 
     rng = np.random.default_rng(seed)
     pool = [
@@ -271,7 +272,7 @@ def estimator_quality(
     """Run one substrate; write its report (JSON) and plot under --out, print the report."""
     out.mkdir(parents=True, exist_ok=True)
     if backend == "vllm":
-        from app.tiny_model import build_tiny_llama
+        from app.engines.tiny_model import build_tiny_llama
 
         build_tiny_llama(model_dir)
         points, prefill = asyncio.run(run_vllm(model_dir, rate, duration, seed, alpha))

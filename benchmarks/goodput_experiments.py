@@ -33,7 +33,8 @@ from typing import Annotated
 
 import typer
 
-from app.config import load_cluster_config
+from app.engines.config import load_cluster_config
+from app.experiments.knob_cli import knob_options
 from app.experiments.replay import (
     ReplaySpec,
     RunOutcome,
@@ -43,7 +44,6 @@ from app.experiments.replay import (
     write_outputs,
     write_summary_csv,
 )
-from app.knob_cli import knob_options
 from app.routing.goodserve import GoodServeConfig, goodserve_knobs, stall_factor_label
 from app.routing.length import PredictorLength
 from app.routing.registry import (
@@ -51,7 +51,7 @@ from app.routing.registry import (
     PolicyKind,
     RoutingOptions,
 )
-from app.workload import Workload, load_prompts, load_trace, trace_workload
+from app.workloads.workload import Workload, load_prompts, load_trace, trace_workload
 from benchmarks.cli import run_command
 from benchmarks.migration_effect import EffectTable, paired_effect, write_effects
 

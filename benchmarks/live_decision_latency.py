@@ -218,9 +218,9 @@ def live_decision_latency(
     import ray
     from ray import serve
 
-    from app.hardware import get_model
+    from app.engines.tiny_model import TINY_MODEL_NAME, build_tokenizer
+    from app.hardware.specs import get_model
     from app.serving.config import default_serve_config
-    from app.tiny_model import TINY_MODEL_NAME, build_tokenizer
     from benchmarks.live_throughput import deployed
     from deployments.cluster import init_local_ray
 

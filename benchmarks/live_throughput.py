@@ -116,7 +116,7 @@ def router_sender(client: httpx.AsyncClient, model: str,
 
 def engine_sender(actors: Sequence[Any]) -> Callable[[int], Awaitable[bool]]:
     """Straight to the engine actors, in turn, as the router's engine client calls them."""
-    from app.engine_types import EngineRequest, SamplingSpec
+    from app.engines.messages import EngineRequest, SamplingSpec
 
     sampling = SamplingSpec(max_tokens=OUTPUT_TOKENS, ignore_eos=True)
 

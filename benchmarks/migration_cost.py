@@ -33,8 +33,8 @@ from typing import Annotated
 
 import typer
 
-from app.hardware import make_instance
-from app.kv_link import KvLink
+from app.hardware.kv_link import KvLink
+from app.hardware.specs import make_instance
 from app.routing.move_path import plan_move
 from benchmarks.cli import run_command
 
@@ -206,7 +206,7 @@ def migration_cost(
     """Model both paths (and with --real, measure them); write and print the table."""
     rows = modelled_costs()
     if real:
-        from app.tiny_model import build_tiny_llama
+        from app.engines.tiny_model import build_tiny_llama
 
         rows += real_costs(build_tiny_llama(model_dir), repeats)
     write(rows, out)

@@ -36,7 +36,7 @@ from typing import Annotated
 
 import typer
 
-from app.config import load_cluster_config
+from app.engines.config import load_cluster_config
 from app.experiments.plan_check import (
     Simulation,
     check_layouts,

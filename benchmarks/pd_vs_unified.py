@@ -28,7 +28,7 @@ from typing import Annotated
 
 import typer
 
-from app.config import ClusterConfig, load_cluster_config
+from app.engines.config import ClusterConfig, load_cluster_config
 from app.experiments.autoscale import observed
 from app.experiments.plan_check import inventory, with_layout
 from app.experiments.replay import ReplaySpec, attach_predictions, cluster_model, run_replay
@@ -44,8 +44,8 @@ from app.planning.split import (
 from app.routing.goodserve import GoodServeConfig
 from app.routing.length import PredictorLength
 from app.routing.registry import PolicyKind, RoutingOptions
-from app.slo import reference_instance
-from app.workload import Workload, load_prompts, load_trace, trace_workload
+from app.workloads.slo import reference_instance
+from app.workloads.workload import Workload, load_prompts, load_trace, trace_workload
 from benchmarks.cli import run_command
 from benchmarks.goodput_experiments import (
     DEFAULT_PROMPTS,

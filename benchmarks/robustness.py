@@ -28,12 +28,12 @@ from typing import Annotated
 
 import typer
 
-from app.config import load_cluster_config
+from app.engines.config import load_cluster_config
 from app.experiments.replay import ReplaySpec, attach_predictions, run_replay
 from app.routing.goodserve import GoodServeConfig
 from app.routing.length import PredictorLength
 from app.routing.registry import PolicyKind, RoutingOptions
-from app.workload import (
+from app.workloads.workload import (
     Arrivals,
     BurstDistribution,
     SyntheticArrivals,

@@ -35,13 +35,13 @@ from typing import Annotated
 
 import typer
 
-from app.config import load_cluster_config
+from app.engines.config import load_cluster_config
 from app.experiments.replay import ReplaySpec, run_replay
 from app.routing.fleet import FleetConfig, Sharing, Spread
 from app.routing.goodserve import GoodServeConfig, LengthReestimate
 from app.routing.length import PredictorLength
 from app.routing.registry import PolicyKind, RoutingOptions
-from app.workload import spread_within_ticks
+from app.workloads.workload import spread_within_ticks
 from benchmarks.agentic import CLUSTERS, DURATION_S, TRACE, MatrixSetup, in_pool, make_workload
 from benchmarks.agentic import read_calibrations as read_agentic_calibrations
 from benchmarks.cli import run_command
@@ -115,7 +115,7 @@ def run_unit(unit: Unit, variants: Sequence[Variant], scales: Sequence[float],
     routing = RoutingOptions(unit.seed)
     if unit.workload == "headline":
         from app.experiments.replay import attach_predictions
-        from app.workload import load_prompts, load_trace, trace_workload
+        from app.workloads.workload import load_prompts, load_trace, trace_workload
 
         cluster_name, config = "small", load_cluster_config(CLUSTERS["small"])
         routing = RoutingOptions(unit.seed, GoodServeConfig(reestimate=reestimate),

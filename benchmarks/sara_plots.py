@@ -6,7 +6,7 @@
 - fig7_slo_tax.png: minimum k_p, B and k_d vs p_SLO for light and heavy tails, with
   the stability-only floors; the gap is the SLO tax (paper Fig. 7).
 
-GPT-3 175B is not in app.hardware's catalog; its shape is declared here for the
+GPT-3 175B is not in app.hardware.specs's catalog; its shape is declared here for the
 paper's examples. Usage: python -m benchmarks.sara_plots --out DIR
 """
 

@@ -20,12 +20,18 @@ from typing import Annotated
 
 import typer
 
-from app.config import load_cluster_config
+from app.engines.config import load_cluster_config
 from app.experiments.replay import ReplaySpec, num_simulations, run_replay
 from app.routing.registry import POLICY_REGISTRY, make_policy
 from app.sim.simulator import Simulator
-from app.slo import DEFAULT_SLO_SCALES
-from app.workload import Content, load_prompts, load_trace, poisson_workload, trace_workload
+from app.workloads.slo import DEFAULT_SLO_SCALES
+from app.workloads.workload import (
+    Content,
+    load_prompts,
+    load_trace,
+    poisson_workload,
+    trace_workload,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data"

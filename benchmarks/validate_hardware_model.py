@@ -22,7 +22,7 @@ from typing import Annotated
 
 import typer
 
-from app.hardware import BatchShape, InstanceSpec, PrefillChunk, make_instance
+from app.hardware.specs import BatchShape, InstanceSpec, PrefillChunk, make_instance
 from benchmarks.cli import run_command
 
 DEFAULT_PROFILING_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "profiling"

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import ray
 
-from app.config import ClusterConfig, EngineConfig, gpu_resource_name
 from app.control.config import InventoryItem
 from app.control.fleet import engine_name
-from app.engine_types import EngineRequest, TokenEvent
+from app.engines.config import ClusterConfig, EngineConfig, gpu_resource_name
+from app.engines.messages import EngineRequest, TokenEvent
 from deployments.engine import EngineActor
 
 ENGINE_NAMESPACE = "goodserve"  # engines are looked up by name from Serve replicas

@@ -37,7 +37,7 @@ from app.control.plan import EngineState, PlanDiff
 from app.routing.view import FinishReport
 from app.serving.config import ServeConfig
 from app.serving.status_board import BoardAnswer, StatusBoard
-from app.telemetry import ControllerMetrics
+from app.serving.telemetry import ControllerMetrics
 from deployments.cluster import ENGINE_NAMESPACE, engine_ids, launch_engine, numbered_config
 from deployments.metrics import RayMetricFactory
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import ray
 
-from app.config import EngineConfig
-from app.engine_types import EngineRequest, EngineStatus, TokenEvent
+from app.engines.config import EngineConfig
 from app.engines.factory import make_backend
+from app.engines.messages import EngineRequest, EngineStatus, TokenEvent
 from app.serving.streams import coalesce
 
 

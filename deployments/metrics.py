@@ -1,4 +1,4 @@
-"""Ray's metrics API behind `app.telemetry.MetricFactory`: the series appear on each
+"""Ray's metrics API behind `app.serving.telemetry.MetricFactory`: the series appear on each
 node's Ray metrics endpoint (`ray start --metrics-export-port`, or `goodserve serve
 --metrics-export-port`) beside Ray's own, every name prefixed `ray_` by Ray."""
 

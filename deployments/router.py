@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
 from app.control.fleet import Member
-from app.engine_types import EngineRequest, EngineStatus, TokenEvent
+from app.engines.messages import EngineRequest, EngineStatus, TokenEvent
 from app.routing.budgets import budgets_of
 from app.serving.api import openapi_request_bodies
 from app.serving.auth import Access

@@ -136,7 +136,7 @@ def ray_metrics_url(ray_session) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    from app.tiny_model import build_tiny_llama
+    from app.engines.tiny_model import build_tiny_llama
 
     os.environ["HF_HUB_OFFLINE"] = "1"
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
@@ -144,7 +144,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 def vllm_cluster_config(model_dir: Path):
     """Two real vLLM CPU engines on the tiny model (the e2e tests' one set of engines)."""
-    from app.config import (
+    from app.engines.config import (
         ClusterConfig,
         EngineBackend,
         EngineConfig,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from app.config import Frozen
 from app.control.controller import CapacityModel, ControllerSettings, StageSlo
 from app.control.plan import ScalingRules
-from app.hardware import GPU_CATALOG, make_instance
+from app.engines.config import Frozen
+from app.hardware.specs import GPU_CATALOG, make_instance
 from app.planning.inventory import DECODE, PREFILL, UNIFIED, PoolLimits, Stock, capacity_key
 from app.planning.params import SloTargets
 from app.planning.split import DEFAULT_P_SLO, EngineKind

@@ -29,7 +29,7 @@ from app.control.plan import (
     ScalingRules,
     engines_by_pool,
 )
-from app.hardware import InstanceSpec
+from app.hardware.specs import InstanceSpec
 from app.planning.allocator import LengthMoments
 from app.planning.inventory import PREFILL, UNIFIED, InventorySizer, PoolLimits, PoolTargets, Stock
 from app.planning.params import ModelParams, SloTargets

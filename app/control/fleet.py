@@ -17,8 +17,8 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-from app.config import EngineConfig, EngineRole
 from app.control.plan import EngineRecord, EngineState
+from app.engines.config import EngineConfig, EngineRole
 from app.planning.split import EngineKind
 
 _INDEX = re.compile(r"-(\d+)$")

@@ -31,7 +31,7 @@ from app.control.plan import (
     ScalingRules,
     engines_by_pool,
 )
-from app.hardware import InstanceSpec, make_instance
+from app.hardware.specs import InstanceSpec, make_instance
 from app.planning.inventory import DECODE, PREFILL, UNIFIED, PoolLimits, PoolTargets, Stock
 from app.planning.split import EngineKind
 

@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import ClassVar
 
-from app.config import EngineConfig
-from app.engine_types import EngineRequest, EngineStatus, StructuredOutput, TokenEvent
+from app.engines.config import EngineConfig
+from app.engines.messages import EngineRequest, EngineStatus, StructuredOutput, TokenEvent
 
 STATUS_WINDOW = 32  # recent iterations / queue waits kept for status()
 

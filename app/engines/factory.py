@@ -3,8 +3,8 @@ on `app.engines.base`."""
 
 from __future__ import annotations
 
-from app.config import EngineBackend, EngineConfig
 from app.engines.base import EngineBackendBase
+from app.engines.config import EngineBackend, EngineConfig
 
 
 def backend_class(backend: EngineBackend) -> type[EngineBackendBase]:

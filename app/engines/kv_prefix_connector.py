@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
     ExampleConnectorMetadata,
 )
 
-from app.engine_types import KV_PREFIX_PARAM
+from app.engines.messages import KV_PREFIX_PARAM
 
 
 class PrefixLoadingConnector(ExampleConnector):

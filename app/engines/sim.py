@@ -13,9 +13,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
-from app.config import EngineConfig
-from app.engine_types import EngineRequest, EngineStatus, TokenEvent
 from app.engines.base import STATUS_WINDOW, EngineBackendBase, EngineCapabilities
+from app.engines.config import EngineConfig
+from app.engines.messages import EngineRequest, EngineStatus, TokenEvent
 from app.sim.engine_core import SimEngineCore, SimSequence
 
 

@@ -16,8 +16,9 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
-from app.config import EngineConfig, EngineRole, KvConnectorKind
-from app.engine_types import (
+from app.engines.base import STATUS_WINDOW, EngineBackendBase, EngineCapabilities
+from app.engines.config import EngineConfig, EngineRole, KvConnectorKind
+from app.engines.messages import (
     KV_PREFIX_PARAM,
     EngineRequest,
     EngineStatus,
@@ -27,7 +28,6 @@ from app.engine_types import (
     TokenEvent,
     TokenLogprobs,
 )
-from app.engines.base import STATUS_WINDOW, EngineBackendBase, EngineCapabilities
 from app.engines.prefix import PREFIX_BLOCK_SIZE, PrefixCache, prefix_block_hashes
 
 if TYPE_CHECKING:

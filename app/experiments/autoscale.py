@@ -33,7 +33,6 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from app.config import Frozen
 from app.control.config import ControllerConfig
 from app.control.controller import Controller, ControllerSettings, ControlStep
 from app.control.plan import ScalingRules
@@ -43,17 +42,18 @@ from app.control.strategies import (
     StaticScaler,
     ThroughputScaler,
 )
-from app.hardware import get_model
+from app.engines.config import Frozen
+from app.hardware.specs import get_model
 from app.planning.inventory import DECODE, PREFILL, UNIFIED, PoolTargets
 from app.planning.pools import Observation
 from app.routing.registry import PolicyKind, RoutingOptions, build_routing
-from app.sessions import SessionTimeline, shaped_file_workload, shaped_preset_workload
 from app.sim.elastic import ElasticPools, Scaler, engine_setup
 from app.sim.instance import InstanceSetup
 from app.sim.records import RequestOutcome, RequestRecord
 from app.sim.simulator import SimResult, Simulator
-from app.slo import assign_slos, reference_instance, solo_latencies_s
-from app.workload import (
+from app.workloads.sessions import SessionTimeline, shaped_file_workload, shaped_preset_workload
+from app.workloads.slo import assign_slos, reference_instance, solo_latencies_s
+from app.workloads.workload import (
     DEFAULT_BURST_CV,
     Content,
     ContentMode,
@@ -123,7 +123,7 @@ class AutoscaleConfig(Frozen):
 
 
 def load_autoscale_config(path: Path) -> AutoscaleConfig:
-    from app.config import load_yaml_model
+    from app.engines.config import load_yaml_model
 
     return load_yaml_model(path, AutoscaleConfig)
 
@@ -266,7 +266,7 @@ def build_workload(config: AutoscaleConfig, profile: RateProfile, trace: Path | 
     """The shaped workload with its SLOs. Content by `content` (default: prompts with
     `prompts`, else the trace's own lengths): trace and prompt content ride on the
     trace's warped arrivals; agent sessions (presets for the model's context limit, or a
-    session log) start at the profile's warped arrivals (`app.sessions`)."""
+    session log) start at the profile's warped arrivals (`app.workloads.sessions`)."""
     content = content or (ContentMode.PROMPTS if prompts is not None else ContentMode.TRACE)
     if content.is_preset:
         workload = shaped_preset_workload(content.value, profile,

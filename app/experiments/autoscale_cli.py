@@ -27,8 +27,8 @@ from app.experiments.autoscale_live import run_both, write_live_outputs
 from app.experiments.calibrate import Calibrator, Traffic, factors, sara_factors
 from app.experiments.replay import Backend, cli_error
 from app.routing.registry import RoutingOptions
-from app.sessions import SessionPreset
-from app.workload import ContentMode, LoadShape, Workload, load_prompts
+from app.workloads.sessions import SessionPreset
+from app.workloads.workload import ContentMode, LoadShape, Workload, load_prompts
 from predictor.progress import Progress
 
 

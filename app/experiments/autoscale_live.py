@@ -21,8 +21,8 @@ from typing import Any
 
 import httpx
 
-from app.config import ClusterConfig, EngineConfig, InstanceGroup
 from app.control.fleet import template_for
+from app.engines.config import ClusterConfig, EngineConfig, InstanceGroup
 from app.experiments.autoscale import (
     AutoscaleConfig,
     StrategyRun,
@@ -37,7 +37,7 @@ from app.experiments.live_replay import drive, stop_time_s
 from app.planning.inventory import PoolTargets
 from app.serving.config import RoutingConfig, ServeConfig
 from app.sim.records import RequestRecord
-from app.workload import RateProfile, Workload
+from app.workloads.workload import RateProfile, Workload
 
 LIVE_APP = "goodserve-autoscale"
 LIVE_CLUSTER = "autoscale-live"

@@ -52,19 +52,19 @@ from app.experiments.autoscale import (
     observed,
 )
 from app.experiments.replay import cli_error
-from app.hardware import get_model
+from app.hardware.specs import get_model
 from app.planning.inventory import DECODE, PREFILL, UNIFIED, InventorySizer, capacity_key
 from app.planning.params import ModelParams
 from app.planning.served import EngineModel, StageBudgets, TrafficSample
 from app.planning.split import EngineKind
 from app.routing.registry import PolicyKind, RoutingOptions, build_routing
-from app.sessions import SessionPreset, SessionTimeline, preset_workload
 from app.sim.elastic import engine_setup
 from app.sim.instance import InstanceSetup
 from app.sim.records import RequestOutcome, RequestRecord
 from app.sim.simulator import Simulator
-from app.slo import assign_slos, reference_instance, solo_latencies_s
-from app.workload import Arrivals, Content, SyntheticArrivals, Workload, poisson_workload
+from app.workloads.sessions import SessionPreset, SessionTimeline, preset_workload
+from app.workloads.slo import assign_slos, reference_instance, solo_latencies_s
+from app.workloads.workload import Arrivals, Content, SyntheticArrivals, Workload, poisson_workload
 
 BISECTION_STEPS = 6
 MAX_HELPERS = 16
@@ -386,7 +386,7 @@ def main(
 
 def traffic_for(content: str, prompts: Path | None, model: str) -> Traffic:
     """The calibration's traffic: a prompt file's content, or an agent-session preset."""
-    from app.workload import load_prompts
+    from app.workloads.workload import load_prompts
 
     if content == "prompts":
         if prompts is None:

@@ -237,7 +237,7 @@ def replica_replaced(killed: str, app_name: str, num_replicas: int,
 
 def faults_config(num_router_replicas: int = 2) -> ServeConfig:
     """Three simulated engines (H800, A800, A40) behind two router replicas."""
-    from app.config import ClusterConfig, EngineConfig, InstanceGroup
+    from app.engines.config import ClusterConfig, EngineConfig, InstanceGroup
 
     groups = [InstanceGroup(engine=EngineConfig(gpu_type=g)) for g in ("H800", "A800", "A40")]
     return ServeConfig(cluster=ClusterConfig(name="faults", groups=groups),

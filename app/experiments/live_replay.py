@@ -21,9 +21,9 @@ from typing import Any
 import httpx
 
 from app.serving.config import RoutingConfig, ServeConfig
-from app.sessions import Release, StepReleases
 from app.sim.records import RequestOutcome, RequestRecord
-from app.workload import Workload, WorkloadRequest
+from app.workloads.sessions import Release, StepReleases
+from app.workloads.workload import Workload, WorkloadRequest
 
 APP_NAME = "goodserve-replay"
 

@@ -42,26 +42,21 @@ from typing import Any
 import numpy as np
 import typer
 
-from app.config import ClusterConfig
-from app.engine_types import EngineStatus
+from app.engines.config import ClusterConfig
+from app.engines.messages import EngineStatus
 from app.experiments.replay import cli_error, cluster_model, moe_factory
 from app.routing.base import ActiveRequest, RouteDecision, RoutingPolicy, Watchdog, overrides
 from app.routing.budgets import SlackBudgets, budgets_of
 from app.routing.finish_log import lengths_of
 from app.routing.fleet import FleetConfig, RouterFleet
+from app.routing.instance_view import InstanceId
 from app.routing.length import OutputLengthEstimator, PredictorLength, RunningHistoryLength
 from app.routing.registry import PolicyKind, RoutingOptions, build_routing
-from app.routing.view import (
-    ClusterView,
-    FinishReport,
-    InstanceId,
-    RouteRequest,
-    StepReport,
-)
+from app.routing.view import ClusterView, FinishReport, RouteRequest, StepReport
 from app.sim.instance import setups_from_config
 from app.sim.simulator import Simulator
-from app.slo import assign_slos, reference_instance, solo_latencies_s
-from app.workload import Content, Workload, load_prompts, poisson_workload
+from app.workloads.slo import assign_slos, reference_instance, solo_latencies_s
+from app.workloads.workload import Content, Workload, load_prompts, poisson_workload
 from predictor.base import PredictionInput, Predictor
 from predictor.batching import use_one_inference_thread
 

@@ -21,7 +21,7 @@ from typing import Annotated
 
 import typer
 
-from app.config import ClusterConfig, EngineRole, load_cluster_config
+from app.engines.config import ClusterConfig, EngineRole, load_cluster_config
 from app.experiments.autoscale import observed
 from app.experiments.replay import (
     ReplaySpec,
@@ -42,8 +42,8 @@ from app.planning.cluster_plan import (
 from app.planning.params import ModelParams
 from app.planning.split import EngineKind
 from app.routing.registry import PolicyKind, RoutingOptions
-from app.slo import DEFAULT_REFERENCE_GPU, reference_instance
-from app.workload import Arrivals, ContentMode, Workload
+from app.workloads.slo import DEFAULT_REFERENCE_GPU, reference_instance
+from app.workloads.workload import Arrivals, ContentMode, Workload
 from predictor.progress import Progress
 
 SHOWN = 10  # best-modelled layouts reported besides unified and those simulated

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 import typer
 from pydantic import ValidationError
 
-from app.config import ClusterConfig, SchedulingPolicy, load_cluster_config
-from app.knob_cli import knob_options
+from app.engines.config import ClusterConfig, SchedulingPolicy, load_cluster_config
+from app.experiments.knob_cli import knob_options
 from app.routing.fleet import DEFAULT_REPORT_INTERVAL_S, FleetConfig, Sharing, Spread
 from app.routing.goodserve import GoodServeConfig, goodserve_knobs, stall_factor_label
 from app.routing.length import OutputLengthEstimator, PredictorLength
@@ -36,11 +36,11 @@ from app.routing.registry import (
     RoutingOptions,
     build_routing,
 )
-from app.sessions import SessionPreset, file_workload, preset_workload
 from app.sim.metrics import summarize
 from app.sim.records import RequestOutcome, RequestRecord
 from app.sim.simulator import SimResult, Simulator
-from app.slo import (
+from app.workloads.sessions import SessionPreset, file_workload, preset_workload
+from app.workloads.slo import (
     DEFAULT_REFERENCE_GPU,
     assign_slos,
     parse_scales,
@@ -48,7 +48,7 @@ from app.slo import (
     reference_instance,
     solo_phases_s,
 )
-from app.workload import (
+from app.workloads.workload import (
     Arrivals,
     BurstDistribution,
     ContentMode,

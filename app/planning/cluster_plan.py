@@ -30,7 +30,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from app.hardware import InstanceSpec
+from app.hardware.specs import InstanceSpec
 from app.planning.allocator import LengthMoments
 from app.planning.kv import KvStage
 from app.planning.params import ModelParams, SloTargets

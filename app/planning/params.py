@@ -1,4 +1,4 @@
-"""SARA's model inputs, read from the hardware catalog (`app.hardware`).
+"""SARA's model inputs, read from the hardware catalog (`app.hardware.specs`).
 
 Symbols (paper -> here): N_layer -> num_layers, N_mod -> model_dim, N_hid -> ffn_dim,
 g -> kv_ratio, gamma -> gamma_bytes, Omega_LLM -> weight_bytes, F -> mults_per_s,
@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from app.hardware import BYTES_PER_GB, GpuSpec, ModelSpec, get_gpu, get_model
+from app.hardware.specs import BYTES_PER_GB, GpuSpec, ModelSpec, get_gpu, get_model
 
 FLOPS_PER_MULT = 2.0
 WEIGHT_FIT_FRACTION = 0.8  # weights may use this share of an instance's HBM

@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from app.hardware import GPU_CATALOG
+from app.hardware.specs import GPU_CATALOG
 from app.planning.allocator import (
     DEFAULT_KV_PRICE_PER_GBPS_HOUR,
     LengthMoments,

@@ -13,7 +13,7 @@ These models describe the engines the router serves on instead:
   long prompt or a long answer may wait as long as its own deadline allows.
 - **Prefill** is a FCFS M/G/n queue of prompts whose service is each prompt's share of a
   full chunked-prefill iteration: its uncached tokens at the batched per-token cost plus
-  its attention over the cached context (`app.hardware`). A request meets its prefill
+  its attention over the cached context (`app.hardware.specs`). A request meets its prefill
   budget b_i when W <= b_i - S_i, S_i its prefill alone on the engine, W the queue's wait
   (`MgkQueue`, refined method); the attainment is the mean over the sample.
 - **The prefix cache evicts.** An agent step finds its session's context cached only if
@@ -55,15 +55,15 @@ from functools import cached_property
 import numpy as np
 from scipy import special
 
-from app.config import SchedulerConfig
-from app.hardware import BatchShape, InstanceSpec, PrefillChunk, make_instance
+from app.engines.config import SchedulerConfig
+from app.hardware.specs import BatchShape, InstanceSpec, PrefillChunk, make_instance
 from app.planning.allocator import LengthMoments
 from app.planning.distributions import LengthDist
 from app.planning.queues import Method, MgkQueue
 from app.planning.search import max_feasible_rate
 from app.planning.split import EngineKind
-from app.sessions import SessionTimeline
-from app.workload import Workload, WorkloadRequest
+from app.workloads.sessions import SessionTimeline
+from app.workloads.workload import Workload, WorkloadRequest
 
 PREFILL, DECODE, UNIFIED = "prefill", "decode", "unified"
 GRID_POINTS = 24  # quantiles per length in a sample built from moments (24 x 24 requests)
@@ -111,7 +111,7 @@ class TrafficSample:
                      reference: InstanceSpec, slo_scale: float,
                      held_kv_tokens: float = 0.0) -> TrafficSample:
         """Deadlines as the experiments set them: `slo_scale` x solo time on `reference`
-        (the cached prefix counted as cached, as `app.slo` does)."""
+        (the cached prefix counted as cached, as `app.workloads.slo` does)."""
         prompt, cached, output = (np.asarray(a, dtype=np.int64) for a in (prompt, cached, output))
         solo = SoloPhases.of(reference, prompt, cached, output)
         return cls(prompt, cached, output, slo_scale * solo.total_s, held_kv_tokens)

@@ -25,8 +25,8 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from app.config import SchedulerConfig
-from app.hardware import InstanceSpec
+from app.engines.config import SchedulerConfig
+from app.hardware.specs import InstanceSpec
 from app.planning.allocator import LengthMoments
 from app.planning.decode import DecodeStage
 from app.planning.kv import KvStage

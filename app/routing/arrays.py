@@ -13,12 +13,10 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from app.routing.view import InstanceId, InstanceView
+from app.routing.instance_view import InstanceId, InstanceView
 
 # numeric columns, in `ViewColumns.table` order; the unloaded decode time per token is
 # both the capability just-enough ranks by and the estimator's catalog prior for d_g

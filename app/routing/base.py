@@ -12,14 +12,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import ClassVar
 
-from app.engine_types import EngineStatus
-from app.routing.view import (
-    ClusterView,
-    FinishReport,
-    InstanceId,
-    RouteRequest,
-    StepReport,
-)
+from app.engines.messages import EngineStatus
+from app.routing.instance_view import InstanceId
+from app.routing.view import ClusterView, FinishReport, RouteRequest, StepReport
 
 
 class RejectCode(StrEnum):

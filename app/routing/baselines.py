@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from app.routing.base import Reject, RejectCode, RouteDecision, RoutingPolicy
-from app.routing.view import ClusterView, InstanceView, RouteRequest
+from app.routing.instance_view import InstanceView
+from app.routing.view import ClusterView, RouteRequest
 
 
 def no_fit(request: RouteRequest) -> Reject:

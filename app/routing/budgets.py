@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from app.routing.view import InstanceId
+from app.routing.instance_view import InstanceId
 
 
 class SlackBudgets:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from app.routing.base import RouteDecision
 from app.routing.baselines import SeededPolicy, no_fit
-from app.routing.view import ClusterView, FinishReport, InstanceId, InstanceView, RouteRequest
+from app.routing.instance_view import InstanceId, InstanceView
+from app.routing.view import ClusterView, FinishReport, RouteRequest
 
 # Preble's defaults (WukLab/preble, preble/global_scheduler_with_time.py)
 PREBLE_LOAD_WINDOW_S = 180.0  # SlidingWindowHistogram(window_duration=timedelta(minutes=3))

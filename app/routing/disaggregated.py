@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from app.engine_types import EngineStatus
-from app.kv_link import KvLink
+from app.engines.messages import EngineStatus
+from app.hardware.kv_link import KvLink
 from app.routing.base import Reject, RoutingPolicy
 from app.routing.baselines import no_fit
 from app.routing.goodserve.latency import prefill_time_s
+from app.routing.instance_view import InstanceId, InstanceView
 from app.routing.status import StatusEstimator
-from app.routing.view import ClusterView, InstanceId, InstanceView, RouteRequest, StepReport
+from app.routing.view import ClusterView, RouteRequest, StepReport
 
 
 class LeastTtftPolicy(RoutingPolicy):

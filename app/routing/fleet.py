@@ -36,18 +36,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
-from app.engine_types import EngineStatus
+from app.engines.messages import EngineStatus
 from app.routing.arrays import COLUMNS
 from app.routing.base import ActiveRequest, Reject, RouteDecision, RoutingPolicy, Watchdog
 from app.routing.budgets import SlackBudgets, budgets_of, smallest_stalls
 from app.routing.finish_log import FinishLog, lengths_of
-from app.routing.view import (
-    ClusterView,
-    FinishReport,
-    InstanceId,
-    RouteRequest,
-    StepReport,
-)
+from app.routing.instance_view import InstanceId
+from app.routing.view import ClusterView, FinishReport, RouteRequest, StepReport
 
 DEFAULT_REPORT_INTERVAL_S = 0.1  # the live router's engine poll period
 RUNNING, WAITING = COLUMNS.index("num_running"), COLUMNS.index("num_waiting")

@@ -24,13 +24,8 @@ from dataclasses import dataclass
 
 from app.routing.base import RouteDecision
 from app.routing.baselines import SeededPolicy, no_fit
-from app.routing.view import (
-    ClusterView,
-    FinishReport,
-    InstanceId,
-    InstanceView,
-    RouteRequest,
-)
+from app.routing.instance_view import InstanceId, InstanceView
+from app.routing.view import ClusterView, FinishReport, RouteRequest
 
 OVERLAP_SCORE_WEIGHT = 1.0  # KvRouterConfig default (--kv-overlap-score-weight)
 ROUTER_TEMPERATURE = 0.0  # KvRouterConfig default: deterministic lowest logit

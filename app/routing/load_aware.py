@@ -13,7 +13,8 @@ from collections.abc import Mapping, Sequence
 
 from app.routing.base import ActiveRequest, RouteDecision, Watchdog
 from app.routing.baselines import SeededPolicy, no_fit
-from app.routing.view import ClusterView, FinishReport, InstanceId, InstanceView, RouteRequest
+from app.routing.instance_view import InstanceId, InstanceView
+from app.routing.view import ClusterView, FinishReport, RouteRequest
 
 TPM_WINDOW_S = 60.0
 

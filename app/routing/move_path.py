@@ -31,8 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from app.hardware import InstanceSpec
-from app.kv_link import KvLink
+from app.hardware.kv_link import KvLink
+from app.hardware.specs import InstanceSpec
 
 
 class MovePath(StrEnum):

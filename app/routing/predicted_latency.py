@@ -28,7 +28,8 @@ import numpy as np
 
 from app.routing.base import RouteDecision
 from app.routing.baselines import SeededPolicy, no_fit
-from app.routing.view import ClusterView, FinishReport, InstanceId, InstanceView, RouteRequest
+from app.routing.instance_view import InstanceId, InstanceView
+from app.routing.view import ClusterView, FinishReport, RouteRequest
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager

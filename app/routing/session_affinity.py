@@ -18,7 +18,8 @@ from typing import ClassVar
 
 from app.routing.base import RouteDecision, RoutingPolicy
 from app.routing.baselines import no_fit
-from app.routing.view import ClusterView, InstanceId, InstanceView, RouteRequest
+from app.routing.instance_view import InstanceId, InstanceView
+from app.routing.view import ClusterView, RouteRequest
 
 # uhashring's default continuum (the `HashRing()` the production stack builds): 160 md5
 # points per node

@@ -19,11 +19,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from app.engine_types import EngineStatus, PrefillTotals
-from app.hardware import InstanceSpec
+from app.engines.messages import EngineStatus, PrefillTotals
+from app.hardware.specs import InstanceSpec
 from app.routing.arrays import COLUMNS, ViewArrays, view_row
 from app.routing.base import StepListener
-from app.routing.view import InstanceId, InstanceView, StepReport
+from app.routing.instance_view import InstanceId, InstanceView
+from app.routing.view import StepReport
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from pydantic import (
 )
 from pydantic.json_schema import models_json_schema
 
-from app.engine_types import StructuredOutput
+from app.engines.messages import StructuredOutput
 
 BodyModel = TypeVar("BodyModel", bound=BaseModel)
 

@@ -11,7 +11,10 @@ from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
 
-from app.config import (
+from app.control.config import ControllerConfig
+from app.control.controller import ControllerSettings
+from app.engines.base import EngineCapabilities
+from app.engines.config import (
     ClusterConfig,
     EngineConfig,
     Frozen,
@@ -19,9 +22,6 @@ from app.config import (
     SchedulerConfig,
     load_yaml_model,
 )
-from app.control.config import ControllerConfig
-from app.control.controller import ControllerSettings
-from app.engines.base import EngineCapabilities
 from app.engines.factory import backend_class
 from app.planning.inventory import DECODE, PREFILL, UNIFIED
 from app.routing.goodserve import GoodServeConfig

@@ -24,17 +24,18 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Protocol
 
-from app.engine_types import (
+from app.engines.messages import (
     KV_PREFIX_PARAM,
     EngineRequest,
     SamplingSpec,
     StoredPromptKv,
     TokenLogprobs,
 )
+from app.routing.instance_view import InstanceId
 from app.routing.move_path import MovePath
-from app.routing.view import InstanceId, RouteRequest
+from app.routing.view import RouteRequest
+from app.serving.telemetry import MigrationReason
 from app.serving.tokenizer import StopHit
-from app.telemetry import MigrationReason
 
 
 @dataclass(frozen=True)

@@ -15,16 +15,17 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 
-from app.config import EngineConfig, EngineRole, SchedulingPolicy
 from app.control.fleet import Member
 from app.control.plan import EngineState
-from app.engine_types import EngineRequest, EngineStatus, TokenEvent
+from app.engines.config import EngineConfig, EngineRole, SchedulingPolicy
+from app.engines.messages import EngineRequest, EngineStatus, TokenEvent
 from app.engines.prefix import PREFIX_BLOCK_SIZE, PrefixCache
-from app.hardware import InstanceSpec
+from app.hardware.specs import InstanceSpec
+from app.routing.instance_view import InstanceId, InstanceView
 from app.routing.status import StatusEstimator
-from app.routing.view import ClusterView, InstanceId, InstanceView
+from app.routing.view import ClusterView
 from app.serving.flight import Flight
-from app.telemetry import RouterMetrics
+from app.serving.telemetry import RouterMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.config import KvConnectorConfig, KvConnectorKind
-from app.kv_link import KvLink
+from app.engines.config import KvConnectorConfig, KvConnectorKind
+from app.hardware.kv_link import KvLink
 
 logger = logging.getLogger(__name__)
 

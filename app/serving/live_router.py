@@ -31,19 +31,20 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 
-from app.config import EngineRole
 from app.control.fleet import Member
 from app.control.observe import LoadReport
-from app.engine_types import StoredPromptKv, TokenEvent
+from app.engines.config import EngineRole
+from app.engines.messages import StoredPromptKv, TokenEvent
 from app.engines.prefix import PREFIX_BLOCK_SIZE, prefix_block_hashes
 from app.routing.base import ActiveRequest, Reject, RejectCode, overrides
 from app.routing.disaggregated import DisaggregatedPlacer, LeastTtftPolicy
 from app.routing.finish_log import DEFAULT_FINISH_CAPACITY, lengths_of, shareable
+from app.routing.instance_view import InstanceId
 from app.routing.move_path import MovePath, MoveRule, plan_move
 from app.routing.priority import PriorityRule
 from app.routing.registry import RoutingStack
 from app.routing.status import StatusEstimator
-from app.routing.view import ClusterView, FinishReport, InstanceId, RouteRequest
+from app.routing.view import ClusterView, FinishReport, RouteRequest
 from app.serving.flight import (
     Flight,
     FlightState,
@@ -55,7 +56,7 @@ from app.serving.flight import (
 from app.serving.instances import EngineClient, InstanceTracker, LiveInstance
 from app.serving.kv_transfer import ConnectorTransport, KvTransport
 from app.serving.status_board import StatusChanges
-from app.telemetry import MigrationReason, NullFactory, Outcome, RouterMetrics
+from app.serving.telemetry import MigrationReason, NullFactory, Outcome, RouterMetrics
 
 logger = logging.getLogger(__name__)
 

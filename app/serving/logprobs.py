@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from app.engine_types import TokenLogprobs
+from app.engines.messages import TokenLogprobs
 from app.serving.tokenizer import REPLACEMENT_CHAR, Tokenizer
 
 MIN_LOGPROB = -9999.0  # -inf is not JSON; vLLM reports this floor

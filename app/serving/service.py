@@ -17,9 +17,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from app.config import KvConnectorKind
-from app.engine_types import SamplingSpec, StructuredOutput, TokenEvent
+from app.engines.config import KvConnectorKind
 from app.engines.factory import backend_class
+from app.engines.messages import SamplingSpec, StructuredOutput, TokenEvent
 from app.routing.base import RejectCode
 from app.routing.registry import RoutingOptions, build_routing
 from app.routing.view import RouteRequest
@@ -50,9 +50,9 @@ from app.serving.live_router import (
     StatusFeed,
 )
 from app.serving.logprobs import LogprobsFormatter
+from app.serving.telemetry import MetricFactory, NullFactory, RouterMetrics
 from app.serving.tokenizer import HfTokenizer, OutputText, Tokenizer, WordHashTokenizer
 from app.serving.tools import ToolCallReader, ToolParsing, tool_call_reader
-from app.telemetry import MetricFactory, NullFactory, RouterMetrics
 
 if TYPE_CHECKING:
     from predictor.base import Predictor

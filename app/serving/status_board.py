@@ -14,7 +14,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from app.engine_types import EngineStatus
+from app.engines.messages import EngineStatus
 from app.routing.budgets import smallest_stalls
 from app.routing.finish_log import FinishLog
 from app.routing.view import FinishReport

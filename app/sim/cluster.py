@@ -9,45 +9,31 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from dataclasses import replace
 
-from app.config import EngineRole
-from app.engine_types import RequestStatus, TokenEvent
-from app.kv_link import KvLink
+from app.engines.config import EngineRole
+from app.engines.messages import RequestStatus, TokenEvent
+from app.hardware.kv_link import KvLink
 from app.routing.base import ActiveRequest, Reject, RoutingPolicy, Watchdog, overrides
 from app.routing.disaggregated import DisaggregatedPlacer, LeastTtftPolicy
+from app.routing.instance_view import InstanceId
 from app.routing.move_path import MovePath, MoveRule, plan_move
 from app.routing.priority import PriorityRule
-from app.routing.view import FinishReport, InstanceId, RouteRequest, StepReport
-from app.sessions import StepReleases
+from app.routing.view import FinishReport, StepReport
 from app.sim.engine_core import ScheduledStep, SimSequence
 from app.sim.events import (
     ArrivalEvent,
+    ElasticHooks,
     Event,
     KvTransferDoneEvent,
     StepEndEvent,
     StepStartEvent,
 )
+from app.sim.flight import SimFlight
 from app.sim.instance import InstanceSetup, Pool, SimInstance
 from app.sim.records import RequestOutcome, RequestRecord
-from app.workload import WorkloadRequest
-
-if TYPE_CHECKING:
-    from app.sim.elastic import ElasticPools
-
-
-@dataclass(slots=True, eq=False)
-class SimFlight:
-    """Simulator-side state of one request between arrival and its end."""
-
-    index: int  # in the workload
-    work: WorkloadRequest
-    route: RouteRequest
-    record: RequestRecord
-    token_seed: int
-    instance: SimInstance | None = None  # engine holding it now (None: queued / in transfer)
-    decode_target: SimInstance | None = None  # disaggregated: chosen at arrival
+from app.workloads.sessions import StepReleases
+from app.workloads.workload import WorkloadRequest
 
 
 def build_pools(setups: Sequence[InstanceSetup]) -> dict[EngineRole, Pool]:
@@ -83,7 +69,7 @@ class SimCluster:
         kv_link_gbps: float,
         max_ongoing_requests: int | None,
         seed: int,
-        elastic: ElasticPools | None = None,
+        elastic: ElasticHooks | None = None,
         move_rule: MoveRule = MoveRule.CHEAPER,
         request_priority: PriorityRule = PriorityRule.NONE,
     ) -> None:

@@ -27,24 +27,24 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-from app.config import EngineRole
 from app.control.controller import ControlStep
 from app.control.observe import LoadWindow
 from app.control.plan import EngineRecord, EngineState
-from app.hardware import make_instance
+from app.engines.config import EngineRole
+from app.hardware.specs import make_instance
 from app.planning.inventory import Stock
 from app.planning.split import EngineKind
 from app.routing.base import Reject
+from app.routing.instance_view import InstanceId
 from app.routing.move_path import MovePath, plan_move
-from app.routing.view import ClusterView, InstanceId
+from app.routing.view import ClusterView
+from app.sim.cluster import SimCluster
 from app.sim.events import ContextMoveDoneEvent, ControlEvent, EngineReadyEvent, Event
+from app.sim.flight import SimFlight
 from app.sim.instance import InstanceSetup, SimInstance
 from app.sim.records import DEADLINE_TOLERANCE_S
-
-if TYPE_CHECKING:
-    from app.sim.cluster import SimCluster, SimFlight
 
 
 class Scaler(Protocol):

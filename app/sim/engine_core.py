@@ -39,8 +39,8 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from app.config import SchedulerConfig, SchedulingPolicy
-from app.engine_types import (
+from app.engines.config import SchedulerConfig, SchedulingPolicy
+from app.engines.messages import (
     FINISH_REASONS,
     EngineStatus,
     PrefillTotals,
@@ -48,7 +48,7 @@ from app.engine_types import (
     TokenEvent,
 )
 from app.engines.prefix import PrefixCache
-from app.hardware import BatchShape, InstanceSpec, chunk_attention_pairs
+from app.hardware.specs import BatchShape, InstanceSpec, chunk_attention_pairs
 
 _MASK64 = (1 << 64) - 1
 

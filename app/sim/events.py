@@ -4,18 +4,20 @@ Order is `(time_s, KIND, seq)`: `heap_key` is the only definition of it. At equa
 times, iterations finish first (so views are current), then KV transfers land,
 booted engines join their pool, requests arrive, batches form, and the elastic
 pools' controller decides last, on the state every other event of that instant left.
+
+A handler sees the cluster through `ClusterHandlers` and the elastic pools through
+`ElasticHooks`, the methods it calls on them, so the events depend on neither module.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar, Protocol
 
-if TYPE_CHECKING:
-    from app.sim.cluster import SimCluster, SimFlight
-    from app.sim.engine_core import ScheduledStep
-    from app.sim.instance import SimInstance
+from app.sim.engine_core import ScheduledStep
+from app.sim.flight import SimFlight
+from app.sim.instance import SimInstance
 
 
 class EventKind(IntEnum):
@@ -29,12 +31,43 @@ class EventKind(IntEnum):
     CONTROL = 5
 
 
+class ElasticHooks(Protocol):
+    """What the cluster and the elastic pools' events call on the pools
+    (`app.sim.elastic.ElasticPools`)."""
+
+    def arrived(self, flight: SimFlight, now: float) -> None: ...
+
+    def finished(self, flight: SimFlight, inst: SimInstance, now: float) -> list[Event]: ...
+
+    def context_moved(self, move: ContextMoveDoneEvent, now: float) -> list[Event]: ...
+
+    def ready(self, inst: SimInstance, now: float) -> list[Event]: ...
+
+    def control(self, now: float) -> list[Event]: ...
+
+
+class ClusterHandlers(Protocol):
+    """What the events call on the cluster they run on (`app.sim.cluster.SimCluster`):
+    one handler body per event."""
+
+    elastic: ElasticHooks | None
+
+    def arrive(self, index: int, now: float) -> list[Event]: ...
+
+    def start_step(self, inst: SimInstance, now: float) -> list[Event]: ...
+
+    def end_step(self, inst: SimInstance, step: ScheduledStep, now: float) -> list[Event]: ...
+
+    def transfer_done(self, flight: SimFlight, target: SimInstance, num_resumed: int,
+                      now: float) -> list[Event]: ...
+
+
 @dataclass(frozen=True, eq=False)
 class Event:
     time_s: float
     KIND: ClassVar[EventKind]
 
-    def handle(self, cluster: SimCluster) -> list[Event]:
+    def handle(self, cluster: ClusterHandlers) -> list[Event]:
         raise NotImplementedError
 
 
@@ -50,7 +83,7 @@ class ArrivalEvent(Event):
     KIND = EventKind.ARRIVAL
     index: int
 
-    def handle(self, cluster: SimCluster) -> list[Event]:
+    def handle(self, cluster: ClusterHandlers) -> list[Event]:
         return cluster.arrive(self.index, self.time_s)
 
 
@@ -61,7 +94,7 @@ class StepStartEvent(Event):
     KIND = EventKind.STEP_START
     instance: SimInstance
 
-    def handle(self, cluster: SimCluster) -> list[Event]:
+    def handle(self, cluster: ClusterHandlers) -> list[Event]:
         return cluster.start_step(self.instance, self.time_s)
 
 
@@ -73,7 +106,7 @@ class StepEndEvent(Event):
     instance: SimInstance
     step: ScheduledStep
 
-    def handle(self, cluster: SimCluster) -> list[Event]:
+    def handle(self, cluster: ClusterHandlers) -> list[Event]:
         return cluster.end_step(self.instance, self.step, self.time_s)
 
 
@@ -87,7 +120,7 @@ class KvTransferDoneEvent(Event):
     target: SimInstance
     num_resumed: int  # output tokens generated before the transfer
 
-    def handle(self, cluster: SimCluster) -> list[Event]:
+    def handle(self, cluster: ClusterHandlers) -> list[Event]:
         return cluster.transfer_done(self.flight, self.target, self.num_resumed, self.time_s)
 
 
@@ -103,7 +136,7 @@ class ContextMoveDoneEvent(Event):
     block_hashes: tuple[int, ...]
     hash_block_size: int
 
-    def handle(self, cluster: SimCluster) -> list[Event]:
+    def handle(self, cluster: ClusterHandlers) -> list[Event]:
         assert cluster.elastic is not None
         return cluster.elastic.context_moved(self, self.time_s)
 
@@ -115,7 +148,7 @@ class EngineReadyEvent(Event):
     KIND = EventKind.ENGINE_READY
     instance: SimInstance
 
-    def handle(self, cluster: SimCluster) -> list[Event]:
+    def handle(self, cluster: ClusterHandlers) -> list[Event]:
         assert cluster.elastic is not None
         return cluster.elastic.ready(self.instance, self.time_s)
 
@@ -126,6 +159,6 @@ class ControlEvent(Event):
 
     KIND = EventKind.CONTROL
 
-    def handle(self, cluster: SimCluster) -> list[Event]:
+    def handle(self, cluster: ClusterHandlers) -> list[Event]:
         assert cluster.elastic is not None
         return cluster.elastic.control(self.time_s)

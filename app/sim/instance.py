@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from app.config import ClusterConfig, EngineRole, SchedulerConfig
-from app.engine_types import EngineStatus
+from app.engines.config import ClusterConfig, EngineRole, SchedulerConfig
+from app.engines.messages import EngineStatus
 from app.engines.prefix import PrefixDirectory
-from app.hardware import InstanceSpec
+from app.hardware.specs import InstanceSpec
 from app.routing.arrays import ViewColumns
-from app.routing.view import ClusterView, InstanceId, InstanceView
+from app.routing.instance_view import InstanceId, InstanceView
+from app.routing.view import ClusterView
 from app.sim.engine_core import ScheduledStep, SimEngineCore
 
 

@@ -16,18 +16,18 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from app.config import ClusterConfig
+from app.engines.config import ClusterConfig
 from app.routing.base import RoutingPolicy, Watchdog
 from app.routing.disaggregated import LeastTtftPolicy
 from app.routing.move_path import MoveRule
 from app.routing.priority import PriorityRule
-from app.sessions import StepReleases
 from app.sim.cluster import SimCluster
 from app.sim.elastic import ElasticPools, ElasticStats
 from app.sim.events import ArrivalEvent, Event, heap_key
 from app.sim.instance import InstanceSetup, setups_from_config
 from app.sim.records import RequestRecord
-from app.workload import Workload, WorkloadRequest
+from app.workloads.sessions import StepReleases
+from app.workloads.workload import Workload, WorkloadRequest
 
 PROGRESS_EVERY_EVENTS = 8192
 
@@ -179,8 +179,8 @@ class Simulator:
         first = cluster.releases.first()
         assert first is not None
         push(ArrivalEvent(first.time_s, first.index))
-        if cluster.elastic is not None:
-            for event in cluster.elastic.attach(cluster, requests[0].arrival_s):
+        if self.elastic is not None:  # the pools the cluster was built with
+            for event in self.elastic.attach(cluster, requests[0].arrival_s):
                 push(event)
         now, num_events, reported = 0.0, 0, 0
         while heap and heap[0][0] <= stop_s:

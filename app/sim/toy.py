@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 import random
 
-from app.config import SchedulerConfig
-from app.hardware import GpuSpec, InstanceSpec, ModelSpec
+from app.engines.config import SchedulerConfig
+from app.hardware.specs import GpuSpec, InstanceSpec, ModelSpec
 from app.sim.instance import InstanceSetup
 
 _TOY_MODEL = ModelSpec(

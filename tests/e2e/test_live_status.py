@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import ray
 
-from app.engine_types import SamplingSpec
+from app.engines.messages import SamplingSpec
 from app.routing.registry import build_routing
 from app.routing.status import StatusEstimator
 from app.serving.flight import GenerationRequest

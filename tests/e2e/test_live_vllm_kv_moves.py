@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.config import KvConnectorConfig, KvConnectorKind
+from app.engines.config import KvConnectorConfig, KvConnectorKind
 from app.routing.move_path import MoveRule
 from app.serving.config import ServeConfig
 from tests.conftest import (

@@ -10,7 +10,7 @@ import asyncio
 import httpx
 import pytest
 
-from app.engine_types import EngineRequest, SamplingSpec
+from app.engines.messages import EngineRequest, SamplingSpec
 from app.serving.service import make_tokenizer
 from app.serving.tokenizer import REPLACEMENT_CHAR
 from deployments.cluster import collect_tokens

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import ray
 
-from app.engine_types import EngineRequest, SamplingSpec
+from app.engines.messages import EngineRequest, SamplingSpec
 from deployments.cluster import collect_tokens
 
 pytestmark = pytest.mark.e2e

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from app.config import EngineBackend, EngineConfig, SchedulerConfig
-from app.engine_types import EngineRequest, SamplingSpec, TokenEvent
+from app.engines.config import EngineBackend, EngineConfig, SchedulerConfig
+from app.engines.messages import EngineRequest, SamplingSpec, TokenEvent
 from app.engines.vllm import VllmBackend
 
 pytestmark = pytest.mark.e2e

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.config import ClusterConfig, EngineConfig, InstanceGroup, SchedulerConfig
+from app.engines.config import ClusterConfig, EngineConfig, InstanceGroup, SchedulerConfig
 from app.serving.config import RoutingConfig, ServeConfig, load_serve_config
 from tests.conftest import serving
 

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from app.config import ClusterConfig, EngineConfig, InstanceGroup, SchedulerConfig
-from app.engine_types import EngineRequest, SamplingSpec
+from app.engines.config import ClusterConfig, EngineConfig, InstanceGroup, SchedulerConfig
+from app.engines.messages import EngineRequest, SamplingSpec
 from deployments.cluster import collect_tokens, launch_cluster, shutdown_engines
 
 pytestmark = pytest.mark.integration

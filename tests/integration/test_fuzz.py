@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.core import NotSet
 
-from app.config import ClusterConfig, EngineConfig, InstanceGroup
+from app.engines.config import ClusterConfig, EngineConfig, InstanceGroup
 from app.serving.config import ServeConfig
 from tests.conftest import serving
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.config import ClusterConfig, EngineConfig, InstanceGroup
+from app.engines.config import ClusterConfig, EngineConfig, InstanceGroup
 from app.serving.config import AuthConfig, ServeConfig
 from tests.conftest import serving
 

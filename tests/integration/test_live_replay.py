@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.config import EngineConfig, InstanceGroup
+from app.engines.config import EngineConfig, InstanceGroup
 
 pytestmark = pytest.mark.integration
 
@@ -12,10 +12,10 @@ pytestmark = pytest.mark.integration
 def test_live_replay_scores_every_request_of_each_cell(ray_session):
     """`replay --backend live` machinery on its own small cluster: every request comes
     back with its measured outcome, its prompt length reproduced exactly."""
-    from app.config import ClusterConfig
+    from app.engines.config import ClusterConfig
     from app.experiments.replay import ReplaySpec, run_live_replay
     from app.routing.registry import PolicyKind
-    from app.workload import Content, poisson_workload
+    from app.workloads.workload import Content, poisson_workload
 
     cluster = ClusterConfig(name="replay", groups=[
         InstanceGroup(engine=EngineConfig(gpu_type=g)) for g in ("H800", "A40")])
@@ -38,10 +38,10 @@ def test_live_replay_scores_every_request_of_each_cell(ray_session):
 def test_live_replay_issues_agent_steps_after_their_parents(ray_session):
     """Closed loop over HTTP: each session step is sent only once every step it waits
     for has come back, plus its tool wait; a fan-out's join waits for both branches."""
-    from app.config import ClusterConfig
+    from app.engines.config import ClusterConfig
     from app.experiments.replay import ReplaySpec, run_live_replay
     from app.routing.registry import PolicyKind
-    from app.sessions import AgentSession, AgentStep, sessions_workload
+    from app.workloads.sessions import AgentSession, AgentStep, sessions_workload
 
     def step(step_id, wait_for=(), wait_s=0.0, prompt=600):
         return AgentStep(step_id, tuple(wait_for), wait_s, prompt, 100, 12,

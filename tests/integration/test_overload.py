@@ -14,7 +14,7 @@ import numpy as np
 import psutil
 import pytest
 
-from app.config import ClusterConfig, EngineConfig, InstanceGroup, SchedulerConfig
+from app.engines.config import ClusterConfig, EngineConfig, InstanceGroup, SchedulerConfig
 from app.serving.config import RoutingConfig, ServeConfig
 from tests.conftest import serving
 

@@ -28,7 +28,7 @@ def test_serve_adds_a_router_replica_under_load_that_joins_the_board_and_removes
     import httpx
     import ray
 
-    from app.config import ClusterConfig, EngineConfig, InstanceGroup
+    from app.engines.config import ClusterConfig, EngineConfig, InstanceGroup
     from app.serving.config import RouterAutoscaling, ServeConfig
     from deployments.controller import controller_for
     from tests.conftest import serving

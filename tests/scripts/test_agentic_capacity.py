@@ -8,7 +8,7 @@ import math
 import pytest
 
 import benchmarks.agentic as agentic
-from app.config import load_cluster_config
+from app.engines.config import load_cluster_config
 from app.experiments.replay import ReplaySpec, run_replay
 from app.routing.registry import PolicyKind, RoutingOptions
 from benchmarks.agentic import (

@@ -6,7 +6,7 @@ import csv
 
 import pytest
 
-from app.hardware import make_instance
+from app.hardware.specs import make_instance
 from benchmarks.migration_cost import (
     LINKS_GBPS,
     TARGETS,

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from app.cli import cli
-from app.config import load_cluster_config
+from app.engines.config import load_cluster_config
 from app.experiments.plan_check import Simulation, plan_for
 from benchmarks.agentic import TRACE, MatrixSetup, make_workload
 from benchmarks.goodput_experiments import REPO

@@ -8,8 +8,8 @@ from collections import Counter
 
 import pytest
 
-from app.config import ClusterConfig, EngineRole, load_cluster_config
-from app.hardware import make_instance
+from app.engines.config import ClusterConfig, EngineRole, load_cluster_config
+from app.hardware.specs import make_instance
 from app.planning.allocator import LengthMoments
 from app.planning.decode import DecodeStage
 from app.planning.distributions import LengthDist

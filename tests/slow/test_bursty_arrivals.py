@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from app.config import load_cluster_config
+from app.engines.config import load_cluster_config
 from app.experiments.replay import ReplaySpec, run_replay
 from app.routing.registry import PolicyKind, RoutingOptions
-from app.workload import Arrivals, Content, SyntheticArrivals, synthetic_workload
+from app.workloads.workload import Arrivals, Content, SyntheticArrivals, synthetic_workload
 from benchmarks.bimodal_goodput import PAPER_CLUSTER
 
 pytestmark = pytest.mark.slow

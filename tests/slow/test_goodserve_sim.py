@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import typer
 
-from app.config import load_cluster_config
+from app.engines.config import load_cluster_config
 from app.experiments.replay import ReplaySpec, run_replay
 from app.routing.registry import PolicyKind
 from benchmarks.bimodal_goodput import PAPER_CLUSTER, bimodal_workload

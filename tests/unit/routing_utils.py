@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from app.config import EngineRole
-from app.hardware import make_instance
-from app.routing.view import ClusterView, InstanceView, RouteRequest
+from app.engines.config import EngineRole
+from app.hardware.specs import make_instance
+from app.routing.instance_view import InstanceView
+from app.routing.view import ClusterView, RouteRequest
 
 if TYPE_CHECKING:
     from predictor.base import Predictor

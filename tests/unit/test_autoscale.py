@@ -21,13 +21,13 @@ from app.experiments.autoscale import (
     load_autoscale_config,
 )
 from app.planning.inventory import DECODE, PREFILL, UNIFIED
-from app.sessions import (
+from app.workloads.sessions import (
     iter_session_rows,
     preset_sessions,
     shaped_file_workload,
     shaped_preset_workload,
 )
-from app.workload import (
+from app.workloads.workload import (
     Content,
     ContentMode,
     LoadShape,
@@ -332,7 +332,7 @@ def test_only_the_steady_half_of_a_window_counts_towards_attainment():
 def session_steps(*sessions: tuple[str, int]) -> tuple[WorkloadRequest, ...]:
     """Requests of sessions (id, steps), each step 100 prompt and 10 output tokens, all
     arriving with their sessions at 0 s."""
-    from app.workload import WorkloadRequest
+    from app.workloads.workload import WorkloadRequest
 
     return tuple(WorkloadRequest(f"{sid}/{i}", 0.0, 100, 10, session_id=sid, step_index=i)
                  for sid, num_steps in sessions for i in range(num_steps))
@@ -340,8 +340,8 @@ def session_steps(*sessions: tuple[str, int]) -> tuple[WorkloadRequest, ...]:
 
 def test_a_session_span_is_its_longest_chain_of_tool_waits_and_solo_times():
     from app.experiments.calibrate import mean_session_span_s
-    from app.sessions import SessionGraph
-    from app.workload import Workload
+    from app.workloads.session_graph import SessionGraph
+    from app.workloads.workload import Workload
 
     # a: 0 -> (1, 2) fan-out -> 3 joins them; b: one step
     requests = session_steps(("a", 4), ("b", 1))
@@ -359,8 +359,8 @@ def test_a_session_span_is_its_longest_chain_of_tool_waits_and_solo_times():
 
 def test_context_is_held_until_a_step_is_issued_by_its_tool_wait_or_its_arrival():
     from app.experiments.autoscale import held_token_seconds
-    from app.sessions import SessionGraph
-    from app.workload import Workload
+    from app.workloads.session_graph import SessionGraph
+    from app.workloads.workload import Workload
 
     requests = session_steps(("a", 2), ("b", 2))
     graph = SessionGraph(parents=((), (0,), (), (2,)), tool_wait_s=(0.0, 2.0, 0.0, 3.0))
@@ -379,7 +379,7 @@ def test_static_pools_on_the_served_models_spread_parked_context_over_their_engi
     as it buys, and the pool it buys carries the rate with them spread so."""
     from app.control.controller import CapacityModel
     from app.experiments.autoscale import build_workload, load_profile, observed, sized_pools
-    from app.workload import LoadShape
+    from app.workloads.workload import LoadShape
 
     config = load_autoscale_config(AGENTS_CONFIG).model_copy(update={"mode": "unified"})
     config = config.model_copy(update={"controller": config.controller.model_copy(

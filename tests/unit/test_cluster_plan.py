@@ -23,8 +23,8 @@ from app.planning.distributions import LengthDist
 from app.planning.params import DeviceParams, ModelParams
 from app.planning.queues import Method
 from app.planning.split import EngineKind, stage_slos
-from app.slo import reference_instance
-from app.workload import Workload, WorkloadRequest
+from app.workloads.slo import reference_instance
+from app.workloads.workload import Workload, WorkloadRequest
 
 pytestmark = pytest.mark.unit
 

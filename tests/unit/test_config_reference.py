@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from app.config import SchedulerConfig
-from app.config_reference import (
+from app.engines.config import SchedulerConfig
+from app.serving.config import ServeConfig
+from app.serving.config_reference import (
     REGENERATE,
     bounds_text,
     collect_sections,
     fields_without_description,
     serve_config_reference,
 )
-from app.serving.config import ServeConfig
 
 pytestmark = pytest.mark.unit
 

@@ -23,7 +23,7 @@ from app.control.observe import (
 )
 from app.control.plan import EngineRecord, EngineState, PoolPlanner, ScalingRules
 from app.control.strategies import QueueLengthScaler, SaturationScaler, ThroughputScaler
-from app.hardware import make_instance
+from app.hardware.specs import make_instance
 from app.planning.inventory import DECODE, PREFILL, UNIFIED, PoolTargets, Stock
 from app.planning.split import EngineKind
 

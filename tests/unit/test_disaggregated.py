@@ -6,15 +6,16 @@ from dataclasses import replace
 
 import pytest
 
-from app.config import EngineRole
-from app.kv_link import KvLink
+from app.engines.config import EngineRole
+from app.hardware.kv_link import KvLink
 from app.routing.base import Reject, RoutingPolicy
 from app.routing.disaggregated import DisaggregatedPlacer, LeastTtftPolicy, PdPlacement
 from app.routing.goodserve import GoodServeConfig, make_goodserve
 from app.routing.goodserve.latency import for_context, score_instances
+from app.routing.instance_view import InstanceId
 from app.routing.length import TrueLength
 from app.routing.status import StatusEstimator
-from app.routing.view import ClusterView, InstanceId, RouteRequest
+from app.routing.view import ClusterView, RouteRequest
 from tests.unit.routing_utils import make_cluster, make_request, make_view
 
 pytestmark = pytest.mark.unit

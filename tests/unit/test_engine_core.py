@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from app.config import SchedulerConfig
-from app.engine_types import RequestStatus, TokenEvent
-from app.hardware import make_instance
+from app.engines.config import SchedulerConfig
+from app.engines.messages import RequestStatus, TokenEvent
+from app.hardware.specs import make_instance
 from app.sim.engine_core import SimEngineCore, SimSequence, sim_token_id
 
 pytestmark = pytest.mark.unit

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from app.config import EngineBackend, EngineConfig, SchedulerConfig
-from app.engine_types import EngineRequest, EngineStatus, PrefillTotals, SamplingSpec
+from app.engines.config import EngineBackend, EngineConfig, SchedulerConfig
 from app.engines.factory import make_backend
+from app.engines.messages import EngineRequest, EngineStatus, PrefillTotals, SamplingSpec
 from app.engines.prefix import PrefixCache, prefix_block_hashes
 from app.engines.sim import SimBackend
 from app.engines.vllm import VllmBackend, VllmStatsRecorder
@@ -223,9 +223,9 @@ def test_one_poll_over_identical_iterations_weighs_them_like_that_many_steps():
 
 def test_each_backend_says_what_it_can_do():
     """The service asks the backend class, not the config's backend name."""
-    from app.config import EngineBackend
-    from app.engine_types import StructuredOutput
+    from app.engines.config import EngineBackend
     from app.engines.factory import backend_class
+    from app.engines.messages import StructuredOutput
 
     sim, vllm = backend_class(EngineBackend.SIM), backend_class(EngineBackend.VLLM)
     assert sim is SimBackend

@@ -13,10 +13,11 @@ import pytest
 from app.routing.base import ActiveRequest, RoutingPolicy, Watchdog
 from app.routing.fleet import FleetConfig, RouterFleet, Sharing, Spread
 from app.routing.goodserve import JustEnoughPolicy
+from app.routing.instance_view import InstanceId
 from app.routing.registry import PolicyKind, RoutingOptions, build_routing
-from app.routing.view import ClusterView, FinishReport, InstanceId, RouteRequest
+from app.routing.view import ClusterView, FinishReport, RouteRequest
 from app.sim.simulator import Simulator
-from app.workload import Content, poisson_workload
+from app.workloads.workload import Content, poisson_workload
 from tests.unit.routing_utils import make_cluster, make_request, make_view
 
 pytestmark = pytest.mark.unit
@@ -261,7 +262,7 @@ def test_each_replicas_watchdog_checks_only_the_requests_it_placed():
 def test_a_simulated_fleet_serves_every_request():
     pool = [Content(200 + 30 * (i % 9), 40 + 10 * (i % 5), (i,)) for i in range(100)]
     workload = poisson_workload(40.0, 10.0, pool, seed=1)
-    from app.config import load_cluster_config
+    from app.engines.config import load_cluster_config
 
     cluster = load_cluster_config(Path(__file__).resolve().parents[2] / "configs" /
                                   "paper-4gpu.yaml")

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.engine_types import KV_PREFIX_PARAM, SamplingSpec
+from app.engines.messages import KV_PREFIX_PARAM, SamplingSpec
 from app.routing.move_path import MovePath
 from app.routing.view import RouteRequest
 from app.serving.flight import (
@@ -24,7 +24,7 @@ from app.serving.flight import (
     MoveRecord,
 )
 from app.serving.live_router import EngineLost
-from app.telemetry import MigrationReason
+from app.serving.telemetry import MigrationReason
 from tests.unit.test_live_router import PROMPT, ScriptedEngine, request, started, token_of
 
 pytestmark = pytest.mark.unit

@@ -2,7 +2,7 @@
 
 import pytest
 
-from app.hardware import BatchShape, PrefillChunk, get_gpu, make_instance
+from app.hardware.specs import BatchShape, PrefillChunk, get_gpu, make_instance
 
 pytestmark = pytest.mark.unit
 

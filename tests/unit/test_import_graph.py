@@ -1,8 +1,9 @@
 """The import graph of the product: no module cycles, and nothing of the product (or of
 its unit tests) leans on the benchmark scripts.
 
-Every import counts, at module top or inside a function (a lazy import is still a
-dependency); imports under `if TYPE_CHECKING:` do not, since they never run.
+Every import counts: at module top, inside a function (a lazy import is still a
+dependency) and under `if TYPE_CHECKING:` (two modules that need each other's types are
+one piece, however the imports are arranged).
 """
 
 from __future__ import annotations
@@ -28,22 +29,11 @@ def modules(packages: tuple[str, ...]) -> dict[str, Path]:
     return {module_name(p): p for package in packages for p in (REPO / package).rglob("*.py")}
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def imported_names(path: Path, name: str) -> Iterator[str]:
-    """Every dotted name `path` imports at run time (`from a import b` yields a.b, which
-    resolves to a when b is not a module)."""
+    """Every dotted name `path` imports (`from a import b` yields a.b, which resolves to a
+    when b is not a module)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    stack: list[ast.AST] = [ast.parse(path.read_text())]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            stack.extend(node.orelse)
-            continue
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -52,7 +42,6 @@ def imported_names(path: Path, name: str) -> Iterator[str]:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*anchor, *([node.module] if node.module else [])])
             yield from (f"{base}.{alias.name}" for alias in node.names)
-        stack.extend(ast.iter_child_nodes(node))
 
 
 def import_graph(known: dict[str, Path]) -> dict[str, set[str]]:
@@ -112,18 +101,49 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_cycles_finds_a_lazy_cycle_and_ignores_type_checking_imports(tmp_path):
+def loop_through(graph: dict[str, set[str]], component: list[str]) -> list[str]:
+    """One import loop inside a cycle's `component`: its first module, the modules it
+    reaches through, and the first module again (shortest such loop)."""
+    start, members = component[0], set(component)
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        node = frontier.pop(0)
+        for child in sorted(graph[node] & members):
+            if child == start:
+                return [*paths[node], start]
+            if child not in paths:
+                paths[child] = [*paths[node], child]
+                frontier.append(child)
+    raise AssertionError(f"{component} is not a cycle")
+
+
+def test_cycles_finds_lazy_and_type_checking_cycles_and_names_a_loop(tmp_path):
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
+    assert loop_through(graph, ["a", "b", "c"]) == ["a", "b", "c", "a"]
     source = tmp_path / "m.py"
     source.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import x\n"
                       "def f():\n    from y import z\n")
-    assert set(imported_names(source, "m")) == {"typing.TYPE_CHECKING", "y.z"}
+    assert set(imported_names(source, "m")) == {"typing.TYPE_CHECKING", "x", "y.z"}
+
+
+def test_a_relative_import_of_a_submodule_is_that_submodule(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "b.py").write_text("name = 1\n")
+    (package / "a.py").write_text("from . import b\nfrom .b import name\n")
+    known = {"pkg": package / "__init__.py", "pkg.a": package / "a.py",
+             "pkg.b": package / "b.py"}
+    assert set(imported_names(known["pkg.a"], "pkg.a")) == {"pkg.b", "pkg.b.name"}
+    assert import_graph(known)["pkg.a"] == {"pkg.b"}
 
 
 def test_the_product_and_the_benchmarks_have_no_import_cycle():
-    known = modules((*PRODUCT, "benchmarks"))
-    assert cycles(import_graph(known)) == []
+    graph = import_graph(modules((*PRODUCT, "benchmarks")))
+    loops = [" -> ".join(loop_through(graph, c)) for c in cycles(graph)]
+    assert not loops, "import cycles:\n  " + "\n  ".join(loops)
 
 
 def test_nothing_in_the_product_imports_the_benchmark_scripts():

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from app.config import EngineConfig, EngineRole, KvConnectorConfig, KvConnectorKind
-from app.engine_types import EngineRequest, SamplingSpec
+from app.engines.config import EngineConfig, EngineRole, KvConnectorConfig, KvConnectorKind
+from app.engines.messages import EngineRequest, SamplingSpec
 from app.engines.vllm import (
     NIXL_PREFILL_PARAMS,
     VllmBackend,

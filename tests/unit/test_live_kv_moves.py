@@ -10,13 +10,13 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from app.config import KvConnectorConfig, KvConnectorKind
-from app.engine_types import KV_PREFIX_PARAM, EngineRequest, StoredPromptKv, TokenEvent
+from app.engines.config import KvConnectorConfig, KvConnectorKind
+from app.engines.messages import KV_PREFIX_PARAM, EngineRequest, StoredPromptKv, TokenEvent
 from app.routing.move_path import MovePath, MoveRule
 from app.routing.registry import build_routing
 from app.serving.kv_transfer import ConnectorTransport
 from app.serving.live_router import LiveRouter
-from app.telemetry import MigrationReason, RouterMetrics
+from app.serving.telemetry import MigrationReason, RouterMetrics
 from tests.unit.metrics_utils import RecordingFactory
 from tests.unit.test_live_router import PROMPT, ScriptedEngine, request, token_of
 

@@ -11,9 +11,9 @@ import pytest
 
 from app.experiments import live_replay
 from app.experiments.live_replay import drive, send, stop_time_s
-from app.sessions import AgentSession, AgentStep, sessions_workload
 from app.sim.records import RequestOutcome, RequestRecord
-from app.workload import WorkloadRequest
+from app.workloads.sessions import AgentSession, AgentStep, sessions_workload
+from app.workloads.workload import WorkloadRequest
 
 pytestmark = pytest.mark.unit
 

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 
 import pytest
 
-from app.config import (
+from app.engines.config import (
     ClusterConfig,
     EngineConfig,
     EngineRole,
@@ -26,11 +26,12 @@ from app.config import (
     KvConnectorKind,
     SchedulerConfig,
 )
-from app.engine_types import EngineRequest, EngineStatus, SamplingSpec, TokenEvent
+from app.engines.messages import EngineRequest, EngineStatus, SamplingSpec, TokenEvent
 from app.routing.base import ActiveRequest, RouteDecision, RoutingPolicy, Watchdog
+from app.routing.instance_view import InstanceId
 from app.routing.priority import PriorityRule
 from app.routing.registry import PolicyKind, RoutingStack, build_routing
-from app.routing.view import ClusterView, InstanceId, RouteRequest
+from app.routing.view import ClusterView, RouteRequest
 from app.serving.config import ServeConfig
 from app.serving.flight import FlightState, GenerationRequest
 from app.serving.instances import EngineClient
@@ -38,8 +39,8 @@ from app.serving.kv_transfer import ConnectorTransport, KvHandoff, KvTransport, 
 from app.serving.live_router import EngineLost, LiveRouter, RequestRejected
 from app.serving.service import CompletionService, JsonReply
 from app.serving.status_board import StatusBoard
+from app.serving.telemetry import RouterMetrics
 from app.serving.tokenizer import OutputText, Tokenizer, WordHashTokenizer
-from app.telemetry import RouterMetrics
 from tests.unit.metrics_utils import RecordingFactory
 
 pytestmark = pytest.mark.unit
@@ -480,7 +481,7 @@ def test_word_hash_tokenizer_is_stable_and_in_vocab():
 
 def test_live_replay_prompts_reproduce_lengths_and_shared_prefixes():
     from app.experiments.live_replay import prompt_token_ids
-    from app.workload import WorkloadRequest
+    from app.workloads.workload import WorkloadRequest
 
     a = WorkloadRequest("a", 0.0, 40, 5, block_hashes=(11, -22), hash_block_size=16)
     b = WorkloadRequest("b", 0.0, 50, 5, block_hashes=(11, -22, 33), hash_block_size=16)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from app.hardware import make_instance
-from app.kv_link import KvLink
+from app.hardware.kv_link import KvLink
+from app.hardware.specs import make_instance
 from app.routing.move_path import MovePath, MoveRule, batch_stall_s, plan_move, recompute_s
 
 pytestmark = pytest.mark.unit

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from app.hardware import get_model
+from app.engines.tiny_model import TINY_MODEL_NAME, build_tokenizer
+from app.hardware.specs import get_model
 from app.serving.tokenizer import (
     REPLACEMENT_CHAR,
     HfTokenizer,
@@ -24,7 +25,6 @@ from app.serving.tokenizer import (
     Tokenizer,
     WordHashTokenizer,
 )
-from app.tiny_model import TINY_MODEL_NAME, build_tokenizer
 from tests.unit.test_live_router import Utf8Bytes
 
 pytestmark = pytest.mark.unit

@@ -82,7 +82,7 @@ def test_the_overhead_command_prints_its_figures():
 
 def test_a_trained_predictor_is_timed_in_batches():
     from app.experiments.overhead import measure
-    from app.workload import Content
+    from app.workloads.workload import Content
     from predictor.base import PredictionInput
     from predictor.history import HistoryPredictor
 
@@ -99,7 +99,7 @@ def test_requests_carry_deadlines_so_the_decisions_spread_over_the_instances():
     """Without deadlines every GPU is just enough and all arrivals would join one
     instance, leaving the status updates and watchdog checks of the rest unmeasured."""
     from app.experiments.overhead import measure
-    from app.workload import Content
+    from app.workloads.workload import Content
 
     pool = [Content(200 + 50 * (i % 7), 30 + 10 * (i % 5), (i,)) for i in range(64)]
     result = measure(8, 400.0, 0.5, pool, None, seed=1, warmup_s=0.3, slo_scale=1.5)
@@ -110,7 +110,7 @@ def test_requests_carry_deadlines_so_the_decisions_spread_over_the_instances():
 
 def test_several_routers_each_lay_their_share_on_their_own_thread():
     from app.experiments.overhead import measure
-    from app.workload import Content
+    from app.workloads.workload import Content
 
     pool = [Content(200 + 50 * (i % 7), 30 + 10 * (i % 5), (i,)) for i in range(64)]
     one = measure(8, 400.0, 0.5, pool, None, seed=2, warmup_s=0.3)
@@ -133,7 +133,7 @@ def test_the_routers_start_up_heap_is_frozen_for_the_run_as_serve_does(monkeypat
 
     from app.experiments import overhead
     from app.sim.simulator import Simulator
-    from app.workload import Content
+    from app.workloads.workload import Content
 
     frozen_during_run = []
     run = Simulator.run
@@ -218,7 +218,7 @@ def test_timed_replicas_still_share_their_budgets_and_learn_each_others_finishes
 
 def test_a_replicas_report_is_timed_apart_from_its_decisions():
     from app.experiments.overhead import measure
-    from app.workload import Content
+    from app.workloads.workload import Content
 
     pool = [Content(200 + 50 * (i % 7), 30 + 10 * (i % 5), (i,)) for i in range(64)]
     four = measure(8, 400.0, 0.5, pool, None, seed=2, warmup_s=0.3, routers=4)

@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from app.hardware import make_instance
+from app.hardware.specs import make_instance
 from app.planning.allocator import LengthMoments
 from app.planning.distributions import LengthDist
 from app.planning.queues import MgkQueue
@@ -24,8 +24,8 @@ from app.planning.served import (
     prefix_hits,
 )
 from app.planning.split import EngineKind
-from app.sessions import SessionTimeline
-from app.workload import WorkloadRequest
+from app.workloads.sessions import SessionTimeline
+from app.workloads.workload import WorkloadRequest
 
 pytestmark = pytest.mark.unit
 
@@ -89,7 +89,7 @@ def test_idle_gaps_run_from_the_parent_s_last_touch_to_the_child_s_arrival():
 def test_a_step_waits_for_its_tool_or_its_own_arrival_whichever_comes_later():
     """As `StepReleases` issues steps: step 1 is ready at 13 s but arrives at 15 s;
     step 2 arrived long before it is ready; step 3 joins both branches."""
-    from app.sessions import AgentSession, AgentStep, sessions_workload
+    from app.workloads.sessions import AgentSession, AgentStep, sessions_workload
 
     def step(step_id: str, wait_for: tuple[str, ...], tool_wait_s: float,
              arrival_offset_s: float = 0.0) -> AgentStep:
@@ -111,8 +111,8 @@ def test_a_prefill_engine_loses_session_contexts_when_its_cache_overflows():
     """Chat sessions on one H800 prefill engine: at a light rate every step finds its
     context cached; at a rate whose parked contexts overflow the KV, steps recompute
     theirs and the engine carries fewer steps than the never-evicting count says."""
-    from app.sessions import SessionPreset, preset_workload
-    from app.workload import Arrivals, SyntheticArrivals
+    from app.workloads.sessions import SessionPreset, preset_workload
+    from app.workloads.workload import Arrivals, SyntheticArrivals
 
     workload = preset_workload(SessionPreset.CHAT_AGENT,
                                SyntheticArrivals(Arrivals.POISSON, 1.0, 300.0), 131072, 7)

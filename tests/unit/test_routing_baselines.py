@@ -6,9 +6,9 @@ from collections import Counter
 
 import pytest
 
-from app.config import EngineRole
-from app.engine_types import EngineStatus
-from app.hardware import make_instance
+from app.engines.config import EngineRole
+from app.engines.messages import EngineStatus
+from app.hardware.specs import make_instance
 from app.routing.base import Reject
 from app.routing.baselines import (
     LeastRequestPolicy,
@@ -16,8 +16,9 @@ from app.routing.baselines import (
     RandomPolicy,
     RoundRobinPolicy,
 )
+from app.routing.instance_view import InstanceView
 from app.routing.registry import POLICY_REGISTRY, SIM_ONLY, PolicyKind, make_policy
-from app.routing.view import ClusterView, InstanceView, RouteRequest
+from app.routing.view import ClusterView, RouteRequest
 
 pytestmark = pytest.mark.unit
 

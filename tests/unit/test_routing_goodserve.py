@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from app.engine_types import EngineStatus
+from app.engines.messages import EngineStatus
 from app.routing.base import ActiveRequest, Reject
 from app.routing.budgets import SlackBudgets
 from app.routing.goodserve import (
@@ -1061,7 +1061,7 @@ def test_long_context_estimates_follow_the_hardware_model_and_leave_short_ones_a
     """At a 1k-token span the per-token figures stand; on a 60k context the scaled
     prefill (a full recompute) and decode track the hardware model's own times, where
     the unscaled figures are about 2x and 1.4x short."""
-    from app.hardware import make_instance
+    from app.hardware.specs import make_instance
     from app.routing.goodserve.latency import context_factors, for_context, prefill_time_s
 
     spec = make_instance("A800", "llama-3.1-8b")

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 import app.experiments.replay
 from app.cli import cli
-from app.knob_cli import flag, is_flag, knob_options
+from app.experiments.knob_cli import flag, is_flag, knob_options
 from app.routing.goodserve import GoodServeConfig, SloWatchdog
 from app.routing.registry import RoutingStack
 from app.serving.config import load_serve_config

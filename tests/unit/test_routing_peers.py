@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from app.engine_types import EngineStatus, PrefillTotals
+from app.engines.messages import EngineStatus, PrefillTotals
 from app.routing.base import Reject
 from app.routing.cache_aware import PreblePolicy
 from app.routing.kv_router import KvRouterPolicy, softmax_pick

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import pytest
 
-from app.engine_types import (
+from app.engines.messages import (
     EngineRequest,
     SamplingSpec,
     StructuredOutput,

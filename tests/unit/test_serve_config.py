@@ -75,7 +75,7 @@ def test_cluster_yaml_node_types_can_host_the_gpu_serve_config():
     units (and Ray GPUs) for every engine of configs/aws-gpu.yaml."""
     import yaml
 
-    from app.hardware import GPU_CATALOG
+    from app.hardware.specs import GPU_CATALOG
 
     root = Path(__file__).resolve().parents[2]
     nodes = yaml.safe_load((root / "cluster.yaml").read_text())["available_node_types"]

@@ -8,9 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.config import load_cluster_config
+from app.engines.config import load_cluster_config
 from app.routing.registry import RoutingOptions, build_routing
-from app.sessions import (
+from app.sim.records import RequestOutcome
+from app.sim.simulator import Simulator
+from app.workloads.sessions import (
     AgentSession,
     AgentStep,
     Release,
@@ -22,10 +24,8 @@ from app.sessions import (
     preset_workload,
     sessions_workload,
 )
-from app.sim.records import RequestOutcome
-from app.sim.simulator import Simulator
-from app.slo import assign_slos, reference_instance, solo_latencies_s
-from app.workload import Arrivals, SyntheticArrivals
+from app.workloads.slo import assign_slos, reference_instance, solo_latencies_s
+from app.workloads.workload import Arrivals, SyntheticArrivals
 
 pytestmark = pytest.mark.unit
 
@@ -354,7 +354,7 @@ def _replay_workload(tmp_path, **kwargs):
 
 
 def test_content_modes_of_the_replay_command(tmp_path):
-    from app.workload import ContentMode
+    from app.workloads.workload import ContentMode
 
     trace = tmp_path / "t.jsonl"
     trace.write_text("\n".join(json.dumps({"timestamp": 100 * i, "input_length": 600 + i,

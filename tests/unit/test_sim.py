@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from app.config import EngineRole, SchedulerConfig
-from app.hardware import make_instance
-from app.kv_link import KvLink
+from app.engines.config import EngineRole, SchedulerConfig
+from app.hardware.kv_link import KvLink
+from app.hardware.specs import make_instance
 from app.routing.base import ActiveRequest, Reject, RoutingPolicy, Watchdog
 from app.routing.baselines import LeastRequestPolicy, RandomPolicy
 from app.routing.disaggregated import LeastTtftPolicy
@@ -22,7 +22,7 @@ from app.sim.instance import InstanceSetup, Pool, SimInstance
 from app.sim.metrics import summarize
 from app.sim.records import RequestOutcome
 from app.sim.simulator import Simulator
-from app.workload import WorkloadRequest
+from app.workloads.workload import WorkloadRequest
 
 pytestmark = pytest.mark.unit
 

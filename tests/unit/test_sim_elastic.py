@@ -10,21 +10,21 @@ from dataclasses import replace
 
 import pytest
 
-from app.config import EngineRole, SchedulerConfig
 from app.control.controller import Controller, ControllerSettings, StageSlo
 from app.control.plan import ScalingRules
 from app.control.strategies import StaticScaler
-from app.hardware import make_instance
+from app.engines.config import EngineRole, SchedulerConfig
+from app.hardware.specs import make_instance
 from app.planning.inventory import DECODE, PREFILL, UNIFIED, PoolTargets, Stock
 from app.planning.split import EngineKind
 from app.routing.baselines import LeastRequestPolicy
 from app.routing.move_path import MoveRule
-from app.sessions import file_workload
 from app.sim.elastic import ElasticPools
 from app.sim.instance import InstanceSetup
 from app.sim.records import RequestOutcome
 from app.sim.simulator import Simulator
-from app.workload import Workload, WorkloadRequest
+from app.workloads.sessions import file_workload
+from app.workloads.workload import Workload, WorkloadRequest
 
 pytestmark = pytest.mark.unit
 

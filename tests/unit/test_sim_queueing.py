@@ -18,7 +18,7 @@ import pytest
 from app.routing.baselines import LeastRequestPolicy
 from app.sim.simulator import Simulator
 from app.sim.toy import geometric_lengths, single_server_setup
-from app.workload import Content, Workload, make_workload, poisson_arrivals
+from app.workloads.workload import Content, Workload, make_workload, poisson_arrivals
 
 pytestmark = pytest.mark.unit
 

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from app.cli import cli
-from app.config import load_cluster_config
+from app.engines.config import load_cluster_config
 from app.experiments.replay import Arrivals, ReplaySpec, build_workload, parse_policies, run_replay
 
 pytestmark = pytest.mark.unit

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from app.config import ClusterConfig, EngineConfig, InstanceGroup
 from app.control.controller import ControlStep
 from app.control.observe import IntervalStats
 from app.control.plan import EngineRecord, EngineState, PlanDiff
+from app.engines.config import ClusterConfig, EngineConfig, InstanceGroup
 from app.planning.inventory import PoolTargets, Stock
 from app.planning.split import EngineKind
 from app.routing.registry import build_routing
@@ -21,7 +21,7 @@ from app.routing.view import RouteRequest
 from app.serving.config import ServeConfig
 from app.serving.live_router import EngineLost, LiveRouter, RequestRejected
 from app.serving.service import CompletionService
-from app.telemetry import ControllerMetrics, MigrationReason, Outcome, RouterMetrics
+from app.serving.telemetry import ControllerMetrics, MigrationReason, Outcome, RouterMetrics
 from deployments.dashboards import DASHBOARDS, GRAFANA_DIR, all_queries, dashboard_json
 from tests.unit.metrics_utils import RecordingFactory
 from tests.unit.test_live_router import ScriptedEngine, body, drain, request

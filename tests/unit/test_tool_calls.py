@@ -16,8 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from app.config import ClusterConfig, EngineBackend, EngineConfig, InstanceGroup
-from app.engine_types import EngineRequest, StructuredOutput, TokenEvent
+from app.engines.config import ClusterConfig, EngineBackend, EngineConfig, InstanceGroup
+from app.engines.messages import EngineRequest, StructuredOutput, TokenEvent
 from app.serving.api import ApiError, ChatCompletionRequest, parse_body
 from app.serving.config import RoutingConfig, ServeConfig
 from app.serving.service import CompletionService

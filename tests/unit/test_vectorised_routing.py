@@ -15,14 +15,15 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from app.config import EngineRole
-from app.engine_types import EngineStatus
-from app.hardware import make_instance
+from app.engines.config import EngineRole
+from app.engines.messages import EngineStatus
+from app.hardware.specs import make_instance
 from app.routing.arrays import ViewArrays, ViewColumns
 from app.routing.goodserve import GoodServeConfig, JustEnoughPolicy, JustEnoughVariant
+from app.routing.instance_view import InstanceView
 from app.routing.length import RunningHistoryLength
 from app.routing.status import StatusEstimator
-from app.routing.view import ClusterView, FinishReport, InstanceView, RouteRequest
+from app.routing.view import ClusterView, FinishReport, RouteRequest
 
 pytestmark = pytest.mark.unit
 
@@ -248,8 +249,8 @@ def test_a_simulated_run_places_every_request_alike_on_both_paths():
     from app.routing.registry import PolicyKind, RoutingOptions, build_routing
     from app.sim.instance import setups_from_config
     from app.sim.simulator import Simulator
-    from app.slo import assign_slos
-    from app.workload import Content, poisson_workload
+    from app.workloads.slo import assign_slos
+    from app.workloads.workload import Content, poisson_workload
 
     pool = [Content(200 + 300 * (i % 9), 40 + 60 * (i % 7), (i % 5, i)) for i in range(64)]
     workload = poisson_workload(250.0, 4.0, pool, seed=2)

@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from app.hardware import make_instance
-from app.sessions import load_session_trace
-from app.slo import assign_slos, parse_scales, reference_instance, solo_latencies_s
-from app.workload import (
+from app.hardware.specs import make_instance
+from app.workloads.sessions import load_session_trace
+from app.workloads.slo import assign_slos, parse_scales, reference_instance, solo_latencies_s
+from app.workloads.workload import (
     Arrivals,
     BurstDistribution,
     Content,
@@ -368,7 +368,7 @@ def test_parse_scales() -> None:
 
 
 def test_demo_workload_is_seeded_and_shares_a_system_prompt():
-    from app.demo import demo_contents, demo_workload
+    from app.experiments.demo import demo_contents, demo_workload
 
     contents = demo_contents(seed=3)
     assert contents == demo_contents(seed=3) and contents != demo_contents(seed=4)

@@ -11,8 +11,9 @@ from collections.abc import Sequence
 
 from app.routing.goodserve.config import GoodServeConfig
 from app.routing.goodserve.latency import Candidate
+from app.routing.instance_view import InstanceId
 from app.routing.quantiles import SortedWindow
-from app.routing.view import InstanceId, RouteRequest
+from app.routing.view import RouteRequest
 
 
 class RecentAdmissions:

@@ -3,7 +3,7 @@
 Each field carries its default, its bounds and a one-line meaning. The serve YAML's
 `routing` section (`app/serving/config.py: RoutingConfig`) subclasses this model, the
 replay and experiment command lines generate their options from its fields
-(`app/knob_cli.py`), and the policy and watchdog read it directly, so a new
+(`app/experiments/knob_cli.py`), and the policy and watchdog read it directly, so a new
 knob is added here and nowhere else. Why each default is what it is, with the
 measurements, is in docs/goodserve-routing.md under the knob's name.
 """
@@ -14,7 +14,7 @@ from enum import StrEnum
 
 from pydantic import ConfigDict, Field
 
-from app.config import Frozen
+from app.engines.config import Frozen
 from app.routing.length import OutputLengthEstimator, PredictorLength
 
 # The stall factor's default depends on the length estimator's errors: a trained

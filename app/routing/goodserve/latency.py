@@ -15,10 +15,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from app.hardware import InstanceSpec
+from app.hardware.specs import InstanceSpec
 from app.routing.budgets import SlackBudgets
+from app.routing.instance_view import InstanceId, InstanceView
 from app.routing.status import InstanceEstimate, StatusEstimator
-from app.routing.view import ClusterView, InstanceId, InstanceView, RouteRequest
+from app.routing.view import ClusterView, RouteRequest
 
 
 def capability_s_per_token(spec: InstanceSpec) -> float:

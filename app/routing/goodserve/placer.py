@@ -17,8 +17,9 @@ from app.routing.budgets import SlackBudgets
 from app.routing.goodserve.admissions import RecentAdmissions
 from app.routing.goodserve.config import GoodServeConfig, JustEnoughVariant
 from app.routing.goodserve.latency import Candidate, capability_s_per_token, score_instances
+from app.routing.instance_view import InstanceView
 from app.routing.status import StatusEstimator
-from app.routing.view import ClusterView, InstanceView, RouteRequest
+from app.routing.view import ClusterView, RouteRequest
 
 
 def pick_just_enough(

@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
-from app.engine_types import EngineStatus
+from app.engines.messages import EngineStatus
 from app.routing.base import Reject, RejectCode, RouteDecision, RoutingPolicy
 from app.routing.budgets import SlackBudgets
 from app.routing.goodserve import vectorised
@@ -14,16 +14,10 @@ from app.routing.goodserve.admissions import RecentAdmissions
 from app.routing.goodserve.config import GoodServeConfig
 from app.routing.goodserve.latency import Candidate
 from app.routing.goodserve.placer import JustEnoughPlacer, fallback
+from app.routing.instance_view import InstanceId, InstanceView
 from app.routing.length import OutputLengthEstimator, bounded_output
 from app.routing.status import StatusEstimator
-from app.routing.view import (
-    ClusterView,
-    FinishReport,
-    InstanceId,
-    InstanceView,
-    RouteRequest,
-    StepReport,
-)
+from app.routing.view import ClusterView, FinishReport, RouteRequest, StepReport
 
 
 class JustEnoughPolicy(RoutingPolicy):

@@ -21,8 +21,9 @@ from app.routing.budgets import SlackBudgets
 from app.routing.goodserve.admissions import RecentAdmissions
 from app.routing.goodserve.config import JustEnoughVariant
 from app.routing.goodserve.latency import SHORT_SPAN_TOKENS, Candidate, kv_wait_s
+from app.routing.instance_view import InstanceView
 from app.routing.status import StatusEstimator
-from app.routing.view import ClusterView, InstanceView, RouteRequest
+from app.routing.view import ClusterView, RouteRequest
 
 
 @dataclass(frozen=True)

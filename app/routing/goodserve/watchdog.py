@@ -15,9 +15,10 @@ from app.routing.goodserve.admissions import RecentAdmissions
 from app.routing.goodserve.config import GoodServeConfig, LengthReestimate
 from app.routing.goodserve.latency import Candidate, capability_s_per_token
 from app.routing.goodserve.placer import JustEnoughPlacer
+from app.routing.instance_view import InstanceId, InstanceView
 from app.routing.length import OutputLengthEstimator, bounded_output
 from app.routing.status import InstanceEstimate, StatusEstimator
-from app.routing.view import ClusterView, FinishReport, InstanceId, InstanceView, RouteRequest
+from app.routing.view import ClusterView, FinishReport, RouteRequest
 
 
 class SloWatchdog(Watchdog):

@@ -28,7 +28,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from app.workload import (
+from app.workloads.session_graph import SessionGraph
+from app.workloads.workload import (
     Arrivals,
     Count,
     Identifier,
@@ -45,7 +46,7 @@ from app.workload import (
 SESSION_BLOCK_TOKENS = 256  # tokens per prefix-hash block of generated session prompts
 
 
-# ---- the session graph ----------------------------------------------------------
+# ---- sessions and the workload they make ---------------------------------------
 
 
 @dataclass(frozen=True)
@@ -87,42 +88,6 @@ class AgentSession:
         if not self.steps or self.steps[0].wait_for or self.steps[0].arrival_offset_s:
             raise ValueError(f"session {self.session_id}: the first step must wait for "
                              "nothing and arrive with its session")
-
-
-@dataclass(frozen=True)
-class SessionGraph:
-    """Dependencies between the requests of a workload, by request index."""
-
-    parents: tuple[tuple[int, ...], ...]  # index -> indices it waits for
-    tool_wait_s: tuple[float, ...]  # index -> wait after its last parent ends
-    # index -> the earliest it may be issued (its own arrival); None: as soon as ready
-    earliest_s: tuple[float, ...] | None = None
-
-    def __post_init__(self) -> None:
-        if len(self.parents) != len(self.tool_wait_s):
-            raise ValueError("one tool wait per request")
-        if self.earliest_s is not None and len(self.earliest_s) != len(self.parents):
-            raise ValueError("one earliest issue time per request")
-
-    def release_s(self, index: int, ready_s: float) -> float:
-        """When request `index` is issued once it is ready at `ready_s`."""
-        return ready_s if self.earliest_s is None else max(ready_s, self.earliest_s[index])
-
-    def issue_after_s(self, index: int, last_parent_end_s: float) -> float:
-        """When step `index` is issued after its last parent ended at
-        `last_parent_end_s`: its tool wait later, and not before its own arrival."""
-        return self.release_s(index, last_parent_end_s + self.tool_wait_s[index])
-
-    @property
-    def roots(self) -> list[int]:
-        return [i for i, p in enumerate(self.parents) if not p]
-
-    def children(self) -> list[list[int]]:
-        out: list[list[int]] = [[] for _ in self.parents]
-        for child, parents in enumerate(self.parents):
-            for parent in parents:
-                out[parent].append(child)
-        return out
 
 
 def sessions_workload(

@@ -21,7 +21,7 @@ from pydantic import (
     model_validator,
 )
 
-from app.hardware import GPU_CATALOG, MODEL_CATALOG, InstanceSpec, get_gpu, get_model
+from app.hardware.specs import GPU_CATALOG, MODEL_CATALOG, InstanceSpec, get_gpu, get_model
 from app.routing.move_path import MoveRule
 from app.routing.priority import PriorityRule
 

@@ -19,7 +19,7 @@ from datetime import datetime
 from enum import StrEnum
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import numpy as np
 from pydantic import (
@@ -36,10 +36,8 @@ from pydantic_core import PydanticCustomError
 
 from app.engines.prefix import prefix_block_hashes
 from app.routing.view import RouteRequest
+from app.workloads.session_graph import SessionGraph
 from predictor.jsonl import iter_jsonl_objects
-
-if TYPE_CHECKING:
-    from app.sessions import SessionGraph
 
 MOONCAKE_BLOCK_TOKENS = 512  # tokens per Mooncake hash_id
 TEXT_BYTES_PER_BLOCK = 64  # ~16 Llama-3 tokens of English text
@@ -108,7 +106,7 @@ class Workload:
     `duration_s` is the denominator of goodput: the requested window when one was
     given (Poisson, windowed trace), otherwise last minus first arrival. With a
     `graph` (agent sessions) the workload is closed-loop: a request is issued when the
-    ones it waits for have finished, plus its tool wait (`app.sessions`).
+    ones it waits for have finished, plus its tool wait (`app.workloads.sessions`).
     """
 
     requests: tuple[WorkloadRequest, ...]

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from app.hardware import InstanceSpec, make_instance
-from app.workload import Workload, WorkloadRequest
+from app.hardware.specs import InstanceSpec, make_instance
+from app.workloads.workload import Workload, WorkloadRequest
 
 DEFAULT_SLO_SCALES: tuple[float, ...] = (1.0, 1.5, 2.0, 2.5, 3.0)
 DEFAULT_REFERENCE_GPU = "A800"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from app.hardware import get_model
+from app.hardware.specs import get_model
 
 TINY_MODEL_NAME = "tiny-llama"
 _CORPUS_SENTENCES = (

