@@ -190,6 +190,7 @@ async def send(client: httpx.AsyncClient, request: WorkloadRequest, model_name: 
         body["task"] = request.task
     if request.session_id is not None:
         body["session_id"] = request.session_id
+        body["session_step"] = request.step_index
     sent = time.monotonic()
     reply, error = None, None
     try:

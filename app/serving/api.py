@@ -205,6 +205,15 @@ class _OpenAiBody(BaseModel):
         description="agent session (conversation) this request continues: session-affinity "
         "routing keeps a session on one engine, and length estimates learn from its "
         "earlier steps")
+    session_step: int | None = Field(
+        None, ge=0, description="this request's step in its session, 0 for the first: a "
+        "session is admitted or turned away at its first step, never later (default: "
+        "a chat request's assistant turns, else 0)")
+
+    @property
+    def step_index(self) -> int:
+        """The request's step in its session (`session_step`, else inferred)."""
+        return self.session_step if self.session_step is not None else 0
 
     @field_validator("stop")
     @classmethod
@@ -432,6 +441,14 @@ class ChatCompletionRequest(_OpenAiBody):
                 self.response_format is not None or self.structured_outputs is not None):
             raise ValueError("tool_choice: cannot be combined with response_format")
         return self
+
+    @property
+    def step_index(self) -> int:
+        """`session_step`, else the assistant turns already in the conversation: each
+        ended an earlier step."""
+        if self.session_step is not None:
+            return self.session_step
+        return sum(isinstance(m, AssistantMessage) for m in self.messages)
 
     @property
     def calls_tools(self) -> bool:

@@ -51,6 +51,7 @@ class GenerationRequest:
     task: str | None = None
     streamed: bool = False  # the client sees tokens as they come (a rerun must match them)
     session_id: str | None = None  # the agent session (conversation) it continues
+    step_index: int = 0  # its step in that session, 0 for the first
     # time.perf_counter() when it reached the router (arrival_s is on the router's clock,
     # wall time, which can step): where arrival-to-placement is measured from; None: at
     # `LiveRouter.submit`

@@ -251,6 +251,7 @@ class LiveRouter:
             prompt=request.prompt_text,
             task=request.task,
             session_id=request.session_id,
+            step_index=request.step_index,
             max_output_tokens=request.sampling.max_tokens,
             priority=self.request_priority.priority(deadline_s),
         )

@@ -393,6 +393,7 @@ class CompletionService:
                 task=body.task,
                 streamed=body.stream,
                 session_id=body.session_id,
+                step_index=body.step_index,
                 received_perf_s=received_perf_s,
             ))
         return request_id, requests

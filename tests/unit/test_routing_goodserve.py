@@ -494,6 +494,19 @@ def test_admission_control_rejects_early_with_reason():
     assert policy.choose(make_request(math.inf), cluster, 0.0) == "A40"
 
 
+def test_admission_control_admits_a_session_at_its_first_step_only():
+    """A session is turned away at its first step; a later step that no instance can
+    meet is served best effort, since rejecting it would end a session already
+    admitted."""
+    policy = policy_with_speeds(admission=True, H800=0.01, A800=0.015, A40=0.04)
+    cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
+    first = policy.choose(make_request(0.5, rid="s/0", session_id="s"), cluster, 0.0)
+    assert isinstance(first, Reject) and "deadline" in first.reason
+    later = make_request(0.5, rid="t/3", session_id="t", step_index=3)
+    assert policy.choose(later, cluster, 0.0) == "H800"  # hopeless: best effort
+    assert isinstance(policy.choose(make_request(0.5, rid="lone"), cluster, 0.0), Reject)
+
+
 def test_admission_control_admits_what_meets_the_deadline_without_headroom():
     """Placement keeps half of T in reserve; admission control turns away only requests
     no instance meets even with none to spare (long prompts under overload, where a

@@ -18,7 +18,7 @@ import pytest
 
 from app.engines.config import ClusterConfig, EngineBackend, EngineConfig, InstanceGroup
 from app.engines.messages import EngineRequest, StructuredOutput, TokenEvent
-from app.serving.api import ApiError, ChatCompletionRequest, parse_body
+from app.serving.api import ApiError, ChatCompletionRequest, CompletionRequest, parse_body
 from app.serving.config import RoutingConfig, ServeConfig
 from app.serving.service import CompletionService
 from app.serving.tokenizer import HfTokenizer, Tokenizer
@@ -343,3 +343,23 @@ def test_simulated_engines_take_no_tool_parser():
     cluster = ClusterConfig(groups=[InstanceGroup(engine=EngineConfig(gpu_type="A40"))])
     with pytest.raises(ValueError, match="simulated engines generate no text"):
         ServeConfig(cluster=cluster, tool_call_parser="pythonic")
+
+
+def test_a_session_step_is_told_or_counted_from_the_assistant_turns():
+    """The router admits a session at its first step only, so it must know which step
+    a request is: `session_step` says it; a chat request without it counts the assistant
+    turns that ended earlier steps; a completion without it is a first step."""
+    turns = [{"role": "user", "content": "weather?"},
+             {"role": "assistant", "content": None, "tool_calls": [
+                 {"id": "c1", "type": "function",
+                  "function": {"name": "get_weather", "arguments": "{}"}}]},
+             {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+             {"role": "assistant", "content": "It is sunny."},
+             {"role": "user", "content": "and tomorrow?"}]
+    assert chat(messages=turns, session_id="s").step_index == 2
+    assert chat(messages=turns, session_id="s", session_step=0).step_index == 0
+    assert chat().step_index == 0
+    completion = json.dumps({"model": "m", "prompt": "p", "session_step": 5}).encode()
+    assert parse_body(completion, CompletionRequest).step_index == 5
+    with pytest.raises(ApiError, match="session_step"):
+        chat(session_step=-1)

@@ -81,7 +81,8 @@ class GoodServeConfig(Frozen):
     admission_control: bool = Field(
         False, description="reject early, with the reason, when no instance can meet the "
         "deadline even without headroom (else best effort on the least harmful fastest "
-        "instance)")
+        "instance); an agent session is admitted or turned away at its first step, and "
+        "its later steps are never rejected")
     triage: bool | None = Field(
         None, description="a request that no instance can finish by its deadline even with "
         "an optimistic length goes to the most backlogged instance, where it takes least "

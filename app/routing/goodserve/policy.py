@@ -20,6 +20,12 @@ from app.routing.status import StatusEstimator
 from app.routing.view import ClusterView, FinishReport, RouteRequest, StepReport
 
 
+def continues_session(request: RouteRequest) -> bool:
+    """A later step of an agent session: turning it away would end a session already
+    admitted, wasting its earlier steps and failing its later ones."""
+    return request.session_id is not None and request.step_index > 0
+
+
 class JustEnoughPolicy(RoutingPolicy):
     """GoodServe's router (paper Algorithm 1) with the project's additions named in
     its config: confident placement, the cold-start rule, the strongest-GPU
@@ -64,7 +70,7 @@ class JustEnoughPolicy(RoutingPolicy):
         if chosen is not None:
             self.admissions.record(chosen.instance_id, chosen.latency_s)
         elif (self.config.admission_control and request.has_deadline
-              and not arrival.meets_deadline(scored)):
+              and not continues_session(request) and not arrival.meets_deadline(scored)):
             return Reject(
                 f"no instance can meet the deadline: best estimate "
                 f"{arrival.fastest_s(scored):.2f} s for {request.deadline_s - now:.2f} s left"
