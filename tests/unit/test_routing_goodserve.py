@@ -427,17 +427,17 @@ def test_triage_sends_a_hopeless_request_to_the_most_backlogged_instance():
     assert policy.choose(make_request(0.5, rid="late2"), backlogged, 0.0) == "A800"
 
 
-def test_a_hopeless_session_step_is_not_triaged_unless_asked():
-    """The sink would become the session's home: its context stays cached there and
-    draws the next steps. A session's hopeless step is placed best effort instead (the
-    fastest, H800); `triage_session_steps` triages it like a lone request (A40)."""
+def test_a_hopeless_session_step_is_triaged_unless_told_not_to():
+    """Under overload the sink sheds hopeless steps of sessions too (the default); with
+    `triage_session_steps` off such a step is placed best effort (the fastest, H800),
+    where its session's next steps would fare better."""
     cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
     step = make_request(0.5, rid="step", session_id="s")
     assert policy_with_speeds(H800=0.01, A800=0.015, A40=0.04).choose(
-        step, cluster, 0.0) == "H800"
-    sink = policy_with_speeds(H800=0.01, A800=0.015, A40=0.04)
-    sink.config = sink.config.model_copy(update={"triage_session_steps": True})
-    assert sink.choose(replace(step, request_id="step2"), cluster, 0.0) == "A40"
+        step, cluster, 0.0) == "A40"
+    spread = policy_with_speeds(H800=0.01, A800=0.015, A40=0.04)
+    spread.config = spread.config.model_copy(update={"triage_session_steps": False})
+    assert spread.choose(replace(step, request_id="step2"), cluster, 0.0) == "H800"
 
 
 @pytest.mark.parametrize("vectorised", [False, True])
@@ -503,7 +503,7 @@ def test_admission_control_admits_a_session_at_its_first_step_only():
     first = policy.choose(make_request(0.5, rid="s/0", session_id="s"), cluster, 0.0)
     assert isinstance(first, Reject) and "deadline" in first.reason
     later = make_request(0.5, rid="t/3", session_id="t", step_index=3)
-    assert policy.choose(later, cluster, 0.0) == "H800"  # hopeless: best effort
+    assert policy.choose(later, cluster, 0.0) == "A40"  # hopeless: the triage sink
     assert isinstance(policy.choose(make_request(0.5, rid="lone"), cluster, 0.0), Reject)
 
 

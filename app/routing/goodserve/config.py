@@ -95,10 +95,10 @@ class GoodServeConfig(Frozen):
         "the same: their latency is mostly the known queue and prefill, so the history's "
         "guess cannot make them look hopeless; None = never (triage false: never either)")
     triage_session_steps: bool = Field(
-        False, description="triage applies to agent-session steps too; off: a hopeless "
-        "step is placed best effort instead, since where it runs is where its session's "
-        "context is cached for the steps that follow, and the most backlogged instance "
-        "is the worst home for them")
+        True, description="triage applies to agent-session steps too; off: a hopeless "
+        "step is placed best effort instead, where its session's next steps are better "
+        "off (its context stays cached where it runs), at the cost of spreading the "
+        "hopeless work under overload")
     session_homes: bool = Field(
         True, description="best effort for an agent-session step only among instances "
         "that would meet its deadline once their queues drained, where any would: the "

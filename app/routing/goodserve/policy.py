@@ -103,8 +103,8 @@ class JustEnoughPolicy(RoutingPolicy):
     def triages(self, request: RouteRequest) -> bool:
         """Whether a hopeless `request` goes to the triage sink: always when triage is
         on; else when its context is long enough that its latency is mostly the known
-        queue and prefill, not the guessed output (`triage_min_context_tokens`). Never
-        a session's step unless `triage_session_steps`."""
+        queue and prefill, not the guessed output (`triage_min_context_tokens`). A
+        session's step only with `triage_session_steps`."""
         if request.session_id is not None and not self.config.triage_session_steps:
             return False
         if self.config.triage:
