@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from app.engines.config import ClusterConfig, EngineConfig, InstanceGroup, SchedulerConfig
+from app.hardware.specs import BatchShape, InstanceSpec
 from app.serving.config import RoutingConfig, ServeConfig, load_serve_config
 from tests.conftest import serving
 
@@ -53,3 +54,36 @@ def pd_service(name: str, kv_link_gbps: float = 1.0) -> Iterator[tuple[str, Serv
 def post(url: str, path: str, **body) -> httpx.Response:
     payload = {"model": "goodserve", "prompt": "route me " * 50, "max_tokens": 8} | body
     return httpx.post(url + path, json=payload, timeout=120)
+
+
+def instance_specs(url: str) -> dict[str, InstanceSpec]:
+    """The hardware model of each instance the router at `url` serves."""
+    rows = httpx.get(url + "/v1/instances", timeout=30).json()["instances"]
+    return {r["instance_id"]: EngineConfig(gpu_type=r["gpu_type"], tp=r["tp"]).instance
+            for r in rows}
+
+
+def engine_pace(summary: dict, spec: InstanceSpec, num_prompt_tokens: int,
+                num_output_tokens: int, *, num_seqs: int = 1) -> float:
+    """How many times slower than its hardware model the request's (decode) engine ran
+    while the request decoded, as the router saw its tokens come; at least 1.
+
+    A simulated engine sleeps each iteration's modelled time and the router estimates in
+    that model time; a machine busy with other work wakes the engine late, so whatever
+    it holds, queue included, ends later by about this factor. `num_seqs`: the largest
+    batch the request decoded in (the model's time per token is then the longest, and
+    the pace the least)."""
+    context = num_prompt_tokens + num_output_tokens // 2
+    batch = BatchShape(num_decode_seqs=num_seqs, decode_context_tokens=num_seqs * context)
+    model_s = (num_output_tokens - 1) * spec.iteration_time_s(batch)
+    decode_s = summary["e2e_s"] - summary["ttft_s"] - (summary["kv_transfer_s"] or 0.0)
+    return max(1.0, decode_s / model_s)
+
+
+def met_at_engine_pace(summary: dict, spec: InstanceSpec, usage: dict, *,
+                       num_seqs: int = 1) -> bool:
+    """Whether the request ended within its deadline stretched by its engine's pace: the
+    deadline kept as the router's model-time estimates see it, however busy the machine."""
+    pace = engine_pace(summary, spec, usage["prompt_tokens"], usage["completion_tokens"],
+                       num_seqs=num_seqs)
+    return summary["e2e_s"] <= summary["slo_s"] * pace

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.conftest import STRONGEST, WEAKEST, post
+from tests.integration.conftest import (
+    STRONGEST,
+    WEAKEST,
+    instance_specs,
+    met_at_engine_pace,
+    post,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -22,4 +28,6 @@ def test_just_enough_live_weak_gpu_for_loose_deadlines_strong_for_tight(live_url
     tight = post(live_url, "/v1/completions", max_tokens=100, slo_s=2.0).json()
     assert loose["goodserve"]["instance_ids"] == [WEAKEST]
     assert tight["goodserve"]["instance_ids"] == [STRONGEST]
-    assert loose["goodserve"]["met_deadline"] and tight["goodserve"]["met_deadline"]
+    specs = instance_specs(live_url)  # each met its deadline at its engine's pace
+    assert met_at_engine_pace(loose["goodserve"], specs[WEAKEST], loose["usage"])
+    assert met_at_engine_pace(tight["goodserve"], specs[STRONGEST], tight["usage"])
