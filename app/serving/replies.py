@@ -137,14 +137,16 @@ class ReplyStore:
         return log
 
     def produce(self, log: ReplyLog, producer: asyncio.Task) -> None:
-        """`producer` makes the reply; the log is kept `retain_s` after it ends."""
+        """`producer` makes the reply; the log is kept `retain_s` after it ends. One
+        cancelled (nobody read it) is forgotten: a retry takes the request up from what
+        its engine kept."""
         log.producer = producer
-        producer.add_done_callback(lambda _: self.ended(log))
+        producer.add_done_callback(lambda task: self.ended(log, task.cancelled()))
 
-    def ended(self, log: ReplyLog) -> None:
-        if not log.done:  # cancelled, or a bug: its readers must not hang
-            log.end(log.reply)
-        if self.logs.get(log.request_id) is log:
+    def ended(self, log: ReplyLog, cancelled: bool = False) -> None:
+        if cancelled:
+            self.discard(log, log.reply)
+        elif self.logs.get(log.request_id) is log:
             self._ended.ended(log.request_id)
         self.sweep()
 
