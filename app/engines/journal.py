@@ -119,7 +119,7 @@ class OutputJournal:
         finally:
             entry.num_readers -= 1
             if entry.num_readers == 0 and not entry.ended:
-                asyncio.get_running_loop().call_later(
+                asyncio.get_event_loop().call_later(
                     self.detached_grace_s, self._abort_if_detached, entry)
 
     def _abort_if_detached(self, entry: JournalEntry) -> None:
