@@ -1,7 +1,9 @@
 """Engine actor: the Ray shell around one engine backend (app/engines/).
 
 The backends (simulated or vLLM) hold all engine logic and are Ray-free; the actor
-only exposes them to the router and coalesces their token stream.
+only exposes them to the router, runs each submission through the output journal
+(app/engines/journal.py: it outlives the caller, and another router replica can read
+it) and coalesces the token stream.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import ray
 
 from app.engines.config import EngineConfig
 from app.engines.factory import make_backend
-from app.engines.messages import EngineRequest, EngineStatus, TokenEvent
+from app.engines.journal import OutputJournal
+from app.engines.messages import EngineRecord, EngineRequest, EngineStatus, TokenEvent
 from app.serving.streams import coalesce
 
 
@@ -33,6 +36,7 @@ class EngineActor:
 
     def __init__(self, engine_id: str, config: EngineConfig, owner: str | None = None) -> None:
         self.backend = make_backend(engine_id, config)
+        self.journal = OutputJournal(self.backend)  # generations outlive their callers
         # the controller's label, kept here so a restarted controller finds it again
         self.membership = Membership(owner)
 
@@ -42,11 +46,21 @@ class EngineActor:
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[list[TokenEvent]]:
         interval_s = self.backend.config.stream_interval_s
-        async for batch in coalesce(self.backend.generate(request), interval_s):
+        async for batch in coalesce(self.journal.generate(request), interval_s):
             yield batch
 
+    async def read(self, request_id: str, from_index: int) -> AsyncIterator[list[TokenEvent]]:
+        """A submission already started (by any caller), from output index `from_index`."""
+        interval_s = self.backend.config.stream_interval_s
+        async for batch in coalesce(self.journal.read(request_id, from_index), interval_s):
+            yield batch
+
+    def find(self, request_id: str) -> list[EngineRecord]:
+        """The submissions of client request `request_id` this engine holds."""
+        return self.journal.find(request_id)
+
     async def abort(self, request_id: str) -> bool:
-        return await self.backend.abort(request_id)
+        return await self.journal.abort(request_id)
 
     def status(self, with_prefix_digest: bool = False) -> EngineStatus:
         """Black-box figures; the prefix digest (every cached block hash) only on request,

@@ -25,14 +25,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
 from app.control.fleet import Member
-from app.engines.messages import EngineRequest, EngineStatus, TokenEvent
+from app.engines.messages import EngineRecord, EngineRequest, EngineStatus, TokenEvent
 from app.routing.budgets import budgets_of
 from app.serving.api import openapi_request_bodies
 from app.serving.auth import Access
 from app.serving.config import ServeConfig
 from app.serving.instances import EngineClient
 from app.serving.live_router import LiveRouter
-from app.serving.service import CompletionService, JsonReply
+from app.serving.service import CompletionService, JsonReply, StreamReply
 from app.serving.status_board import StatusChanges
 from deployments.cluster import ENGINE_NAMESPACE, EngineHandle, engine_ids
 from deployments.controller import controller_for, stop_controller
@@ -79,6 +79,14 @@ class ActorEngineClient(EngineClient):
         async for ref in stream:
             yield await ref
 
+    async def read(self, request_id: str, from_index: int) -> AsyncIterator[list[TokenEvent]]:
+        stream = self.actor.read.options(num_returns="streaming").remote(request_id, from_index)
+        async for ref in stream:
+            yield await ref
+
+    async def find(self, request_id: str) -> list[EngineRecord]:
+        return await self.actor.find.remote(request_id)
+
     async def abort(self, request_id: str) -> bool:
         return await self.actor.abort.remote(request_id)
 
@@ -106,11 +114,12 @@ def openapi_schema() -> dict:
 http_app.openapi = openapi_schema  # type: ignore[method-assign]
 
 
-def _reply(result: JsonReply | AsyncIterator[str]) -> Response:
+def _reply(result: JsonReply | StreamReply) -> Response:
     if isinstance(result, JsonReply):
         return JSONResponse(result.body, status_code=result.status_code,
                             headers=dict(result.headers))
-    return StreamingResponse(result, media_type="text/event-stream", headers=STREAM_HEADERS)
+    return StreamingResponse(result.events, media_type="text/event-stream",
+                             headers=STREAM_HEADERS | dict(result.headers))
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
@@ -202,7 +211,8 @@ class RouterDeployment:
         if denied := self._denied(request, Access.USER):
             return denied
         return _reply(await self.service.complete(await request.body(), chat=False,
-                                                  received_perf_s=received))
+                                                  received_perf_s=received,
+                                                  headers=request.headers))
 
     @http_app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -210,7 +220,8 @@ class RouterDeployment:
         if denied := self._denied(request, Access.USER):
             return denied
         return _reply(await self.service.complete(await request.body(), chat=True,
-                                                  received_perf_s=received))
+                                                  received_perf_s=received,
+                                                  headers=request.headers))
 
     @http_app.get("/v1/models")
     async def models(self, request: Request) -> Response:

@@ -187,6 +187,53 @@ class TokenEvent:
         return self.finish_reason is not None
 
 
+# An engine submission's id is the client request's, then "@<n>" for its n-th move and
+# ":prefill" for its prefill stage (`Flight.engine_request_id`); client ids hold neither.
+ATTEMPT_MARK = "@"
+PREFILL_SUFFIX = ":prefill"
+
+
+def client_request_id(engine_request_id: str) -> str:
+    """The client request an engine submission belongs to."""
+    return engine_request_id.removesuffix(PREFILL_SUFFIX).split(ATTEMPT_MARK)[0]
+
+
+def attempt_of(engine_request_id: str) -> int:
+    """The submission's number among its request's (0: the first; -1: a prefill stage)."""
+    if engine_request_id.endswith(PREFILL_SUFFIX):
+        return -1
+    _, mark, attempt = engine_request_id.partition(ATTEMPT_MARK)
+    return int(attempt) if mark else 0
+
+
+@dataclass(frozen=True)
+class EngineRecord:
+    """What an engine holds of one submission (`OutputJournal`): a router replica
+    re-attaches a request from it."""
+
+    request_id: str  # the engine submission's id
+    prompt_token_ids: tuple[int, ...]
+    resume_token_ids: tuple[int, ...]  # generated before this submission
+    events: tuple[TokenEvent, ...]  # this submission's tokens so far
+    ended: bool = False
+    aborted: bool = False  # ended without finishing (an abort, or its engine failed)
+
+    @property
+    def attempt(self) -> int:
+        return attempt_of(self.request_id)
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.events) and self.events[-1].finished and not self.aborted
+
+    def output_events(self, time_s: float) -> list[TokenEvent]:
+        """The whole output so far as events: the resumed tokens (stamped `time_s`),
+        then this submission's."""
+        resumed = [TokenEvent(self.request_id, token, index, time_s)
+                   for index, token in enumerate(self.resume_token_ids)]
+        return [*resumed, *self.events]
+
+
 @dataclass(frozen=True)
 class PrefillTotals:
     """An engine's prefill work since it started, as monotonic counters: a poller

@@ -1,12 +1,16 @@
 """Faults during a live replay: what happens to every request when an engine actor, a
 router replica or Ray Serve's HTTP proxy is killed mid-run.
 
-Each scenario serves the config (two router replicas), sends greedy completions at a
-fixed rate from client threads, kills one part a third of the way in and waits for
-every request. A request ends one of four ways:
-- completed: a 200 with its tokens (the shared-prompt ones are checked against an
-  unfaulted run, and every one that moved between engines is sent again once the
-  fault is over and must give the same text: all requests are greedy);
+Each scenario serves the config (two router replicas), sends greedy completions (every
+other one streamed, each with its `X-Request-Id`) at a fixed rate from client threads,
+kills one part a third of the way in and waits for every request. A client sends a
+request again as the OpenAI client does: twice, on a broken connection or a 5xx, with
+the same id; a stream resumes after the last event it read (`Last-Event-ID`). A
+request ends one of four ways:
+- completed: the client holds the whole answer (a 200 with its tokens, or a stream
+  through its finish reason and `[DONE]`); the shared-prompt ones are checked against
+  an unfaulted run, and every one that moved between engines or was sent again is sent
+  once more after the fault and must give the same text (all requests are greedy);
 - rejected: a 4xx / 503 OpenAI error, by its type (`slo_unattainable`, ...);
 - failed: a clear error, by kind (`engine_error`, an HTTP 500 from Ray Serve, a
   connection the server closed);
@@ -24,6 +28,7 @@ import json
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -59,7 +64,9 @@ class ScenarioResult:
     greedy_kept: int = 0  # ... and equal to it
     moved: int = 0  # completed requests that ran on more than one engine
     moved_kept: int = 0  # moved ones whose text an unfaulted resend gives again
-    retries: int = 0  # requests the application never saw (refused, unrouted), sent again
+    retries: int = 0  # sends beyond each request's first (refused, unrouted, 5xx, broken)
+    retried: int = 0  # completed requests sent more than once
+    retried_kept: int = 0  # ... whose text an unfaulted resend gives again
     replaced: bool | None = None  # router fault: Serve runs a new replica in its place
 
     def as_dict(self) -> dict:
@@ -73,22 +80,82 @@ def unrouted(reply: httpx.Response) -> bool:
     return reply.status_code == 404 and reply.text.startswith("Path '")
 
 
+MAX_RETRIES = 2  # the OpenAI client's default: a 408 / 409 / 429 / 5xx or a broken
+# connection is sent again (same request id) after 0.5 s, then 1 s (its backoff)
+RETRYABLE_STATUS = frozenset({408, 409, 429})
+
+
+def backoff_s(retry: int) -> float:
+    return min(0.5 * 2**retry, 8.0)
+
+
+@dataclass
+class StreamProgress:
+    """What a streaming client holds: the text, the id of the last event it read (sent
+    back as `Last-Event-ID` when it reconnects) and how the stream ended."""
+
+    text: str = ""
+    last_event_id: str | None = None
+    finish_reason: str | None = None
+    done: bool = False  # `[DONE]` came
+    error: str | None = None  # an error event's type
+    summary: dict | None = None  # the closing chunk's `goodserve` summary
+
+    def take(self, lines: Iterable[str]) -> None:
+        """A stream's lines; an event's id counts once its data is read."""
+        pending_id = None
+        for line in lines:
+            if line.startswith("id: "):
+                pending_id = line.removeprefix("id: ")
+            if not line.startswith("data: "):
+                continue
+            data = line.removeprefix("data: ")
+            if data == "[DONE]":
+                self.done = True
+                return
+            chunk = json.loads(data)
+            if "error" in chunk:
+                self.error = chunk["error"].get("type") or "error"
+                continue
+            for choice in chunk.get("choices", ()):
+                self.text += choice.get("text") or ""
+                self.finish_reason = choice.get("finish_reason") or self.finish_reason
+            self.summary = chunk.get("goodserve", self.summary)
+            if pending_id is not None:
+                self.last_event_id, pending_id = pending_id, None
+
+    def reply(self) -> dict:
+        """The stream as the whole reply would read."""
+        return {"choices": [{"text": self.text, "finish_reason": self.finish_reason}],
+                "goodserve": self.summary or {"instance_ids": []}}
+
+
 class _Client:
-    """One request per call; classifies how it ended."""
+    """One request per call, named by its id and sent again as the OpenAI client does
+    (and a stream resumed after its last event); classifies how it ended: completed
+    only when the client holds the whole answer."""
 
     def __init__(self, url: str, timeout_s: float) -> None:
         self.url = url
         self.timeout_s = timeout_s
 
-    def send(self, body: dict) -> tuple[str, str, dict | None, int]:
+    def send(self, body: dict, request_id: str | None = None
+             ) -> tuple[str, str, dict | None, int]:
         """(outcome, reason, reply body, retries); outcome completed / rejected / failed /
         lost."""
         give_up_s = time.monotonic() + CONNECT_WAIT_S
         attempt = 0
+        num_retries = 0
+        progress = StreamProgress()
+        headers = {} if request_id is None else {"X-Request-Id": request_id}
         while True:
             try:
-                reply = httpx.post(self.url + "/v1/completions", json=body,
-                                   timeout=self.timeout_s)
+                if body.get("stream"):
+                    outcome = self._stream(body, headers, progress)
+                else:
+                    outcome = self._classify(httpx.post(
+                        self.url + "/v1/completions", json=body, headers=headers,
+                        timeout=self.timeout_s))
             except httpx.ConnectError:
                 if time.monotonic() > give_up_s:
                     return "failed", "connection refused", None, attempt
@@ -98,15 +165,38 @@ class _Client:
             except httpx.TimeoutException:
                 return "lost", "no answer in time", None, attempt
             except httpx.HTTPError:  # the server closed the connection mid-request
-                return "failed", "connection closed", None, attempt
-            if unrouted(reply) and time.monotonic() <= give_up_s:
+                outcome = ("failed", "connection closed", None)
+            if outcome[1] == "unrouted" and time.monotonic() <= give_up_s:
                 attempt += 1
                 time.sleep(1.0)
                 continue
-            return (*self._classify(reply), attempt)
+            if retryable(*outcome[:2]) and num_retries < MAX_RETRIES and request_id:
+                time.sleep(backoff_s(num_retries))
+                num_retries += 1
+                attempt += 1
+                continue
+            return (*outcome, attempt)
+
+    def _stream(self, body: dict, headers: dict[str, str],
+                progress: StreamProgress) -> tuple[str, str, dict | None]:
+        if progress.last_event_id is not None:
+            headers = headers | {"Last-Event-ID": progress.last_event_id}
+        with httpx.stream("POST", self.url + "/v1/completions", json=body, headers=headers,
+                          timeout=self.timeout_s) as reply:
+            if reply.status_code != 200:
+                reply.read()
+                return self._classify(reply)
+            progress.take(reply.iter_lines())
+        if progress.error is not None:
+            return "failed", progress.error, None
+        if not progress.done or progress.finish_reason is None:
+            return "failed", "connection closed", None
+        return "completed", "", progress.reply()
 
     @staticmethod
     def _classify(reply: httpx.Response) -> tuple[str, str, dict | None]:
+        if unrouted(reply):
+            return "failed", "unrouted", None
         try:
             data = reply.json()
         except ValueError:
@@ -118,6 +208,14 @@ class _Client:
         if 400 <= reply.status_code < 500 or reply.status_code == 503:
             return "rejected", reason, data
         return "failed", reason, data
+
+
+def retryable(outcome: str, reason: str) -> bool:
+    """What the OpenAI client sends again: a broken connection or a 5xx (a 503 is a
+    rejection here, counted as such), and a 408, 409 or 429."""
+    if outcome == "failed":
+        return True
+    return outcome == "rejected" and any(reason == f"HTTP {s}" for s in RETRYABLE_STATUS)
 
 
 def kill(fault: Fault, url: str, app_name: str) -> str:
@@ -181,21 +279,27 @@ def run_scenario(config: ServeConfig, fault: Fault, num_requests: int, rate: flo
         result = ScenarioResult(fault.value, killed="")
         lock = threading.Lock()
         moved: list[tuple[dict, str]] = []  # (body, text) of completed requests that moved
+        retried: list[tuple[dict, str]] = []  # ... that were sent more than once
 
         def one(i: int) -> None:
             time.sleep(i / rate)
             body = greedy if i % 5 == 0 else greedy | {"prompt": f"request {i} " * 20}
-            outcome, reason, data, retries = client.send(body)
+            body = body | {"stream": i % 2 == 1}  # every other one streamed
+            outcome, reason, data, retries = client.send(body, f"{app_name}-{i}")
             with lock:
                 result.sent += 1
                 result.retries += retries
                 if outcome == "completed":
                     assert data is not None
                     result.completed += 1
+                    text = data["choices"][0]["text"]
                     if len(set(data["goodserve"]["instance_ids"])) > 1:
                         result.moved += 1
-                        moved.append((body, data["choices"][0]["text"]))
-                    if body is greedy and reference is not None:
+                        moved.append((body, text))
+                    if retries:
+                        result.retried += 1
+                        retried.append((body, text))
+                    if body["prompt"] == GREEDY_PROMPT and reference is not None:
                         result.greedy_checked += 1
                         result.greedy_kept += data["choices"][0]["text"] == reference
                 elif outcome == "lost":
@@ -215,6 +319,9 @@ def run_scenario(config: ServeConfig, fault: Fault, num_requests: int, rate: flo
         for body, text in moved:  # the same request again, nothing failing now
             _, _, again, _ = client.send(body)
             result.moved_kept += again is not None and again["choices"][0]["text"] == text
+        for body, text in retried:
+            _, _, again, _ = client.send(body)
+            result.retried_kept += again is not None and again["choices"][0]["text"] == text
         if fault is Fault.ROUTER:
             result.replaced = replica_replaced(result.killed, app_name,
                                                config.num_router_replicas)

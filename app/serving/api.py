@@ -689,7 +689,14 @@ def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
     }
 
 
-def sse(payload: dict[str, Any] | str) -> str:
-    """One server-sent event line pair."""
+def sse(payload: dict[str, Any] | str, event_id: int | None = None) -> str:
+    """One server-sent event; `event_id` (the output tokens sent up to it) is what a
+    reconnecting client sends back as `Last-Event-ID`."""
     data = payload if isinstance(payload, str) else json.dumps(payload)
-    return f"data: {data}\n\n"
+    return f"data: {data}\n\n" if event_id is None else f"id: {event_id}\ndata: {data}\n\n"
+
+
+def sse_data(event: str) -> str:
+    """The data of one server-sent event as `sse` writes it (its id line skipped)."""
+    return next(line.removeprefix("data: ") for line in event.splitlines()
+                if line.startswith("data: "))

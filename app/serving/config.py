@@ -150,6 +150,16 @@ class ServeConfig(Frozen):
     shutdown_grace_s: float = Field(
         30.0, ge=0, description="on shutdown (SIGTERM, SIGINT), how long requests in flight "
         "may run on before their router replica is stopped")
+    reply_retain_s: float = Field(
+        60.0, ge=0, description="how long a router replica keeps a finished reply by its "
+        "request id: a retry with the id gets it again, a stream resumes from it")
+    max_retained_replies: int = Field(
+        1024, ge=0, description="finished replies a router replica keeps at most (the "
+        "oldest go first)")
+    unread_grace_s: float = Field(
+        30.0, ge=0, description="how long a reply no client reads any more is still made, "
+        "so a client that reconnects with its request id gets the rest; then its "
+        "generation is aborted")
 
     @model_validator(mode="after")
     def _one_model(self) -> ServeConfig:

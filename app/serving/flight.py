@@ -25,10 +25,13 @@ from enum import StrEnum
 from typing import Protocol
 
 from app.engines.messages import (
+    ATTEMPT_MARK,
     KV_PREFIX_PARAM,
+    PREFILL_SUFFIX,
     EngineRequest,
     SamplingSpec,
     StoredPromptKv,
+    TokenEvent,
     TokenLogprobs,
 )
 from app.routing.instance_view import InstanceId
@@ -128,6 +131,12 @@ class Placement:
     stored_kv: StoredPromptKv | None = None  # its prompt's KV a connector stored
     stored_kv_s: float = 0.0  # when the engine reported it
     started: bool = False  # the current submission has produced a token
+    # a request taken over from another router replica (`LiveRouter.reattach`): its
+    # output so far that the client has not been sent, whether its current submission
+    # still runs (read it, do not start it) and whether it ended unfinished (place it)
+    backlog: list[TokenEvent] = field(default_factory=list)
+    attached: bool = False
+    orphaned: bool = False
 
 
 @dataclass
@@ -215,9 +224,9 @@ class Flight:
     def engine_request_id(self) -> str:
         """Unique per submission: an engine must never see an id twice."""
         if self.state is FlightState.PREFILLING:
-            return f"{self.request_id}:prefill"
+            return f"{self.request_id}{PREFILL_SUFFIX}"
         attempt = self.placement.attempt
-        return self.request_id if attempt == 0 else f"{self.request_id}@{attempt}"
+        return self.request_id if attempt == 0 else f"{self.request_id}{ATTEMPT_MARK}{attempt}"
 
     @property
     def resumable(self) -> bool:

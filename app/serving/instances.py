@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from app.control.fleet import Member
 from app.control.plan import EngineState
 from app.engines.config import EngineConfig, EngineRole, SchedulingPolicy
-from app.engines.messages import EngineRequest, EngineStatus, TokenEvent
+from app.engines.messages import EngineRecord, EngineRequest, EngineStatus, TokenEvent
 from app.engines.prefix import PREFIX_BLOCK_SIZE, PrefixCache
 from app.hardware.specs import InstanceSpec
 from app.routing.instance_view import InstanceId, InstanceView
@@ -49,6 +49,15 @@ class EngineClient(ABC):
     async def status(self) -> EngineStatus:
         """The engine's black-box report."""
 
+    def read(self, request_id: str, from_index: int) -> AsyncIterator[list[TokenEvent]]:
+        """A submission already running (or just ended) there, from output index
+        `from_index`: what a router replica re-attaching the request reads."""
+        raise NotImplementedError(f"engine {self.engine_id} keeps no output journal")
+
+    async def find(self, request_id: str) -> list[EngineRecord]:
+        """The submissions of client request `request_id` the engine holds (none when it
+        keeps no journal)."""
+        return []
 
 
 @dataclass(eq=False)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from app.control.fleet import Member
 from app.control.observe import LoadReport
 from app.engines.config import EngineRole
-from app.engines.messages import StoredPromptKv, TokenEvent
+from app.engines.messages import EngineRecord, StoredPromptKv, TokenEvent
 from app.engines.prefix import PREFIX_BLOCK_SIZE, prefix_block_hashes
 from app.routing.base import ActiveRequest, Reject, RejectCode, overrides
 from app.routing.disaggregated import DisaggregatedPlacer, LeastTtftPolicy
@@ -88,6 +88,7 @@ class RouterCounters:
     num_drain_migrations: int  # moves off engines leaving their pool
     num_failovers: int
     num_in_flight: int
+    num_reattached: int = 0  # taken over from another router replica
 
 
 Predict = Callable[[RouteRequest], Awaitable[float]]
@@ -165,6 +166,7 @@ class LiveRouter:
         self._background: set[asyncio.Task] = set()
         self._num_routed = self._num_rejected = self._num_finished = self._num_dropped = 0
         self._num_migrations = self._num_drain_migrations = self._num_failovers = 0
+        self._num_reattached = 0  # requests taken over from another replica
         self._load_report = LoadReport()  # arrivals, completions, steps since the last take
         # finishes not yet told to the other replicas (with a status feed: a board);
         # bounded, so a feed that stopped asking costs no more than this
@@ -239,22 +241,7 @@ class LiveRouter:
         where it says); without one only the engine ends it."""
         received = (time.perf_counter() if request.received_perf_s is None
                     else request.received_perf_s)
-        if request.request_id in self.flights:
-            raise ValueError(f"duplicate request id {request.request_id}")
-        deadline_s = math.inf if request.slo_s is None else request.arrival_s + request.slo_s
-        route = RouteRequest(
-            request_id=request.request_id,
-            arrival_s=request.arrival_s,
-            deadline_s=deadline_s,
-            num_prompt_tokens=len(request.prompt_token_ids),
-            block_hashes=prefix_block_hashes(request.prompt_token_ids),
-            prompt=request.prompt_text,
-            task=request.task,
-            session_id=request.session_id,
-            step_index=request.step_index,
-            max_output_tokens=request.sampling.max_tokens,
-            priority=self.request_priority.priority(deadline_s),
-        )
+        route = self._route_request(request)
         if self.predict is not None:
             started = time.perf_counter()
             predicted = await self.predict(route)
@@ -275,10 +262,104 @@ class LiveRouter:
         flight = Flight.routed(request, route, target, prefill, self.disaggregated, text)
         for iid in {prefill or target, target}:
             self.instances[iid].remember_prefix(route.block_hashes)
-        self.flights[request.request_id] = flight
-        self.tracker.load.update(flight)
+        self._track(flight)
         self._num_routed += 1
         return flight
+
+    def _track(self, flight: Flight) -> None:
+        if flight.request_id in self.flights:
+            raise ValueError(f"duplicate request id {flight.request_id}")
+        self.flights[flight.request_id] = flight
+        self.tracker.load.update(flight)
+
+    def _route_request(self, request: GenerationRequest) -> RouteRequest:
+        """The policy's view of a request (its deadline, prefix blocks, priority)."""
+        if request.request_id in self.flights:
+            raise ValueError(f"duplicate request id {request.request_id}")
+        deadline_s = math.inf if request.slo_s is None else request.arrival_s + request.slo_s
+        return RouteRequest(
+            request_id=request.request_id,
+            arrival_s=request.arrival_s,
+            deadline_s=deadline_s,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            block_hashes=prefix_block_hashes(request.prompt_token_ids),
+            prompt=request.prompt_text,
+            task=request.task,
+            session_id=request.session_id,
+            step_index=request.step_index,
+            max_output_tokens=request.sampling.max_tokens,
+            priority=self.request_priority.priority(deadline_s),
+        )
+
+    # ---- re-attaching --------------------------------------------------------------
+    async def find(self, request_id: str, timeout_s: float = 2.0
+                   ) -> tuple[InstanceId, EngineRecord] | None:
+        """Where the engines hold client request `request_id` (another replica started
+        it): its latest submission past the prefill stage, and the engine. None: no
+        engine started it (a prefill stage alone counts as not started)."""
+        async def ask(inst: LiveInstance) -> list[tuple[InstanceId, EngineRecord]]:
+            try:
+                records = await asyncio.wait_for(inst.client.find(request_id), timeout_s)
+            except Exception as exc:  # a dead engine holds nothing to re-attach
+                logger.info("engine %s not asked about %s: %s", inst.instance_id, request_id,
+                            exc)
+                return []
+            return [(inst.instance_id, r) for r in records if r.attempt >= 0]
+
+        answers = await asyncio.gather(*(ask(i) for i in list(self.instances.values())))
+        found = [pair for answer in answers for pair in answer]
+        return max(found, key=lambda pair: pair[1].attempt, default=None)
+
+    def reattach(self, request: GenerationRequest, found: tuple[InstanceId, EngineRecord],
+                 text: OutputHook | None = None, num_seen: int = 0) -> Flight:
+        """Take over a request an engine already runs (or just ran) for another router
+        replica, never running it twice: the flight reads its latest submission where it
+        is; one that ended unfinished (aborted, or its engine failed) is placed again
+        from its output so far by token ids. The output's first `num_seen` tokens are
+        the client's already; `stream` yields the rest. ValueError when the engine's
+        request is not this one (another prompt under the same id)."""
+        instance_id, record = found
+        if tuple(request.prompt_token_ids) != record.prompt_token_ids:
+            raise ValueError(f"request id {request.request_id} is in use by another request")
+        route = self._route_request(request)
+        flight = Flight.routed(request, route, instance_id, None, self.disaggregated, text)
+        placement = flight.placement
+        placement.attempt = record.attempt
+        placement.attached = not record.ended
+        placement.orphaned = record.ended and not record.finished
+        events = record.output_events(self.clock())
+        placement.backlog = events[num_seen:]
+        self._track(flight)
+        self._num_reattached += 1
+        self._take(flight, events[:num_seen])
+        return flight
+
+    def _submission(self, flight: Flight) -> AsyncIterator[list[TokenEvent]]:
+        """The flight's current engine submission: started now, or read where it runs."""
+        client = self.instances[flight.instance_id].client
+        if flight.placement.attached:
+            flight.placement.attached = False
+            return client.read(flight.engine_request_id, len(flight.output.token_ids))
+        return client.generate(flight.engine_request())
+
+    def _take_backlog(self, flight: Flight) -> list[TokenEvent]:
+        """A re-attached flight's output the client has not been sent; one whose
+        submission ended unfinished is then placed again (by the policy, anywhere)."""
+        placement = flight.placement
+        backlog, placement.backlog = placement.backlog, []
+        kept = self._take(flight, backlog) if flight.state in MOVABLE else []
+        if placement.orphaned and flight.state in MOVABLE:
+            placement.orphaned = False
+            resumed = replace(flight.route, num_generated_tokens=len(flight.output.token_ids))
+            try:
+                target = self._choose(resumed, self.clock())
+            except RequestRejected as exc:
+                flight.lose()
+                raise EngineLost(f"request {flight.request_id} was left unfinished and no "
+                                 f"engine can continue it: {exc}") from None
+            flight.fail_over(self._leave_for(flight, target, MigrationReason.FAILURE))
+            self._recount(flight)
+        return kept
 
     def _report_arrival(self, route: RouteRequest, computed_on: InstanceId) -> None:
         """A routed request into the load report. An agent step also reports its arrival
@@ -341,15 +422,20 @@ class LiveRouter:
     async def stream(self, flight: Flight) -> AsyncIterator[list[TokenEvent]]:
         """The request's tokens (indices from 0, one stream across moves); ends the flight."""
         try:
+            if flight.placement.backlog or flight.placement.orphaned:
+                kept = self._take_backlog(flight)
+                if kept:
+                    yield kept
+                if flight.state is FlightState.FINISHED:
+                    return
             if flight.state is FlightState.PREFILLING:
                 async for kept in self._prefill_stage(flight):
                     yield kept
                 if flight.state is FlightState.FINISHED:
                     return
             while True:
-                client = self.instances[flight.instance_id].client
                 try:
-                    async for batch in client.generate(flight.engine_request()):
+                    async for batch in self._submission(flight):
                         if batch and not flight.placement.started:
                             self._on_submission_start(flight, batch)
                         kept = self._take(flight, batch)
@@ -722,6 +808,7 @@ class LiveRouter:
             num_drain_migrations=self._num_drain_migrations,
             num_failovers=self._num_failovers,
             num_in_flight=len(self.flights),
+            num_reattached=self._num_reattached,
         )
 
     def take_finished(self) -> list[FinishReport]:

@@ -50,6 +50,14 @@ from app.serving.live_router import (
     StatusFeed,
 )
 from app.serving.logprobs import LogprobsFormatter
+from app.serving.replies import (
+    ReplyLog,
+    ReplyStore,
+    body_digest,
+    client_request_id,
+    last_event_id,
+    request_headers,
+)
 from app.serving.telemetry import MetricFactory, NullFactory, RouterMetrics
 from app.serving.tokenizer import HfTokenizer, OutputText, Tokenizer, WordHashTokenizer
 from app.serving.tools import ToolCallReader, ToolParsing, tool_call_reader
@@ -113,6 +121,20 @@ class JsonReply:
     headers: Mapping[str, str] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class StreamReply:
+    """A streamed reply: its SSE lines and the response headers."""
+
+    events: AsyncIterator[str]
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self.events
+
+
+Event = tuple[int | None, str]  # (output tokens sent up to it, None: no token; SSE text)
+
+
 @dataclass
 class ChoiceStream:
     """One choice of a streamed reply: how far it was sent, how its output is shown."""
@@ -122,6 +144,18 @@ class ChoiceStream:
     reader: ToolCallReader | None  # reads tool calls out of the text; None: plain text
     formatter: LogprobsFormatter | None  # None: no logprobs asked for
     num_sent: int = 0  # output tokens already sent
+
+    def skip_seen(self) -> None:
+        """A re-attached choice: the output it already holds is the client's (sent
+        before its reconnect); the next chunk starts after it."""
+        output = self.flight.output
+        if not output.token_ids:
+            return
+        assert isinstance(output.text, OutputText)
+        self.num_sent = len(output.token_ids)
+        text = output.text.delta(False)
+        if self.reader is not None:
+            self.reader.delta(text, output.token_ids, False)
 
     def chunk(self, meta: ResponseMeta, batch_finished: bool) -> dict[str, Any] | None:
         """The chunk for the tokens since the last one (None: nothing to show yet)."""
@@ -207,6 +241,9 @@ class CompletionService:
         self.keys = api_keys(config)
         self.tool_parsing = tool_parsing(config, self.tokenizer)
         self.closing = False  # shutting down: new requests get a 503, those in flight finish
+        self.replies = ReplyStore(retain_s=config.reply_retain_s,
+                                  max_retained=config.max_retained_replies,
+                                  grace_s=config.unread_grace_s)
         self._ids = itertools.count()
         self._start_lock = asyncio.Lock()
         self._started = False
@@ -254,29 +291,90 @@ class CompletionService:
         return JsonReply(denied.status_code, error_body(denied.message, denied.error_type),
                          denied.headers)
 
-    async def complete(self, raw: bytes, chat: bool, received_perf_s: float | None = None
-                       ) -> JsonReply | AsyncIterator[str]:
+    async def complete(self, raw: bytes, chat: bool, received_perf_s: float | None = None,
+                       headers: Mapping[str, str] | None = None
+                       ) -> JsonReply | StreamReply:
         """A full JSON reply, or the SSE lines of a streamed one. `received_perf_s`: the
         request's arrival (`time.perf_counter()`; default now), where its
-        arrival-to-placement time starts, so parsing and tokenizing count in it."""
+        arrival-to-placement time starts, so parsing and tokenizing count in it.
+        `headers` (lower-case names) may carry the request's id (`X-Request-Id`,
+        `Idempotency-Key`) and a reconnecting stream's `Last-Event-ID`: a request whose
+        id runs or ran lately is answered from it, never run twice."""
         received = time.perf_counter() if received_perf_s is None else received_perf_s
+        headers = headers or {}
         try:
             await self.start()
             if self.closing:
                 raise ApiError(503, "the server is shutting down; retry on another",
                                "service_unavailable")
             self.check_size(len(raw))
+            client_id = client_request_id(headers)
+            after = last_event_id(headers)
             body = parse_body(raw, ChatCompletionRequest if chat else CompletionRequest)
-            request_id, requests = self._generation_requests(body, chat, received)
-            readers = self._tool_readers(body, requests, chat)
-            flights = await self._submit_all(requests, body, readers)
+            digest = body_digest(raw)
+            if client_id is not None and (log := self.replies.get(client_id)) is not None:
+                return await self._again(log, digest, after)
+            request_id = client_id or f"{next(self._ids)}-{uuid.uuid4().hex[:12]}"
+            log = self.replies.open(request_id, body.stream, digest)
         except ApiError as exc:
             return JsonReply(exc.status_code, exc.body())
+        named = request_headers(request_id)
+        try:
+            requests = self._generation_requests(body, chat, received, request_id)
+            readers = self._tool_readers(body, requests, chat)
+            flights = await self._submit_all(requests, body, readers,
+                                             look_up=client_id is not None, after=after)
+        except ApiError as exc:
+            refused = JsonReply(exc.status_code, exc.body(), named)
+            if body.stream:
+                log.append(None, sse(exc.body()))
+                log.append(None, sse("[DONE]"))
+            self.replies.discard(log, refused)
+            return refused
         meta = ResponseMeta.new(f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
                                 self.config.model_name, chat)
         if body.stream:
-            return self._stream(flights, readers, meta, body.stream_options or StreamOptions())
-        return await self._collect(flights, readers, meta)
+            events = self._stream(flights, readers, meta, body.stream_options or StreamOptions(),
+                                  resumed=after is not None)
+            self.replies.produce(log, asyncio.create_task(self._record_stream(log, events)))
+            return StreamReply(self.replies.follow(log, after), named)
+        self.replies.produce(log, asyncio.create_task(
+            self._record_whole(log, self._collect(flights, readers, meta), named)))
+        return await self.replies.whole(log)
+
+    async def _again(self, log: ReplyLog, digest: str, after: int | None
+                     ) -> JsonReply | StreamReply:
+        """A request whose id has a reply here (running, or kept after its end); the
+        same id on another body is a 409."""
+        if log.digest != digest:
+            raise ApiError(409, f"request id {log.request_id} is in use by another request",
+                           "conflict", "x-request-id")
+        if log.streamed:
+            return StreamReply(self.replies.follow(log, after), request_headers(log.request_id))
+        return await self.replies.whole(log)
+
+    @staticmethod
+    async def _record_stream(log: ReplyLog, events: AsyncIterator[Event]) -> None:
+        try:
+            async for offset, text in events:
+                log.append(offset, text)
+        except Exception as exc:  # a bug: the client gets an error, not a hang
+            logger.exception("stream of request %s failed", log.request_id)
+            log.append(None, sse(error_body(f"{type(exc).__name__}: {exc}", "server_error")))
+            log.append(None, sse("[DONE]"))
+        finally:
+            log.end()
+
+    @staticmethod
+    async def _record_whole(log: ReplyLog, reply: Awaitable[JsonReply],
+                            headers: Mapping[str, str]) -> None:
+        try:
+            made = await reply
+            log.end(replace(made, headers={**made.headers, **headers}))
+        except Exception as exc:  # a bug: the client gets an error, not a hang
+            logger.exception("request %s failed", log.request_id)
+            log.end(JsonReply(500, error_body(f"{type(exc).__name__}: {exc}", "server_error"),
+                              headers))
 
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [
@@ -330,11 +428,11 @@ class CompletionService:
         return JsonReply(200, {"request_id": request_id, "target": moved, "moving": True})
 
     # ---- helpers -----------------------------------------------------------------------
-    def _generation_requests(self, body: Any, chat: bool,
-                             received_perf_s: float) -> tuple[str, list[GenerationRequest]]:
-        """The response id and one request per choice (`n`); choice i of response
-        `cmpl-<id>` is request `<id>` when n = 1, else `<id>.<i>` (its seed, when
-        given, seed + i, as vLLM's)."""
+    def _generation_requests(self, body: Any, chat: bool, received_perf_s: float,
+                             request_id: str) -> list[GenerationRequest]:
+        """One request per choice (`n`); choice i of response `cmpl-<id>` is request
+        `<id>` when n = 1, else `<id>.<i>` (its seed, when given, seed + i, as
+        vLLM's)."""
         if body.model != self.config.model_name:
             raise ApiError(404, f"the model {body.model!r} does not exist; this server serves "
                            f"{self.config.model_name!r}", "not_found_error", "model")
@@ -378,7 +476,6 @@ class CompletionService:
             if error is not None:
                 raise invalid_request(f"{constrained_by}: {error}", constrained_by)
         sampling = self._sampling(body, structured)
-        request_id = f"{next(self._ids)}-{uuid.uuid4().hex[:12]}"
         arrival_s = self.router.clock()
         requests = []
         for index in range(body.n):
@@ -396,7 +493,7 @@ class CompletionService:
                 step_index=body.step_index,
                 received_perf_s=received_perf_s,
             ))
-        return request_id, requests
+        return requests
 
     @staticmethod
     def _sampling(body: Any, structured: StructuredOutput | None) -> SamplingSpec:
@@ -431,8 +528,12 @@ class CompletionService:
                 for r in requests]
 
     async def _submit_all(self, requests: list[GenerationRequest], body: Any,
-                          readers: list[ToolCallReader | None]) -> list[Flight]:
-        """Route every choice; when one is refused, those already routed are dropped."""
+                          readers: list[ToolCallReader | None], look_up: bool = False,
+                          after: int | None = None) -> list[Flight]:
+        """Route every choice; when one is refused, those already routed are dropped.
+        With `look_up` (the client named the request) a choice an engine already runs
+        for another replica is re-attached there, the client holding its first `after`
+        tokens (a stream's `Last-Event-ID`)."""
         flights: list[Flight] = []
         try:
             for request, reader in zip(requests, readers, strict=True):
@@ -442,7 +543,19 @@ class CompletionService:
                 text = OutputText(self.tokenizer, body.stop, body.stop_token_ids,
                                   body.include_stop_str_in_output, request.sampling.min_tokens,
                                   skip_special)
-                flights.append(await self._submit(request, text))
+                found = await self.router.find(request.request_id) if look_up else None
+                if found is None:
+                    flights.append(await self._submit(request, text))
+                    continue
+                if after and len(requests) > 1:
+                    raise ApiError(409, "a stream of several choices resumes only on the "
+                                   "router replica that made it; send it again without "
+                                   "Last-Event-ID for the whole stream", "conflict",
+                                   "last-event-id")
+                try:
+                    flights.append(self.router.reattach(request, found, text, after or 0))
+                except ValueError as exc:
+                    raise ApiError(409, str(exc), "conflict", "x-request-id") from None
         except ApiError:
             for flight in flights:
                 self.router.cancel(flight)
@@ -530,11 +643,14 @@ class CompletionService:
                 self.router.session_answered(flight.route.session_id)
 
     async def _stream(self, flights: list[Flight], readers: list[ToolCallReader | None],
-                      meta: ResponseMeta, options: StreamOptions) -> AsyncIterator[str]:
+                      meta: ResponseMeta, options: StreamOptions, resumed: bool = False
+                      ) -> AsyncIterator[Event]:
         """Chunks of every choice as they come (interleaved, each with its index), then
         the closing chunk and `[DONE]`; an engine lost ends the stream with an error. A
         choice that may call tools sends what its reader makes of the text: nothing while
-        a call's name is incomplete, then the call's deltas."""
+        a call's name is incomplete, then the call's deltas. Each chunk with tokens
+        carries the output tokens sent up to it (its SSE id); a `resumed` stream (the
+        client reconnected) starts after the tokens its flights already hold."""
         queue: asyncio.Queue[tuple[int, list[TokenEvent] | BaseException | None]] = (
             asyncio.Queue())
 
@@ -549,6 +665,8 @@ class CompletionService:
         tasks = [asyncio.create_task(pump(i, f)) for i, f in enumerate(flights)]
         choices = [ChoiceStream(i, flight, reader, self._formatter(flight, meta.chat))
                    for i, (flight, reader) in enumerate(zip(flights, readers, strict=True))]
+        for choice in choices:
+            choice.skip_seen()
         num_prompt_tokens = len(flights[0].request.prompt_token_ids)
 
         def with_usage(chunk: dict[str, Any], num_output_tokens: int) -> dict[str, Any]:
@@ -559,9 +677,9 @@ class CompletionService:
             return chunk
 
         try:
-            if meta.chat:
+            if meta.chat and not resumed:
                 for index in range(len(flights)):
-                    yield sse(with_usage(meta.opening_chunk(index), 0))
+                    yield None, sse(with_usage(meta.opening_chunk(index), 0))
             num_open = len(flights)
             while num_open:
                 index, item = await queue.get()
@@ -569,18 +687,20 @@ class CompletionService:
                     num_open -= 1
                     continue
                 if isinstance(item, EngineLost):
-                    yield sse(error_body(str(item), "engine_error"))
-                    yield sse("[DONE]")
+                    yield None, sse(error_body(str(item), "engine_error"))
+                    yield None, sse("[DONE]")
                     return
                 if isinstance(item, BaseException):
                     raise item
                 chunk = choices[index].chunk(meta, item[-1].finished)
                 if chunk is not None:
-                    yield sse(with_usage(chunk, choices[index].num_sent))
+                    offset = sum(c.num_sent for c in choices)
+                    yield offset, sse(with_usage(chunk, choices[index].num_sent), offset)
             self._tell_final_answers(flights, readers)
-            yield sse(meta.last_chunk(self._usage(flights) if options.include_usage else None,
-                                      [self._summary(f) for f in flights]))
-            yield sse("[DONE]")
+            yield None, sse(meta.last_chunk(
+                self._usage(flights) if options.include_usage else None,
+                [self._summary(f) for f in flights]))
+            yield None, sse("[DONE]")
         finally:
             for task in tasks:
                 task.cancel()

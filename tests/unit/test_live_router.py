@@ -32,6 +32,7 @@ from app.routing.instance_view import InstanceId
 from app.routing.priority import PriorityRule
 from app.routing.registry import PolicyKind, RoutingStack, build_routing
 from app.routing.view import ClusterView, RouteRequest
+from app.serving.api import sse_data
 from app.serving.config import ServeConfig
 from app.serving.flight import FlightState, GenerationRequest
 from app.serving.instances import EngineClient
@@ -463,7 +464,7 @@ async def test_completion_reply_and_stream_follow_the_openai_shapes():
                        "messages": [{"role": "user", "content": "hi"}]}).encode()
     lines = [line async for line in await service.complete(chat, chat=True)]
     assert lines[-1] == "data: [DONE]\n\n"
-    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    chunks = [json.loads(sse_data(line)) for line in lines[:-1]]
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     deltas = [c["choices"][0]["delta"]["content"] for c in chunks[1:] if c.get("choices")]
     assert len(deltas) == 4 and chunks[-2]["choices"][0]["finish_reason"] == "length"

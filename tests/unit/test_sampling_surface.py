@@ -26,6 +26,7 @@ from app.serving.api import (
     ApiError,
     CompletionRequest,
     parse_body,
+    sse_data,
 )
 from app.serving.flight import FlightState, GenerationRequest
 from app.serving.kv_transfer import SimulatedLink
@@ -237,7 +238,7 @@ async def test_a_stop_string_ends_a_reply_with_its_reason_and_usage_on_request()
     assert reply.body["usage"]["completion_tokens"] == 3
     stream = await service.complete(body(max_tokens=10, stop=stop, stream=True,
                                          stream_options={"include_usage": True}), chat=False)
-    chunks = [json.loads(line.removeprefix("data: ")) async for line in stream
+    chunks = [json.loads(sse_data(line)) async for line in stream
               if line != "data: [DONE]\n\n"]
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == choice["text"]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
@@ -249,7 +250,7 @@ async def test_continuous_usage_counts_each_choice_so_far():
     service = sim_service(ScriptedEngine("e", "A40"))
     stream = await service.complete(body(max_tokens=6, n=2, stream=True, stream_options={
         "include_usage": True, "continuous_usage_stats": True}), chat=False)
-    chunks = [json.loads(line.removeprefix("data: ")) async for line in stream
+    chunks = [json.loads(sse_data(line)) async for line in stream
               if line != "data: [DONE]\n\n"]
     counts = {0: [], 1: []}
     for chunk in chunks[:-1]:
@@ -259,7 +260,7 @@ async def test_continuous_usage_counts_each_choice_so_far():
     assert chunks[-1]["usage"]["completion_tokens"] == 12
     plain = await service.complete(body(max_tokens=3, stream=True, stream_options={
         "include_usage": True}), chat=False)
-    assert not any(["usage" in json.loads(line.removeprefix("data: ")) async for line in plain
+    assert not any(["usage" in json.loads(sse_data(line)) async for line in plain
                     if line != "data: [DONE]\n\n"][:-1])
     service.close()
 

@@ -18,7 +18,13 @@ import pytest
 
 from app.engines.config import ClusterConfig, EngineBackend, EngineConfig, InstanceGroup
 from app.engines.messages import EngineRequest, StructuredOutput, TokenEvent
-from app.serving.api import ApiError, ChatCompletionRequest, CompletionRequest, parse_body
+from app.serving.api import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_body,
+    sse_data,
+)
 from app.serving.config import RoutingConfig, ServeConfig
 from app.serving.service import CompletionService
 from app.serving.tokenizer import HfTokenizer, Tokenizer
@@ -256,7 +262,7 @@ def tool_service(*engines: Spelling, parser: str | None = "pythonic") -> Complet
 
 async def sse_payloads(stream) -> list[dict]:
     lines = [line async for line in stream]
-    return [json.loads(line[6:]) for line in lines if line.strip() != "data: [DONE]"]
+    return [json.loads(sse_data(line)) for line in lines if line.strip() != "data: [DONE]"]
 
 
 @pytest.mark.parametrize("fail_at", [None, 12], ids=["one engine", "failover mid-call"])
