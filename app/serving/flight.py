@@ -95,21 +95,42 @@ class InvalidTransition(RuntimeError):
 
 @dataclass
 class MoveRecord:
-    """One move (a migration or a fail-over): the path it took, chosen by estimated
-    time, and what it cost."""
+    """One move (a migration or a fail-over): the path chosen by estimated time, then,
+    from the target's first token, the path it took and what it cost."""
 
     target: InstanceId
     reason: MigrationReason
-    path: MovePath
-    estimate_s: float  # the chosen path's estimate (`plan_move`)
+    path: MovePath  # planned; the one taken once the target has answered (`arrive`)
+    estimate_s: float  # the planned path's estimate (`plan_move`)
     kv_bytes: float  # moved over the link (0 by token ids)
     load_tokens: int = 0  # the stored prompt prefix the target is asked to load
     start_s: float = 0.0  # when the flight left its old engine
+    cached_tokens: int = 0  # context the target was known to cache when planned
     time_s: float | None = None  # until the target's first token
     loaded_tokens: int | None = None  # context tokens the target found, not computed
+    planned_path: MovePath = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.planned_path = self.path
+
+    def arrive(self, time_s: float, num_cached_tokens: int,
+               kv_bytes_per_token: float | None) -> None:
+        """The target's first token came `time_s` after the move, having found
+        `num_cached_tokens` of the context. Beyond what it was known to cache, they
+        were loaded from a KV connector's store where the target has one
+        (`kv_bytes_per_token` given): the KV path, whichever was planned (vLLM's
+        connector loads a stored prompt it recognises unasked). Otherwise the target
+        computed them: token ids."""
+        self.time_s, self.loaded_tokens = time_s, num_cached_tokens
+        num_loaded = num_cached_tokens - self.cached_tokens
+        if kv_bytes_per_token is None or num_loaded <= 0:
+            self.path, self.kv_bytes = MovePath.TOKEN_IDS, 0.0
+        else:
+            self.path, self.kv_bytes = MovePath.KV, num_loaded * kv_bytes_per_token
 
     def as_dict(self) -> dict:
         return {"target": self.target, "reason": self.reason.value, "path": self.path.value,
+                "planned_path": self.planned_path.value,
                 "kv_bytes": self.kv_bytes, "estimate_s": round(self.estimate_s, 6),
                 "time_s": None if self.time_s is None else round(self.time_s, 6),
                 "loaded_tokens": self.loaded_tokens}

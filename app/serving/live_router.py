@@ -621,7 +621,7 @@ class LiveRouter:
         self.metrics.migrated(reason, plan.path)
         return MoveRecord(target, reason, plan.path, plan.estimate_s, plan.num_kv_bytes,
                           load_tokens=loadable if plan.path is MovePath.KV else 0,
-                          start_s=now)
+                          start_s=now, cached_tokens=cached)
 
     def _on_submission_start(self, flight: Flight, batch: list[TokenEvent]) -> None:
         """The first tokens of a serving submission: a P/D hand-off is done, a move's
@@ -632,9 +632,11 @@ class LiveRouter:
             self._on_decode_start(flight, batch)
         move = flight.loading_move
         if move is not None:
-            move.time_s = self.clock() - move.start_s
-            move.loaded_tokens = first.num_cached_tokens or 0
-            self.metrics.moved(move.path, move.time_s, move.kv_bytes)
+            loads = isinstance(self.kv_transport, ConnectorTransport) and not self.disaggregated
+            per_token = self.instances[move.target].spec.model.kv_bytes_per_token
+            time_s = self.clock() - move.start_s
+            move.arrive(time_s, first.num_cached_tokens or 0, per_token if loads else None)
+            self.metrics.moved(move.path, time_s, move.kv_bytes)
         stored = StoredPromptKv.from_params(first.kv_transfer_params)
         if stored is not None:
             flight.placement.stored_kv, flight.placement.stored_kv_s = stored, self.clock()

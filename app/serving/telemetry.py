@@ -161,14 +161,14 @@ class RouterMetrics:
             "goodserve_output_length_ratio", "Predicted / actual output length of finished "
             "requests", RATIO_BUCKETS, ())
         self.migrations = f.counter(
-            "goodserve_migrations", "Requests moved between instances, by why and by path "
-            "(token ids, or with the prompt's stored KV)", ("reason", "path"))
+            "goodserve_migrations", "Requests moved between instances, by why and by the path "
+            "planned (token ids, or with the prompt's stored KV)", ("reason", "path"))
         self.move_time = f.histogram(
             "goodserve_move_seconds", "From leaving the old engine to the target's first "
-            "token, by path", LATENCY_BUCKETS_S, ("path",))
+            "token, by the path taken", LATENCY_BUCKETS_S, ("path",))
         self.move_bytes = f.histogram(
-            "goodserve_move_kv_bytes", "KV bytes each move carried to its target (0 by "
-            "token ids)", BYTE_BUCKETS, ("path",))
+            "goodserve_move_kv_bytes", "KV bytes each move's target loaded, by the path "
+            "taken (0 by token ids)", BYTE_BUCKETS, ("path",))
         self.kv_transfer = f.histogram(
             "goodserve_kv_transfer_seconds", "Prefill-to-decode KV hand-off time",
             LATENCY_BUCKETS_S, ())
