@@ -44,6 +44,9 @@ class JournalEntry:
     error: BaseException | None = None  # the engine failed it
     num_readers: int = 0
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # the task that feeds it from the backend; cancelled by an abort, which closes the
+    # backend's stream (an engine stops a request whose stream is closed)
+    task: asyncio.Task | None = None
 
     def notify(self) -> None:
         changed, self.changed = self.changed, asyncio.Event()
@@ -74,7 +77,7 @@ class OutputJournal:
             raise ValueError(f"duplicate request id {request.request_id}")
         entry = JournalEntry(request)
         self.entries[request.request_id] = entry
-        task = asyncio.ensure_future(self._run(entry))
+        task = entry.task = asyncio.ensure_future(self._run(entry))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -131,9 +134,13 @@ class OutputJournal:
     async def abort(self, request_id: str) -> bool:
         """Stop a submission now; its output so far stays readable."""
         entry = self.entries.get(request_id)
-        if entry is not None and not entry.ended:
-            entry.aborted = True
-        return await self.backend.abort(request_id)
+        if entry is None or entry.ended:
+            return await self.backend.abort(request_id)
+        entry.aborted = True
+        aborted = await self.backend.abort(request_id)
+        if entry.task is not None:
+            entry.task.cancel()
+        return aborted
 
     def find(self, request_id: str) -> list[EngineRecord]:
         """Every submission of the client request `request_id` held here."""

@@ -655,6 +655,9 @@ class LiveRouter:
         """Continue on another instance by token ids, or give up with `EngineLost`."""
         lost = flight.instance_id
         logger.warning("request %s lost its engine %s: %s", flight.request_id, lost, why)
+        # a stream can break (a cancelled call) while its engine lives; the submission
+        # would run on there, in the engine's journal, beside its continuation
+        self._abort_in_background(flight)
         self.instances[lost].healthy = False  # until it answers a poll again
         if flight.placement.num_failovers >= self.max_failovers:
             flight.lose()
@@ -734,8 +737,19 @@ class LiveRouter:
             self._end(flight)
 
     def _abort_in_background(self, flight: Flight) -> None:
-        """Abort the flight's current engine submission (where it is now)."""
-        self._spawn(self.instances[flight.instance_id].client.abort(flight.engine_request_id))
+        """Abort the flight's current engine submission (where it is now); an engine
+        that is gone has nothing to abort."""
+        instance_id, engine_request_id = flight.instance_id, flight.engine_request_id
+        client = self.instances[instance_id].client
+
+        async def abort() -> None:
+            try:
+                await client.abort(engine_request_id)
+            except Exception as exc:
+                logger.info("abort of %s on %s failed: %s", engine_request_id, instance_id,
+                            exc)
+
+        self._spawn(abort())
 
     def _spawn(self, coroutine: Awaitable) -> None:
         task = asyncio.ensure_future(coroutine)

@@ -30,7 +30,10 @@ def live_url(ray_session):
                          # point estimates only (confidence 0.5): the migration test
                          # needs a request placed by its under-predicted length
                          routing=RoutingConfig(tau_iterations=10, migration_margin=0.0,
-                                               confidence_quantile=0.5))
+                                               confidence_quantile=0.5),
+                         # a reply its client left is cancelled (its engine request
+                         # aborted) this long after, where 30 s would outlast a test
+                         unread_grace_s=2.0)
     with serving(config, "live-sim") as url:
         yield url
 

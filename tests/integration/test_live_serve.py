@@ -38,10 +38,14 @@ def test_streaming_sends_every_token_then_done(live_url):
         assert reply.headers["cache-control"] == "no-cache"
         assert reply.headers["x-accel-buffering"] == "no"
         lines = [line for line in reply.iter_lines() if line]
-    assert lines[-1] == "data: [DONE]"
-    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    data = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(payload) for payload in data[:-1]]
     texts = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
     assert texts.count("<") == 6
+    # each event with tokens names the tokens sent so far, where a resume starts
+    ids = [int(line.removeprefix("id: ")) for line in lines if line.startswith("id: ")]
+    assert ids and ids == sorted(ids) and ids[-1] == 6
 
 
 def _body(**fields: object) -> bytes:
@@ -88,6 +92,8 @@ def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(live_url, c
 
 
 def test_a_client_gone_mid_stream_leaves_no_request_on_any_engine(live_url):
+    """The reply runs on for the unread grace (2 s here) in case the client resumes,
+    then is cancelled and its engine request aborted."""
     with httpx.stream("POST", live_url + "/v1/completions", timeout=60, json={
             "model": "goodserve", "prompt": "leave early " * 10, "max_tokens": 2000,
             "stream": True}) as response:
