@@ -147,7 +147,8 @@ class _Client:
         attempt = 0
         num_retries = 0
         progress = StreamProgress()
-        headers = {} if request_id is None else {"X-Request-Id": request_id}
+        headers = ({} if request_id is None
+                   else {"X-Request-Id": request_id, "Accept": "text/event-stream"})
         while True:
             try:
                 if body.get("stream"):

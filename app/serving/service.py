@@ -114,7 +114,17 @@ def routing_options(config: ServeConfig, predictor: Predictor | None) -> Routing
     return config.routing.routing_options(factory)
 
 
+
+def resumable(client_id: str | None, headers: Mapping[str, str]) -> bool:
+    """Whether a stream's events carry SSE ids: for a client that named its request (only
+    it can resume) and accepts `text/event-stream`, as EventSource does. Clients that
+    read SSE by `data:` lines alone, vLLM's benchmark among them (it sends an
+    `x-request-id` too), fail on an `id:` line."""
+    return client_id is not None and "text/event-stream" in headers.get("accept", "")
+
+
 @dataclass(frozen=True)
+
 class JsonReply:
     status_code: int
     body: dict[str, Any]
@@ -335,7 +345,8 @@ class CompletionService:
                                 self.config.model_name, chat)
         if body.stream:
             events = self._stream(flights, readers, meta, body.stream_options or StreamOptions(),
-                                  resumed=after is not None)
+                                  resumed=after is not None,
+                                  event_ids=resumable(client_id, headers))
             self.replies.produce(log, asyncio.create_task(self._record_stream(log, events)))
             return StreamReply(self.replies.follow(log, after), named)
         self.replies.produce(log, asyncio.create_task(
@@ -643,14 +654,15 @@ class CompletionService:
                 self.router.session_answered(flight.route.session_id)
 
     async def _stream(self, flights: list[Flight], readers: list[ToolCallReader | None],
-                      meta: ResponseMeta, options: StreamOptions, resumed: bool = False
-                      ) -> AsyncIterator[Event]:
+                      meta: ResponseMeta, options: StreamOptions, resumed: bool = False,
+                      event_ids: bool = True) -> AsyncIterator[Event]:
         """Chunks of every choice as they come (interleaved, each with its index), then
         the closing chunk and `[DONE]`; an engine lost ends the stream with an error. A
         choice that may call tools sends what its reader makes of the text: nothing while
         a call's name is incomplete, then the call's deltas. Each chunk with tokens
-        carries the output tokens sent up to it (its SSE id); a `resumed` stream (the
-        client reconnected) starts after the tokens its flights already hold."""
+        carries the output tokens sent up to it (its SSE id; written out with
+        `event_ids`, `resumable`); a `resumed` stream (the client reconnected)
+        starts after the tokens its flights already hold."""
         queue: asyncio.Queue[tuple[int, list[TokenEvent] | BaseException | None]] = (
             asyncio.Queue())
 
@@ -695,7 +707,8 @@ class CompletionService:
                 chunk = choices[index].chunk(meta, item[-1].finished)
                 if chunk is not None:
                     offset = sum(c.num_sent for c in choices)
-                    yield offset, sse(with_usage(chunk, choices[index].num_sent), offset)
+                    yield offset, sse(with_usage(chunk, choices[index].num_sent),
+                                      offset if event_ids else None)
             self._tell_final_answers(flights, readers)
             yield None, sse(meta.last_chunk(
                 self._usage(flights) if options.include_usage else None,

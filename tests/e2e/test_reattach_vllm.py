@@ -61,7 +61,7 @@ def acting_after(lines: Iterable[str], num_events: int, act: Callable[[], object
 
 
 def read_until_cut(url: str, progress: StreamProgress, killed: list[str]) -> None:
-    headers = {"X-Request-Id": REQUEST_ID}
+    headers = {"X-Request-Id": REQUEST_ID, "Accept": "text/event-stream"}
     try:
         with httpx.stream("POST", url + "/v1/completions", json=body(stream=True),
                           headers=headers, timeout=300) as reply:
@@ -80,7 +80,8 @@ def resume(url: str, progress: StreamProgress) -> int:
     while not progress.done:
         assert time.monotonic() < give_up_s, progress
         tries += 1
-        headers = {"X-Request-Id": REQUEST_ID, "Last-Event-ID": str(progress.last_event_id)}
+        headers = {"X-Request-Id": REQUEST_ID, "Accept": "text/event-stream",
+                   "Last-Event-ID": str(progress.last_event_id)}
         try:
             with httpx.stream("POST", url + "/v1/completions", json=body(stream=True),
                               headers=headers, timeout=300) as reply:

@@ -33,7 +33,7 @@ def test_completion_is_openai_shaped_and_reports_where_it_ran(live_url):
 def test_streaming_sends_every_token_then_done(live_url):
     with httpx.stream("POST", live_url + "/v1/completions", timeout=120, json={
         "model": "goodserve", "prompt": "stream this", "max_tokens": 6, "stream": True,
-    }) as reply:
+    }, headers={"X-Request-Id": "stream-every-token", "Accept": "text/event-stream"}) as reply:
         assert reply.headers["content-type"].startswith("text/event-stream")
         assert reply.headers["cache-control"] == "no-cache"
         assert reply.headers["x-accel-buffering"] == "no"

@@ -44,6 +44,8 @@ class JournalEngine(EngineClient):
         return await self.engine.status()
 
 
+SSE = {"accept": "text/event-stream"}  # a client that reads SSE ids
+
 def body(**fields) -> bytes:
     return json.dumps({"model": "goodserve", "prompt": "a b c d", "max_tokens": 30,
                        "temperature": 0} | fields).encode()
@@ -165,15 +167,25 @@ async def test_a_whole_request_sent_twice_with_its_id_runs_once():
 
 
 async def test_stream_events_count_tokens_and_a_reconnect_gets_the_rest_once():
+    """Events carry ids when the client names its request (only it can resume): a
+    request without an id gets plain `data:` events, which every SSE client parses."""
     service = sim_service(ScriptedEngine("e", "A40"))
-    whole, ids = text_of(await events(await service.complete(body(stream=True), chat=False)))
+    whole, ids = text_of(await events(await service.complete(
+        body(stream=True), chat=False, headers={"x-request-id": "w", **SSE})))
     assert ids == sorted(set(ids)) and ids[-1] == 30  # one id per token chunk, rising
-    cut = await service.complete(body(stream=True), chat=False, headers={"x-request-id": "s"})
+    plain, no_ids = text_of(await events(await service.complete(body(stream=True), chat=False)))
+    assert plain == whole and no_ids == []
+    # vLLM's benchmark names each request but reads only `data:` lines
+    named, named_ids = text_of(await events(await service.complete(
+        body(stream=True), chat=False, headers={"x-request-id": "v"})))
+    assert named == whole and named_ids == []
+    cut = await service.complete(body(stream=True), chat=False,
+                               headers={"x-request-id": "s", **SSE})
     seen = await first_events(cut, 3)
     await cut.events.aclose()  # the connection dropped
     head, head_ids = text_of(seen)
     rest = await service.complete(body(stream=True), chat=False, headers={
-        "x-request-id": "s", "last-event-id": str(head_ids[-1])})
+        "x-request-id": "s", "last-event-id": str(head_ids[-1]), **SSE})
     tail, tail_ids = text_of(await events(rest))
     assert head + tail == whole and tail_ids[0] > head_ids[-1]
 
@@ -197,12 +209,13 @@ async def test_another_replica_reattaches_a_stream_whose_replica_died():
     reference = sim_service(ScriptedEngine("e", "A40", step_s=0.0))
     whole, _ = text_of(await events(await reference.complete(body(stream=True), chat=False)))
     a, b = replicas(engine)
-    stream = await a.complete(body(stream=True), chat=False, headers={"x-request-id": "k"})
+    stream = await a.complete(body(stream=True), chat=False,
+                              headers={"x-request-id": "k", **SSE})
     seen = await first_events(stream, 4)
     die(a)
     head, head_ids = text_of(seen)
     rest = await b.complete(body(stream=True), chat=False, headers={
-        "x-request-id": "k", "last-event-id": str(head_ids[-1])})
+        "x-request-id": "k", "last-event-id": str(head_ids[-1]), **SSE})
     tail, tail_ids = text_of(await events(rest))
     assert head + tail == whole and tail_ids[0] > head_ids[-1]
     assert [r.request_id for r in engine.engine.received] == ["k"]  # run once
@@ -230,7 +243,7 @@ async def test_a_request_aborted_mid_way_continues_from_its_tokens_on_a_retry():
     whole = (await reference.complete(body(), chat=False)).body["choices"][0]["text"]
     a, b = replicas(engine)
     await first_events(await a.complete(body(stream=True), chat=False,
-                                        headers={"x-request-id": "c"}), 1)
+                                        headers={"x-request-id": "c", **SSE}), 1)
     await asyncio.sleep(0.02)
     for log in a.replies.logs.values():
         log.producer.cancel()  # no reader came back: the generation is aborted
