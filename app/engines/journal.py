@@ -134,11 +134,11 @@ class OutputJournal:
     async def abort(self, request_id: str) -> bool:
         """Stop a submission now; its output so far stays readable."""
         entry = self.entries.get(request_id)
-        if entry is None or entry.ended:
-            return await self.backend.abort(request_id)
-        entry.aborted = True
+        running = entry is not None and not entry.ended
+        if running:
+            entry.aborted = True
         aborted = await self.backend.abort(request_id)
-        if entry.task is not None:
+        if running and entry.task is not None:
             entry.task.cancel()
         return aborted
 

@@ -232,8 +232,9 @@ def fallback(scored: Scored, triage: bool, affinity_tokens: int | None = None,
         return triage_sink(scored)
     admissible = scored.admissible()
     pool = admissible if admissible.any() else np.ones(len(admissible), dtype=bool)
-    if session_home and (pool & scored.capable()).any():
-        pool = pool & scored.capable()
+    if session_home:
+        capable = pool & scored.capable()
+        pool = capable if capable.any() else pool
     chosen = scored.first(pool, scored.latency_s)
     assert chosen is not None
     return chosen
