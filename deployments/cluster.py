@@ -7,6 +7,7 @@ the one local node, so one config pins identically in both places.
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,6 +21,22 @@ from app.engines.messages import EngineRequest, TokenEvent
 from deployments.engine import EngineActor
 
 ENGINE_NAMESPACE = "goodserve"  # engines are looked up by name from Serve replicas
+
+# Serve kills an HTTP proxy not ready within 5 s (health check: 10 s), and `serve.start`
+# then fails. A local node shared with other CPU-bound work can take longer than that to
+# start a worker, so a local instance gives its proxies a minute; a user's own setting
+# of these variables wins.
+LOCAL_SERVE_ENV = {
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
+}
+
+
+def use_local_serve_env() -> None:
+    """Set `LOCAL_SERVE_ENV` where unset, before a local Ray starts: its processes, the
+    Serve controller's among them, inherit this process's environment."""
+    for name, value in LOCAL_SERVE_ENV.items():
+        os.environ.setdefault(name, value)
 
 
 @dataclass(frozen=True)
@@ -55,6 +72,7 @@ def init_local_ray(cluster: ClusterConfig, num_cpus: int | None = None,
     (Ray's default 10 s when None)."""
     if ray.is_initialized():
         return
+    use_local_serve_env()
     system_config = ({} if metrics_report_interval_ms is None
                      else {"metrics_report_interval_ms": metrics_report_interval_ms})
     ray.init(

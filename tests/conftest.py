@@ -111,9 +111,11 @@ def ray_session():
     port (refreshed every half second); stopped at session end."""
     import ray
 
+    from deployments.cluster import use_local_serve_env
     from deployments.router import free_port
 
     RAY_METRICS_PORT[:] = [free_port()]
+    use_local_serve_env()
     ray.init(
         address="local",  # a new instance, never one a `ray start` left behind
         num_cpus=2,
