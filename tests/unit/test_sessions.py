@@ -390,10 +390,13 @@ def test_plan_cluster_rate_rescales_a_session_log_s_arrivals(tmp_path):
                 for i in range(5)]
     path = tmp_path / "log.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in iter_session_rows(sessions)))
+    cluster = tmp_path / "one-engine.yaml"  # one layout to score: the rate is the point
+    cluster.write_text("cluster:\n  name: one\n  groups:\n"
+                       "    - engine: {gpu_type: A800, model: llama-3.1-8b}\n")
 
     def steps_per_s(rate: float) -> float:
         result = CliRunner().invoke(cli, [
-            "plan", "cluster", "--cluster", "configs/paper-4gpu.yaml", "--content",
+            "plan", "cluster", "--cluster", str(cluster), "--content",
             "sessions", "--sessions", str(path), "--rate", str(rate), "--duration", "20",
             "--json"])
         assert result.exit_code == 0, result.output
