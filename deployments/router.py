@@ -14,28 +14,28 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import partial
 
 import ray
-from fastapi import FastAPI, Request
-from fastapi.openapi.utils import get_openapi
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
 from app.control.fleet import Member
 from app.engines.messages import EngineRecord, EngineRequest, EngineStatus, TokenEvent
 from app.routing.budgets import budgets_of
-from app.serving.api import openapi_request_bodies
-from app.serving.auth import Access
 from app.serving.config import ServeConfig
 from app.serving.instances import EngineClient
 from app.serving.live_router import LiveRouter
+from app.serving.relay import RelayHead
 from app.serving.service import CompletionService, JsonReply, StreamReply
 from app.serving.status_board import StatusChanges
 from deployments.cluster import ENGINE_NAMESPACE, EngineHandle, engine_ids
 from deployments.controller import controller_for, stop_controller
+from deployments.http_api import ROUTE_ACCESS, Route, http_app
+from deployments.ingress import IngressDeployment
 from deployments.metrics import RayMetricFactory
 
 logger = logging.getLogger(__name__)
@@ -94,24 +94,6 @@ class ActorEngineClient(EngineClient):
         return await self.actor.status.remote()
 
 
-http_app = FastAPI(title="GoodServe", description="SLO-aware serving on heterogeneous GPUs")
-
-
-def openapi_schema() -> dict:
-    """FastAPI's schema of the routes plus the bodies the POST routes accept (they
-    read the raw body themselves, so FastAPI cannot see them): `GET /openapi.json`."""
-    if http_app.openapi_schema is None:
-        schema = get_openapi(title=http_app.title, version="1.0.0",
-                             description=http_app.description, routes=http_app.routes)
-        bodies, components = openapi_request_bodies()
-        schema.setdefault("components", {}).setdefault("schemas", {}).update(components)
-        for path, body in bodies.items():
-            schema["paths"][path]["post"]["requestBody"] = body
-        http_app.openapi_schema = schema
-    return http_app.openapi_schema
-
-
-http_app.openapi = openapi_schema  # type: ignore[method-assign]
 
 
 def _reply(result: JsonReply | StreamReply) -> Response:
@@ -122,10 +104,9 @@ def _reply(result: JsonReply | StreamReply) -> Response:
                              headers=STREAM_HEADERS | dict(result.headers))
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
-@serve.ingress(http_app)
-class RouterDeployment:
-    """One router replica: its own status estimates, budgets and watchdog."""
+class RouterReplica:
+    """One router replica: its own status estimates, budgets and watchdog. It answers
+    a request an ingress forwards (`relay`); `RouterDeployment` also takes HTTP."""
 
     def __init__(self, config: ServeConfig) -> None:
         self.controller = controller_for(config, serve.get_replica_context().app_name)
@@ -199,54 +180,98 @@ class RouterDeployment:
             self.service.closing = registry.closing
             router.follow(registry.members, partial(found_client, clients))
 
-    def _denied(self, request: Request, access: Access) -> Response | None:
+    def _denied(self, route: Route, headers: Mapping[str, str]) -> JsonReply | None:
         """The reply to a request refused before its body is read (key, size)."""
-        denied = (self.service.authorize(request.headers.get("authorization"), access)
-                  or self.service.too_large(request.headers.get("content-length")))
-        return None if denied is None else _reply(denied)
+        access = ROUTE_ACCESS.get(route)
+        if access is None:
+            return None
+        return (self.service.authorize(headers.get("authorization"), access)
+                or self.service.too_large(headers.get("content-length")))
 
-    @http_app.post("/v1/completions")
-    async def completions(self, request: Request) -> Response:
-        received = time.perf_counter()  # the arrival, before the body is read
-        if denied := self._denied(request, Access.USER):
+    async def answer(self, route: Route, headers: Mapping[str, str],
+                     body: Callable[[], Awaitable[bytes]],
+                     received_perf_s: float) -> JsonReply | StreamReply:
+        """The reply to one request on `route`; `body` reads it once it is let in."""
+        if denied := self._denied(route, headers):
             return denied
-        return _reply(await self.service.complete(await request.body(), chat=False,
-                                                  received_perf_s=received,
-                                                  headers=request.headers))
+        match route:
+            case Route.COMPLETIONS | Route.CHAT:
+                return await self.service.complete(await body(), chat=route is Route.CHAT,
+                                                   received_perf_s=received_perf_s,
+                                                   headers=headers)
+            case Route.MODELS:
+                return JsonReply(200, self.service.models())
+            case Route.HEALTH:
+                return await self.service.health()
+            case Route.INSTANCES:
+                return JsonReply(200, await self.service.instances())
+            case Route.MIGRATE:
+                return await self.service.migrate(await body())
 
-    @http_app.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request) -> Response:
-        received = time.perf_counter()  # the arrival, before the body is read
-        if denied := self._denied(request, Access.USER):
-            return denied
-        return _reply(await self.service.complete(await request.body(), chat=True,
-                                                  received_perf_s=received,
-                                                  headers=request.headers))
+    async def relay(self, route: str, headers: dict[str, str],
+                    body: bytes) -> AsyncIterator[RelayHead | str | bytes]:
+        """A request an ingress forwards (deployments/ingress.py): the reply's head, then
+        a stream's events one by one, or a whole reply's JSON body."""
+        received = time.perf_counter()
 
-    @http_app.get("/v1/models")
-    async def models(self, request: Request) -> Response:
-        if denied := self._denied(request, Access.USER):
-            return denied
-        return JSONResponse(self.service.models())
+        async def read() -> bytes:
+            return body
 
-    @http_app.get("/health")
-    async def health(self) -> Response:
-        return _reply(await self.service.health())
-
-    @http_app.get("/v1/instances")
-    async def instances(self, request: Request) -> Response:
-        if denied := self._denied(request, Access.ADMIN):
-            return denied
-        return JSONResponse(await self.service.instances())
-
-    @http_app.post("/admin/migrate")
-    async def migrate(self, request: Request) -> Response:
-        if denied := self._denied(request, Access.ADMIN):
-            return denied
-        return _reply(await self.service.migrate(await request.body()))
+        reply = await self.answer(Route(route), headers, read, received)
+        if isinstance(reply, JsonReply):
+            yield RelayHead(reply.status_code, dict(reply.headers), streamed=False)
+            yield _reply(reply).body
+            return
+        yield RelayHead(200, STREAM_HEADERS | dict(reply.headers), streamed=True)
+        async for text in reply.events:
+            yield text
 
     def __del__(self) -> None:
         self.service.close()
+
+
+# Serve names both "RouterDeployment" (the faults harness and the tests find its
+# replicas by it); an application holds at most one FastAPI deployment
+ROUTER_OPTIONS: dict[str, object] = {"name": "RouterDeployment",
+                                     "ray_actor_options": {"num_cpus": 0},
+                                     "max_ongoing_requests": 4096}
+
+# behind an ingress (`ingress_replicas` > 0): reached through Serve handles only
+RouterCore = serve.deployment(**ROUTER_OPTIONS)(RouterReplica)
+
+
+@serve.deployment(**ROUTER_OPTIONS)
+@serve.ingress(http_app)
+class RouterDeployment(RouterReplica):
+    """A router replica that takes HTTP from Serve's proxy itself."""
+
+    async def _http(self, route: Route, request: Request) -> Response:
+        received = time.perf_counter()  # the arrival, before the body is read
+        return _reply(await self.answer(route, request.headers, request.body, received))
+
+    @http_app.post(Route.COMPLETIONS.value)
+    async def completions(self, request: Request) -> Response:
+        return await self._http(Route.COMPLETIONS, request)
+
+    @http_app.post(Route.CHAT.value)
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._http(Route.CHAT, request)
+
+    @http_app.get(Route.MODELS.value)
+    async def models(self, request: Request) -> Response:
+        return await self._http(Route.MODELS, request)
+
+    @http_app.get(Route.HEALTH.value)
+    async def health(self, request: Request) -> Response:
+        return await self._http(Route.HEALTH, request)
+
+    @http_app.get(Route.INSTANCES.value)
+    async def instances(self, request: Request) -> Response:
+        return await self._http(Route.INSTANCES, request)
+
+    @http_app.post(Route.MIGRATE.value)
+    async def migrate(self, request: Request) -> Response:
+        return await self._http(Route.MIGRATE, request)
 
 
 def free_port() -> int:
@@ -259,14 +284,20 @@ def free_port() -> int:
 def build_app(config: ServeConfig) -> serve.Application:
     """Replicas being stopped (shutdown, downscaling) take no new request and let those
     in flight finish for up to `shutdown_grace_s`. The replica count is fixed, or Ray
-    Serve's autoscaling when the config asks for it."""
+    Serve's autoscaling when the config asks for it. With `ingress_replicas` an ingress
+    takes HTTP and the routers answer its handle calls."""
     replicas: dict[str, object] = (
         {"num_replicas": config.num_router_replicas} if config.router_autoscaling is None
         else {"autoscaling_config": config.router_autoscaling.serve_options()})
-    deployment = RouterDeployment.options(
+    deployment = RouterDeployment if config.ingress_replicas == 0 else RouterCore
+    routers = deployment.options(
         **replicas, graceful_shutdown_timeout_s=config.shutdown_grace_s,
-        graceful_shutdown_wait_loop_s=0.5)
-    return deployment.bind(config)
+        graceful_shutdown_wait_loop_s=0.5).bind(config)
+    if config.ingress_replicas == 0:
+        return routers
+    return IngressDeployment.options(
+        num_replicas=config.ingress_replicas, graceful_shutdown_timeout_s=config.shutdown_grace_s,
+        graceful_shutdown_wait_loop_s=0.5).bind(routers, config.ingress_tries)
 
 
 @contextmanager

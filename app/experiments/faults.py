@@ -135,9 +135,10 @@ class _Client:
     (and a stream resumed after its last event); classifies how it ended: completed
     only when the client holds the whole answer."""
 
-    def __init__(self, url: str, timeout_s: float) -> None:
+    def __init__(self, url: str, timeout_s: float, max_retries: int = MAX_RETRIES) -> None:
         self.url = url
         self.timeout_s = timeout_s
+        self.max_retries = max_retries
 
     def send(self, body: dict, request_id: str | None = None
              ) -> tuple[str, str, dict | None, int]:
@@ -171,7 +172,7 @@ class _Client:
                 attempt += 1
                 time.sleep(1.0)
                 continue
-            if retryable(*outcome[:2]) and num_retries < MAX_RETRIES and request_id:
+            if retryable(*outcome[:2]) and num_retries < self.max_retries and request_id:
                 time.sleep(backoff_s(num_retries))
                 num_retries += 1
                 attempt += 1
@@ -239,9 +240,9 @@ def kill(fault: Fault, url: str, app_name: str) -> str:
     return names[0]
 
 
-def replica_prefix(app_name: str) -> str:
-    """How Ray Serve names the actors of an application's replicas."""
-    return f"SERVE_REPLICA::{app_name}#"
+def replica_prefix(app_name: str, deployment: str = "RouterDeployment") -> str:
+    """How Ray Serve names the actors of an application's deployment's replicas."""
+    return f"SERVE_REPLICA::{app_name}#{deployment}#"
 
 
 def actor_names(prefix: str) -> list[str]:
@@ -266,13 +267,15 @@ def busiest_engine(url: str, wait_s: float = 10.0) -> str:
 
 
 def run_scenario(config: ServeConfig, fault: Fault, num_requests: int, rate: float,
-                 max_tokens: int = 60, timeout_s: float = 120.0) -> ScenarioResult:
-    """Serve `config`, send `num_requests` at `rate`, kill `fault` a third of the way in."""
+                 max_tokens: int = 60, timeout_s: float = 120.0,
+                 client_retries: int = MAX_RETRIES) -> ScenarioResult:
+    """Serve `config`, send `num_requests` at `rate`, kill `fault` a third of the way in;
+    each client sends a request again at most `client_retries` times."""
     from deployments.router import serving
 
     app_name = f"faults-{fault.value}"
     with serving(config, app_name) as url:
-        client = _Client(url, timeout_s)
+        client = _Client(url, timeout_s, client_retries)
         greedy = {"model": config.model_name, "prompt": GREEDY_PROMPT,
                   "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
         _, _, unfaulted, _ = client.send(greedy)
@@ -343,13 +346,15 @@ def replica_replaced(killed: str, app_name: str, num_replicas: int,
         time.sleep(0.5)
 
 
-def faults_config(num_router_replicas: int = 2) -> ServeConfig:
-    """Three simulated engines (H800, A800, A40) behind two router replicas."""
+def faults_config(num_router_replicas: int = 2, ingress_replicas: int = 0) -> ServeConfig:
+    """Three simulated engines (H800, A800, A40) behind two router replicas (and an
+    ingress in front of them with `ingress_replicas`)."""
     from app.engines.config import ClusterConfig, EngineConfig, InstanceGroup
 
     groups = [InstanceGroup(engine=EngineConfig(gpu_type=g)) for g in ("H800", "A800", "A40")]
     return ServeConfig(cluster=ClusterConfig(name="faults", groups=groups),
-                       default_slo_s=60.0, num_router_replicas=num_router_replicas)
+                       default_slo_s=60.0, num_router_replicas=num_router_replicas,
+                       ingress_replicas=ingress_replicas)
 
 
 def table(results: list[ScenarioResult]) -> str:
@@ -385,6 +390,12 @@ def faults(
     requests: int = typer.Option(60, min=3, help="requests per scenario"),
     rate: float = typer.Option(10.0, min=0.1, help="arrivals per second"),
     out: Path = typer.Option(Path("results/faults"), help="where faults.json and .md go"),  # noqa: B008
+    ingress_replicas: int = typer.Option(
+        0, min=0, help="an ingress in front of the routers, with this many replicas, that "
+        "retries a request on a live router replica"),
+    client_retries: int = typer.Option(
+        MAX_RETRIES, min=0, help="times a client sends a request again (the OpenAI "
+        "client's default: 2)"),
 ) -> None:
     """Kill an engine, a router replica or the HTTP proxy during a live replay; print
     how every request ended."""
@@ -394,8 +405,9 @@ def faults(
     from deployments.cluster import init_local_ray
 
     try:
-        serve_config = faults_config() if config is None else load_serve_config(
-            config).model_copy(update={"num_router_replicas": 2})
+        serve_config = (faults_config(ingress_replicas=ingress_replicas) if config is None
+                        else load_serve_config(config).model_copy(update={
+                            "num_router_replicas": 2, "ingress_replicas": ingress_replicas}))
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from None
@@ -404,13 +416,16 @@ def faults(
     try:
         for fault in scenario:
             typer.echo(f"scenario {fault.value}: {requests} requests at {rate:g} req/s ...")
-            results.append(run_scenario(serve_config, fault, requests, rate))
+            results.append(run_scenario(serve_config, fault, requests, rate,
+                                        client_retries=client_retries))
     finally:
         ray.shutdown()
     setup = {"config": config or "three simulated engines",
              "engines": [e.instance.name for e in serve_config.cluster.engines()],
              "backend": serve_config.engine_template.backend.value,
-             "router_replicas": serve_config.num_router_replicas, "requests": requests,
+             "router_replicas": serve_config.num_router_replicas,
+             "ingress_replicas": serve_config.ingress_replicas,
+             "client_retries": client_retries, "requests": requests,
              "rate": rate, "max_tokens": 60, "greedy_every": 5}
     write_results(results, out, setup)
     typer.echo(table(results))

@@ -140,6 +140,14 @@ class ServeConfig(Frozen):
     router_autoscaling: RouterAutoscaling | None = Field(
         None, description="let Ray Serve scale the router replicas on their ongoing "
         "requests (instead of num_router_replicas); None: a fixed count")
+    ingress_replicas: int = Field(
+        0, ge=0, description="replicas of an ingress deployment in front of the routers: "
+        "when the router replica serving a request dies, it sends the request again, by "
+        "its id, to a live one, which re-attaches it (the client sees nothing); 0: the "
+        "routers take HTTP themselves and a client retries with its request id")
+    ingress_tries: int = Field(
+        3, ge=1, description="how many router replicas an ingress tries per request "
+        "before it answers 503")
     http_port: int = Field(8000, ge=1, le=65535, description="HTTP port of the OpenAI API")
     controller: ControllerConfig | None = Field(
         None, description="resize the pools from SARA's allocation (the cluster's engines "

@@ -60,6 +60,15 @@ from app.serving.telemetry import MigrationReason, NullFactory, Outcome, RouterM
 
 logger = logging.getLogger(__name__)
 
+# how long a re-attach waits for each engine to say whether it runs a request: a busy
+# engine actor answers late, and one not heard from cannot be assumed not to run it
+FIND_TIMEOUT_S = 10.0
+
+
+class EngineUnanswered(Exception):
+    """An engine did not say whether it runs a request: the request cannot be safely
+    started, nor re-attached, yet."""
+
 ABORTED = "abort"  # finish reason of a stream we ended ourselves (migration, disconnect)
 MOVABLE = frozenset({FlightState.QUEUED, FlightState.RUNNING})  # what a migration may move
 
@@ -292,14 +301,20 @@ class LiveRouter:
         )
 
     # ---- re-attaching --------------------------------------------------------------
-    async def find(self, request_id: str, timeout_s: float = 2.0
+    async def find(self, request_id: str, timeout_s: float = FIND_TIMEOUT_S
                    ) -> tuple[InstanceId, EngineRecord] | None:
         """Where the engines hold client request `request_id` (another replica started
         it): its latest submission past the prefill stage, and the engine. None: no
-        engine started it (a prefill stage alone counts as not started)."""
+        engine started it (a prefill stage alone counts as not started). An engine that
+        does not answer within `timeout_s` may run it: `EngineUnanswered`, for starting
+        it again could run it twice."""
         async def ask(inst: LiveInstance) -> list[tuple[InstanceId, EngineRecord]]:
             try:
                 records = await asyncio.wait_for(inst.client.find(request_id), timeout_s)
+            except TimeoutError:
+                raise EngineUnanswered(
+                    f"engine {inst.instance_id} did not say within {timeout_s:g} s whether "
+                    f"it runs request {request_id}") from None
             except Exception as exc:  # a dead engine holds nothing to re-attach
                 logger.info("engine %s not asked about %s: %s", inst.instance_id, request_id,
                             exc)

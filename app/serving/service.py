@@ -44,6 +44,7 @@ from app.serving.instances import EngineClient
 from app.serving.kv_transfer import ConnectorTransport, KvTransport, SimulatedLink
 from app.serving.live_router import (
     EngineLost,
+    EngineUnanswered,
     LiveRouter,
     Predict,
     RequestRejected,
@@ -51,12 +52,14 @@ from app.serving.live_router import (
 )
 from app.serving.logprobs import LogprobsFormatter
 from app.serving.replies import (
+    FRESH_ID_HEADER,
     ReplyLog,
     ReplyStore,
     body_digest,
     client_request_id,
     last_event_id,
     request_headers,
+    resumable,
 )
 from app.serving.telemetry import MetricFactory, NullFactory, RouterMetrics
 from app.serving.tokenizer import HfTokenizer, OutputText, Tokenizer, WordHashTokenizer
@@ -113,14 +116,6 @@ def routing_options(config: ServeConfig, predictor: Predictor | None) -> Routing
         factory = lambda: PredictorLength(predictor)  # noqa: E731
     return config.routing.routing_options(factory)
 
-
-
-def resumable(client_id: str | None, headers: Mapping[str, str]) -> bool:
-    """Whether a stream's events carry SSE ids: for a client that named its request (only
-    it can resume) and accepts `text/event-stream`, as EventSource does. Clients that
-    read SSE by `data:` lines alone, vLLM's benchmark among them (it sends an
-    `x-request-id` too), fail on an `id:` line."""
-    return client_id is not None and "text/event-stream" in headers.get("accept", "")
 
 
 @dataclass(frozen=True)
@@ -333,7 +328,8 @@ class CompletionService:
             requests = self._generation_requests(body, chat, received, request_id)
             readers = self._tool_readers(body, requests, chat)
             flights = await self._submit_all(requests, body, readers,
-                                             look_up=client_id is not None, after=after)
+                                             look_up=client_id is not None
+                                             and FRESH_ID_HEADER not in headers, after=after)
         except ApiError as exc:
             refused = JsonReply(exc.status_code, exc.body(), named)
             if body.stream:
@@ -554,7 +550,11 @@ class CompletionService:
                 text = OutputText(self.tokenizer, body.stop, body.stop_token_ids,
                                   body.include_stop_str_in_output, request.sampling.min_tokens,
                                   skip_special)
-                found = await self.router.find(request.request_id) if look_up else None
+                try:
+                    found = await self.router.find(request.request_id) if look_up else None
+                except EngineUnanswered as exc:
+                    raise ApiError(503, f"{exc}; retry with the same request id",
+                                   "service_unavailable") from None
                 if found is None:
                     flights.append(await self._submit(request, text))
                     continue

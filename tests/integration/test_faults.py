@@ -51,6 +51,19 @@ def test_a_router_replica_killed_mid_replay_loses_no_request(ray_session, config
     assert result.replaced, result
 
 
+def test_behind_an_ingress_a_router_replica_killed_mid_replay_fails_no_client(ray_session):
+    """With an ingress in front, a client that never retries loses nothing: the ingress
+    sends each request of the killed replica again, by its id, and the other replica
+    re-attaches it (a stream after its last relayed event), so every request completes
+    on the first send with the text an unfaulted run gives."""
+    result = run_scenario(faults_config(num_router_replicas=2, ingress_replicas=1),
+                          Fault.ROUTER, REQUESTS, RATE, client_retries=0)
+    assert_none_lost(result)
+    assert result.completed == REQUESTS and not result.failed, result
+    assert result.retries == 0, result  # the clients sent each request once
+    assert result.replaced, result
+
+
 def test_a_restarted_proxy_closes_its_connections_and_serves_again(ray_session, config):
     """Connections open at the kill are closed (a clear error at the client); refused
     ones are sent again until the new proxy answers, and complete."""

@@ -5,6 +5,7 @@ over the same journal-backed engines stand for two router replicas."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 
 import pytest
@@ -253,3 +254,33 @@ async def test_a_request_aborted_mid_way_continues_from_its_tokens_on_a_retry():
     assert retry.body["choices"][0]["text"] == whole
     first, resumed = engine.engine.received
     assert resumed.request_id == "c@1" and len(resumed.resume_token_ids) > 0
+
+
+async def test_an_engine_that_does_not_say_whether_it_runs_a_request_gets_it_no_second_run():
+    """A retry whose look-up an engine leaves unanswered (a busy actor) is a 503 to
+    retry, never a fresh run beside the one that engine may hold; a dead engine holds
+    nothing."""
+    engine = JournalEngine(ScriptedEngine("e", "A40", step_s=0.003))
+    a, b = replicas(engine)
+    stream = await a.complete(body(stream=True), chat=False,
+                              headers={"x-request-id": "slow", **SSE})
+    seen = await first_events(stream, 4)
+    die(a)
+    _, head_ids = text_of(seen)
+
+    async def silent(request_id):
+        await asyncio.sleep(3600)
+
+    engine.find = silent  # type: ignore[method-assign]
+    b.router.find = functools.partial(b.router.find, timeout_s=0.05)  # type: ignore[method-assign]
+    retry = await b.complete(body(stream=True), chat=False, headers={
+        "x-request-id": "slow", "last-event-id": str(head_ids[-1]), **SSE})
+    assert isinstance(retry, JsonReply) and retry.status_code == 503
+    assert "did not say" in retry.body["error"]["message"]
+    assert [r.request_id for r in engine.engine.received] == ["slow"]  # never started again
+
+    async def dead(request_id):
+        raise RuntimeError("the actor died")
+
+    engine.find = dead  # type: ignore[method-assign]
+    assert await b.router.find("slow") is None
