@@ -20,7 +20,8 @@ from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableE
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from app.serving.api import error_body, sse
-from app.serving.relay import EVENT_STREAM, Forwarded, RelayHead, StreamCursor, retry_backoff_s
+from app.serving.relay import Forwarded, RelayHead, StreamCursor, retry_backoff_s
+from app.serving.replies import EVENT_STREAM
 from deployments.http_api import Route, api_app
 
 logger = logging.getLogger(__name__)

@@ -30,6 +30,7 @@ from app.serving.config import ServeConfig
 from app.serving.instances import EngineClient
 from app.serving.live_router import LiveRouter
 from app.serving.relay import RelayHead
+from app.serving.replies import EVENT_STREAM
 from app.serving.service import CompletionService, JsonReply, StreamReply
 from app.serving.status_board import StatusChanges
 from deployments.cluster import ENGINE_NAMESPACE, EngineHandle, engine_ids
@@ -100,7 +101,7 @@ def _reply(result: JsonReply | StreamReply) -> Response:
     if isinstance(result, JsonReply):
         return JSONResponse(result.body, status_code=result.status_code,
                             headers=dict(result.headers))
-    return StreamingResponse(result.events, media_type="text/event-stream",
+    return StreamingResponse(result.events, media_type=EVENT_STREAM,
                              headers=STREAM_HEADERS | dict(result.headers))
 
 

@@ -14,10 +14,9 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from app.serving.replies import FRESH_ID_HEADER, REQUEST_ID_HEADERS, resumable
+from app.serving.replies import EVENT_STREAM, FRESH_ID_HEADER, REQUEST_ID_HEADERS, resumable
 
 RELAY_ID_PREFIX = "relay-"
-EVENT_STREAM = "text/event-stream"
 
 
 @dataclass(frozen=True)

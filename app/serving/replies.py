@@ -25,6 +25,7 @@ from app.engines.journal import Retention
 from app.serving.api import invalid_request
 
 REQUEST_ID_HEADERS = ("x-request-id", "idempotency-key")  # in order of precedence
+EVENT_STREAM = "text/event-stream"
 # an ingress's first try of an id it made: no engine can run it yet, so none is asked
 FRESH_ID_HEADER = "x-goodserve-fresh-id"
 MAX_REQUEST_ID_LEN = 128
@@ -52,7 +53,7 @@ def resumable(client_id: str | None, headers: Mapping[str, str]) -> bool:
     it can resume) and accepts `text/event-stream`, as EventSource does. Clients that
     read SSE by `data:` lines alone, vLLM's benchmark among them (it sends an
     `x-request-id` too), fail on an `id:` line."""
-    return client_id is not None and "text/event-stream" in headers.get("accept", "")
+    return client_id is not None and EVENT_STREAM in headers.get("accept", "")
 
 
 def last_event_id(headers: Mapping[str, str]) -> int | None:

@@ -117,9 +117,7 @@ def routing_options(config: ServeConfig, predictor: Predictor | None) -> Routing
     return config.routing.routing_options(factory)
 
 
-
 @dataclass(frozen=True)
-
 class JsonReply:
     status_code: int
     body: dict[str, Any]

@@ -205,15 +205,23 @@ def die(service: CompletionService) -> None:
     service.close()
 
 
-async def test_another_replica_reattaches_a_stream_whose_replica_died():
+async def stream_cut_by_its_replica(request_id: str
+                                    ) -> tuple[JournalEngine, CompletionService, list[str]]:
+    """A stream named `request_id` whose replica dies four events in: the engine, the
+    other replica (over the same engine) and the events the client holds."""
     engine = JournalEngine(ScriptedEngine("e", "A40", step_s=0.003))
-    reference = sim_service(ScriptedEngine("e", "A40", step_s=0.0))
-    whole, _ = text_of(await events(await reference.complete(body(stream=True), chat=False)))
     a, b = replicas(engine)
     stream = await a.complete(body(stream=True), chat=False,
-                              headers={"x-request-id": "k", **SSE})
+                              headers={"x-request-id": request_id, **SSE})
     seen = await first_events(stream, 4)
     die(a)
+    return engine, b, seen
+
+
+async def test_another_replica_reattaches_a_stream_whose_replica_died():
+    reference = sim_service(ScriptedEngine("e", "A40", step_s=0.0))
+    whole, _ = text_of(await events(await reference.complete(body(stream=True), chat=False)))
+    engine, b, seen = await stream_cut_by_its_replica("k")
     head, head_ids = text_of(seen)
     rest = await b.complete(body(stream=True), chat=False, headers={
         "x-request-id": "k", "last-event-id": str(head_ids[-1]), **SSE})
@@ -260,12 +268,7 @@ async def test_an_engine_that_does_not_say_whether_it_runs_a_request_gets_it_no_
     """A retry whose look-up an engine leaves unanswered (a busy actor) is a 503 to
     retry, never a fresh run beside the one that engine may hold; a dead engine holds
     nothing."""
-    engine = JournalEngine(ScriptedEngine("e", "A40", step_s=0.003))
-    a, b = replicas(engine)
-    stream = await a.complete(body(stream=True), chat=False,
-                              headers={"x-request-id": "slow", **SSE})
-    seen = await first_events(stream, 4)
-    die(a)
+    engine, b, seen = await stream_cut_by_its_replica("slow")
     _, head_ids = text_of(seen)
 
     async def silent(request_id):

@@ -7,13 +7,12 @@ import pytest
 
 from app.serving.api import sse
 from app.serving.relay import (
-    EVENT_STREAM,
     RELAY_ID_PREFIX,
     Forwarded,
     StreamCursor,
     retry_backoff_s,
 )
-from app.serving.replies import FRESH_ID_HEADER
+from app.serving.replies import EVENT_STREAM, FRESH_ID_HEADER
 
 pytestmark = pytest.mark.unit
 
