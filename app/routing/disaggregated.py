@@ -16,7 +16,6 @@ from app.engines.messages import EngineStatus
 from app.hardware.kv_link import KvLink
 from app.routing.base import Reject, RoutingPolicy
 from app.routing.baselines import no_fit
-from app.routing.goodserve.latency import prefill_time_s
 from app.routing.instance_view import InstanceId, InstanceView
 from app.routing.status import StatusEstimator
 from app.routing.view import ClusterView, RouteRequest, StepReport
@@ -34,7 +33,10 @@ class LeastTtftPolicy(RoutingPolicy):
         """Queue + prefill of the uncached prompt on `inst`: T's first two terms."""
         estimate = self.status.estimate(inst, now, priority=request.priority)
         hit = view.prefix_hit_tokens(inst.instance_id, request)
-        return estimate.queue_delay_s + prefill_time_s(request, estimate, hit)
+        if request.kv_ready_s is not None:
+            return estimate.queue_delay_s
+        uncached = max(request.num_context_tokens - hit, 1)
+        return estimate.queue_delay_s + uncached * estimate.prefill_s_per_token
 
     def least_ttft(self, request: RouteRequest, view: ClusterView,
                    now: float) -> tuple[InstanceView, float] | Reject:

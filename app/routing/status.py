@@ -15,9 +15,9 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
+from numba import njit
 
 from app.engines.messages import EngineStatus, PrefillTotals
 from app.hardware.specs import InstanceSpec
@@ -68,7 +68,7 @@ KEPT_ESTIMATES = 4
 class _Departures:
     """Recent finish times of one instance: its departure rate is the finishes after
     the first over the span from it to `now`, so an instance that stopped finishing
-    loses rate (`_Terms.queue_s`)."""
+    loses rate (`_queue_s`)."""
 
     times: deque[float] = field(default_factory=lambda: deque(maxlen=DEPARTURE_WINDOW))
     seen: int = 0  # finished-counter value already taken
@@ -115,6 +115,7 @@ class StatusEstimator(StepListener):
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         self.alpha = alpha
+        _warm_up()
         self._states: dict[InstanceId, _InstanceState] = {}
         self._table = _StateTable()
         self._estimates: list[_Estimates] = []  # newest first
@@ -234,38 +235,43 @@ class StatusEstimator(StepListener):
         whole queue).
         """
         state = self._states.get(view.instance_id)
-        row = _NO_STATE_ROW if state is None else _state_row(state)
-        terms = _Terms.of_row(row, view_row(view), joining)
-        ahead = (None if priority is None or view.waiting_priorities is None
-                 else view.num_waiting_ahead(priority))
-        return InstanceEstimate(terms.queue_s(view.updated_s if now is None else now, ahead),
-                                terms.prefill, terms.decode,
-                                0 if state is None else state.num_samples)
+        row = _NO_STATE if state is None else np.array(_state_row(state))
+        ahead = (math.nan if priority is None or view.waiting_priorities is None
+                 else float(view.num_waiting_ahead(priority)))
+        queue, prefill, decode = _estimate_row(
+            row, np.array(view_row(view)), joining,
+            view.updated_s if now is None else now, ahead)
+        return InstanceEstimate(queue, prefill, decode, 0 if state is None else state.num_samples)
 
     def estimate_arrays(self, arrays: ViewArrays, now: float, joining: int = 1,
                         priority: int | None = None
                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(q_g, p_g, d_g) for every instance of `arrays` at once: `estimate` over
-        columns, equal to it figure for figure.
+        columns, equal to it figure for figure (`terms` and `queues_at`)."""
+        terms = self.terms(arrays, joining)
+        queue = queues_at(terms, num_ahead_of(arrays, priority), now)
+        return queue, terms[:, TERM_PREFILL].copy(), terms[:, TERM_DECODE].copy()
+
+    def terms(self, arrays: ViewArrays, joining: int = 1) -> np.ndarray:
+        """The estimate terms that do not age with `now` for every instance of
+        `arrays` (rows of `_row_terms`; read-only, valid until the next call).
 
         Between two decisions only a few instances report or change their counts, so
-        the terms that do not depend on `now` are kept (for the last `KEPT_ESTIMATES`
-        lists of instances and `joining` values asked) and recomputed only for the rows
-        whose state or columns changed; the queue's Little's-law part, which ages with
-        `now`, is recomputed for the rows that have one."""
+        the terms are kept (for the last `KEPT_ESTIMATES` lists of instances and
+        `joining` values asked) and recomputed only for the rows whose state or columns
+        changed; the queue's Little's-law part, which ages with `now`, is computed from
+        them when read (`queues_at`, or a compiled caller's own pass)."""
         dirty = self._table.refresh(self._states)
         for kept in self._estimates:
             kept.stale |= dirty
         cache = next((c for c in self._estimates if c.joining == joining and (
             c.ids is arrays.ids or c.ids == arrays.ids)), None)
         if cache is None:
-            cache = _Estimates.of(arrays, self._table.rows(arrays.ids), joining)
+            cache = _Estimates.of(arrays, self._table, joining)
             self._estimates = [cache, *self._estimates[:KEPT_ESTIMATES - 1]]
         else:
             cache.update(arrays, self._table)
-        ahead = (None if priority is None or arrays.waiting_priorities is None
-                 else arrays.num_waiting_ahead(priority))
-        return cache.at(now, ahead)
+        return cache.terms
 
 
 # `_StateTable` columns
@@ -296,16 +302,20 @@ class _StateTable:
             self._table[row] = _NO_STATE if state is None else _state_row(state)
         return dirty
 
-    def rows(self, ids: Sequence[InstanceId]) -> np.ndarray:
-        """The state rows of `ids`, in order (row 0 for an instance never seen)."""
-        return self._table[[self._row.get(i, 0) for i in ids]]
+    @property
+    def table(self) -> np.ndarray:
+        return self._table
 
-    def row(self, instance_id: InstanceId) -> list[float]:
-        return self._table[self._row.get(instance_id, 0)].tolist()
+    def row_index(self, instance_id: InstanceId) -> int:
+        """The instance's row (0 for an instance never seen)."""
+        return self._row.get(instance_id, 0)
+
+    def rows_of(self, ids: Sequence[InstanceId]) -> np.ndarray:
+        """The rows of `ids`, in order."""
+        return np.array([self._row.get(i, 0) for i in ids], dtype=np.int64)
 
 
-_NO_STATE_ROW = [0.0] * _NUM_STATE_COLUMNS
-_NO_STATE = np.array(_NO_STATE_ROW)
+_NO_STATE = np.zeros(_NUM_STATE_COLUMNS)
 
 
 def _state_row(state: _InstanceState) -> list[float]:
@@ -319,11 +329,20 @@ def _state_row(state: _InstanceState) -> list[float]:
             value(state.prefill_step_tokens), len(times), times[0] if times else math.nan]
 
 
-class _Terms(NamedTuple):
+# `_row_terms` columns, as `StatusEstimator.terms` gives them
+TERM_WAITING, TERM_QUEUE_EMA, TERM_DEPARTED, TERM_FIRST_FINISH, TERM_PREFILL, TERM_DECODE = (
+    range(6))
+_NUM_TERMS = 6
+WHOLE_QUEUES = np.empty(0)  # `num_ahead_of`: each instance's whole queue
+
+
+@njit(cache=True)
+def _row_terms(state: np.ndarray, view: np.ndarray, joining: int
+               ) -> tuple[float, float, float, float, float, float]:
     """One instance's estimate terms that do not age with `now` (q_g's Little's-law
-    part does: `queue_s`). A decision recomputes them only for the instances that
-    changed, so they are computed a row at a time, with the float operations of the
-    columns' `_terms`.
+    part does: `_queue_s`): (waiting, the observed-wait EMA where requests wait, the
+    finishes in the window less one where Little's law applies, the first finish's
+    time, p_g, d_g), from a state row (`_state_row`) and its view columns (`view_row`).
 
     d_g is the measured decode step time grown by the hardware model's batch line from
     the batch it was measured at to the running batch plus the `joining` requests.
@@ -331,49 +350,89 @@ class _Terms(NamedTuple):
     a full batch (slots or KV), and the wait is q_g's part (Little's law on the queue);
     counting them made weak instances look slower than they ran under a steady queue
     (docs/goodserve-routing.md, "decode batch growth")."""
-
-    waiting: float
-    queue_ema: float  # the observed-wait EMA where requests wait, else 0
-    departed: float  # finishes in the window - 1, where Little's law applies, else 0
-    first_finish_s: float
-    prefill: float  # p_g
-    decode: float  # d_g
-
-    @classmethod
-    def of_row(cls, state: Sequence[float], view: Sequence[float], joining: int) -> _Terms:
-        """From a state row (`_state_row`) and the instance's view columns (`view_row`)."""
-        running, waiting = view[_RUNNING], view[_WAITING]
-        known = state[_S_KNOWN] > 0 and running + waiting > 0
-        queues = known and waiting > 0
-        finishes = state[_S_FINISHES]
-        prefill_s, prefill_tokens, decode = (state[_S_PREFILL_S], state[_S_PREFILL_TOKENS],
-                                             state[_S_DECODE])
-        intercept, slope = view[_INTERCEPT], view[_SLOPE]
-        growth = max((intercept + slope * min(running + joining, view[_MAX_NUM_SEQS]))
-                     / (intercept + slope * state[_S_BATCH]), 1.0)
-        return cls(
-            waiting, state[_S_QUEUE] if queues else 0.0,
+    running, waiting = view[_RUNNING], view[_WAITING]
+    known = state[_S_KNOWN] > 0 and running + waiting > 0
+    queues = known and waiting > 0
+    finishes = state[_S_FINISHES]
+    prefill_s, prefill_tokens, decode = (state[_S_PREFILL_S], state[_S_PREFILL_TOKENS],
+                                         state[_S_DECODE])
+    intercept, slope = view[_INTERCEPT], view[_SLOPE]
+    growth = max((intercept + slope * min(running + joining, view[_MAX_NUM_SEQS]))
+                 / (intercept + slope * state[_S_BATCH]), 1.0)
+    return (waiting, state[_S_QUEUE] if queues else 0.0,
             finishes - 1 if queues and finishes >= 2 else 0.0, state[_S_FIRST_FINISH],
             prefill_s / prefill_tokens if known and prefill_tokens > 0 else view[_PRIOR_P],
             decode * growth if known and decode >= 0 else view[_PRIOR_D])
 
-    def queue_s(self, now: float, num_ahead: float | None = None) -> float:
-        """q_g: the observed-wait EMA, raised to Little's law on the current queue
-        (waiting / departure rate). Observed waits are only known once requests leave
-        the queue, so the EMA lags a growing queue; Little's law sees it at once.
 
-        `num_ahead` (an engine in priority mode): the waiting requests that run before
-        the joining one take the queue's place; with none ahead nothing queues before
-        it."""
-        if num_ahead is None:
-            num_ahead = self.waiting
-        elif num_ahead <= 0:
-            return 0.0
-        span = now - self.first_finish_s
-        if self.departed > 0 and span > 0:
-            rate = self.departed / span
-            return max(self.queue_ema, num_ahead / rate)
-        return self.queue_ema
+@njit(cache=True)
+def _queue_s(queue_ema: float, num_ahead: float, departed: float, first_finish_s: float,
+             now: float) -> float:
+    """q_g: the observed-wait EMA, raised to Little's law on the `num_ahead` requests
+    that run before the joining one (waiting / departure rate). Observed waits are
+    only known once requests leave the queue, so the EMA lags a growing queue;
+    Little's law sees it at once. With none ahead (an engine in priority mode) nothing
+    queues before it."""
+    if num_ahead <= 0:
+        return 0.0
+    span = now - first_finish_s
+    if departed > 0 and span > 0:
+        return max(queue_ema, num_ahead / (departed / span))
+    return queue_ema
+
+
+@njit(cache=True)
+def _estimate_row(state: np.ndarray, view: np.ndarray, joining: int, now: float,
+                  num_ahead: float) -> tuple[float, float, float]:
+    """(q_g, p_g, d_g) of one instance; `num_ahead` nan: the whole queue."""
+    waiting, queue_ema, departed, first_finish, prefill, decode = _row_terms(
+        state, view, joining)
+    ahead = waiting if num_ahead != num_ahead else num_ahead
+    return _queue_s(queue_ema, ahead, departed, first_finish, now), prefill, decode
+
+
+@njit(cache=True)
+def _refresh_terms(states: np.ndarray, state_rows: np.ndarray, view: np.ndarray,
+                   seen_view: np.ndarray, stale: np.ndarray, joining: int,
+                   terms: np.ndarray) -> None:
+    """Recompute `terms`' rows (`_row_terms`, one row per instance) whose state is
+    `stale` or whose view columns differ from `seen_view`, which takes the new ones."""
+    for row in range(view.shape[0]):
+        changed = stale[row]
+        if not changed:
+            for column in range(view.shape[1]):
+                if view[row, column] != seen_view[row, column]:
+                    changed = True
+                    break
+        if changed:
+            seen_view[row] = view[row]
+            (terms[row, 0], terms[row, 1], terms[row, 2], terms[row, 3], terms[row, 4],
+             terms[row, 5]) = _row_terms(states[state_rows[row]], view[row], joining)
+
+
+@njit(cache=True)
+def queue_of_row(terms: np.ndarray, num_ahead: np.ndarray, row: int, now: float) -> float:
+    """q_g of `terms`' row at `now` (`_queue_s`); `num_ahead` empty: the whole queue."""
+    ahead = terms[row, TERM_WAITING] if len(num_ahead) == 0 else num_ahead[row]
+    return _queue_s(terms[row, TERM_QUEUE_EMA], ahead, terms[row, TERM_DEPARTED],
+                    terms[row, TERM_FIRST_FINISH], now)
+
+
+@njit(cache=True)
+def queues_at(terms: np.ndarray, num_ahead: np.ndarray, now: float) -> np.ndarray:
+    """q_g of every row of `terms` at `now` (`queue_of_row`)."""
+    queue = np.empty(terms.shape[0])
+    for row in range(terms.shape[0]):
+        queue[row] = queue_of_row(terms, num_ahead, row, now)
+    return queue
+
+
+def num_ahead_of(arrays: ViewArrays, priority: int | None) -> np.ndarray:
+    """The waiting requests ahead of a joining request of `priority` on each instance
+    of `arrays`, for `queues_at`: empty where each instance's whole queue is."""
+    if priority is None or arrays.waiting_priorities is None:
+        return WHOLE_QUEUES
+    return arrays.num_waiting_ahead(priority)
 
 
 _RUNNING, _WAITING, _PRIOR_P, _PRIOR_D, _INTERCEPT, _SLOPE, _MAX_NUM_SEQS = (
@@ -382,84 +441,50 @@ _RUNNING, _WAITING, _PRIOR_P, _PRIOR_D, _INTERCEPT, _SLOPE, _MAX_NUM_SEQS = (
         "unloaded_decode_s_per_token", "batch_intercept", "batch_slope", "max_num_seqs"))
 
 
+
+
 @dataclass
 class _Estimates:
     """`estimate_arrays`' answer for one list of instances, kept between calls: the
-    `_Terms` as columns, and the view table they were computed from."""
+    terms of `_row_terms` per row, the state rows they read and the view table they
+    were computed from."""
 
     ids: tuple[InstanceId, ...]
     joining: int
-    table: np.ndarray  # the view columns the terms were computed from
-    waiting: np.ndarray
-    queue_ema: np.ndarray
-    departed: np.ndarray
-    first_finish_s: np.ndarray
-    prefill: np.ndarray
-    decode: np.ndarray
-    queued: np.ndarray  # the rows whose queue ages with `now` (departed > 0)
+    state_rows: np.ndarray  # each instance's `_StateTable` row
+    seen_view: np.ndarray  # the view columns the terms were computed from
+    terms: np.ndarray  # (instances, _NUM_TERMS)
     stale: set[InstanceId] = field(default_factory=set)  # state changed since computed
 
     @classmethod
-    def of(cls, arrays: ViewArrays, state: np.ndarray, joining: int) -> _Estimates:
-        waiting, queue_ema, departed, first_finish_s, prefill, decode = _terms(
-            state, arrays.table, joining)
-        return cls(arrays.ids, joining, arrays.table, waiting, queue_ema, departed,
-                   first_finish_s, prefill, decode, np.flatnonzero(departed > 0))
+    def of(cls, arrays: ViewArrays, table: _StateTable, joining: int) -> _Estimates:
+        kept = cls(arrays.ids, joining, table.rows_of(arrays.ids),
+                   np.full_like(arrays.table, np.nan), np.empty((len(arrays), _NUM_TERMS)))
+        kept.update(arrays, table, np.ones(len(arrays), dtype=np.bool_))
+        return kept
 
-    def update(self, arrays: ViewArrays, table: _StateTable) -> None:
+    def update(self, arrays: ViewArrays, table: _StateTable,
+               stale: np.ndarray | None = None) -> None:
         """Recompute the rows whose state is stale or whose view columns changed."""
-        width = arrays.table.shape[1]
-        changed = set((np.flatnonzero(arrays.table != self.table) // width).tolist())
-        row_of = arrays.row_of
-        changed.update(row_of[i] for i in self.stale if i in row_of)
+        if stale is None:
+            stale = np.zeros(len(arrays), dtype=np.bool_)
+            row_of = arrays.row_of
+            for instance_id in self.stale:
+                row = row_of.get(instance_id)
+                if row is not None:
+                    stale[row] = True
+                    self.state_rows[row] = table.row_index(instance_id)
         self.stale.clear()
-        self.table = arrays.table
-        if not changed:
-            return
-        columns = (self.waiting, self.queue_ema, self.departed, self.first_finish_s,
-                   self.prefill, self.decode)
-        for row in changed:
-            terms = _Terms.of_row(table.row(self.ids[row]), self.table[row].tolist(),
-                                  self.joining)
-            for column, value in zip(columns, terms, strict=True):
-                column[row] = value
-        self.queued = np.flatnonzero(self.departed > 0)
-
-    def at(self, now: float, num_ahead: np.ndarray | None = None
-           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(q_g, p_g, d_g) at `now` (`_Terms.queue_s` over the rows with a queue; with
-        `num_ahead` per row in place of the queue)."""
-        queue = self.queue_ema.copy()
-        waiting = self.waiting
-        if num_ahead is not None:
-            queue[num_ahead <= 0] = 0.0
-            waiting = num_ahead
-        rows = self.queued
-        if len(rows):
-            span = now - self.first_finish_s[rows]
-            rate = np.divide(self.departed[rows], span, out=np.zeros(len(rows)),
-                             where=span > 0)
-            little = np.divide(waiting[rows], rate, out=np.zeros(len(rows)),
-                               where=rate > 0)
-            queue[rows] = np.maximum(queue[rows], little)
-        return queue, self.prefill.copy(), self.decode.copy()
+        _refresh_terms(table.table, self.state_rows, arrays.table, self.seen_view, stale,
+                       self.joining, self.terms)
 
 
-def _terms(state: np.ndarray, view: np.ndarray, joining: int) -> tuple[np.ndarray, ...]:
-    """`_Terms.of_row` over rows: (waiting, queue EMA, departed, first finish, p_g, d_g)."""
-    running, waiting = view[:, _RUNNING], view[:, _WAITING]
-    known = (state[:, _S_KNOWN] > 0) & (running + waiting > 0)
-    queues = known & (waiting > 0)
-    finishes = state[:, _S_FINISHES]
-    departed = np.where(queues & (finishes >= 2), finishes - 1, 0.0)
-    queue_ema = np.where(queues, state[:, _S_QUEUE], 0.0)
-    p = np.divide(state[:, _S_PREFILL_S], state[:, _S_PREFILL_TOKENS],
-                  out=view[:, _PRIOR_P].copy(),
-                  where=known & (state[:, _S_PREFILL_TOKENS] > 0))
-    intercept, slope = view[:, _INTERCEPT], view[:, _SLOPE]
-    upcoming = np.minimum(running + joining, view[:, _MAX_NUM_SEQS])
-    growth = np.maximum((intercept + slope * upcoming)
-                        / (intercept + slope * state[:, _S_BATCH]), 1.0)
-    d = np.where(known & (state[:, _S_DECODE] >= 0), state[:, _S_DECODE] * growth,
-                 view[:, _PRIOR_D])
-    return waiting.copy(), queue_ema, departed, state[:, _S_FIRST_FINISH].copy(), p, d
+def _warm_up() -> None:
+    """Compile (or load from the on-disk cache) the estimator's passes before the
+    first estimate is asked for."""
+    states, view = np.zeros((1, _NUM_STATE_COLUMNS)), np.ones((1, len(COLUMNS)))
+    _estimate_row(states[0], view[0], 1, 0.0, math.nan)
+    terms = np.empty((1, _NUM_TERMS))
+    _refresh_terms(states, np.zeros(1, dtype=np.int64), view, view.copy(),
+                   np.ones(1, dtype=np.bool_), 1, terms)
+    queues_at(terms, WHOLE_QUEUES, 0.0)

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from app.engines.config import EngineRole
 from app.hardware.specs import make_instance
@@ -10,6 +15,8 @@ from app.routing.instance_view import InstanceView
 from app.routing.view import ClusterView, RouteRequest
 
 if TYPE_CHECKING:
+    from app.routing.goodserve.admissions import RecentAdmissions
+    from app.routing.goodserve.scoring import Scored
     from predictor.base import Predictor
 
 SPECS = {g: make_instance(g, "llama-3.1-8b") for g in ("H800", "A800", "A40")}
@@ -53,3 +60,68 @@ def fixed_length_predictor(tokens: int = 100) -> Predictor:
     from predictor.history import HistoryPredictor
 
     return HistoryPredictor().fit([PredictionInput("p")] * 3, [tokens] * 3)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One instance's scores for one request, as a test writes them."""
+
+    instance_id: str
+    latency_s: float = 1.0
+    slack_s: float = 5.0
+    capability_s_per_token: float = 0.01
+    has_memory_room: bool = True
+    stall_s: float = 0.0
+    shortest_stall_s: float = math.inf
+    reserved: bool = False
+    queue_s: float = 0.0
+
+
+def scored_rows(request: RouteRequest, rows: Sequence[Row]) -> Scored:
+    """A `Scored` holding exactly `rows` (no estimator, no view behind it)."""
+    from app.routing.arrays import ViewArrays
+    from app.routing.goodserve.scoring import InstanceScorer, Scored
+
+    def column(name: str, dtype: type = np.float64) -> np.ndarray:
+        return np.array([getattr(r, name) for r in rows], dtype=dtype)
+
+    views = [replace(make_view("A800"), instance_id=r.instance_id) for r in rows]
+    stall, shortest, room = (column("stall_s"), column("shortest_stall_s"),
+                             column("has_memory_room", np.bool_))
+    scorer = InstanceScorer(
+        request, ViewArrays.of(views), 0.0, 0.0, column("queue_s"), column("latency_s"),
+        np.zeros(len(rows)), room, stall, shortest, np.zeros(len(rows), dtype=np.int64),
+        room & (stall <= shortest), column("reserved", np.bool_))
+    return Scored(scorer, 1.0, column("latency_s"), column("slack_s"))
+
+
+def record_arrival(admissions: RecentAdmissions, request: RouteRequest, rows: Sequence[Row],
+                   headroom: float) -> None:
+    """What an arrival scored as `rows` tells `admissions`."""
+    admissions.record_outcomes(request, *scored_rows(request, rows).outcomes(headroom))
+
+
+@dataclass(frozen=True)
+class ScoredRow:
+    """One instance's row of a `Scored`, with the placement's predicates."""
+
+    latency_s: float
+    slack_s: float
+    queue_s: float
+    harmless: bool
+    reserved: bool
+
+    def meets_deadline(self) -> bool:
+        return self.slack_s >= 0.0
+
+    def capable(self) -> bool:
+        """Would meet the deadline once its queue drained."""
+        return self.slack_s + self.queue_s >= 0
+
+
+def rows_by_id(scored: Scored) -> dict[str, ScoredRow]:
+    scorer = scored.scorer
+    return {iid: ScoredRow(float(scored.latency_s[i]), float(scored.slack_s[i]),
+                           float(scorer.queue_s[i]), bool(scorer.harmless[i]),
+                           bool(scorer.reserved[i]))
+            for i, iid in enumerate(scorer.arrays.ids)}

@@ -11,7 +11,7 @@ from app.hardware.kv_link import KvLink
 from app.routing.base import Reject, RoutingPolicy
 from app.routing.disaggregated import DisaggregatedPlacer, LeastTtftPolicy, PdPlacement
 from app.routing.goodserve import GoodServeConfig, make_goodserve
-from app.routing.goodserve.latency import for_context, score_instances
+from app.routing.goodserve.scoring import InstanceScorer
 from app.routing.instance_view import InstanceId
 from app.routing.length import TrueLength
 from app.routing.status import StatusEstimator
@@ -53,22 +53,25 @@ def test_prefill_goes_where_queue_plus_uncached_prefill_is_least():
     assert isinstance(policy.choose(huge, make_cluster(*views), 0.0), Reject)
 
 
+def scores(request: RouteRequest, view: ClusterView, status: StatusEstimator,
+           now: float) -> InstanceScorer:
+    return InstanceScorer.build(request, view.instances, view, status, now, None, 1.0)
+
+
 def test_decode_estimate_waits_for_the_kv_and_computes_no_prefill():
     status = StatusEstimator()
     view = make_cluster(role_view("A40", EngineRole.DECODE))
     plain = make_request(100.0, prompt=4000, out=50)
     delivered = replace(plain, kv_ready_s=2.0)
-    (without,) = score_instances(plain, view.instances, view, status, 50, 0.5, None, 1.0)
-    (with_kv,) = score_instances(delivered, view.instances, view, status, 50, 0.5, None, 1.0)
-    # its decode per token at its own 4k context (`for_context`)
-    estimate = for_context(status.estimate(view.instances[0], 0.5), view.instances[0].spec,
-                           delivered, 0)
-    assert with_kv.latency_s == pytest.approx(1.5 + estimate.queue_delay_s
-                                              + 50 * estimate.decode_s_per_token)
-    assert with_kv.stall_s == 0.0 and without.stall_s > 0.0  # no prefill compute to charge
+    without, with_kv = (scores(r, view, status, 0.5) for r in (plain, delivered))
+    # the queue and its decode per token at its own 4k context, and no prefill
+    assert with_kv.latency_s(50)[0] == pytest.approx(1.5 + with_kv.queue_s[0]
+                                                     + 50 * with_kv.decode_s[0])
+    assert with_kv.decode_s[0] > status.estimate(view.instances[0], 0.5).decode_s_per_token
+    assert with_kv.stall_s[0] == 0.0 and without.stall_s[0] > 0.0  # no prefill to charge
     late = replace(plain, kv_ready_s=0.1)  # already there: no wait
-    (now_ready,) = score_instances(late, view.instances, view, status, 50, 0.5, None, 1.0)
-    assert now_ready.latency_s == pytest.approx(with_kv.latency_s - 1.5)
+    now_ready = scores(late, view, status, 0.5)
+    assert now_ready.latency_s(50)[0] == pytest.approx(with_kv.latency_s(50)[0] - 1.5)
 
 
 def test_the_decode_policy_is_told_when_the_kv_arrives_link_queue_included():
@@ -98,9 +101,8 @@ def test_a_tight_deadline_decodes_on_the_fast_gpu_a_loose_one_on_the_slow_gpu():
     decode_view = make_cluster(role_view("H800", EngineRole.DECODE, "H800-d"),
                                role_view("A40", EngineRole.DECODE, "A40-d"))
     probe = make_request(1e9, prompt=2000, out=300)
-    scored = {c.instance_id: c.latency_s for c in score_instances(
-        replace(probe, kv_ready_s=0.0), decode_view.instances, decode_view, policy.status,
-        300, 0.0, None, 1.0)}
+    scorer = scores(replace(probe, kv_ready_s=0.0), decode_view, policy.status, 0.0)
+    scored = dict(zip(scorer.arrays.ids, scorer.latency_s(300).tolist(), strict=True))
     assert scored["A40-d"] > 2 * scored["H800-d"]
     tight = replace(probe, request_id="tight", deadline_s=2 * scored["H800-d"])
     loose = replace(probe, request_id="loose", deadline_s=20 * scored["A40-d"])

@@ -13,7 +13,6 @@ from app.routing.budgets import SlackBudgets
 from app.routing.goodserve import (
     DEFAULT_STALL_FACTOR,
     TRAINED_PREDICTOR_STALL_FACTOR,
-    Candidate,
     GoodServeConfig,
     JustEnoughPolicy,
     JustEnoughVariant,
@@ -21,12 +20,10 @@ from app.routing.goodserve import (
     RecentAdmissions,
     SloWatchdog,
     capability_s_per_token,
-    estimate_latency_s,
     make_goodserve,
     stall_factor_label,
 )
-from app.routing.goodserve.latency import score_instances
-from app.routing.goodserve.placer import reserve_strongest
+from app.routing.goodserve.scoring import InstanceScorer
 from app.routing.length import (
     PredictorLength,
     RunningHistoryLength,
@@ -34,14 +31,18 @@ from app.routing.length import (
 )
 from app.routing.quantiles import kaplan_meier_quantile
 from app.routing.registry import PolicyKind, RoutingOptions, build_routing
-from app.routing.status import InstanceEstimate, StatusEstimator, catalog_prior
+from app.routing.status import StatusEstimator, catalog_prior
 from app.routing.view import ClusterView, FinishReport, RouteRequest
 from tests.unit.routing_utils import (
     SPECS,
+    Row,
     fixed_length_predictor,
     make_cluster,
     make_request,
     make_view,
+    record_arrival,
+    rows_by_id,
+    scored_rows,
 )
 
 pytestmark = pytest.mark.unit
@@ -128,10 +129,16 @@ def test_bad_alpha_is_rejected():
 
 # ---- latency estimate ---------------------------------------------------------
 def test_latency_estimate_is_paper_equation_2():
-    est = InstanceEstimate(queue_delay_s=0.5, prefill_s_per_token=1e-4, decode_s_per_token=0.02)
-    request = make_request(10.0, prompt=3000)
-    # q + (L_in - H) p + L_out d = 0.5 + 2000 * 1e-4 + 200 * 0.02
-    assert estimate_latency_s(request, est, 1000, 200) == pytest.approx(0.5 + 0.2 + 4.0)
+    status = StatusEstimator(alpha=1.0)
+    set_speed(status, "A800", 0.02)  # 4 decoding, as the 3 running and the newcomer
+    status.observe_queue_wait("A800", 0.5, 0.0)
+    cluster = make_cluster(make_view("A800", running=3, waiting=1), hits={"A800": 62})
+    request = make_request(10.0, prompt=3000, block_hashes=tuple(range(100)))
+    policy = JustEnoughPolicy(status, TrueLength(),
+                              GoodServeConfig(long_context_estimates=False))
+    _, scored = policy.placer.arrival(request, cluster.instances, cluster, 0.0).place(200)
+    # q + (L_in - H) p + L_out d = 0.5 + (3000 - 62 x 16) x 1e-4 + 200 x 0.02
+    assert scored.latency_s[0] == pytest.approx(0.5 + 2008 * 1e-4 + 4.0)
 
 
 def test_capability_ranks_by_unloaded_speed():
@@ -338,7 +345,7 @@ def test_a_cold_history_places_on_the_fastest_instance_with_capacity_to_spare():
     point_only.length.on_progress({f"long{i}": 700 for i in range(20)})
     assert point_only.choose(make_request(3.0, rid="cold"), cluster, 0.0) == "H800"
     assert point_only.choose(capped, cluster, 0.0) == "A40"
-    policy.admissions.record_arrival(make_request(3.0), [turned_away("H800")], headroom=0.0)
+    record_arrival(policy.admissions, make_request(3.0), [turned_away("H800")], headroom=0.0)
     assert policy.choose(make_request(3.0, rid="contended"), cluster, 0.0) == "A40"
     unset = confident_policy(0.9, fast_while_cold=False)
     unset.length.on_progress({f"long{i}": 700 for i in range(20)})
@@ -440,8 +447,7 @@ def test_a_hopeless_session_step_is_triaged_unless_told_not_to():
     assert spread.choose(replace(step, request_id="step2"), cluster, 0.0) == "H800"
 
 
-@pytest.mark.parametrize("vectorised", [False, True])
-def test_a_late_session_step_goes_only_where_a_drained_queue_would_meet_it(vectorised):
+def test_a_late_session_step_goes_only_where_a_drained_queue_would_meet_it():
     """Nothing meets 12 s: the H800 has 30 s of queue, the A40 none but needs ~23 s to
     prefill the 100k-token context it does not cache and decode 200 tokens. Min T alone
     picks the A40, which no drained queue makes fast enough: the session's next steps
@@ -452,14 +458,13 @@ def test_a_late_session_step_goes_only_where_a_drained_queue_would_meet_it(vecto
         set_speed(status, gpu, d)
     status.observe_queue_wait("H800", 30.0, 0.0)
     config = GoodServeConfig(headroom=0.0, triage=False, protect_admitted=False,
-                             long_context_estimates=False, vectorised=vectorised)
+                             long_context_estimates=False)
     cluster = make_cluster(make_view("H800", waiting=4), make_view("A40", running=0),
                            hits={"H800": 6000})
     step = make_request(12.0, prompt=100_000, rid="step", session_id="s",
                         block_hashes=tuple(range(6250)))
-    candidates = {c.instance_id: c for c in JustEnoughPolicy(
-        status, TrueLength(), config).placer.place(step, cluster.instances, cluster, 200,
-                                                   0.0)[1]}
+    candidates = rows_by_id(JustEnoughPolicy(status, TrueLength(), config).placer.arrival(
+        step, cluster.instances, cluster, 0.0).place(200)[1])
     assert not any(c.meets_deadline() for c in candidates.values())
     assert candidates["A40"].latency_s < candidates["H800"].latency_s
     assert candidates["H800"].capable() and not candidates["A40"].capable()
@@ -560,7 +565,7 @@ def test_placing_is_a_pure_probe_and_only_the_acted_on_choice_is_admitted():
     cluster = make_cluster(make_view("H800"), make_view("A40"))
     request = make_request(20.0, prompt=200, out=100, rid="probe")
     for _ in range(3):
-        chosen, _ = policy.placer.place(request, cluster.instances, cluster, 100, 0.0)
+        chosen, _ = policy.placer.arrival(request, cluster.instances, cluster, 0.0).place(100)
         assert chosen is not None and chosen.instance_id == "A40"
         assert len(policy.budgets) == 0
     assert policy.choose(request, cluster, 0.0) == "A40"
@@ -641,39 +646,39 @@ def test_recent_admissions_keep_a_window_per_instance():
         GoodServeConfig(admissions_window=0)
 
 
-def turned_away(instance_id: str) -> Candidate:
+def turned_away(instance_id: str) -> Row:
     """An arrival that would have met its deadline on the instance but for its budgets."""
-    return Candidate(instance_id, latency_s=1.0, slack_s=5.0, capability_s_per_token=0.01,
-                     has_memory_room=True, stall_s=0.2, shortest_stall_s=0.1)
+    return Row(instance_id, latency_s=1.0, slack_s=5.0, capability_s_per_token=0.01,
+               has_memory_room=True, stall_s=0.2, shortest_stall_s=0.1)
 
 
 def test_recent_admissions_know_which_instances_turned_arrivals_away():
     admissions = RecentAdmissions(GoodServeConfig(admissions_window=2))
     arrival = make_request(10.0)
-    admissions.record_arrival(arrival, [turned_away("H800")], headroom=0.5)
+    record_arrival(admissions, arrival, [turned_away("H800")], headroom=0.5)
     assert admissions.contended("H800") and not admissions.contended("A40")
     late = replace(turned_away("A40"), slack_s=0.1)  # would not have met there anyway
-    admissions.record_arrival(arrival, [late], headroom=0.5)
+    record_arrival(admissions, arrival, [late], headroom=0.5)
     assert admissions.contended("H800") and not admissions.contended("A40")
-    admissions.record_arrival(arrival, [], headroom=0.5)  # two arrivals later: spare again
+    record_arrival(admissions, arrival, [], headroom=0.5)  # two arrivals later: spare again
     assert not admissions.contended("H800")
 
 
 def test_an_instance_strands_an_arrival_only_when_nothing_else_could_take_it():
     admissions = RecentAdmissions(GoodServeConfig(admissions_window=2))
     arrival = make_request(10.0)
-    room_elsewhere = Candidate("A800", latency_s=1.0, slack_s=5.0, capability_s_per_token=0.02,
-                               has_memory_room=True)
-    admissions.record_arrival(arrival, [turned_away("H800"), room_elsewhere], headroom=0.5)
+    room_elsewhere = Row("A800", latency_s=1.0, slack_s=5.0, capability_s_per_token=0.02,
+                         has_memory_room=True)
+    record_arrival(admissions, arrival, [turned_away("H800"), room_elsewhere], headroom=0.5)
     assert admissions.contended("H800") and not admissions.stranding("H800")
-    admissions.record_arrival(arrival, [turned_away("H800")], headroom=0.5)
+    record_arrival(admissions, arrival, [turned_away("H800")], headroom=0.5)
     assert admissions.stranding("H800")
-    admissions.record_arrival(arrival, [], headroom=0.5)
-    admissions.record_arrival(arrival, [], headroom=0.5)
+    record_arrival(admissions, arrival, [], headroom=0.5)
+    record_arrival(admissions, arrival, [], headroom=0.5)
     assert not admissions.stranding("H800")
     # turned away by its reservation: still contended, but that does not extend it
     reserved = replace(turned_away("H800"), shortest_stall_s=math.inf, reserved=True)
-    admissions.record_arrival(arrival, [reserved], headroom=0.5)
+    record_arrival(admissions, arrival, [reserved], headroom=0.5)
     assert admissions.contended("H800") and not admissions.stranding("H800")
 
 
@@ -684,13 +689,13 @@ def test_stranding_counts_arrivals_that_could_meet_their_deadline_only_without_h
     admissions = RecentAdmissions(GoodServeConfig(admissions_window=2))
     arrival = make_request(10.0)
     at_the_edge = replace(turned_away("H800"), slack_s=0.2)  # meets, but not with 0.5 x T
-    admissions.record_arrival(arrival, [at_the_edge], headroom=0.5)
+    record_arrival(admissions, arrival, [at_the_edge], headroom=0.5)
     assert admissions.stranding("H800") and admissions.any_stranding()
     assert not admissions.contended("H800")  # no move could meet with headroom there
-    harmless_edge = Candidate("A800", latency_s=1.0, slack_s=0.2, capability_s_per_token=0.02,
-                              has_memory_room=True)  # fallback's first step takes it there
-    admissions.record_arrival(arrival, [at_the_edge, harmless_edge], headroom=0.5)
-    admissions.record_arrival(arrival, [at_the_edge, harmless_edge], headroom=0.5)
+    harmless_edge = Row("A800", latency_s=1.0, slack_s=0.2, capability_s_per_token=0.02,
+                        has_memory_room=True)  # fallback's first step takes it there
+    record_arrival(admissions, arrival, [at_the_edge, harmless_edge], headroom=0.5)
+    record_arrival(admissions, arrival, [at_the_edge, harmless_edge], headroom=0.5)
     assert not admissions.stranding("H800")
 
 
@@ -698,10 +703,11 @@ def test_slo_span_quantile_waits_for_enough_arrivals():
     admissions = RecentAdmissions(GoodServeConfig(slo_window=200))
     min_samples = GoodServeConfig().min_slo_samples
     for span in range(1, min_samples):
-        admissions.record_arrival(make_request(float(span)), [], headroom=0.0)
+        record_arrival(admissions, make_request(float(span)), [], headroom=0.0)
     assert admissions.slo_span_quantile_s(0.9) == math.inf
-    admissions.record_arrival(make_request(float(min_samples)), [], headroom=0.0)
-    admissions.record_arrival(make_request(math.inf), [], headroom=0.0)  # no deadline: not a span
+    record_arrival(admissions, make_request(float(min_samples)), [], headroom=0.0)
+    # no deadline: not a span
+    record_arrival(admissions, make_request(math.inf), [], headroom=0.0)
     assert admissions.slo_span_quantile_s(0.9) == pytest.approx(0.9 * min_samples, abs=1)
     with pytest.raises(ValueError, match="slo_window"):
         GoodServeConfig(slo_window=0)
@@ -710,8 +716,8 @@ def test_slo_span_quantile_waits_for_enough_arrivals():
 def stranding_h800_after_spans(admissions: RecentAdmissions) -> None:
     """Arrivals with SLO spans 1..100 s, the last of them stranded by the H800."""
     for span in range(1, 101):
-        admissions.record_arrival(make_request(float(span)), [], headroom=0.0)
-    admissions.record_arrival(make_request(50.0), [turned_away("H800")], headroom=0.0)
+        record_arrival(admissions, make_request(float(span)), [], headroom=0.0)
+    record_arrival(admissions, make_request(50.0), [turned_away("H800")], headroom=0.0)
 
 
 def test_stranding_strongest_instance_is_reserved_for_tighter_slos():
@@ -736,21 +742,21 @@ def test_reserve_marks_only_the_pools_strongest_instances():
     policy = policy_with_speeds(H800=0.01, A800=0.015, A40=0.04)
     admissions = policy.admissions
     stranding_h800_after_spans(admissions)
-    admissions.record_arrival(make_request(50.0), [turned_away("A800")], headroom=0.0)
+    record_arrival(admissions, make_request(50.0), [turned_away("A800")], headroom=0.0)
     assert admissions.stranding("A800")
     cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
-    scored = score_instances(make_request(95.0), cluster.instances, cluster, policy.status,
-                             200, 0.0, None, 1.0)
-    reserved = {c.instance_id for c in reserve_strongest(
-        make_request(95.0), scored, cluster, admissions, 0.9) if c.reserved}
-    assert reserved == {"H800"}  # the A800 strands too, but it is not the strongest
-    best_effort = make_request(math.inf)  # no deadline: the loosest of all
-    assert {c.instance_id for c in reserve_strongest(
-        best_effort, scored, cluster, admissions, 0.9) if c.reserved} == {"H800"}
-    tight = make_request(50.0)
-    assert not any(c.reserved for c in reserve_strongest(tight, scored, cluster, admissions, 0.9))
-    assert not any(c.reserved for c in reserve_strongest(
-        make_request(95.0), scored, cluster, admissions, 1.0))
+    placer = policy.placer
+
+    def reserved(request: RouteRequest, quantile: float = 0.9) -> set[str]:
+        config = placer.config.model_copy(update={"reservation_quantile": quantile})
+        scored = replace(placer, config=config).arrival(request, cluster.instances, cluster,
+                                                        0.0).place(200)[1]
+        return {iid for iid, row in rows_by_id(scored).items() if row.reserved}
+
+    assert reserved(make_request(95.0)) == {"H800"}  # the A800 strands, but is not strongest
+    assert reserved(make_request(math.inf)) == {"H800"}  # no deadline: the loosest of all
+    assert reserved(make_request(50.0)) == set()
+    assert reserved(make_request(95.0), quantile=1.0) == set()
 
 
 def test_watchdog_does_not_move_a_loose_request_onto_a_reserved_instance():
@@ -780,8 +786,8 @@ def test_move_may_cost_a_contended_target_no_more_than_a_typical_arrival():
             dog.admissions.record("A800", latency_s)
             dog.admissions.record("H800", latency_s)
         if contended:
-            dog.admissions.record_arrival(
-                make_request(10.0), [turned_away("A800"), turned_away("H800")], 0.0)
+            record_arrival(dog.admissions, make_request(10.0),
+                           [turned_away("A800"), turned_away("H800")], 0.0)
         return dog
 
     cheap_arrivals = dog_after_arrivals(1.0, 0.5)
@@ -805,8 +811,9 @@ def test_policy_records_what_its_placements_cost_for_the_watchdog():
     cluster = make_cluster(make_view("H800"))
     request = make_request(100.0, prompt=500, out=400)
     assert policy.choose(request, cluster, 0.0) == "H800"
-    expected = estimate_latency_s(
-        request, policy.status.estimate(cluster.get("H800"), 0.0), 0, 400)
+    estimate = policy.status.estimate(cluster.get("H800"), 0.0)
+    expected = (estimate.queue_delay_s + 500 * estimate.prefill_s_per_token
+                + 400 * estimate.decode_s_per_token)
     assert policy.admissions.quantile_s("H800", 0.5) == pytest.approx(expected)
 
 
@@ -913,11 +920,11 @@ def test_late_request_avoids_instances_whose_admitted_requests_its_prefill_would
     # tight: H800 needs 2.1 s of its 2.2 s -> 0.1 s of slack
     assert policy.choose(make_request(2.2, rid="tight"), cluster, 0.0) == "H800"
     hopeless = make_request(0.5, prompt=5000, rid="late")
-    candidates = policy.placer.place(hopeless, cluster.instances, cluster, 200, 0.0)[1]
-    by_id = {c.instance_id: c for c in candidates}
+    by_id = rows_by_id(policy.placer.arrival(hopeless, cluster.instances, cluster,
+                                             0.0).place(200)[1])
     # the H800 is still the fastest for it, but its 0.5 s prefill would make "tight" late
-    assert min(candidates, key=lambda c: c.latency_s).instance_id == "H800"
-    assert not by_id["H800"].harmless() and by_id["A800"].harmless()
+    assert min(by_id, key=lambda iid: by_id[iid].latency_s) == "H800"
+    assert not by_id["H800"].harmless and by_id["A800"].harmless
     assert policy.choose(hopeless, cluster, 0.0) == "A800"
     # once nothing admitted is left to protect, best effort means the fastest again
     policy.on_finish(FinishReport(make_request(2.2, rid="tight"), "H800", 200, 0.1, 2.1), 2.1)
@@ -939,11 +946,19 @@ def test_an_instance_is_not_closed_for_the_slowdown_a_newcomer_adds():
 
 
 def test_headroom_reserves_the_new_requests_slack_not_the_admitted_budgets():
-    candidate = Candidate("A40", latency_s=2.0, slack_s=1.0, capability_s_per_token=0.02,
-                          has_memory_room=True, stall_s=0.09, shortest_stall_s=0.1)
-    assert candidate.feasible(0.5) and not candidate.feasible(0.6)
-    assert not replace(candidate, stall_s=0.11).feasible(0.0)
-    assert not replace(candidate, has_memory_room=False).harmless()
+    """T 2 s with 1 s of slack: feasible with up to 0.5 x T in reserve; a stall past the
+    admitted budget or no KV room closes it whatever the headroom."""
+    request = make_request(3.0, rid="new")
+    row = Row("A40", latency_s=2.0, slack_s=1.0, capability_s_per_token=0.02,
+              has_memory_room=True, stall_s=0.09, shortest_stall_s=0.1)
+
+    def feasible(row: Row, headroom: float) -> bool:
+        scorer = scored_rows(request, [row]).scorer  # T 2 s of the 3 s left
+        return scorer.place(1.0, JustEnoughVariant.WEAKEST, headroom, None)[0] is not None
+
+    assert feasible(row, 0.5) and not feasible(row, 0.6)
+    assert not feasible(replace(row, stall_s=0.11), 0.0)
+    assert not feasible(replace(row, has_memory_room=False), 0.0)
 
 
 def test_best_effort_placement_with_time_to_spare_is_protected():
@@ -982,8 +997,8 @@ def test_long_prefill_cannot_stall_an_admitted_request_past_its_slack(
 
     def h800_harmless(prompt: int) -> bool:
         request = make_request(60.0, prompt=prompt, rid=f"p{prompt}")
-        candidates = policy.placer.place(request, cluster.instances, cluster, 20, 0.0)[1]
-        return next(c for c in candidates if c.instance_id == "H800").harmless()
+        scored = policy.placer.arrival(request, cluster.instances, cluster, 0.0).place(20)[1]
+        return rows_by_id(scored)["H800"].harmless
 
     assert all(h800_harmless(n) for n in harmless_prompts)
     assert not any(h800_harmless(n) for n in harmful_prompts)
@@ -1074,29 +1089,31 @@ def test_long_context_estimates_follow_the_hardware_model_and_leave_short_ones_a
     """At a 1k-token span the per-token figures stand; on a 60k context the scaled
     prefill (a full recompute) and decode track the hardware model's own times, where
     the unscaled figures are about 2x and 1.4x short."""
-    from app.hardware.specs import make_instance
-    from app.routing.goodserve.latency import context_factors, for_context, prefill_time_s
-
-    spec = make_instance("A800", "llama-3.1-8b")
-    short = RouteRequest("s", 0.0, 10.0, num_prompt_tokens=900)
-    assert context_factors(900, 0, spec.prefill_span_slope, spec.decode_context_slope) == (
-        1.0, 1.0)
+    spec = SPECS["A800"]
     prior = catalog_prior(spec)
-    assert for_context(prior, spec, short, 0) is prior
+
+    def scorer(request: RouteRequest, hit_blocks: int = 0,
+               long_context: bool = True) -> InstanceScorer:
+        cluster = make_cluster(make_view("A800"), hits={"A800": hit_blocks})
+        return InstanceScorer.build(request, cluster.instances, cluster, StatusEstimator(),
+                                    0.0, None, 1.0, long_context)
+
+    short = scorer(RouteRequest("s", 0.0, 10.0, num_prompt_tokens=900))
+    assert short.ahead_s[0] == 900 * prior.prefill_s_per_token
+    assert short.decode_s[0] == prior.decode_s_per_token
     context = 60_000
     ttft, tpot = spec.solo_phases_s(context, 2)
     request = RouteRequest("l", 0.0, 100.0, num_prompt_tokens=context)
-    scaled = for_context(prior, spec, request, 0)
-    assert prefill_time_s(request, scaled, 0) == pytest.approx(ttft, rel=0.1)
-    assert prefill_time_s(request, prior, 0) < 0.6 * ttft
-    assert scaled.decode_s_per_token == pytest.approx(spec.decode_time_per_token_s(context),
-                                                      rel=0.05)
+    assert scorer(request).ahead_s[0] == pytest.approx(ttft, rel=0.1)
+    assert scorer(request, long_context=False).ahead_s[0] < 0.6 * ttft
+    assert scorer(request).decode_s[0] == pytest.approx(spec.decode_time_per_token_s(context),
+                                                        rel=0.05)
     # appended tokens over a cached context attend to all of it
-    appended = 900
-    hit = context - appended
+    hit_blocks = (context - 912) // 16
+    hit = hit_blocks * 16
     chunk = spec.solo_phases_s(context, 2, num_cached_tokens=hit)[0]
-    assert prefill_time_s(request, for_context(prior, spec, request, hit), hit) == (
-        pytest.approx(chunk, rel=0.15))
+    cached = replace(request, block_hashes=tuple(range(hit_blocks)))
+    assert scorer(cached, hit_blocks).ahead_s[0] == pytest.approx(chunk, rel=0.15)
 
 
 def test_paper_variant_turns_every_addition_off_and_keeps_the_papers_knobs():

@@ -7,8 +7,9 @@ GPUs stay free for urgent requests; ties go to the smaller slack. The watchdog
 re-checks running requests every tau iterations and moves those that would miss
 their deadline to a stronger instance that can still make it, by token IDs.
 
-One module per job: `config` (every knob, once), `latency` (T and scoring),
-`admissions` (recent-admission statistics), `placer` (just-enough, pure), `policy`
+One module per job: `config` (every knob, once), `scoring` (T and the compiled
+passes over every instance), `admissions` (recent-admission statistics), `placer`
+(just-enough, pure), `policy`
 (the router's policy), `watchdog` (budgets and migration). Pure, clock-agnostic
 logic shared by the simulator and the live router.
 """
@@ -27,9 +28,9 @@ from app.routing.goodserve.config import (
     stall_factor_for,
     stall_factor_label,
 )
-from app.routing.goodserve.latency import Candidate, capability_s_per_token, estimate_latency_s
 from app.routing.goodserve.placer import JustEnoughPlacer
 from app.routing.goodserve.policy import JustEnoughPolicy
+from app.routing.goodserve.scoring import Candidate, capability_s_per_token
 from app.routing.goodserve.watchdog import SloWatchdog
 from app.routing.length import OutputLengthEstimator
 from app.routing.status import StatusEstimator
@@ -64,7 +65,6 @@ __all__ = [
     "RecentAdmissions",
     "SloWatchdog",
     "capability_s_per_token",
-    "estimate_latency_s",
     "goodserve_knobs",
     "make_goodserve",
     "stall_factor_for",

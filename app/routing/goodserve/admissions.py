@@ -10,7 +10,6 @@ import math
 from collections.abc import Sequence
 
 from app.routing.goodserve.config import GoodServeConfig
-from app.routing.goodserve.latency import Candidate
 from app.routing.instance_view import InstanceId
 from app.routing.quantiles import SortedWindow
 from app.routing.view import RouteRequest
@@ -42,22 +41,6 @@ class RecentAdmissions:
         self._last_stranded: dict[InstanceId, int] = {}  # arrival number
         self._last_any_stranded: int | None = None
         self._slo_spans = SortedWindow(config.slo_window)
-
-    def record_arrival(
-        self, request: RouteRequest, candidates: Sequence[Candidate], headroom: float
-    ) -> None:
-        """A new request was scored against `candidates`."""
-        turned_away = [c.instance_id for c in candidates
-                       if c.meets_deadline(headroom) and not c.admissible()]
-        # stranding asks whether the deadline could be met at all, so no headroom: with
-        # it, an overloaded pool where nothing meets with headroom would never count as
-        # stranding, and the reservation would switch off exactly when it is needed
-        stranded = []
-        if not any(c.meets_deadline() and c.harmless() for c in candidates):
-            # lack of capacity, not reservation
-            stranded = [c.instance_id for c in candidates
-                        if c.meets_deadline() and not c.harmless()]
-        self.record_outcomes(request, turned_away, stranded)
 
     def record_outcomes(self, request: RouteRequest, turned_away: Sequence[InstanceId],
                         stranded: Sequence[InstanceId]) -> None:

@@ -151,10 +151,6 @@ class GoodServeConfig(Frozen):
         0.5, ge=0, le=1, description="a move may cost a contended target up to this "
         "quantile of the T of the new requests recently placed there; 1 = no limit")
 
-    vectorised: bool = Field(
-        True, description="score arrivals over instance columns in numpy (same decisions as "
-        "the per-instance path, a fraction of its cost at hundreds of instances)")
-
     def for_length(self, length: OutputLengthEstimator) -> GoodServeConfig:
         """This config with the stall factor and triage resolved for `length` where
         left to it."""
@@ -172,9 +168,9 @@ class GoodServeConfig(Frozen):
         that each addition's worth is the difference it makes. What stays is the
         paper: the EMA status estimate, just-enough on the weakest instance that meets
         the deadline (min T when none does), and a watchdog that re-predicts lengths
-        every tau iterations and moves late requests to stronger instances. `alpha`,
-        `tau_iterations` and `vectorised` (same decisions) keep their values, and so
-        does `max_migrations_per_request`: the paper names no cap, and a move only
+        every tau iterations and moves late requests to stronger instances. `alpha`
+        and `tau_iterations` keep their values, and so does
+        `max_migrations_per_request`: the paper names no cap, and a move only
         ever goes to a stronger instance."""
         return self.model_copy(update={
             "variant": JustEnoughVariant.WEAKEST,

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from typing import Any
-
 from app.engines.messages import EngineStatus
 from app.routing.base import Reject, RejectCode, RouteDecision, RoutingPolicy
 from app.routing.budgets import SlackBudgets
-from app.routing.goodserve import vectorised
 from app.routing.goodserve.admissions import RecentAdmissions
 from app.routing.goodserve.config import GoodServeConfig
-from app.routing.goodserve.latency import Candidate
-from app.routing.goodserve.placer import JustEnoughPlacer, fallback
-from app.routing.instance_view import InstanceId, InstanceView
+from app.routing.goodserve.placer import Arrival, JustEnoughPlacer
+from app.routing.goodserve.scoring import Candidate, Scored
+from app.routing.instance_view import InstanceId
 from app.routing.length import OutputLengthEstimator, bounded_output
 from app.routing.status import StatusEstimator
 from app.routing.view import ClusterView, FinishReport, RouteRequest, StepReport
@@ -61,28 +56,28 @@ class JustEnoughPolicy(RoutingPolicy):
         output = bounded_output(request, self.length.expected_output(request))
         cold = self.config.fast_while_cold and not self.length.warm(
             self.config.confidence_quantile)
-        arrival = (ColumnScoring if self.config.vectorised else PerInstanceScoring)(
-            self, request, holding, view, now)
+        arrival = self.placer.arrival(request, holding, view, now)
         chosen, scored = self._place_confidently(arrival, request, output, cold)
         if chosen is None:
             chosen, scored = arrival.place(output, cold, self._optimistic_output(request, output))
-        arrival.record_arrival(scored)
+        arrival.record(scored)
         if chosen is not None:
             self.admissions.record(chosen.instance_id, chosen.latency_s)
         elif (self.config.admission_control and request.has_deadline
-              and not continues_session(request) and not arrival.meets_deadline(scored)):
+              and not continues_session(request) and not scored.meets_deadline()):
             return Reject(
                 f"no instance can meet the deadline: best estimate "
-                f"{arrival.fastest_s(scored):.2f} s for {request.deadline_s - now:.2f} s left"
+                f"{scored.fastest_s():.2f} s for {request.deadline_s - now:.2f} s left"
             )
         else:
-            chosen = arrival.fallback(scored)
+            chosen = scored.fallback(self.triages(request), self.config.cache_affinity_tokens,
+                                     self.homes(request))
         self.placer.admit(request, chosen)
         return chosen.instance_id
 
     def _place_confidently(
-        self, arrival: ArrivalScoring, request: RouteRequest, output: float, cold: bool
-    ) -> tuple[Candidate | None, Any]:
+        self, arrival: Arrival, request: RouteRequest, output: float, cold: bool
+    ) -> tuple[Candidate | None, Scored | None]:
         """Just-enough by the confident length, when it says more than the point
         estimate `output`: (None, None) when there is none or no instance qualifies.
         While the estimator is cold, a request with max_tokens is placed by that cap
@@ -114,7 +109,7 @@ class JustEnoughPolicy(RoutingPolicy):
 
     def homes(self, request: RouteRequest) -> bool:
         """Whether best effort places `request` as its session's home
-        (`placer.fallback`, `session_homes`)."""
+        (`Scored.fallback`, `session_homes`)."""
         return self.config.session_homes and request.session_id is not None
 
     def _optimistic_output(self, request: RouteRequest, output: float) -> float:
@@ -140,99 +135,3 @@ class JustEnoughPolicy(RoutingPolicy):
     def on_drop(self, request: RouteRequest, now: float) -> None:
         self.length.on_drop(request, now)
         self.budgets.remove(request.request_id)
-
-
-class ArrivalScoring(ABC):
-    """One arrival's placement by one scoring path: `place` at an output length as
-    often as the policy asks, then record, fall back, or report the fastest."""
-
-    def __init__(self, policy: JustEnoughPolicy, request: RouteRequest,
-                 holding: Sequence[InstanceView], view: ClusterView, now: float) -> None:
-        self.policy, self.request, self.holding, self.view, self.now = (
-            policy, request, holding, view, now)
-
-    @abstractmethod
-    def place(self, output_tokens: float, cold: bool = False,
-              floor_output_tokens: float = 1.0) -> tuple[Candidate | None, Any]:
-        """(the just-enough choice or None, the scores it was chosen from)."""
-
-    @abstractmethod
-    def record_arrival(self, scored: Any) -> None: ...
-
-    @abstractmethod
-    def fallback(self, scored: Any) -> Candidate: ...
-
-    @abstractmethod
-    def fastest_s(self, scored: Any) -> float: ...
-
-    @abstractmethod
-    def meets_deadline(self, scored: Any) -> bool:
-        """Whether some instance may take the request and meet its deadline, with no
-        headroom to spare (admission control turns away only requests none meets)."""
-
-
-class PerInstanceScoring(ArrivalScoring):
-    """Per-instance `Candidate`s (`JustEnoughPlacer`): the reference path."""
-
-    def place(self, output_tokens: float, cold: bool = False,
-              floor_output_tokens: float = 1.0) -> tuple[Candidate | None, list[Candidate]]:
-        return self.policy.placer.place(self.request, self.holding, self.view, output_tokens,
-                                        self.now, cold, floor_output_tokens)
-
-    def record_arrival(self, scored: list[Candidate]) -> None:
-        self.policy.admissions.record_arrival(self.request, scored,
-                                              self.policy.config.headroom)
-
-    def fallback(self, scored: list[Candidate]) -> Candidate:
-        return fallback(scored, self.policy.triages(self.request),
-                        self.policy.config.cache_affinity_tokens, self.policy.homes(self.request))
-
-    def fastest_s(self, scored: list[Candidate]) -> float:
-        return min(c.latency_s for c in scored)
-
-    def meets_deadline(self, scored: list[Candidate]) -> bool:
-        return any(c.feasible(0.0) for c in scored)
-
-
-class ColumnScoring(ArrivalScoring):
-    """The same rules over instance columns (`vectorised`); each instance is read once
-    per arrival, whatever the number of lengths tried."""
-
-    def __init__(self, policy: JustEnoughPolicy, request: RouteRequest,
-                 holding: Sequence[InstanceView], view: ClusterView, now: float) -> None:
-        super().__init__(policy, request, holding, view, now)
-        config = policy.config
-        budgets = policy.budgets if config.protect_admitted else None
-        self.scorer = vectorised.InstanceScorer.build(
-            request, holding, view, policy.status, now, budgets, config.charged_stall_factor,
-            config.long_context_estimates)
-
-    def place(self, output_tokens: float, cold: bool = False,
-              floor_output_tokens: float = 1.0) -> tuple[Candidate | None, vectorised.Scored]:
-        config, admissions = self.policy.config, self.policy.admissions
-        scored = vectorised.reserve_strongest(
-            self.request, self.scorer.score(output_tokens, floor_output_tokens), self.view,
-            admissions, config.reservation_quantile)
-        affinity = config.cache_affinity_tokens
-        if cold:
-            row = vectorised.pick_while_cold(scored, config.variant, config.headroom,
-                                             admissions, affinity)
-        else:
-            row = vectorised.pick_just_enough(scored, config.variant, config.headroom,
-                                              affinity_tokens=affinity)
-        return (None if row is None else scored.candidate(row)), scored
-
-    def record_arrival(self, scored: vectorised.Scored) -> None:
-        vectorised.record_arrival(self.policy.admissions, self.request, scored,
-                                  self.policy.config.headroom)
-
-    def fallback(self, scored: vectorised.Scored) -> Candidate:
-        return scored.candidate(vectorised.fallback(
-            scored, self.policy.triages(self.request), self.policy.config.cache_affinity_tokens,
-            self.policy.homes(self.request)))
-
-    def fastest_s(self, scored: vectorised.Scored) -> float:
-        return float(scored.latency_s.min())
-
-    def meets_deadline(self, scored: vectorised.Scored) -> bool:
-        return bool(scored.feasible(0.0).any())

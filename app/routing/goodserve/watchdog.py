@@ -13,8 +13,8 @@ from app.routing.base import ActiveRequest, Watchdog
 from app.routing.budgets import SlackBudgets
 from app.routing.goodserve.admissions import RecentAdmissions
 from app.routing.goodserve.config import GoodServeConfig, LengthReestimate
-from app.routing.goodserve.latency import Candidate, capability_s_per_token
 from app.routing.goodserve.placer import JustEnoughPlacer
+from app.routing.goodserve.scoring import Candidate, capability_s_per_token
 from app.routing.instance_view import InstanceId, InstanceView
 from app.routing.length import OutputLengthEstimator, bounded_output
 from app.routing.status import InstanceEstimate, StatusEstimator
@@ -173,7 +173,7 @@ class SloWatchdog(Watchdog):
             return None
         resumed = _as_resumed(item.request, item.num_generated_tokens)
         holding = [v for v in stronger if v.can_hold(resumed.num_context_tokens)]
-        chosen, _ = self.placer.place(resumed, holding, view, total, now)
+        chosen, _ = self.placer.arrival(resumed, holding, view, now).place(total)
         if chosen is None or not self._affordable(chosen):
             return None
         return chosen

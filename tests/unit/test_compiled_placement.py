@@ -1,9 +1,10 @@
-"""The column path of GoodServe's placement makes the per-instance path's decisions.
+"""GoodServe's compiled placement makes the decisions of a per-instance reference.
 
 Random clusters (mixed GPU kinds, loads, KV room, prefix hits, disaggregated KV
 arrivals), random estimator histories and random knob settings; two policies, one per
 path, see the same events and must answer every request identically (instance or
 rejection reason), which also keeps their budgets and admission records in step.
+The reference (`tests/unit/reference_placement.py`) writes each rule in plain Python.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from app.routing.instance_view import InstanceView
 from app.routing.length import RunningHistoryLength
 from app.routing.status import StatusEstimator
 from app.routing.view import ClusterView, FinishReport, RouteRequest
+from tests.unit.reference_placement import use_reference
 
 pytestmark = pytest.mark.unit
 
@@ -107,7 +109,7 @@ def random_request(rng: random.Random, k: int, now: float,
 
 @pytest.mark.parametrize("ordered", [False, True], ids=["fcfs", "priority"])
 @pytest.mark.parametrize("seed", range(40))
-def test_column_and_per_instance_paths_decide_alike(seed: int, ordered: bool):
+def test_compiled_and_reference_placement_decide_alike(seed: int, ordered: bool):
     rng = random.Random(seed)
     config = random_config(rng)
     lengths = [RunningHistoryLength(window_size=200) for _ in range(2)]
@@ -115,9 +117,8 @@ def test_column_and_per_instance_paths_decide_alike(seed: int, ordered: bool):
         tokens = rng.randrange(1, 2000)
         for length in lengths:
             length.observe_length(tokens)
-    policies = [JustEnoughPolicy(StatusEstimator(), length,
-                                 config.model_copy(update={"vectorised": vectorised}))
-                for length, vectorised in zip(lengths, (False, True), strict=True)]
+    policies = [JustEnoughPolicy(StatusEstimator(), length, config) for length in lengths]
+    use_reference(policies[0])
     decided = 0
     for step in range(30):
         now = 100.0 + step
@@ -242,7 +243,7 @@ def test_kept_estimates_follow_every_change_between_decisions():
                                               e.decode_s_per_token), (step, joining, i)
 
 
-def test_a_simulated_run_places_every_request_alike_on_both_paths():
+def test_a_simulated_run_places_every_request_alike_on_the_reference():
     """The whole loop (watchdog moves, finishes, budgets) over a mixed 24-instance
     cluster: the same outcome for every request."""
     from app.experiments.overhead import mixed_cluster
@@ -256,9 +257,11 @@ def test_a_simulated_run_places_every_request_alike_on_both_paths():
     workload = poisson_workload(250.0, 4.0, pool, seed=2)
     workload = assign_slos(workload, [0.5 + 0.1 * (i % 13) for i in range(len(workload))], 2.0)
     runs = []
-    for vectorised in (False, True):
-        options = RoutingOptions(seed=0, goodserve=GoodServeConfig(vectorised=vectorised))
-        stack = build_routing(PolicyKind.GOODSERVE, options)
+    for reference in (True, False):
+        stack = build_routing(PolicyKind.GOODSERVE, RoutingOptions(seed=0))
+        if reference:
+            use_reference(stack.policy)
+            use_reference(stack.watchdog)
         sim = Simulator(setups_from_config(mixed_cluster(24)), stack.policy,
                         watchdog=stack.watchdog, seed=0)
         runs.append(sim.run(workload).records)
@@ -288,3 +291,27 @@ def test_the_prefix_directory_answers_what_each_cache_would():
         ids = [*rng.sample(list(caches), 20), "absent"]
         hits = directory.hit_blocks(query, ids)
         assert list(hits) == [caches[i].peek(query) if i in caches else 0 for i in ids]
+
+
+def test_warm_up_compiles_every_pass_a_decision_calls():
+    """The compile (or cache load) happens when a placer is built, never on a request:
+    a run of decisions, moves and fallbacks adds no signature to any compiled pass."""
+    from app.experiments.overhead import mixed_cluster
+    from app.routing import status
+    from app.routing.goodserve import scoring
+    from app.routing.registry import PolicyKind, RoutingOptions, build_routing
+    from app.sim.instance import setups_from_config
+    from app.sim.simulator import Simulator
+    from app.workloads.slo import assign_slos
+    from app.workloads.workload import Content, poisson_workload
+
+    stack = build_routing(PolicyKind.GOODSERVE, RoutingOptions(seed=0))
+    passes = [scoring._instance_terms, scoring._place, scoring._fallback,
+              scoring._outcome_rows, status._estimate_row, status._refresh_terms]
+    compiled = [len(p.signatures) for p in passes]
+    pool = [Content(300 + 500 * (i % 5), 50 + 80 * (i % 3), (i % 4, i)) for i in range(32)]
+    workload = poisson_workload(150.0, 1.0, pool, seed=1)
+    workload = assign_slos(workload, [0.3 + 0.2 * (i % 7) for i in range(len(workload))], 1.5)
+    Simulator(setups_from_config(mixed_cluster(12)), stack.policy, watchdog=stack.watchdog,
+              seed=0).run(workload)
+    assert [len(p.signatures) for p in passes] == compiled
