@@ -60,9 +60,21 @@ class SlackBudgets:
 
     def admit_many(self, instance_id: InstanceId, request_ids: Sequence[str],
                    slacks_s: Sequence[float]) -> None:
-        """`admit` for requests on one instance (the watchdog's refresh of its budgets)."""
+        """`admit` for requests on one instance (the watchdog's refresh of its budgets),
+        in one pass: most are already there and only their slack changes."""
+        slacks = self._by_instance.setdefault(instance_id, {})
+        req_to_instance = self._req_to_instance
         for request_id, slack_s in zip(request_ids, slacks_s, strict=True):
-            self.admit(instance_id, request_id, float(slack_s))
+            was = req_to_instance.get(request_id)
+            if was is not None and was != instance_id:
+                self.remove(request_id)
+            if math.isinf(slack_s):
+                if was == instance_id:
+                    del req_to_instance[request_id], slacks[request_id]
+                continue
+            req_to_instance[request_id] = instance_id
+            slacks[request_id] = float(slack_s)
+        self._touched(instance_id)
 
     def remove(self, request_id: str) -> None:
         instance_id = self._req_to_instance.pop(request_id, None)

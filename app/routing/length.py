@@ -11,10 +11,13 @@ total, given it has produced `num_generated` so far?". Three answers:
 
 from __future__ import annotations
 
-import bisect
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
+
+import numpy as np
+from numba import njit
 
 from app.routing.base import StepListener
 from app.routing.quantiles import SortedWindow, kaplan_meier_quantile
@@ -155,7 +158,7 @@ class RunningHistoryLength(OutputLengthEstimator):
         """(the Kaplan-Meier `quantile` of totals above `num_generated`, whether the
         finished lengths reach it); when they do not, the longest length seen, a
         lower bound. Cached until CONFIDENT_REFRESH_FINISHES more requests finish."""
-        start = bisect.bisect_right(self._lengths.sorted, num_generated)
+        start = int(np.searchsorted(self._lengths.sorted, num_generated, side="right"))
         if start == len(self._lengths.sorted):  # nothing finished above: no spread to go on
             return self.conditional_quantile(num_generated, quantile), False
         key = (num_generated, quantile)
@@ -191,6 +194,7 @@ class PredictorLength(OutputLengthEstimator):
         # the same ratios by the arrival prediction's power of two: a short prediction
         # errs by other factors than a long one
         self._ratios_by_scale: dict[int, SortedWindow] = {}
+        self._windows: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int] | None = None
 
     def confident_output(self, request: RouteRequest, quantile: float) -> float | None:
         """The arrival prediction scaled by the `quantile` of recent true/predicted
@@ -228,43 +232,42 @@ class PredictorLength(OutputLengthEstimator):
         predicted in the same power of two as p (64-127 tokens, say) once enough have
         finished. Uncalibrated, the arrival prediction (at least n + 1); outliving every
         ratio seen, n + 1 (about to end, as the history says). A request with no arrival
-        prediction attached is predicted again. A bisection per request on the sorted
-        window: the window changes at every finish, so an array of it would be rebuilt
-        at nearly every check."""
-        totals: list[float] = []
-        missing: list[int] = []
-        for i, (request, n) in enumerate(zip(requests, num_generated, strict=True)):
-            arrival = request.predicted_output_tokens
-            if arrival is None:
-                missing.append(i)
-                totals.append(0.0)
-                continue
-            ratios = self._ratios_near(arrival)
-            if ratios is None:
-                totals.append(float(max(arrival, n + 1)))
-                continue
-            median_above = ratios.quantile_above(n / arrival, 0.5)
-            totals.append(n + 1.0 if median_above is None else
-                          max(arrival * median_above / ratios.quantile(0.5), n + 1.0))
-        if missing:
-            again = self.predict_totals([requests[i] for i in missing],
-                                        [num_generated[i] for i in missing])
-            for i, total in zip(missing, again, strict=True):
-                totals[i] = total
-        return totals
+        prediction attached is predicted again. One compiled pass over the requests,
+        reading the sorted windows in place (`_conditional_totals`)."""
+        arrival = np.array([math.nan if r.predicted_output_tokens is None
+                            else r.predicted_output_tokens for r in requests], dtype=np.float64)
+        windows, starts, counts, by_scale, fallback = self._ratio_windows()
+        totals = _conditional_totals(arrival, np.asarray(num_generated, dtype=np.float64),
+                                     windows, starts, counts, by_scale, fallback)
+        missing = np.flatnonzero(np.isnan(arrival))
+        if len(missing):
+            totals[missing] = self.predict_totals([requests[i] for i in missing],
+                                                  [num_generated[i] for i in missing])
+        return totals.tolist()
 
-    def _ratios_near(self, predicted: int) -> SortedWindow | None:
-        """The ratios of requests predicted in the same power of two as `predicted`,
-        else of all requests; None while too few have finished."""
-        near = self._ratios_by_scale.get(_scale_of(predicted))
-        if near is not None and len(near) >= MIN_CALIBRATION_SAMPLES:
-            return near
-        return self._ratios if len(self._ratios) >= MIN_CALIBRATION_SAMPLES else None
+    def _ratio_windows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+        """The calibrated ratio windows side by side, for `_conditional_totals`: (their
+        sorted values, each one's start and count, each power of two's window or -1,
+        the window of all ratios or -1); rebuilt only after a finish."""
+        if self._windows is None:
+            calibrated = [w for w in (self._ratios, *self._ratios_by_scale.values())
+                          if len(w) >= MIN_CALIBRATION_SAMPLES]
+            counts = np.array([len(w) for w in calibrated], dtype=np.int64)
+            starts = np.cumsum(counts) - counts
+            index = {id(w): i for i, w in enumerate(calibrated)}
+            by_scale = np.full(_MAX_SCALE + 1, -1, dtype=np.int64)
+            for scale, window in self._ratios_by_scale.items():
+                by_scale[min(scale, _MAX_SCALE)] = index.get(id(window), -1)
+            values = (np.concatenate([w.sorted for w in calibrated]) if calibrated
+                      else np.zeros(0))
+            self._windows = (values, starts, counts, by_scale, index.get(id(self._ratios), -1))
+        return self._windows
 
     def on_finish(self, report: FinishReport, now: float) -> None:
         self.predictor.observe(report.num_output_tokens, report.request.task)
         predicted = report.request.predicted_output_tokens
         if predicted:
+            self._windows = None
             ratio = report.num_output_tokens / predicted
             self._ratios.append(ratio)
             scale = _scale_of(predicted)
@@ -276,3 +279,44 @@ class PredictorLength(OutputLengthEstimator):
 def _scale_of(predicted: int) -> int:
     """A prediction's power of two."""
     return max(int(predicted), 1).bit_length()
+
+
+_MAX_SCALE = 64  # powers of two past it share one window slot (a prediction never gets there)
+
+
+@njit(cache=True)
+def _quantile_rank(q: float, n: int) -> int:
+    """`predictor.ranks.quantile_rank`, compiled."""
+    return min(max(math.ceil(q * n) - 1, 0), n - 1)
+
+
+@njit(cache=True)
+def _conditional_totals(arrival, generated, windows, starts, counts, by_scale, fallback):
+    """`PredictorLength.conditional_totals` for every request with an arrival
+    prediction (nan: none, left nan)."""
+    totals = np.empty(len(arrival))
+    for i in range(len(arrival)):
+        p, n = arrival[i], generated[i]
+        if p != p:
+            totals[i] = p
+            continue
+        predicted, scale = max(int(p), 1), 0
+        while predicted:
+            predicted >>= 1
+            scale += 1
+        window = by_scale[min(scale, len(by_scale) - 1)]
+        if window < 0:
+            window = fallback
+        if window < 0:
+            totals[i] = max(p, n + 1)
+            continue
+        ratios = windows[starts[window]:starts[window] + counts[window]]
+        above = np.searchsorted(ratios, n / p, side="right")
+        num_above = len(ratios) - above
+        if num_above == 0:
+            totals[i] = n + 1.0
+        else:
+            median_above = ratios[above + _quantile_rank(0.5, num_above)]
+            median = ratios[_quantile_rank(0.5, len(ratios))]
+            totals[i] = max(p * median_above / median, n + 1.0)
+    return totals

@@ -6,37 +6,53 @@ import bisect
 from collections import deque
 from collections.abc import Sequence
 
+import numpy as np
+
 from predictor.ranks import quantile_rank
 
 
 class SortedWindow:
     """The last `size` values, in arrival order and sorted: a quantile of a sliding
-    window read at every routing decision without sorting the window each time."""
+    window read at every routing decision without sorting the window each time. The
+    sorted values are one numpy buffer, so compiled passes read the window as it is
+    (`sorted`), with no copy."""
 
     def __init__(self, size: int) -> None:
         if size < 1:
             raise ValueError(f"window size must be >= 1, got {size}")
         self._arrivals: deque[float] = deque(maxlen=size)
-        self.sorted: list[float] = []  # the same values, ascending
+        self._buffer = np.empty(size)
+        self._count = 0
+
+    @property
+    def sorted(self) -> np.ndarray:
+        """The values, ascending (a view: valid until the next append)."""
+        return self._buffer[:self._count]
 
     def append(self, value: float) -> None:
-        if len(self._arrivals) == self._arrivals.maxlen:
-            del self.sorted[bisect.bisect_left(self.sorted, self._arrivals[0])]
+        buffer, count = self._buffer, self._count
+        if count == self.size:
+            oldest = int(np.searchsorted(buffer[:count], self._arrivals[0]))
+            buffer[oldest:count - 1] = buffer[oldest + 1:count]
+            count -= 1
         self._arrivals.append(value)
-        bisect.insort(self.sorted, value)
+        at = int(np.searchsorted(buffer[:count], value, side="right"))
+        buffer[at + 1:count + 1] = buffer[at:count]
+        buffer[at] = value
+        self._count = count + 1
 
     def quantile(self, q: float) -> float:
         """The q-quantile of the window (not empty), ranked by `quantile_rank`."""
-        return self.sorted[quantile_rank(q, len(self.sorted))]
+        return float(self._buffer[quantile_rank(q, self._count)])
 
     def quantile_above(self, threshold: float, q: float) -> float | None:
         """The q-quantile of the values above `threshold`; None when none is."""
-        start = bisect.bisect_right(self.sorted, threshold)
-        num_above = len(self.sorted) - start
-        return self.sorted[start + quantile_rank(q, num_above)] if num_above else None
+        start = int(np.searchsorted(self.sorted, threshold, side="right"))
+        num_above = self._count - start
+        return float(self._buffer[start + quantile_rank(q, num_above)]) if num_above else None
 
     def __len__(self) -> int:
-        return len(self.sorted)
+        return self._count
 
     @property
     def size(self) -> int:

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 import numpy as np
+from numba import njit
 
 from app.routing.base import ActiveRequest, Watchdog
 from app.routing.budgets import SlackBudgets
@@ -16,8 +17,8 @@ from app.routing.goodserve.config import GoodServeConfig, LengthReestimate
 from app.routing.goodserve.placer import JustEnoughPlacer
 from app.routing.goodserve.scoring import Candidate, capability_s_per_token
 from app.routing.instance_view import InstanceId, InstanceView
-from app.routing.length import OutputLengthEstimator, bounded_output
-from app.routing.status import InstanceEstimate, StatusEstimator
+from app.routing.length import OutputLengthEstimator
+from app.routing.status import StatusEstimator
 from app.routing.view import ClusterView, FinishReport, RouteRequest
 
 
@@ -67,6 +68,10 @@ class SloWatchdog(Watchdog):
         self.placer = JustEnoughPlacer(status, self.config, self.budgets, self.admissions)
         self.needs_true_output_length = length.needs_true_output_length
         self.req_to_num_migrations: dict[str, int] = {}
+        # the length estimator learns from running requests' progress (history)
+        self._tracks_progress = (type(length).on_progress
+                                 is not OutputLengthEstimator.on_progress)
+        warm_up()
 
     @property
     def check_period_iterations(self) -> int:
@@ -96,25 +101,31 @@ class SloWatchdog(Watchdog):
         if not watched:
             return moves
         estimate = self.status.estimate(source, now, joining=0)
-        generated = [a.num_generated_tokens for a in watched]
-        self.length.on_progress({a.request.request_id: n for a, n in zip(watched, generated,
-                                                                          strict=True)})
         requests = [a.request for a in watched]
+        counts = [a.num_generated_tokens for a in watched]
+        generated = np.array(counts, dtype=np.float64)
+        if self._tracks_progress:
+            self.length.on_progress({r.request_id: a.num_generated_tokens
+                                     for r, a in zip(requests, watched, strict=True)})
+        bounds = np.array([(r.deadline_s, math.inf if r.max_output_tokens is None
+                            else r.max_output_tokens, a.is_running)
+                           for r, a in zip(requests, watched, strict=True)], dtype=np.float64)
         mode = self.config.reestimate
         if mode == LengthReestimate.REPREDICT:
-            predicted = self.length.predict_totals(requests, generated)
+            predicted = self.length.predict_totals(requests, counts)
         else:
-            predicted = self.length.conditional_totals(requests, generated)
-        totals, late_s, time_left_s = self._lateness(watched, generated, predicted, estimate,
-                                                     now)
+            predicted = self.length.conditional_totals(requests, counts)
+        predicted = np.asarray(predicted, dtype=np.float64)
+        totals, late_s, time_left_s = _lateness(predicted, generated, bounds,
+                                                estimate.queue_delay_s,
+                                                estimate.decode_s_per_token, now)
         if mode == LengthReestimate.AT_RISK and (late_s > 0).any():
             risky = np.flatnonzero(late_s > 0)
-            again = self.length.predict_totals([requests[i] for i in risky],
-                                               [generated[i] for i in risky])
-            predicted = np.asarray(predicted, dtype=np.float64)
-            predicted[risky] = again
-            totals, late_s, time_left_s = self._lateness(watched, generated, predicted,
-                                                         estimate, now)
+            predicted[risky] = self.length.predict_totals([requests[i] for i in risky],
+                                                          [counts[i] for i in risky])
+            totals, late_s, time_left_s = _lateness(predicted, generated, bounds,
+                                                    estimate.queue_delay_s,
+                                                    estimate.decode_s_per_token, now)
         on_track = late_s <= 0  # what it can afford now is its budget
         self.budgets.admit_many(instance_id, [requests[i].request_id
                                               for i in np.flatnonzero(on_track)],
@@ -135,21 +146,6 @@ class SloWatchdog(Watchdog):
             moves[rid] = target.instance_id
             self.req_to_num_migrations[rid] = self.req_to_num_migrations.get(rid, 0) + 1
         return moves
-
-    @staticmethod
-    def _lateness(watched: Sequence[ActiveRequest], generated: Sequence[int],
-                  predicted: Sequence[float], estimate: InstanceEstimate, now: float
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(bounded totals, expected lateness, time left) of an instance's requests in
-        one pass: remaining tokens x d_g past the deadline less the queue delay still
-        ahead of those waiting."""
-        totals = np.array([bounded_output(a.request, float(total))
-                           for a, total in zip(watched, predicted, strict=True)])
-        remaining = np.maximum(totals - np.asarray(generated, dtype=np.float64), 1.0)
-        deadlines = np.array([a.request.deadline_s for a in watched])
-        waiting = np.array([0.0 if a.is_running else estimate.queue_delay_s for a in watched])
-        time_left = deadlines - now - waiting
-        return totals, remaining * estimate.decode_s_per_token - time_left, time_left
 
     def on_finish(self, report: FinishReport, now: float) -> None:
         self.req_to_num_migrations.pop(report.request.request_id, None)
@@ -196,3 +192,27 @@ def stronger_than(source: InstanceView, view: ClusterView) -> list[InstanceView]
 def _as_resumed(request: RouteRequest, num_generated: int) -> RouteRequest:
     """The request as a migration target sees it: prompt + generated ids to re-prefill."""
     return replace(request, num_generated_tokens=num_generated)
+
+
+@njit(cache=True)
+def _lateness(predicted, generated, bounds, queue_s, decode_s, now):
+    """(totals bounded by max_tokens, expected lateness, time left) of an instance's
+    requests in one pass: remaining tokens x d_g past the deadline, less the queue
+    delay still ahead of those waiting. `bounds` rows: (deadline, max_tokens or inf,
+    running)."""
+    n = len(predicted)
+    totals, late, time_left = np.empty(n), np.empty(n), np.empty(n)
+    for i in range(n):
+        cap = bounds[i, 1]
+        totals[i] = predicted[i] if predicted[i] <= cap else cap
+        remaining = max(totals[i] - generated[i], 1.0)
+        waiting = 0.0 if bounds[i, 2] else queue_s
+        time_left[i] = bounds[i, 0] - now - waiting
+        late[i] = remaining * decode_s - time_left[i]
+    return totals, late, time_left
+
+
+def warm_up() -> None:
+    """Compile (or load from the on-disk cache) the watchdog's pass before its first
+    check."""
+    _lateness(np.ones(1), np.ones(1), np.ones((1, 3)), 0.0, 1.0, 0.0)
