@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 import threading
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, Self
@@ -20,8 +19,9 @@ from sklearn.feature_extraction.text import TfidfVectorizer
 from sklearn.utils.validation import check_is_fitted
 
 from predictor.base import PredictionInput
+from predictor.ngrams import NgramTfidf, warm_up
 
-__all__ = ["NUMERIC_FEATURES", "Featurizer", "TextFeaturizer", "augment_truncated", "tfidf_rows"]
+__all__ = ["NUMERIC_FEATURES", "Featurizer", "TextFeaturizer", "augment_truncated"]
 
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
 _SENTENCE_END = re.compile(r"[.!?](?:\s|$)")
@@ -54,56 +54,6 @@ def numeric_features(inputs: Sequence[PredictionInput]) -> np.ndarray:
                        for inp in inputs])
 
 
-def tfidf_rows(vectorizer: TfidfVectorizer, texts: Sequence[str]) -> sp.csr_matrix:
-    """`vectorizer.transform(texts)` for the word n-gram TF-IDF this module fits, faster.
-
-    scikit-learn counts terms one Python step per n-gram; here a C-level `Counter` counts
-    the vocabulary ids and numpy applies sublinear tf, idf and the l2 norm, which halves
-    the prediction's featurisation cost on the router's hot path. Same figures up to
-    float32 rounding (a unit test holds the two to each other).
-    """
-    # attributes, not get_params(): that walks the signature, 4 us a request per batch
-    params = {key: getattr(vectorizer, key) for key in (
-        "analyzer", "lowercase", "stop_words", "binary", "preprocessor", "tokenizer",
-        "strip_accents", "norm", "use_idf", "sublinear_tf", "input")}
-    expected = {"analyzer": "word", "lowercase": True, "stop_words": None, "binary": False}
-    expected |= {"preprocessor": None, "tokenizer": None, "strip_accents": None, "norm": "l2"}
-    expected |= {"use_idf": True, "sublinear_tf": True, "input": "content"}
-    if any(params[key] != value for key, value in expected.items()):
-        raise ValueError(f"tfidf_rows supports only {expected}, not {params}")
-    vocabulary = vectorizer.vocabulary_
-    lookup = vocabulary.get
-    token_re = re.compile(vectorizer.token_pattern)
-    min_n, max_n = vectorizer.ngram_range
-    columns: list[int] = []
-    counts: list[int] = []
-    row_sizes = np.zeros(len(texts), dtype=np.int64)
-    for row, text in enumerate(texts):
-        tokens = token_re.findall(text.lower())
-        counter: Counter[int | None] = Counter()
-        for n in range(min_n, max_n + 1):
-            grams = (
-                tokens
-                if n == 1
-                else map(" ".join, zip(*(tokens[i:] for i in range(n)), strict=False))
-            )
-            counter.update(map(lookup, grams))
-        counter.pop(None, None)
-        columns.extend(counter.keys())
-        counts.extend(counter.values())
-        row_sizes[row] = len(counter)
-    indptr = np.concatenate([[0], np.cumsum(row_sizes)])
-    cols = np.asarray(columns, dtype=np.int32)
-    data = (np.log(np.asarray(counts, dtype=np.float32)) + 1.0) * vectorizer.idf_[cols]
-    data = data.astype(np.float32, copy=False)
-    row_of = np.repeat(np.arange(len(texts)), row_sizes)
-    norms = np.sqrt(np.bincount(row_of, weights=data.astype(np.float64) ** 2, minlength=len(texts)))
-    data /= np.where(norms > 0, norms, 1.0)[row_of].astype(np.float32)
-    matrix = sp.csr_matrix((data, cols, indptr), shape=(len(texts), len(vocabulary)))
-    matrix.sort_indices()
-    return matrix
-
-
 ROW_CACHE_MAX_VALUES = 4_000_000  # about 32 MB of cached TF-IDF values
 
 
@@ -129,8 +79,7 @@ class TextRowCache:
         self._num_values = 0
         self._lock = threading.Lock()
 
-    def rows(self, inputs: Sequence[PredictionInput], vectorizer: TfidfVectorizer
-             ) -> list[TextRow]:
+    def rows(self, inputs: Sequence[PredictionInput], tfidf: NgramTfidf) -> list[TextRow]:
         """Each input's row: from the cache, else computed (and kept)."""
         keys = [(inp.prompt, inp.generated_text) for inp in inputs]
         with self._lock:
@@ -141,12 +90,12 @@ class TextRowCache:
                 missing.append(i)
                 asked.add(key)
         if missing:
-            tfidf = tfidf_rows(vectorizer, [inputs[i].text for i in missing])
+            matrix = tfidf.transform([inputs[i].text for i in missing])
             computed = []
             for row, i in enumerate(missing):
-                start, end = tfidf.indptr[row], tfidf.indptr[row + 1]
-                found[keys[i]] = TextRow(tfidf.indices[start:end].copy(),
-                                         tfidf.data[start:end].copy(),
+                start, end = matrix.indptr[row], matrix.indptr[row + 1]
+                found[keys[i]] = TextRow(matrix.indices[start:end].copy(),
+                                         matrix.data[start:end].copy(),
                                          prompt_counts(inputs[i].prompt))
                 computed.append(keys[i])
             with self._lock:
@@ -196,6 +145,7 @@ class TextFeaturizer(BaseEstimator):
         # Document frequency counts distinct texts: a prompt answered (or augmented)
         # several times is still one document.
         self.__dict__.pop("_rows", None)  # rows of the previous vocabulary
+        self.__dict__.pop("_tfidf", None)
         texts = list(dict.fromkeys(inp.text for inp in inputs))
         # Tiny corpora (tests, smoke runs) would lose every term to min_df.
         min_df = self.min_df if len(texts) >= 10 * self.min_df else 1
@@ -212,6 +162,7 @@ class TextFeaturizer(BaseEstimator):
         tasks = {inp.task for inp in inputs if inp.task is not None} if self.use_task else set()
         self.task_index_ = {task: i for i, task in enumerate(sorted(tasks))}
         self.num_features_ = len(self.vectorizer_.vocabulary_) + len(NUMERIC_FEATURES) + len(tasks)
+        self._prepare()
         return self
 
     def transform(self, inputs: Sequence[PredictionInput]) -> sp.csr_matrix:
@@ -219,7 +170,7 @@ class TextFeaturizer(BaseEstimator):
         task's (none for an unseen task). A text seen lately is not featurised again
         (`TextRowCache`); the matrix is built in one piece, not stacked from blocks."""
         check_is_fitted(self)
-        rows = self._row_cache.rows(inputs, self.vectorizer_)
+        rows = self._row_cache.rows(inputs, self._tfidf)
         numeric = log_counts([(*r.counts, inp.num_generated_tokens)
                               for r, inp in zip(rows, inputs, strict=True)])
         numeric = ((numeric - self.numeric_mean_) / self.numeric_std_).astype(np.float32)
@@ -257,10 +208,29 @@ class TextFeaturizer(BaseEstimator):
             cache = self.__dict__["_rows"] = TextRowCache()
         return cache
 
+    @property
+    def _tfidf(self) -> NgramTfidf:
+        """The vocabulary's n-gram tables: made at fit and load (`_prepare`), never saved."""
+        tfidf = self.__dict__.get("_tfidf")
+        return tfidf if tfidf is not None else self._prepare()
+
+    def _prepare(self) -> NgramTfidf:
+        """The n-gram tables built and their kernel compiled (or loaded from numba's disk
+        cache) at fit and load, so that the first request pays for neither."""
+        warm_up()
+        tfidf = self.__dict__["_tfidf"] = NgramTfidf.from_vectorizer(self.vectorizer_)
+        return tfidf
+
     def __getstate__(self) -> dict:
         state = dict(super().__getstate__())
         state.pop("_rows", None)
+        state.pop("_tfidf", None)
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        if "vectorizer_" in state:  # a fitted featurizer, loaded to predict
+            self._prepare()
 
 
 @dataclass(frozen=True)

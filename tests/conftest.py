@@ -77,24 +77,6 @@ def ray_free_layers_stay_ray_free(request: pytest.FixtureRequest):
         pytest.fail(f"a {layer!r} test started Ray: mark it 'integration'")
 
 
-@pytest.fixture
-def batching_outside_replicas(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`@serve.batch` in-process, as unit tests run the router service: its queue checks
-    the batch size against the replica's `max_ongoing_requests` and raises where there
-    is no replica, so the check runs only where one exists."""
-    from ray.serve import context
-    from ray.serve.batching import _BatchQueue
-
-    check = _BatchQueue._warn_if_max_batch_size_exceeds_max_ongoing_requests
-
-    def in_replicas(queue: _BatchQueue) -> None:
-        if context._get_internal_replica_context() is not None:
-            check(queue)
-
-    monkeypatch.setattr(_BatchQueue, "_warn_if_max_batch_size_exceeds_max_ongoing_requests",
-                        in_replicas)
-
-
 @pytest.fixture(scope="session")
 def shared_data_dir() -> Path:
     if not SHARED_DATA_DIR.is_dir():

@@ -527,8 +527,7 @@ async def test_coalesce_sends_the_first_batch_alone_then_merges_per_window():
     assert got == [1, 2, 3]  # nothing received before the failure is lost
 
 
-async def test_service_with_a_trained_predictor_predicts_at_arrival(tmp_path,
-                                                                   batching_outside_replicas):
+async def test_service_with_a_trained_predictor_predicts_at_arrival(tmp_path):
     """`routing.predictor_dir`: the batched predictor's output reaches the policy (and the
     reply), and the watchdog's estimator wraps the same predictor."""
     from predictor.base import PredictionInput

@@ -7,8 +7,8 @@ import pytest
 import torch
 from sklearn.feature_extraction.text import TfidfVectorizer
 
-from predictor.features import tfidf_rows
 from predictor.nets import FusedMixture, MixtureOfExperts, SparseBatch, for_inference
+from predictor.ngrams import NgramTfidf
 from tests.unit.torch_utils import one_torch_thread  # noqa: F401  (autouse fixture)
 
 pytestmark = pytest.mark.unit
@@ -25,16 +25,10 @@ def random_texts(rng: np.random.Generator, count: int) -> list[str]:
     return texts + ["", "x y z", "ALPHA alpha Alpha beta"]
 
 
-@pytest.mark.parametrize("ngram_max", [1, 2, 3])
-@pytest.mark.parametrize("seed", [0, 1])
-def test_tfidf_rows_equal_sklearn_transform(ngram_max, seed):
-    rng = np.random.default_rng(seed)
-    vectorizer = TfidfVectorizer(
-        ngram_range=(1, ngram_max), sublinear_tf=True, min_df=2, dtype=np.float32
-    ).fit(random_texts(rng, 200))
-    texts = random_texts(rng, 100)  # unseen texts: out-of-vocabulary terms too
+def assert_sklearn_features(vectorizer: TfidfVectorizer, texts: list[str]) -> None:
+    """The compiled rows are scikit-learn's, up to float32 rounding."""
     expected = vectorizer.transform(texts)
-    got = tfidf_rows(vectorizer, texts)
+    got = NgramTfidf.from_vectorizer(vectorizer).transform(texts)
     assert got.dtype == expected.dtype == np.float32
     assert got.shape == expected.shape
     np.testing.assert_array_equal(got.indptr, expected.indptr)
@@ -43,13 +37,79 @@ def test_tfidf_rows_equal_sklearn_transform(ngram_max, seed):
     assert got.nnz > 0
 
 
+@pytest.mark.parametrize("ngram_range", [(1, 1), (1, 2), (1, 3), (2, 2), (2, 3)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_ngram_tfidf_equals_sklearn_transform(ngram_range, seed):
+    rng = np.random.default_rng(seed)
+    vectorizer = TfidfVectorizer(
+        ngram_range=ngram_range, sublinear_tf=True, min_df=2, dtype=np.float32
+    ).fit(random_texts(rng, 200))
+    assert_sklearn_features(vectorizer, random_texts(rng, 100))  # unseen: OOV terms too
+
+
+PROSE = [
+    "The café's crème brûlée costs 4.50 € — ΑΒΓ δέλτα, naïve Straße, 東京 タワー 2024.",
+    "new york new york new york, said the New York Times about NEW YORK.",
+    "Solve 3x + 12 = 42 for x; then 12 + 42 = 54 and 54 / 3 = 18.",
+    "the cat sat on the mat the cat sat on the mat the cat sat",
+    "",
+    "   \n\t  ",
+    "a b c d e f",  # one-letter words are no tokens
+    "def tfidf_rows(vectorizer, texts): return vectorizer.transform(texts)  # code",
+    "ask the model: what is the capital of france? and of new zealand?",
+]
+UNSEEN = [
+    "new jersey york new brand york new york",  # OOV words inside and around bigrams
+    "zyzzyva the cat quux sat on zorp the mat",
+    "Straße straße STRASSE naïve naive 東京 京都 İstanbul ΟΔΟΣ 😀x 𝔘𝔫𝔦 lone\ud800surrogate",
+    "4.50 450 4,50 42 42 42 42",
+    "",
+    "completely unseen words only here",
+]
+
+
+@pytest.mark.parametrize("ngram_max", [2, 3])
+@pytest.mark.parametrize("max_features", [None, 12])
+def test_ngram_tfidf_equals_sklearn_on_prose(ngram_max, max_features):
+    """Few features keep n-grams whose words are no features themselves."""
+    vectorizer = TfidfVectorizer(ngram_range=(1, ngram_max), sublinear_tf=True,
+                                 max_features=max_features, dtype=np.float32).fit(PROSE)
+    assert_sklearn_features(vectorizer, PROSE + UNSEEN)
+
+
+# word characters of several scripts, ones whose lowercase is longer or depends on the
+# context (İ, final Σ), marks, digits, "_" and separators of several kinds
+ALPHABET = list("abcAB_19²éÉΣσςİı東京\u0301\u00a0 \t\n.,-'😀𝔘") + ["\ud800"]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_ngram_tfidf_tokenises_as_the_regex_on_any_characters(seed):
+    rng = np.random.default_rng(seed)
+    texts = ["".join(rng.choice(ALPHABET, size=int(rng.integers(0, 80)))) for _ in range(300)]
+    vectorizer = TfidfVectorizer(ngram_range=(1, 2), sublinear_tf=True, min_df=2,
+                                 dtype=np.float32).fit(texts[:200])
+    assert_sklearn_features(vectorizer, texts[200:])
+
+
+def test_a_bigram_of_words_that_are_no_terms_is_still_counted():
+    vocabulary = {"new york": 0, "york": 1, "sat on the": 2, "the cat": 3}
+    vectorizer = TfidfVectorizer(ngram_range=(1, 3), sublinear_tf=True, vocabulary=vocabulary,
+                                 dtype=np.float32).fit(PROSE)
+    assert_sklearn_features(vectorizer, PROSE + UNSEEN)
+    tfidf = NgramTfidf.from_vectorizer(vectorizer)
+    row = tfidf.transform(["new york new jersey york new"])
+    assert row.indices.tolist() == [0, 1]  # "new" alone and "new jersey" are no terms
+    assert tfidf.transform([]).shape == (0, len(vocabulary))
+
+
 def reference_transform(featurizer, inputs):
     """`TextFeaturizer.transform` without its row cache: every text featurised."""
     import scipy.sparse as sp
 
     from predictor.features import numeric_features
 
-    tfidf = tfidf_rows(featurizer.vectorizer_, [inp.text for inp in inputs])
+    tfidf = NgramTfidf.from_vectorizer(featurizer.vectorizer_).transform(
+        [inp.text for inp in inputs])
     numeric = (numeric_features(inputs) - featurizer.numeric_mean_) / featurizer.numeric_std_
     tasks = np.array([featurizer.task_index_.get(inp.task, -1) for inp in inputs])
     rows = np.flatnonzero(tasks >= 0)
@@ -84,8 +144,11 @@ def test_cached_text_rows_give_the_features_of_a_fresh_featurisation(seed):
         np.testing.assert_array_equal(got.indices, expected.indices)
         np.testing.assert_array_equal(got.data, expected.data)
     assert 0 < featurizer._row_cache._num_values <= 200
-    restored = pickle.loads(pickle.dumps(featurizer))
+    saved = pickle.dumps(featurizer)
+    assert b"NgramTfidf" not in saved
+    restored = pickle.loads(saved)
     assert "_rows" not in restored.__dict__ and len(restored._row_cache) == 0
+    assert "_tfidf" in restored.__dict__  # tables made at load, not by the first request
 
 
 def test_a_request_predicted_again_is_not_featurised_again(monkeypatch):
@@ -99,17 +162,19 @@ def test_a_request_predicted_again_is_not_featurised_again(monkeypatch):
     def featurised(*args):
         raise AssertionError("featurised again")
 
-    monkeypatch.setattr(features, "tfidf_rows", featurised)
+    monkeypatch.setattr(features.NgramTfidf, "transform", featurised)
     again = featurizer.transform([PredictionInput(t, num_generated_tokens=40)
                                   for t in texts[:10]])
     assert again.shape == first.shape and (again != first).nnz > 0  # progress moved
 
 
-def test_tfidf_rows_reject_a_configuration_they_do_not_reproduce():
-    texts = ["one two three", "two three four", "three four five"]
-    vectorizer = TfidfVectorizer(sublinear_tf=False).fit(texts)
-    with pytest.raises(ValueError, match="sublinear_tf"):
-        tfidf_rows(vectorizer, texts)
+@pytest.mark.parametrize("setting", [{"sublinear_tf": False}, {"token_pattern": r"\S+"},
+                                     {"stop_words": "english"}, {"norm": "l1"}])
+def test_ngram_tfidf_rejects_a_configuration_it_does_not_reproduce(setting):
+    texts = ["alpha beta gamma", "beta gamma delta", "gamma delta epsilon"]
+    vectorizer = TfidfVectorizer(**({"sublinear_tf": True} | setting)).fit(texts)
+    with pytest.raises(ValueError, match=next(iter(setting))):
+        NgramTfidf.from_vectorizer(vectorizer)
 
 
 def random_batch(rng: np.random.Generator, rows: int, in_dim: int) -> SparseBatch:
