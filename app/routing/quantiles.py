@@ -7,6 +7,7 @@ from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
+from numba import njit
 
 from predictor.ranks import quantile_rank
 
@@ -23,6 +24,7 @@ class SortedWindow:
         self._arrivals: deque[float] = deque(maxlen=size)
         self._buffer = np.empty(size)
         self._count = 0
+        _slide(np.zeros(2), 1, 0.0, True, 0.0)  # compiled (or loaded) before it is needed
 
     @property
     def sorted(self) -> np.ndarray:
@@ -30,16 +32,10 @@ class SortedWindow:
         return self._buffer[:self._count]
 
     def append(self, value: float) -> None:
-        buffer, count = self._buffer, self._count
-        if count == self.size:
-            oldest = int(np.searchsorted(buffer[:count], self._arrivals[0]))
-            buffer[oldest:count - 1] = buffer[oldest + 1:count]
-            count -= 1
+        full = self._count == self.size
+        self._count = _slide(self._buffer, self._count, self._arrivals[0] if full else 0.0,
+                             full, value)
         self._arrivals.append(value)
-        at = int(np.searchsorted(buffer[:count], value, side="right"))
-        buffer[at + 1:count + 1] = buffer[at:count]
-        buffer[at] = value
-        self._count = count + 1
 
     def quantile(self, q: float) -> float:
         """The q-quantile of the window (not empty), ranked by `quantile_rank`."""
@@ -57,6 +53,20 @@ class SortedWindow:
     @property
     def size(self) -> int:
         return self._arrivals.maxlen or 0
+
+
+@njit(cache=True)
+def _slide(buffer: np.ndarray, count: int, oldest: float, full: bool, value: float) -> int:
+    """The sorted `buffer[:count]` without `oldest` (when `full`) and with `value`
+    inserted after its equals, in place; the new count."""
+    if full:
+        at = np.searchsorted(buffer[:count], oldest)
+        buffer[at:count - 1] = buffer[at + 1:count]
+        count -= 1
+    at = np.searchsorted(buffer[:count], value, side="right")
+    buffer[at + 1:count + 1] = buffer[at:count].copy()
+    buffer[at] = value
+    return count + 1
 
 
 def kaplan_meier_quantile(
