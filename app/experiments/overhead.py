@@ -24,6 +24,11 @@ request without one is met by any GPU and would join the weakest instance with t
 The length estimator starts warm: it has seen `WARM_FINISHES` finished requests from
 the same content pool (a router that has been serving a while), so routing takes the
 paths it takes in steady state.
+
+With `--reference REF` (a git ref or another checkout's directory) the same measurement
+runs in the reference checkout and in this one, each seed of `--seeds` in both, as
+processes taking turns at going first (app/experiments/reference.py): the figures of a
+shared machine are read as current / reference.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -44,6 +50,20 @@ import typer
 
 from app.engines.config import ClusterConfig
 from app.engines.messages import EngineStatus
+from app.experiments.reference import (
+    Checkout,
+    PairedRun,
+    current_checkout,
+    forwarded_options,
+    ratios,
+    reference_checkout,
+    run_pairs,
+    run_table,
+    summarize,
+    summary_table,
+    to_stderr,
+    write_runs,
+)
 from app.experiments.replay import cli_error, cluster_model, moe_factory
 from app.routing.base import ActiveRequest, RouteDecision, RoutingPolicy, Watchdog, overrides
 from app.routing.budgets import SlackBudgets, budgets_of
@@ -67,6 +87,12 @@ SWEEP_INSTANCES = (8, 32, 128, 512)
 SWEEP_RPS = (1000, 2500, 5000, 10000)
 DEFAULT_SLO_SCALE = 2.0  # the middle of the replays' scales 1-3
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
+COMPARED = ("decisions_per_s", "p50_ms", "p99_ms", "cpu_ms_per_decision")  # and the breakdown
+REFERENCE_SEEDS = (0, 1, 2)
+# options of a measurement beside a reference that each process is not given as they are
+NOT_FORWARDED = frozenset({"reference", "seeds", "seed", "sweep", "out", "as_json"})
+# the small measurement each checkout runs first, unreported (`reference.run_pairs`)
+PRIME = {"instances": 8, "rps": 200.0, "duration": 0.2, "warmup": 0.1}
 
 
 def mixed_cluster(num_instances: int, model: str = "llama-3.1-8b") -> ClusterConfig:
@@ -403,8 +429,12 @@ class Overhead:
         }
 
 
+def default_prompts() -> Path:
+    return DATA / "prompts" / "prompt_lengths.jsonl"
+
+
 def content_pool(prompts: Path | None) -> list[Content]:
-    path = prompts or DATA / "prompts" / "prompt_lengths.jsonl"
+    path = prompts or default_prompts()
     if path.is_file():
         return [p.content() for p in load_prompts(path)]
     if prompts is not None:
@@ -536,7 +566,77 @@ def write_sweep(out: Path, rows: Sequence[dict[str, Any]]) -> None:
     plt.close(fig)
 
 
+def parse_seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--seeds {text!r}: give comma-separated integers") from None
+    if not seeds:
+        raise ValueError("--seeds names no seed")
+    return seeds
+
+
+def measurement_command(options: Sequence[str], seed: int) -> list[str]:
+    """One measurement in a checkout: its own `goodserve overhead`, printing its JSON."""
+    return [sys.executable, "-m", "app.cli", "overhead", *options, "--seed", str(seed),
+            "--json"]
+
+
+def compared_figures(summary: Mapping[str, Any]) -> dict[str, float]:
+    """A measurement's figures compared beside a reference: the headline ones and the
+    work per decision by kind (breakdown.KIND)."""
+    return {**{name: summary[name] for name in COMPARED},
+            **{f"breakdown.{kind}": ms
+               for kind, ms in summary["breakdown_ms_per_decision"].items()}}
+
+
+def reference_report(reference: Checkout, current: Checkout, options: Sequence[str],
+                     runs: Sequence[PairedRun]) -> dict[str, Any]:
+    """Both sides' figures per seed with current / reference, and the summary over seeds."""
+    pairs = [(compared_figures(r.reference), compared_figures(r.current)) for r in runs]
+    return {
+        "reference": reference.as_dict(), "current": current.as_dict(),
+        "options": list(options),
+        "seeds": [{"seed": run.key, "order": list(run.order), "reference": ref,
+                   "current": cur, "ratio": ratios(ref, cur)}
+                  for run, (ref, cur) in zip(runs, pairs, strict=True)],
+        "summary": summarize(pairs),
+    }
+
+
+def report_lines(report: Mapping[str, Any]) -> list[str]:
+    ref, cur = report["reference"], report["current"]
+    lines = [f"reference {ref['version']} at {ref['root']}; current {cur['version']} at "
+             f"{cur['root']}", "overhead " + " ".join(report["options"])]
+    for run in report["seeds"]:
+        lines += ["", f"seed {run['seed']} ({run['order'][0]} first):",
+                  *run_table(run["reference"], run["current"])]
+    seeds = len(report["seeds"])
+    lines += ["", f"summary over {seeds} seed{'s' if seeds > 1 else ''}:",
+              *summary_table(report["summary"])]
+    return lines
+
+
+def measure_beside(ref: str, seeds: Sequence[int], options: Sequence[str],
+                   prime: Sequence[str], out: Path | None, as_json: bool) -> None:
+    """The measurement per seed in the reference checkout and in this one (module
+    docstring), after a small one of the same options (`prime`) in each; the report to
+    stdout, each run's JSON and the report under `out`."""
+    log = None if as_json else to_stderr
+    with reference_checkout(ref, log=log) as reference:
+        current = current_checkout()
+        runs = run_pairs(reference, current, seeds,
+                         lambda seed: measurement_command(options, seed),
+                         name=lambda seed: f"seed {seed}", log=log,
+                         prime=measurement_command(prime, seeds[0]))
+    report = reference_report(reference, current, options, runs)
+    if out is not None:
+        write_runs(out, runs, lambda seed: f"seed{seed}", report)
+    typer.echo(json.dumps(report) if as_json else "\n".join(report_lines(report)))
+
+
 def overhead(
+    ctx: typer.Context,
     instances: int = typer.Option(512, help="simulated instances, GPU kinds in turn"),
     rps: float = typer.Option(10_000.0, help="offered Poisson arrival rate"),
     duration: float = typer.Option(1.0, help="seconds of arrivals measured"),
@@ -552,15 +652,39 @@ def overhead(
                                     "deadline: this x its solo time on an A800"),
     sweep: bool = typer.Option(False, help=f"every instances {SWEEP_INSTANCES} x rps "
                                f"{SWEEP_RPS}, with and without --predictor"),
-    out: Path | None = typer.Option(None, help="--sweep: write overhead.csv, overhead.png"),
+    out: Path | None = typer.Option(None, help="--sweep: write overhead.csv, overhead.png; "
+                                    "--reference: each run's JSON (reference-seedN.json, "
+                                    "current-seedN.json) and summary.json"),
     as_json: bool = typer.Option(False, "--json", help="print only the JSON"),
     collect: bool = typer.Option(True, "--gc/--no-gc", help="--no-gc: Python's collector "
                                  "off, to see the routing work without the pauses of "
                                  "collecting this process's heap (the simulated engines' "
                                  "state and every replica's share it)"),
+    reference: str | None = typer.Option(None, help="a git ref or another checkout's "
+                                         "directory: the same measurement there and here, "
+                                         "per seed of --seeds, with current / reference"),
+    seeds: str | None = typer.Option(None, help="--reference: comma-separated seeds, each "
+                                     "run on both sides (default: "
+                                     + ",".join(map(str, REFERENCE_SEEDS)) + ")"),
 ) -> None:
     """The router's cost per routing decision at a given scale and rate (one JSON
-    object; with --sweep a list, plus CSV and PNG)."""
+    object; with --sweep a list, plus CSV and PNG; with --reference, beside a reference
+    checkout)."""
+    if reference is None and seeds is not None:
+        raise cli_error("--seeds goes with --reference (one measurement takes --seed)")
+    if reference is not None:
+        if sweep:
+            raise cli_error("--reference compares one measurement; leave out --sweep")
+        if prompts is None and default_prompts().is_file():
+            prompts = default_prompts()  # a reference's own default may not reach the data
+        options = forwarded_options(ctx, NOT_FORWARDED, {"prompts": prompts})
+        prime = forwarded_options(ctx, NOT_FORWARDED, {"prompts": prompts, **PRIME})
+        try:
+            measure_beside(reference, parse_seeds(seeds) if seeds else REFERENCE_SEEDS,
+                           options, prime, out, as_json)
+        except ValueError as error:
+            raise cli_error(str(error)) from None
+        return
     if not collect:
         gc.disable()
     try:

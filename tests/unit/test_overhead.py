@@ -1,10 +1,16 @@
-"""`goodserve overhead`: the router-thread replay, micro-batches and the command's JSON."""
+"""`goodserve overhead`: the router-thread replay, micro-batches and the command's JSON;
+beside a reference, the processes' command lines, the ratios and their summary, and what
+--reference names."""
 
 from __future__ import annotations
 
+import enum
 import json
+import sys
+from pathlib import Path
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from app.cli import cli
@@ -223,3 +229,175 @@ def test_a_replicas_report_is_timed_apart_from_its_decisions():
     pool = [Content(200 + 50 * (i % 7), 30 + 10 * (i % 5), (i,)) for i in range(64)]
     four = measure(8, 400.0, 0.5, pool, None, seed=2, warmup_s=0.3, routers=4)
     assert four.breakdown_ms["report"] > 0 and four.breakdown_ms["choose"] > 0
+
+
+# ---- beside a reference ------------------------------------------------------------------
+
+
+class Colour(enum.Enum):
+    RED = "red"
+
+
+def test_each_process_gets_every_option_explicitly_with_absolute_paths(tmp_path, monkeypatch):
+    """Both checkouts measure the same thing whatever their own defaults: every option of
+    the measurement is on the command line, paths absolute (the processes run in the
+    checkouts), the prompts default made explicit; what the comparison itself takes is
+    not passed on, and each seed goes as --seed."""
+    from app.experiments import overhead as module
+
+    calls = []
+    monkeypatch.setattr(module, "measure_beside", lambda *args: calls.append(args))
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(cli, [
+        "overhead", "--instances", "8", "--rps", "200", "--predictor", "models",
+        "--prompts", "p.jsonl", "--no-gc", "--reference", "HEAD", "--seeds", "4,5",
+        "--out", "runs", "--json"])
+    assert result.exit_code == 0, result.output
+    ((ref, seeds, options, prime, out, as_json),) = calls
+    assert (ref, seeds, out, as_json) == ("HEAD", [4, 5], Path("runs"), True)
+    assert options == [
+        "--instances", "8", "--rps", "200.0", "--duration", "1.0", "--warmup", "1.0",
+        "--predictor", str(tmp_path / "models"), "--prompts", str(tmp_path / "p.jsonl"),
+        "--routers", "1", "--slo-scale", "2.0", "--no-gc"]
+    assert prime == [  # a small run of the same code first, to fill compile caches
+        "--instances", "8", "--rps", "200.0", "--duration", "0.2", "--warmup", "0.1",
+        *options[8:]]
+    assert module.measurement_command(options, 4) == [
+        sys.executable, "-m", "app.cli", "overhead", *options, "--seed", "4", "--json"]
+
+
+def test_the_shared_prompts_are_named_for_the_reference(monkeypatch, tmp_path):
+    """A reference checked out elsewhere would not find the shared data by its own
+    relative default and would measure on synthetic content."""
+    from app.experiments import overhead as module
+
+    prompts = tmp_path / "prompt_lengths.jsonl"
+    prompts.write_text("")
+    monkeypatch.setattr(module, "default_prompts", lambda: prompts)
+    calls = []
+    monkeypatch.setattr(module, "measure_beside", lambda *args: calls.append(args))
+    assert CliRunner().invoke(cli, ["overhead", "--reference", "HEAD"]).exit_code == 0
+    ((_, seeds, options, _, _, _),) = calls
+    assert seeds == module.REFERENCE_SEEDS
+    assert options[options.index("--prompts") + 1] == str(prompts)
+
+
+def test_forwarded_options_speak_each_kind_of_option():
+    """Flags by their on or off name (a flag with no off name only when on), enums by
+    value, None left out, skipped names left out."""
+    from app.experiments.reference import forwarded_options
+
+    app = typer.Typer()
+
+    @app.command()
+    def command(ctx: typer.Context, count: int = 3, colour: Colour = Colour.RED,
+                where: Path | None = None, fast: bool = True,
+                loud: bool = typer.Option(False, "--loud"), seed: int = 0) -> None:
+        typer.echo(json.dumps(forwarded_options(ctx, {"seed"}, {"count": 7})))
+
+    result = CliRunner().invoke(app, ["--no-fast", "--loud", "--seed", "9"])
+    assert json.loads(result.output) == ["--count", "7", "--colour", "red", "--no-fast",
+                                         "--loud"]
+
+
+def test_the_sides_take_turns_at_going_first():
+    from app.experiments.reference import order
+
+    assert [order(i) for i in range(3)] == [("reference", "current"),
+                                            ("current", "reference"),
+                                            ("reference", "current")]
+
+
+def test_ratios_and_their_summary_over_runs():
+    """Per figure: min / median / max of each side over the runs, and of each run's own
+    current / reference (a zero reference gives no ratio); a figure one run lacks is left
+    out."""
+    from app.experiments.reference import ratios, summarize
+
+    assert ratios({"a": 2.0, "b": 0.0, "c": 1.0}, {"a": 3.0, "b": 1.0}) == {"a": 1.5,
+                                                                          "b": None}
+    pairs = [({"dps": 100.0, "p99": 2.0, "new": 1.0}, {"dps": 150.0, "p99": 1.0, "new": 1.0}),
+             ({"dps": 200.0, "p99": 4.0}, {"dps": 200.0, "p99": 4.0}),
+             ({"dps": 400.0, "p99": 0.0}, {"dps": 100.0, "p99": 3.0})]
+    summary = summarize(pairs)
+    assert list(summary) == ["dps", "p99"]
+    assert summary["dps"] == {"reference": {"min": 100.0, "median": 200.0, "max": 400.0},
+                              "current": {"min": 100.0, "median": 150.0, "max": 200.0},
+                              "ratio": {"min": 0.25, "median": 1.0, "max": 1.5}}
+    assert summary["p99"]["ratio"] == {"min": 0.5, "median": 0.75, "max": 1.0}
+
+
+def test_the_report_gives_each_seed_both_sides_and_the_ratios():
+    from app.experiments.overhead import compared_figures, reference_report, report_lines
+    from app.experiments.reference import Checkout, PairedRun
+
+    def summary(dps: float, choose: float) -> dict:
+        return {"decisions_per_s": dps, "p50_ms": 0.1, "p99_ms": 0.4,
+                "cpu_ms_per_decision": 0.2, "decisions": 9,
+                "breakdown_ms_per_decision": {"choose": choose, "status": 0.05}}
+
+    assert compared_figures(summary(10.0, 0.3)) == {
+        "decisions_per_s": 10.0, "p50_ms": 0.1, "p99_ms": 0.4, "cpu_ms_per_decision": 0.2,
+        "breakdown.choose": 0.3, "breakdown.status": 0.05}
+    runs = [PairedRun(0, ("reference", "current"), summary(100.0, 0.2), summary(125.0, 0.1)),
+            PairedRun(1, ("current", "reference"), summary(100.0, 0.4), summary(50.0, 0.1))]
+    report = reference_report(Checkout("reference", Path("/r"), "HEAD (abc)"),
+                              Checkout("current", Path("/c"), "abc-dirty"), ["--rps", "5"],
+                              runs)
+    assert [s["seed"] for s in report["seeds"]] == [0, 1]
+    assert report["seeds"][1]["order"] == ["current", "reference"]
+    assert report["seeds"][0]["ratio"]["decisions_per_s"] == 1.25
+    assert report["seeds"][1]["ratio"]["breakdown.choose"] == 0.25
+    assert report["summary"]["decisions_per_s"]["ratio"] == {"min": 0.5, "median": 0.875,
+                                                             "max": 1.25}
+    text = "\n".join(report_lines(report))
+    assert "seed 1 (current first):" in text and "summary over 2 seeds:" in text
+    assert "0.500 / 0.875 / 1.250" in text
+
+
+def test_a_reference_is_a_checkout_directory_or_a_commit(tmp_path):
+    import subprocess
+
+    from app.experiments.reference import REPO, resolve_reference
+
+    checkout = tmp_path / "other"
+    (checkout / "app").mkdir(parents=True)
+    (checkout / "app" / "__init__.py").write_text("")
+    assert resolve_reference(str(checkout)) == checkout.resolve()
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    assert resolve_reference("HEAD") == head
+    with pytest.raises(ValueError, match="not a checkout of this project"):
+        resolve_reference(str(tmp_path))
+    with pytest.raises(ValueError, match="neither a directory nor a commit"):
+        resolve_reference("no-such-ref-anywhere")
+
+
+def test_a_bad_reference_is_one_line_and_checks_out_nothing():
+    result = CliRunner().invoke(cli, ["overhead", "--reference", "no-such-ref-anywhere"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        f"error: --reference 'no-such-ref-anywhere' is neither a directory nor a commit "
+        f"of {Path(__file__).resolve().parents[2]}"]
+    for args, message in ((["--seeds", "1"], "--seeds goes with --reference"),
+                          (["--reference", "HEAD", "--sweep"], "leave out --sweep"),
+                          (["--reference", "HEAD", "--seeds", "a"], "comma-separated")):
+        bad = CliRunner().invoke(cli, ["overhead", *args])
+        assert bad.exit_code == 2 and message in bad.output, bad.output
+
+
+def test_a_reference_without_an_option_fails_in_one_line_naming_it():
+    """A checkout older than an option says which, from click's boxed usage error."""
+    from app.experiments.reference import Checkout, failure, last_line
+
+    old = Checkout("reference", Path("/tmp/old"), "v1 (abc123)")
+    boxed = ("Usage: python -m app.cli overhead [OPTIONS]\n"
+             "Try 'python -m app.cli overhead --help' for help.\n"
+             "╭─ Error ─────────────────────────╮\n"
+             "│ No such option: --slo-scale     │\n"
+             "╰─────────────────────────────────╯\n")
+    assert failure(old, boxed, 2) == "the reference checkout v1 (abc123) has no option --slo-scale"
+    crash = "Traceback (most recent call last):\n  ...\nImportError: cannot import name 'x'\n"
+    assert failure(old, crash, 1) == ("the reference run failed (exit code 1): ImportError: "
+                                      "cannot import name 'x'")
+    assert last_line("") == "(no error output)"
