@@ -13,9 +13,11 @@ Those pieces are then laid on one router thread in the order they happen
 (arrival to decision) includes the queueing behind earlier decisions, status updates,
 watchdog checks and the prediction batch it rode in - and a router slower than the
 offered rate shows as latency that grows and `decisions_per_s` below the offered rate.
-MoE batches follow the router's micro-batcher rule (64 requests, or 2 ms after the
-oldest; a batch that waits for the busy thread takes everything that arrived meanwhile),
-each charged what a batch of its size measured on the predictor.
+MoE batches follow the router's micro-batcher rule (`_flush_s`: at once for a request
+that finds no batch running; under load, once the running batch has ended and the
+oldest has waited 2 ms, or 64 are queued; a batch that waits for the busy thread takes
+everything that arrived meanwhile), each charged what a batch of its size measured on
+the predictor.
 
 Every request has a deadline, `slo_scale` x its solo time on an A800 (as replays set
 them), so GoodServe spreads the arrivals over the instances as it does in service: a
@@ -338,6 +340,7 @@ def _replay_with_batches(due: np.ndarray, cost: np.ndarray, is_decision: np.ndar
     decisions, others = np.flatnonzero(is_decision), np.flatnonzero(~is_decision)
     ready: deque[tuple[float, int]] = deque()  # (prediction done, row), in batch order
     free, next_decision, next_other, predict_s = -math.inf, 0, 0, 0.0
+    batch_end = -math.inf  # when the last prediction batch ended
     while ready or next_decision < len(decisions) or next_other < len(others):
         options = []
         if ready:
@@ -345,12 +348,8 @@ def _replay_with_batches(due: np.ndarray, cost: np.ndarray, is_decision: np.ndar
         if next_other < len(others):
             options.append((max(due[others[next_other]], free), 1))
         if next_decision < len(decisions):
-            oldest = due[decisions[next_decision]]
-            flush = oldest + batches.max_wait_s
-            full = next_decision + batches.max_batch_size - 1
-            if full < len(decisions):
-                flush = min(flush, due[decisions[full]])
-            options.append((max(flush, free), 2))
+            options.append((max(_flush_s(due, decisions, next_decision, batch_end, batches),
+                                free), 2))
         start, kind = min(options)
         if kind == 0:
             row = ready.popleft()[1]
@@ -365,11 +364,27 @@ def _replay_with_batches(due: np.ndarray, cost: np.ndarray, is_decision: np.ndar
                and due[decisions[end]] <= start):
             end += 1
         seconds = batches(end - next_decision)
-        free = start + seconds
+        free = batch_end = start + seconds
         predict_s += seconds if start >= measured_from_s else 0.0
         ready.extend((free, row) for row in decisions[next_decision:end])
         next_decision = end
     return predict_s
+
+
+def _flush_s(due: np.ndarray, decisions: np.ndarray, oldest: int, batch_end: float,
+             batches: BatchCost) -> float:
+    """When the batcher starts the batch of the oldest waiting decision
+    (`predictor.batching.PredictionBatcher`): at once when it arrived with no batch
+    running; else when the running batch has ended and it has waited `max_wait_s`, or
+    has ended with a full batch waiting."""
+    arrived = due[decisions[oldest]]
+    if arrived >= batch_end:
+        return arrived
+    flush = max(batch_end, arrived + batches.max_wait_s)
+    full = oldest + batches.max_batch_size - 1
+    if full < len(decisions):
+        flush = min(flush, max(batch_end, due[decisions[full]]))
+    return flush
 
 
 def predict_all(workload: Workload, predictor: Predictor) -> Workload:

@@ -37,16 +37,18 @@ def test_work_waits_for_the_router_thread():
 
 
 def test_decisions_wait_for_their_prediction_batch():
-    """Three arrivals within 1 ms: one batch flushes 2 ms after the oldest, costs 1 ms,
-    then the three decisions run in turn."""
+    """Three arrivals within 1 ms, a batch costing 1 ms: the first finds the batcher
+    idle and is predicted at once (0-1 ms, decided by 1.1 ms); the two that arrive
+    while its batch runs wait for it to end and for the oldest's 2 ms (2.5 ms), then
+    share one batch (to 3.5 ms) and are decided in turn."""
     log = WorkLog()
     for t in (0.0, 0.0005, 0.001):
         log.add(t, 0.0001, "choose", arrival=t)
     flat = BatchCost((1, 64), (0.001, 0.001))
     thread = RouterThread.replay(log, batches=flat)
-    assert thread.latency_s.tolist() == pytest.approx([0.0031, 0.0027, 0.0023])
-    assert thread.predict_s == pytest.approx(0.001)
-    assert thread.busy_s == pytest.approx(0.0013)
+    assert thread.latency_s.tolist() == pytest.approx([0.0011, 0.0031, 0.0027])
+    assert thread.predict_s == pytest.approx(0.002)
+    assert thread.busy_s == pytest.approx(0.0023)
 
 
 def test_a_busy_thread_makes_the_batch_take_what_arrived_meanwhile():
