@@ -129,12 +129,15 @@ def test_learning_replicas_take_each_others_finishes_at_their_next_report(sharin
     router.choose_on(first, replace(request, prompt="a long prompt"), engines(0.7), 0.7)
     report = FinishReport(replace(request, prompt="a long prompt"), "A800", 321, 0.8, 0.9)
     router.on_finish(report, 0.9)
-    learned = second.policy.length._lengths.sorted  # a running history of finished lengths
-    assert list(first.policy.length._lengths.sorted) == [321] and list(learned) == []
+
+    def learned() -> list[float]:  # its running history of finished lengths
+        return second.policy.length._lengths.sorted.tolist()
+
+    assert list(first.policy.length._lengths.sorted) == [321] and learned() == []
     router.refresh(second, engines(1.2))  # not yet its report time (1.5 s)
-    assert list(learned) == []
+    assert learned() == []
     router.refresh(second, engines(1.6))
-    assert list(learned) == ([321] if sharing is Sharing.LEARNING else [])
+    assert learned() == ([321] if sharing is Sharing.LEARNING else [])
     router.refresh(first, engines(2.1))  # its own finish is not learned twice
     assert list(first.policy.length._lengths.sorted) == [321]
 
