@@ -474,7 +474,7 @@ class _Estimates:
                 if row is not None:
                     stale[row] = True
                     self.state_rows[row] = table.row_index(instance_id)
-        self.stale.clear()
+            self.stale.clear()
         _refresh_terms(table.table, self.state_rows, arrays.table, self.seen_view, stale,
                        self.joining, self.terms)
 

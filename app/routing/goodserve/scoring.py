@@ -260,12 +260,13 @@ def warm_up() -> None:
 
 
 # ---- the scored columns --------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class InstanceScorer:
     """What scoring one request reads of every instance, computed once: the terms of
     T that do not depend on the output length, whether it harms no admitted request
     (KV room, and its prefill stalls the instance no more than its admitted requests
-    tolerate), and which instances are reserved for tighter deadlines."""
+    tolerate), and which instances are reserved for tighter deadlines. Read-only once
+    built (slots, not frozen: a frozen dataclass's init costs a decision microseconds)."""
 
     request: RouteRequest
     arrays: ViewArrays
@@ -334,9 +335,9 @@ class InstanceScorer:
         return (None if row < 0 else Candidate(scored, row)), scored
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Scored:
-    """Every instance scored for one request at one output length."""
+    """Every instance scored for one request at one output length (read-only)."""
 
     scorer: InstanceScorer
     floor_output_tokens: float
@@ -393,7 +394,8 @@ class Scored:
         turned_away, stranded = _outcome_rows(self.latency_s, self.slack_s, s.harmless,
                                               s.reserved, headroom)
         ids = s.arrays.ids
-        return [ids[i] for i in turned_away], [ids[i] for i in stranded]
+        return ([ids[i] for i in turned_away] if len(turned_away) else [],
+                [ids[i] for i in stranded] if len(stranded) else [])
 
 
 class Candidate:
