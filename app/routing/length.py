@@ -195,6 +195,7 @@ class PredictorLength(OutputLengthEstimator):
         # errs by other factors than a long one
         self._ratios_by_scale: dict[int, SortedWindow] = {}
         self._windows: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int] | None = None
+        warm_up()
 
     def confident_output(self, request: RouteRequest, quantile: float) -> float | None:
         """The arrival prediction scaled by the `quantile` of recent true/predicted
@@ -320,3 +321,11 @@ def _conditional_totals(arrival, generated, windows, starts, counts, by_scale, f
             median = ratios[_quantile_rank(0.5, len(ratios))]
             totals[i] = max(p * median_above / median, n + 1.0)
     return totals
+
+
+def warm_up() -> None:
+    """Compile (or load from the on-disk cache) the conditional totals' pass before the
+    watchdog's first check."""
+    one = np.ones(1)
+    _conditional_totals(one, one, one, np.zeros(1, dtype=np.int64),
+                        np.ones(1, dtype=np.int64), np.zeros(_MAX_SCALE + 1, dtype=np.int64), 0)

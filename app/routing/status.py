@@ -115,7 +115,7 @@ class StatusEstimator(StepListener):
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         self.alpha = alpha
-        _warm_up()
+        warm_up()
         self._states: dict[InstanceId, _InstanceState] = {}
         self._table = _StateTable()
         self._estimates: list[_Estimates] = []  # newest first
@@ -479,7 +479,7 @@ class _Estimates:
                        self.joining, self.terms)
 
 
-def _warm_up() -> None:
+def warm_up() -> None:
     """Compile (or load from the on-disk cache) the estimator's passes before the
     first estimate is asked for."""
     states, view = np.zeros((1, _NUM_STATE_COLUMNS)), np.ones((1, len(COLUMNS)))
