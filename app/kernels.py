@@ -16,11 +16,11 @@ def compile_all() -> float:
     from app.routing import length, status
     from app.routing.goodserve import scoring, watchdog
     from app.routing.quantiles import SortedWindow
-    from predictor import ngrams
+    from predictor import features
 
     start = time.perf_counter()
     for warm_up in (status.warm_up, scoring.warm_up, watchdog.warm_up, length.warm_up,
-                    ngrams.warm_up):
+                    features.warm_up):
         warm_up()
     SortedWindow(1)
     return time.perf_counter() - start

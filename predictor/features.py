@@ -6,116 +6,218 @@ embedding bag (cost proportional to non-zeros, not to the vocabulary size).
 
 from __future__ import annotations
 
-import re
 import threading
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol, Self
+from itertools import chain, repeat
+from typing import NamedTuple, Protocol, Self
 
 import numpy as np
 import scipy.sparse as sp
+from numba import njit
 from sklearn.base import BaseEstimator
 from sklearn.feature_extraction.text import TfidfVectorizer
 from sklearn.utils.validation import check_is_fitted
 
+from predictor import ngrams, text_counts
 from predictor.base import PredictionInput
-from predictor.ngrams import NgramTfidf, warm_up
+from predictor.ngrams import NgramTfidf
+from predictor.text_counts import COUNT_NAMES, NUM_COUNTS, count_prompts
 
-__all__ = ["NUMERIC_FEATURES", "Featurizer", "TextFeaturizer", "augment_truncated"]
+__all__ = ["NUMERIC_FEATURES", "Featurizer", "SparseRows", "TextFeaturizer", "augment_truncated"]
 
-_NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
-_SENTENCE_END = re.compile(r"[.!?](?:\s|$)")
-
-# Order of the numeric columns; all are log1p counts.
-NUMERIC_FEATURES = (
-    "prompt_words",
-    "prompt_chars",
-    "prompt_numbers",  # math problems: more quantities -> more solution steps
-    "prompt_sentences",
-    "prompt_lines",
-    "num_generated_tokens",
-)
+# Order of the numeric columns; all are log1p counts. The prompt's numbers matter for
+# math problems: more quantities -> more solution steps.
+NUMERIC_FEATURES = (*COUNT_NAMES, "num_generated_tokens")
 
 
-def prompt_counts(prompt: str) -> tuple[int, int, int, int, int]:
-    """The prompt's words, characters, numbers, sentences and lines."""
-    return (len(prompt.split()), len(prompt), len(_NUMBER.findall(prompt)),
-            len(_SENTENCE_END.findall(prompt)), prompt.count("\n"))
+def generated_tokens(inputs: Sequence[PredictionInput]) -> np.ndarray:
+    """int64 `num_generated_tokens` per input."""
+    return np.fromiter((inp.num_generated_tokens for inp in inputs), dtype=np.int64,
+                       count=len(inputs))
 
 
-def log_counts(rows: Sequence[tuple[int, ...]]) -> np.ndarray:
-    """`NUMERIC_FEATURES` rows (prompt counts, then progress) as log1p."""
-    return np.log1p(np.asarray(rows, dtype=np.float64).reshape(len(rows), len(NUMERIC_FEATURES)))
+def log_counts(prompt_counts: np.ndarray, generated: np.ndarray) -> np.ndarray:
+    """float64 `NUMERIC_FEATURES` rows: log1p of the prompt counts, then of the progress."""
+    counts = np.empty((len(generated), len(NUMERIC_FEATURES)), dtype=np.float64)
+    counts[:, :-1] = prompt_counts
+    counts[:, -1] = generated
+    return np.log1p(counts)
 
 
 def numeric_features(inputs: Sequence[PredictionInput]) -> np.ndarray:
     """log1p counts that TF-IDF (length-normalised) cannot see."""
-    return log_counts([(*prompt_counts(inp.prompt), inp.num_generated_tokens)
-                       for inp in inputs])
+    return log_counts(count_prompts([inp.prompt for inp in inputs]), generated_tokens(inputs))
+
+
+class SparseRows(NamedTuple):
+    """Feature rows as CSR arrays with int64 column ids, as the network's embedding bag
+    takes them. No scipy matrix on the prediction path: building one checks the arrays
+    and converts them to int32, some 20 us per batch, and the net wants int64 again."""
+
+    indptr: np.ndarray  # int64, per row and one past the last
+    indices: np.ndarray  # int64
+    data: np.ndarray  # float32
+    num_columns: int
+
+    @classmethod
+    def from_csr(cls, matrix: sp.csr_matrix) -> SparseRows:
+        return cls(matrix.indptr.astype(np.int64), matrix.indices.astype(np.int64),
+                   matrix.data.astype(np.float32), matrix.shape[1])
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.indptr) - 1
+
+    def rows(self, start: int, stop: int) -> SparseRows:
+        """Rows `start` to `stop` (exclusive), sharing these arrays."""
+        first, last = self.indptr[start], self.indptr[stop]
+        return SparseRows(self.indptr[start : stop + 1] - first, self.indices[first:last],
+                          self.data[first:last], self.num_columns)
+
+    def to_csr(self) -> sp.csr_matrix:
+        return sp.csr_matrix((self.data, self.indices, self.indptr),
+                             shape=(self.num_rows, self.num_columns))
 
 
 ROW_CACHE_MAX_VALUES = 4_000_000  # about 32 MB of cached TF-IDF values
 
 
-@dataclass(frozen=True)
-class TextRow:
-    """What a request's text and prompt give, whatever its progress."""
+class TextRows(NamedTuple):
+    """What a batch of request texts and prompts give, whatever the requests' progress:
+    TF-IDF rows in CSR form and the prompt counts."""
 
+    indptr: np.ndarray  # int64, per row and one past the last
     columns: np.ndarray  # int32 TF-IDF columns
     values: np.ndarray  # float32 TF-IDF values
-    counts: tuple[int, int, int, int, int]  # `prompt_counts`
+    counts: np.ndarray  # int64 (rows, NUM_COUNTS): `count_prompts`
+
+    @classmethod
+    def compute(cls, inputs: Sequence[PredictionInput], tfidf: NgramTfidf) -> TextRows:
+        indptr, columns, values = tfidf.csr_arrays([inp.text for inp in inputs])
+        return cls(indptr, columns, values, count_prompts([inp.prompt for inp in inputs]))
+
+    @classmethod
+    def gather(cls, rows: Sequence[TextRow]) -> TextRows:
+        """Cached rows as one batch."""
+        indptr = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(np.fromiter((end - start for _, start, end, _ in rows), dtype=np.int64,
+                              count=len(rows)), out=indptr[1:])
+        if not rows:
+            return cls(indptr, np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.float32),
+                       np.zeros((0, NUM_COUNTS), dtype=np.int64))
+        flat_counts = chain.from_iterable([counts for _, _, _, counts in rows])
+        return cls(indptr,
+                   np.concatenate([batch.columns[start:end] for batch, start, end, _ in rows]),
+                   np.concatenate([batch.values[start:end] for batch, start, end, _ in rows]),
+                   np.fromiter(flat_counts, dtype=np.int64, count=len(rows) * NUM_COUNTS
+                               ).reshape(len(rows), NUM_COUNTS))
+
+    def cached_rows(self) -> Iterator[TextRow]:
+        """Each row as `TextRowCache` keeps it."""
+        bounds = self.indptr.tolist()
+        return zip(repeat(self), bounds[:-1], bounds[1:], self.counts.tolist())
+
+
+# A cached text's row: the batch it was computed in, where its TF-IDF values lie there
+# (start, end) and its prompt counts. A plain tuple: the cache makes one per new request.
+TextRow = tuple[TextRows, int, int, list[int]]
 
 
 class TextRowCache:
     """Each recent request text's `TextRow`, oldest dropped first while the values held
     exceed `max_values`. A router predicts a running request's length again at every
     watchdog check with the same text and a new `num_generated_tokens`: only that
-    column has to be computed again. Thread-safe: the router's micro-batcher predicts
-    arrivals on its own thread while the watchdog predicts on the event loop's."""
+    column has to be computed again. A row refers to its batch's arrays, freed once all
+    the batch's rows are dropped (together, as they came together). Thread-safe: the
+    router's micro-batcher predicts arrivals on its own thread while the watchdog
+    predicts on the event loop's."""
 
     def __init__(self, max_values: int = ROW_CACHE_MAX_VALUES) -> None:
         self.max_values = max_values
-        self._rows: dict[tuple[str, str], TextRow] = {}
+        # ordered by arrival: an OrderedDict drops its oldest in O(1), where a dict's
+        # first key takes a scan past every key dropped before it
+        self._rows: OrderedDict[tuple[str, str], TextRow] = OrderedDict()
         self._num_values = 0
         self._lock = threading.Lock()
 
-    def rows(self, inputs: Sequence[PredictionInput], tfidf: NgramTfidf) -> list[TextRow]:
-        """Each input's row: from the cache, else computed (and kept)."""
+    def rows(self, inputs: Sequence[PredictionInput], tfidf: NgramTfidf) -> TextRows:
+        """The inputs' rows: from the cache, else computed (and kept)."""
         keys = [(inp.prompt, inp.generated_text) for inp in inputs]
         with self._lock:
-            found = {key: self._rows.get(key) for key in keys}
-        missing, asked = [], set()
-        for i, key in enumerate(keys):
-            if found[key] is None and key not in asked:
-                missing.append(i)
-                asked.add(key)
-        if missing:
-            matrix = tfidf.transform([inputs[i].text for i in missing])
-            computed = []
-            for row, i in enumerate(missing):
-                start, end = matrix.indptr[row], matrix.indptr[row + 1]
-                found[keys[i]] = TextRow(matrix.indices[start:end].copy(),
-                                         matrix.data[start:end].copy(),
-                                         prompt_counts(inputs[i].prompt))
-                computed.append(keys[i])
-            with self._lock:
-                for key in computed:
-                    self._keep(key, found[key])  # type: ignore[arg-type]
-        return [found[key] for key in keys]  # type: ignore[misc]
+            found = list(map(self._rows.get, keys))
+        missing = {key: inp for key, inp, row in zip(keys, inputs, found, strict=True)
+                   if row is None}
+        if not missing:
+            return TextRows.gather(found)  # type: ignore[arg-type]
+        computed = TextRows.compute(list(missing.values()), tfidf)
+        new = dict(zip(missing, computed.cached_rows(), strict=True))
+        with self._lock:
+            self._keep(new)
+        if len(new) == len(inputs):  # every text new, as in an arrival batch
+            return computed
+        return TextRows.gather([new[key] if row is None else row
+                                for key, row in zip(keys, found, strict=True)])
 
-    def _keep(self, key: tuple[str, str], row: TextRow) -> None:
-        """Under the lock: `row` kept, the oldest dropped while over `max_values`."""
-        previous = self._rows.pop(key, None)  # another thread computed it meanwhile
-        if previous is not None:
-            self._num_values -= len(previous.values)
-        self._rows[key] = row
-        self._num_values += len(row.values)
+    def _keep(self, rows: dict[tuple[str, str], TextRow]) -> None:
+        """Under the lock: `rows` kept as the newest, the oldest dropped while over
+        `max_values`."""
+        for key in rows.keys() & self._rows.keys():  # another thread computed it meanwhile
+            _, start, end, _ = self._rows.pop(key)
+            self._num_values -= end - start
+        self._rows.update(rows)
+        self._num_values += sum(end - start for _, start, end, _ in rows.values())
         while self._num_values > self.max_values and self._rows:
-            oldest = next(iter(self._rows))
-            self._num_values -= len(self._rows.pop(oldest).values)
+            _, (_, start, end, _) = self._rows.popitem(last=False)
+            self._num_values -= end - start
 
     def __len__(self) -> int:
         return len(self._rows)
+
+
+@njit(cache=True, nogil=True)
+def feature_rows_kernel(text_indptr: np.ndarray, columns: np.ndarray, values: np.ndarray,
+                        numeric: np.ndarray, tasks: np.ndarray, first_numeric_column: int
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """CSR (indptr, int64 indices, data) of rows made of each row's TF-IDF entries, its
+    numeric columns from `first_numeric_column` on, then its task's column after them
+    (none for task -1). Zeros are left out, as a block stack of the parts leaves them."""
+    num_rows, num_numeric = numeric.shape
+    capacity = len(columns) + num_rows * (num_numeric + 1)
+    indices = np.empty(capacity, dtype=np.int64)
+    data = np.empty(capacity, dtype=np.float32)
+    indptr = np.zeros(num_rows + 1, dtype=np.int64)
+    nnz = 0
+    for row in range(num_rows):
+        for j in range(text_indptr[row], text_indptr[row + 1]):
+            if values[j] != 0:
+                indices[nnz] = columns[j]
+                data[nnz] = values[j]
+                nnz += 1
+        for k in range(num_numeric):
+            if numeric[row, k] != 0:
+                indices[nnz] = first_numeric_column + k
+                data[nnz] = numeric[row, k]
+                nnz += 1
+        if tasks[row] >= 0:
+            indices[nnz] = first_numeric_column + num_numeric + tasks[row]
+            data[nnz] = 1.0
+            nnz += 1
+        indptr[row + 1] = nnz
+    return indptr, indices[:nnz], data[:nnz]
+
+
+def warm_up() -> None:
+    """Compile `TextFeaturizer`'s kernels (or load them from numba's on-disk cache) and
+    build their tables now, with the argument types requests pass, so that no request
+    pays for them."""
+    ngrams.warm_up()
+    text_counts.warm_up()
+    rows = TextRows.gather([])
+    feature_rows_kernel(rows.indptr, rows.columns, rows.values,
+                        np.zeros((0, len(NUMERIC_FEATURES)), dtype=np.float32),
+                        np.zeros(0, dtype=np.int64), 0)
 
 
 class Featurizer(Protocol):
@@ -126,6 +228,10 @@ class Featurizer(Protocol):
     def fit(self, inputs: Sequence[PredictionInput]) -> Self: ...
 
     def transform(self, inputs: Sequence[PredictionInput]) -> sp.csr_matrix: ...
+
+    def sparse_rows(self, inputs: Sequence[PredictionInput]) -> SparseRows:
+        """`transform`'s rows, for the network."""
+        ...
 
     def fit_transform(self, inputs: Sequence[PredictionInput]) -> sp.csr_matrix: ...
 
@@ -156,46 +262,33 @@ class TextFeaturizer(BaseEstimator):
             sublinear_tf=True,
             dtype=np.float32,
         ).fit(texts)
+        self._prepare()  # the counts below run the compiled kernels
         numeric = numeric_features(inputs)
         self.numeric_mean_ = numeric.mean(axis=0)
         self.numeric_std_ = np.maximum(numeric.std(axis=0), 1e-6)
         tasks = {inp.task for inp in inputs if inp.task is not None} if self.use_task else set()
         self.task_index_ = {task: i for i, task in enumerate(sorted(tasks))}
         self.num_features_ = len(self.vectorizer_.vocabulary_) + len(NUMERIC_FEATURES) + len(tasks)
-        self._prepare()
         return self
 
     def transform(self, inputs: Sequence[PredictionInput]) -> sp.csr_matrix:
         """One float32 CSR row per input: TF-IDF columns, the numeric columns, then the
-        task's (none for an unseen task). A text seen lately is not featurised again
-        (`TextRowCache`); the matrix is built in one piece, not stacked from blocks."""
+        task's (none for an unseen task)."""
+        return self.sparse_rows(inputs).to_csr()
+
+    def sparse_rows(self, inputs: Sequence[PredictionInput]) -> SparseRows:
+        """`transform`'s rows as arrays. A text seen lately is not featurised again
+        (`TextRowCache`); the rows are laid out in one compiled pass."""
         check_is_fitted(self)
-        rows = self._row_cache.rows(inputs, self._tfidf)
-        numeric = log_counts([(*r.counts, inp.num_generated_tokens)
-                              for r, inp in zip(rows, inputs, strict=True)])
+        text = self._row_cache.rows(inputs, self._tfidf)
+        numeric = log_counts(text.counts, generated_tokens(inputs))
         numeric = ((numeric - self.numeric_mean_) / self.numeric_std_).astype(np.float32)
-        tasks = np.array([self.task_index_.get(inp.task, -1) for inp in inputs], dtype=np.int64)
-        sizes = np.fromiter((len(r.columns) for r in rows), dtype=np.int64, count=len(rows))
-        has_task = tasks >= 0
-        indptr = np.concatenate([[0], np.cumsum(sizes + len(NUMERIC_FEATURES) + has_task)])
-        indices = np.empty(indptr[-1], dtype=np.int32)
-        data = np.empty(indptr[-1], dtype=np.float32)
-        firsts = indptr[:-1]
-        in_row = np.arange(sizes.sum()) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-        tfidf_at = np.repeat(firsts, sizes) + in_row
-        if len(tfidf_at):
-            indices[tfidf_at] = np.concatenate([r.columns for r in rows])
-            data[tfidf_at] = np.concatenate([r.values for r in rows])
-        vocabulary = len(self.vectorizer_.vocabulary_)
-        numeric_at = (firsts + sizes)[:, None] + np.arange(len(NUMERIC_FEATURES))
-        indices[numeric_at] = vocabulary + np.arange(len(NUMERIC_FEATURES))
-        data[numeric_at] = numeric
-        task_at = (firsts + sizes + len(NUMERIC_FEATURES))[has_task]
-        indices[task_at] = vocabulary + len(NUMERIC_FEATURES) + tasks[has_task]
-        data[task_at] = 1.0
-        matrix = sp.csr_matrix((data, indices, indptr), shape=(len(inputs), self.num_features_))
-        matrix.eliminate_zeros()  # as a block stack leaves out a numeric value of 0
-        return matrix
+        tasks = np.fromiter((self.task_index_.get(inp.task, -1) for inp in inputs),
+                            dtype=np.int64, count=len(inputs))
+        indptr, indices, data = feature_rows_kernel(
+            text.indptr, text.columns, text.values, numeric, tasks,
+            len(self.vectorizer_.vocabulary_))
+        return SparseRows(indptr, indices, data, self.num_features_)
 
     def fit_transform(self, inputs: Sequence[PredictionInput]) -> sp.csr_matrix:
         return self.fit(inputs).transform(inputs)
@@ -215,7 +308,7 @@ class TextFeaturizer(BaseEstimator):
         return tfidf if tfidf is not None else self._prepare()
 
     def _prepare(self) -> NgramTfidf:
-        """The n-gram tables built and their kernel compiled (or loaded from numba's disk
+        """The n-gram tables built and the kernels compiled (or loaded from numba's disk
         cache) at fit and load, so that the first request pays for neither."""
         warm_up()
         tfidf = self.__dict__["_tfidf"] = NgramTfidf.from_vectorizer(self.vectorizer_)

@@ -17,7 +17,7 @@ from sklearn.base import BaseEstimator
 from sklearn.utils.validation import check_is_fitted
 
 from predictor.base import PredictionInput
-from predictor.features import numeric_features
+from predictor.features import SparseRows, numeric_features
 from predictor.nets import resolve_device
 from predictor.neural import MLPPredictor
 
@@ -97,6 +97,9 @@ class EncoderFeaturizer(BaseEstimator):
     def transform(self, inputs: Sequence[PredictionInput]) -> sp.csr_matrix:
         check_is_fitted(self)
         return self._assemble(self._dense(inputs), inputs)
+
+    def sparse_rows(self, inputs: Sequence[PredictionInput]) -> SparseRows:
+        return SparseRows.from_csr(self.transform(inputs))
 
     def _assemble(self, dense: np.ndarray, inputs: Sequence[PredictionInput]) -> sp.csr_matrix:
         """Standardised dense features plus the task one-hot, as CSR."""

@@ -19,6 +19,7 @@ from torch import nn
 from predictor.base import PredictionInput
 from predictor.nets import MixtureOfExperts
 from predictor.neural import TextNetPredictor, TrainingSet, init_output_bias
+from predictor.text_counts import COUNT_NAMES, count_prompts
 from predictor.training import log_length_loss, train_loop
 
 __all__ = ["MoEPredictor", "TierAssignment", "assign_tiers", "split_halves"]
@@ -112,7 +113,8 @@ class MoEPredictor(TextNetPredictor):
     def _train_net(self, data: TrainingSet, rng: np.random.Generator, gen: torch.Generator) -> None:
         phase_one = split_halves(data.augmented.inputs, rng)
         phase_one_rows = np.flatnonzero(phase_one)
-        words = np.array([len(inp.prompt.split()) for inp in data.augmented.inputs])
+        words = count_prompts([inp.prompt for inp in data.augmented.inputs])[
+            :, COUNT_NAMES.index("prompt_words")]
         tiers = assign_tiers(
             words[phase_one_rows],
             data.augmented.output_lengths[phase_one_rows],

@@ -9,12 +9,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import scipy.sparse as sp
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import skip_init
+
+from predictor.features import SparseRows
 
 __all__ = [
     "MLP",
@@ -43,10 +44,15 @@ class SparseBatch:
 
     @classmethod
     def from_csr(cls, matrix: sp.csr_matrix, device: torch.device) -> SparseBatch:
+        return cls.from_rows(SparseRows.from_csr(matrix), device)
+
+    @classmethod
+    def from_rows(cls, rows: SparseRows, device: torch.device) -> SparseBatch:
+        """No copy on the CPU: `SparseRows` holds the dtypes the embedding bag takes."""
         return cls(
-            torch.from_numpy(matrix.indices.astype(np.int64)).to(device),
-            torch.from_numpy(matrix.indptr[:-1].astype(np.int64)).to(device),
-            torch.from_numpy(matrix.data.astype(np.float32)).to(device),
+            torch.from_numpy(rows.indices).to(device),
+            torch.from_numpy(rows.indptr[:-1]).to(device),
+            torch.from_numpy(rows.data).to(device),
         )
 
 
@@ -158,20 +164,20 @@ class FusedMixture(nn.Module):
             ]
 
     def forward(self, x: SparseBatch) -> torch.Tensor:
-        first = (
-            F.embedding_bag(
-                x.indices, self.input_weight, x.offsets, mode="sum", per_sample_weights=x.values
-            )
-            + self.input_bias
+        """Each layer after the first takes the ReLU of the previous one's output, taken
+        in place here: this call made those tensors, and the values are the same."""
+        first = F.embedding_bag(
+            x.indices, self.input_weight, x.offsets, mode="sum", per_sample_weights=x.values
         )
+        first.add_(self.input_bias).relu_()
         gate = first[:, : self.gate_width]
-        for weight, bias in self.gate_layers:
-            gate = torch.addmm(bias, torch.relu(gate), weight)
+        for layer, (weight, bias) in enumerate(self.gate_layers):
+            gate = torch.addmm(bias, gate.relu_() if layer else gate, weight)
         # (batch, K * hidden) -> (K, batch, hidden): one matmul per layer for all experts.
         hidden = first[:, self.gate_width :].reshape(first.shape[0], self.num_experts, -1)
         hidden = hidden.transpose(0, 1)
-        for weight, bias in self.expert_layers:
-            hidden = torch.baddbmm(bias, torch.relu(hidden), weight)
+        for layer, (weight, bias) in enumerate(self.expert_layers):
+            hidden = torch.baddbmm(bias, hidden.relu_() if layer else hidden, weight)
         expert_out = hidden.squeeze(2).t()  # (batch, K)
         return (torch.softmax(gate, dim=1) * expert_out).sum(dim=1)
 

@@ -16,7 +16,13 @@ import torch
 from torch import nn
 
 from predictor.base import PredictionInput, Predictor, validate_training_data
-from predictor.features import AugmentedData, Featurizer, TextFeaturizer, augment_truncated
+from predictor.features import (
+    AugmentedData,
+    Featurizer,
+    SparseRows,
+    TextFeaturizer,
+    augment_truncated,
+)
 from predictor.history import TaskHistoryPredictor
 from predictor.nets import MLP, SparseBatch, for_inference, resolve_device
 from predictor.training import TrainConfig, log_length_loss, train_loop
@@ -108,21 +114,20 @@ class TextNetPredictor(Predictor):
         """Rows of a feature matrix as a SparseBatch on this predictor's device."""
         return SparseBatch.from_csr(features if rows is None else features[rows], self.device_)
 
-    def predict_log(self, features: sp.csr_matrix) -> np.ndarray:
+    def predict_log(self, features: SparseRows) -> np.ndarray:
         """Network output (log length) for already featurised rows, in chunks."""
         outputs = []
         with torch.inference_mode():
-            for start in range(0, features.shape[0], INFERENCE_CHUNK_ROWS):
-                rows = features if features.shape[0] <= INFERENCE_CHUNK_ROWS else features[
-                    start : start + INFERENCE_CHUNK_ROWS]  # a slice copies the matrix
-                chunk = self.batch(rows)
+            for start in range(0, features.num_rows, INFERENCE_CHUNK_ROWS):
+                rows = features.rows(start, min(start + INFERENCE_CHUNK_ROWS, features.num_rows))
+                chunk = SparseBatch.from_rows(rows, self.device_)
                 outputs.append(self.inference_net_(chunk).reshape(-1).float().cpu().numpy())
         return np.concatenate(outputs)
 
     def _predict_lengths(self, inputs: Sequence[PredictionInput]) -> np.ndarray:
         """The net's median, capped at the longest training length; past k = 0, never
         below the task's survival median (see `survival_floor`)."""
-        log_lengths = self.predict_log(self.featurizer_.transform(inputs))
+        log_lengths = self.predict_log(self.featurizer_.sparse_rows(inputs))
         lengths = np.exp(np.clip(log_lengths, 0.0, self.max_log_length_))
         rechecked = [i for i, inp in enumerate(inputs) if inp.num_generated_tokens > 0]
         if self.survival_floor and rechecked:

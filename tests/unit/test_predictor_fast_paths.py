@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import re
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from sklearn.feature_extraction.text import TfidfVectorizer
 
+from predictor.base import PredictionInput
 from predictor.nets import FusedMixture, MixtureOfExperts, SparseBatch, for_inference
 from predictor.ngrams import NgramTfidf
+from predictor.text_counts import count_prompts
 from tests.unit.torch_utils import one_torch_thread  # noqa: F401  (autouse fixture)
 
 pytestmark = pytest.mark.unit
@@ -102,15 +108,48 @@ def test_a_bigram_of_words_that_are_no_terms_is_still_counted():
     assert tfidf.transform([]).shape == (0, len(vocabulary))
 
 
-def reference_transform(featurizer, inputs):
-    """`TextFeaturizer.transform` without its row cache: every text featurised."""
-    import scipy.sparse as sp
+NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+SENTENCE_END = re.compile(r"[.!?](?:\s|$)")
 
-    from predictor.features import numeric_features
+
+def regex_counts(prompt: str) -> tuple[int, int, int, int, int]:
+    """The prompt counts by the rules `count_prompts` follows: `split` and regexes."""
+    return (len(prompt.split()), len(prompt), len(NUMBER.findall(prompt)),
+            len(SENTENCE_END.findall(prompt)), prompt.count("\n"))
+
+
+# Digits of several scripts and digit-like characters that are no `\d`; the whitespace
+# that `split` and `\s` know beyond ASCII (separators \x1c-\x1f, NEL, NBSP, ogham,
+# line/paragraph separators, ideographic) and look-alikes that are none (zero-width
+# space, BOM, Mongolian vowel separator); the rules' punctuation; astral characters and
+# lone surrogates.
+COUNT_ALPHABET = [*"a7٣५９𝟘²½Ⅻ.,.,!? \t\n\r\x0b\x0c\x1c\x1f\x85\xa0\u1680\u2028\u2029\u3000",
+                  *"\u200b\ufeff\u180e;-xΣ😀", "\ud800", "\udc00"]
+TRICKY_PROMPTS = ["", "1.5.", "1..2", "1,234.56, 7", "v1.2.3.", "end.", "end.\n", "a. b! c? d",
+                  "...", "!?", "x.\u3000y", "١٢٣.٤", "１２.３４", "2²", "x.\u200by", " \x1c ",
+                  "new\nlines\n\n", "\ud800.\udc00 1"]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_prompt_counts_follow_the_split_and_regex_rules(seed):
+    rng = np.random.default_rng(seed)
+    prompts = ["".join(rng.choice(COUNT_ALPHABET, size=int(rng.integers(0, 60))))
+               for _ in range(2000)] + TRICKY_PROMPTS + PROSE + UNSEEN
+    expected = np.array([regex_counts(p) for p in prompts], dtype=np.int64)
+    np.testing.assert_array_equal(count_prompts(prompts), expected)
+    assert count_prompts([]).shape == (0, 5)
+
+
+def reference_transform(featurizer, inputs):
+    """`TextFeaturizer.transform` without its row cache, compiled counts and layout:
+    every text featurised, counted by the regexes and the parts stacked by scipy."""
+    import scipy.sparse as sp
 
     tfidf = NgramTfidf.from_vectorizer(featurizer.vectorizer_).transform(
         [inp.text for inp in inputs])
-    numeric = (numeric_features(inputs) - featurizer.numeric_mean_) / featurizer.numeric_std_
+    counts = [(*regex_counts(inp.prompt), inp.num_generated_tokens) for inp in inputs]
+    numeric = np.log1p(np.asarray(counts, dtype=np.float64).reshape(len(inputs), 6))
+    numeric = (numeric - featurizer.numeric_mean_) / featurizer.numeric_std_
     tasks = np.array([featurizer.task_index_.get(inp.task, -1) for inp in inputs])
     rows = np.flatnonzero(tasks >= 0)
     one_hot = sp.csr_matrix((np.ones(len(rows), dtype=np.float32), (rows, tasks[rows])),
@@ -129,7 +168,7 @@ def test_cached_text_rows_give_the_features_of_a_fresh_featurisation(seed):
     from predictor.features import TextFeaturizer
 
     rng = np.random.default_rng(seed)
-    texts = random_texts(rng, 60)
+    texts = random_texts(rng, 60) + PROSE + UNSEEN + TRICKY_PROMPTS
     tasks = ["chat", "math", None]
     train = [PredictionInput(t, task=tasks[i % 3]) for i, t in enumerate(texts)]
     featurizer = TextFeaturizer(ngram_max=2, min_df=1).fit(train)
@@ -228,7 +267,8 @@ def test_two_threads_featurising_at_once_share_the_rows_safely():
     with ThreadPoolExecutor(2) as pool:
         assert all(pool.map(featurise, range(2)))
     cache = featurizer._row_cache
-    assert cache._num_values == sum(len(r.values) for r in cache._rows.values()) <= 300
+    kept = sum(end - start for _, start, end, _ in cache._rows.values())
+    assert cache._num_values == kept <= 300
 
 
 def test_a_refit_featurises_again_with_its_new_vocabulary():
@@ -244,3 +284,76 @@ def test_a_refit_featurises_again_with_its_new_vocabulary():
     got, expected = featurizer.transform(batch), reference_transform(featurizer, batch)
     np.testing.assert_array_equal(got.indices, expected.indices)
     np.testing.assert_array_equal(got.data, expected.data)
+
+
+def test_the_row_cache_drops_its_oldest_rows_first():
+    from predictor.features import TextFeaturizer
+
+    texts = [f"text {i} alpha beta" for i in range(10, 50)]  # as many terms each
+    featurizer = TextFeaturizer(min_df=1).fit([PredictionInput(t) for t in texts])
+    cache = featurizer._row_cache
+    featurizer.transform([PredictionInput(texts[0])])
+    values_per_row = cache._num_values
+    cache.max_values = 10 * values_per_row
+    for first in range(0, 40, 8):
+        featurizer.transform([PredictionInput(t) for t in texts[first:first + 8]])
+    assert [prompt for prompt, _ in cache._rows] == texts[30:]
+    assert cache._num_values == 10 * values_per_row
+
+
+def test_no_kernel_compiles_at_the_first_request():
+    """Fit and load compile every kernel of the featurisation with the types requests
+    pass (`features.warm_up`)."""
+    import pickle
+
+    from predictor.features import TextFeaturizer, feature_rows_kernel
+    from predictor.ngrams import tfidf_kernel
+    from predictor.text_counts import count_kernel
+
+    texts = random_texts(np.random.default_rng(6), 30)
+    fitted = TextFeaturizer(min_df=1).fit([PredictionInput(t, task="chat") for t in texts])
+    featurizer = pickle.loads(pickle.dumps(fitted))
+    kernels = (tfidf_kernel, count_kernel, feature_rows_kernel)
+    compiled = [len(kernel.signatures) for kernel in kernels]
+    batch = [PredictionInput(t, task=("chat", None)[i % 2]) for i, t in enumerate(texts[:9])]
+    featurizer.transform(batch)  # every text new
+    featurizer.transform(batch[:4] + [PredictionInput("new words", generated_text="x y")])
+    featurizer.transform([replace(inp, num_generated_tokens=7) for inp in batch])  # cached
+    assert [len(kernel.signatures) for kernel in kernels] == compiled
+
+
+def reference_forward(fused: FusedMixture, batch: SparseBatch) -> torch.Tensor:
+    """`FusedMixture.forward` with every operation out of place."""
+    first = F.embedding_bag(batch.indices, fused.input_weight, batch.offsets, mode="sum",
+                            per_sample_weights=batch.values) + fused.input_bias
+    gate = first[:, : fused.gate_width]
+    for weight, bias in fused.gate_layers:
+        gate = torch.addmm(bias, torch.relu(gate), weight)
+    hidden = first[:, fused.gate_width :].reshape(len(first), fused.num_experts, -1)
+    hidden = hidden.transpose(0, 1)
+    for weight, bias in fused.expert_layers:
+        hidden = torch.baddbmm(bias, torch.relu(hidden), weight)
+    return (torch.softmax(gate, dim=1) * hidden.squeeze(2).t()).sum(dim=1)
+
+
+def test_moe_predicts_bitwise_the_lengths_of_the_reference_path():
+    """Through the row cache, the compiled counts and layout and the in-place forward,
+    `predict` gives exactly the lengths of regex counts, a scipy stack of the parts and
+    an out-of-place forward, for new texts and for cached ones."""
+    from predictor.moe import MoEPredictor
+    from predictor.synthetic import make_synthetic_records
+
+    records = make_synthetic_records(60, seed=2)
+    moe = MoEPredictor(num_experts=4, expert_hidden_dim=16, gate_hidden_dim=8,
+                       expert_epochs=2, gate_epochs=2, max_features=256, device="cpu").fit(
+        [r.to_input() for r in records], [r.output_tokens for r in records])
+    prompts = PROSE + UNSEEN + TRICKY_PROMPTS + [r.prompt for r in records[:30]]
+    inputs = [PredictionInput(p, task=("chat", "code", None)[i % 3])
+              for i, p in enumerate(prompts)]
+    inputs += inputs[:5]  # a text twice in one batch
+    with torch.inference_mode():
+        batch = SparseBatch.from_csr(reference_transform(moe.featurizer_, inputs), moe.device_)
+        log_lengths = reference_forward(moe.inference_net_, batch).numpy()
+    expected = np.maximum(np.exp(np.clip(log_lengths, 0.0, moe.max_log_length_)), 1.0)
+    np.testing.assert_array_equal(moe.predict(inputs), expected)
+    np.testing.assert_array_equal(moe.predict(inputs[::-1]), expected[::-1])  # cached
