@@ -105,7 +105,13 @@ class LatencyFeatures:
         return queue, kv, min(int(min(max(prefix_cache_score, 0.0), 1.0) * 4), 3)
 
 
-Samples = dict[tuple[int, int, int], deque[tuple[tuple[float, ...], float]]]
+Sample = tuple[tuple[float, ...], float]  # (feature row, latency in seconds)
+Samples = dict[tuple[int, int, int], deque[Sample]]  # bucket key -> its newest samples
+
+
+def _all(samples: Samples) -> list[Sample]:
+    """Every bucket's samples: the sidecar's training set (`_all_samples`)."""
+    return [sample for bucket in samples.values() for sample in bucket]
 
 
 class OnlineLatencyModel:
@@ -125,13 +131,20 @@ class OnlineLatencyModel:
     `continuous_training_loop` and `train`), and the prediction servers that answer
     the scheduler fetch its latest model every MODEL_SYNC_INTERVAL_SEC (10 s,
     `deploy/base/prediction/configmap.yaml`). So the model in use changes at each
-    fetch, fitted on the samples received before it. Here the fetches tick at the
-    multiples of `model_sync_interval_s` of the caller's clock: the first `add` or
-    `predict` after a tick fits on the samples received before it, the one fit a
-    fetch would see (one fit per fetch, not one per second: a fit of the two models
-    takes about a second of CPU here). Not modelled: the scheduler sends its samples
-    in batches every second (`FlushInterval`). Until the TPOT model exists, TPOT is
-    predicted as 0, i.e. never the reason to avoid an endpoint.
+    fetch, fitted on the samples received before it. Each fit starts from scratch:
+    the models are trees, so there are no sufficient statistics to update, and the
+    sidecar's only window is its buckets (the newest 500 samples of each of the 400
+    (queue, KV, prefix) buckets; no global recent window), which bounds a fit.
+
+    Here the fetches tick at the multiples of `model_sync_interval_s` of the caller's
+    clock. The first `add` or `predict` after a tick sets aside the samples received
+    before it (when any came since the last fetch), and the first `predict` that
+    needs that fetch's model fits it: one fit per fetch that serves a prediction (a
+    fit of the two models takes about a second of CPU here), none for a fetch no
+    prediction reads before the next, nor for one with no new sample (the sidecar's
+    fit on the same samples would be the same model). Not modelled: the scheduler
+    sends its samples in batches every second (`FlushInterval`). Until the TPOT model
+    exists, TPOT is predicted as 0, i.e. never the reason to avoid an endpoint.
 
     Fits and predictions run on one OpenMP thread. The data is small, and simulator
     cells running side by side would otherwise oversubscribe the cores; on a busy
@@ -152,47 +165,51 @@ class OnlineLatencyModel:
         self.tpot_model_: HistGradientBoostingRegressor | None = None
         self._ttft_samples: Samples = {}
         self._tpot_samples: Samples = {}
-        self._num_since_fit = 0
+        self._num_since_fetch = 0  # samples received since the last fetch's were set aside
         self._last_tick = -math.inf  # index of the latest model fetch handled
+        # the latest fetch's (TTFT, TPOT) training sets, until a prediction fits them
+        self._unfitted: tuple[list[Sample], list[Sample]] | None = None
         self._threads: ThreadpoolController | None = None
 
     def add(self, features: LatencyFeatures, ttft_s: float | None, tpot_s: float | None,
             now: float) -> None:
         """Learn from one request's latency (features as at its dispatch), received at
         `now`: after the fit of any fetch that came before it."""
-        self.retrain_if_due(now)
+        self._fetch_if_due(now)
         if ttft_s is not None and ttft_s > 0:
             self._store(self._ttft_samples, features.bucket_key(features.prefix_cache_score),
                         features.ttft_row(), ttft_s)
         if tpot_s is not None and tpot_s > 0:  # TPOT entries carry a prefix score of 0
             self._store(self._tpot_samples, features.bucket_key(0.0), features.tpot_row(), tpot_s)
 
-    def retrain_if_due(self, now: float) -> None:
-        """Fit the model of the latest fetch at or before `now`, if not yet fitted. A
-        fetch with no new sample since the last would get the same model: skipped."""
+    def _fetch_if_due(self, now: float) -> None:
+        """A fetch ticked since the last call: set its training sets aside (unless no
+        sample came since the last fetch: the same model)."""
         tick = math.floor(now / self.model_sync_interval_s)
         if tick <= self._last_tick:
             return
         self._last_tick = tick
-        if self._num_since_fit:
-            self.refit()
+        if self._num_since_fetch:
+            self._unfitted = (_all(self._ttft_samples), _all(self._tpot_samples))
+            self._num_since_fetch = 0
 
     def _store(self, samples: Samples, key: tuple[int, int, int], row: tuple[float, ...],
                target_s: float) -> None:
         samples.setdefault(key, deque(maxlen=self.max_samples_per_bucket)).append((row, target_s))
-        self._num_since_fit += 1
+        self._num_since_fetch += 1
 
-    def refit(self) -> OnlineLatencyModel:
-        for name, samples in (("ttft_model_", self._ttft_samples),
-                              ("tpot_model_", self._tpot_samples)):
-            model = self._fit(samples)
+    def _fit_fetched(self) -> None:
+        """Fit the models of the latest fetch; a model with too few samples stays."""
+        if self._unfitted is None:
+            return
+        ttft_rows, tpot_rows = self._unfitted
+        self._unfitted = None
+        for name, rows in (("ttft_model_", ttft_rows), ("tpot_model_", tpot_rows)):
+            model = self._fit(rows)
             if model is not None:
                 setattr(self, name, model)
-        self._num_since_fit = 0
-        return self
 
-    def _fit(self, samples: Samples) -> HistGradientBoostingRegressor | None:
-        rows = [sample for bucket in samples.values() for sample in bucket]
+    def _fit(self, rows: list[Sample]) -> HistGradientBoostingRegressor | None:
         if len(rows) < self.min_samples_to_fit:
             return None
         from sklearn.ensemble import HistGradientBoostingRegressor
@@ -209,7 +226,8 @@ class OnlineLatencyModel:
                 now: float) -> tuple[np.ndarray, np.ndarray] | None:
         """Predicted (TTFT, TPOT) seconds per feature row by the model in use at `now`;
         None until a TTFT model exists."""
-        self.retrain_if_due(now)
+        self._fetch_if_due(now)
+        self._fit_fetched()
         if self.ttft_model_ is None:
             return None
         with self._one_thread():

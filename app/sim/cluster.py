@@ -3,10 +3,30 @@
 Every public method is an event handler body: it takes the event time, mutates
 the cluster and returns the follow-up events. Routing, migration and feedback go
 through the same policy / watchdog objects the live router uses.
+
+Decode runs. Most iterations repeat their engine's batch one token further, and
+nothing but the engine and its step listeners notices them. When an iteration begins,
+the engine plans the ones after it that would repeat its batch (`SimEngineCore.repeats`,
+up to the next that finishes a request, needs a watchdog check or might preempt), and
+only the last gets a StepEndEvent; the others are applied in `settle`, which the
+simulator calls before every event, with each iteration's step report as if it had
+had its own event. Step listeners thus hear each engine's iterations in order and
+before any decision after them, though not interleaved in time with other engines'
+(a status estimator keeps one state per engine, so it ends up the same). Whatever
+adds a request to an engine or takes one off it (`_admit`, `migrate`), or a router
+queue that starts to hold requests (every entry engine's iteration end then drains
+it), cuts the run: the iteration in flight ends by an event, the next batch is formed
+anew. An iteration that would end exactly at another event's time ends by an event
+too, so it still comes before arrivals and batches formed at that time; only among
+iteration ends of several engines at one instant may the order differ from stepping.
+Otherwise runs give the same records as one event pair per iteration
+(`bulk_steps=False`).
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import replace
@@ -34,6 +54,9 @@ from app.sim.instance import InstanceSetup, Pool, SimInstance
 from app.sim.records import RequestOutcome, RequestRecord
 from app.workloads.sessions import StepReleases
 from app.workloads.workload import WorkloadRequest
+
+MAX_RUN_ITERATIONS = 64  # a longer run is planned again at its last iteration (and
+# `SimInstance.run_budget` may plan it shorter)
 
 
 def build_pools(setups: Sequence[InstanceSetup]) -> dict[EngineRole, Pool]:
@@ -72,6 +95,7 @@ class SimCluster:
         elastic: ElasticHooks | None = None,
         move_rule: MoveRule = MoveRule.CHEAPER,
         request_priority: PriorityRule = PriorityRule.NONE,
+        bulk_steps: bool = True,
     ) -> None:
         self.pools = build_pools(setups)
         self.elastic = elastic
@@ -102,6 +126,11 @@ class SimCluster:
         self.records: list[RequestRecord] = []
         self.num_done = 0  # finished or rejected
         self.num_token_events = 0
+        self.max_run_iterations = MAX_RUN_ITERATIONS if bulk_steps else 1
+        # (end of the first quiet iteration, tie-break, its instance, that iteration)
+        self._runs: list[tuple[float, int, SimInstance, ScheduledStep]] = []
+        self._run_seq = itertools.count()
+        self.quiet_end_s = 0.0  # end of the latest iteration applied by `settle`
 
     # ---- arrivals and routing ----------------------------------------------
     def arrive(self, index: int, now: float) -> list[Event]:
@@ -117,7 +146,9 @@ class SimCluster:
             return events
         routed = self._try_route(flight, now)
         if routed is None:
-            self.router_queue.append(flight)
+            self.router_queue.append(flight)  # entry engines' iteration ends drain it now
+            for inst in self.pools[self.entry_role].instances:
+                events.extend(self._interrupt(inst))
         else:
             events.extend(routed)
         return events
@@ -213,6 +244,7 @@ class SimCluster:
         """Hand the request to an engine (prefill instances only compute the first token)."""
         work = flight.work
         max_output = 1 if inst.role == EngineRole.PREFILL else work.num_output_tokens
+        events = self._interrupt(inst)
         inst.core.add_request(
             SimSequence(
                 request_id=work.request_id,
@@ -231,7 +263,7 @@ class SimCluster:
         if inst.role != EngineRole.PREFILL:
             flight.record.instance_ids.append(inst.instance_id)
         self.pools[inst.role].mark_dirty(inst)
-        return self._kick(inst, now)
+        return events + self._kick(inst, now)
 
     def _kick(self, inst: SimInstance, now: float) -> list[Event]:
         if inst.busy:
@@ -241,6 +273,8 @@ class SimCluster:
 
     # ---- iterations ------------------------------------------------------------
     def start_step(self, inst: SimInstance, now: float) -> list[Event]:
+        """Form the next batch; with the iterations that repeat it (a decode run), only
+        the last gets an event (module docstring)."""
         inst.start_pending = False
         step = inst.core.begin_step(now)
         self.pools[inst.role].mark_dirty(inst)
@@ -248,10 +282,70 @@ class SimCluster:
             if inst.core.has_work:
                 raise RuntimeError(f"{inst.instance_id} has work but scheduled nothing")
             return []
+        repeats = inst.core.repeats(step, min(self._run_limit(inst) - 1, inst.run_budget))
+        if repeats:
+            inst.quiet.append(step)
+            inst.quiet.extend(repeats[:-1])
+            heapq.heappush(self._runs, (step.end_s, next(self._run_seq), inst, step))
+            step = repeats[-1]
         inst.step = step
         return [StepEndEvent(step.end_s, inst, step)]
 
+    def _run_limit(self, inst: SimInstance) -> int:
+        """Iterations, from the one beginning now, that may end without an event: up
+        to the next watchdog check; one while the router queue waits on this pool."""
+        if self.router_queue and inst.role == self.entry_role:
+            return 1
+        limit = self.max_run_iterations
+        if self.watchdog is not None and inst.role == self.serve_role:
+            period = self.watchdog.check_period_iterations
+            limit = min(limit, period - inst.core.num_iterations % period)
+        return limit
+
+    def settle(self, until_s: float, *, inclusive: bool = False) -> list[Event]:
+        """Apply the decode runs' iterations that end before `until_s` (or at it, when
+        `inclusive`): each completes, reports to the step listeners and begins the
+        next. An iteration ending exactly at `until_s` (not `inclusive`) gets its
+        StepEndEvent instead, returned: it then ends in event order."""
+        events: list[Event] = []
+        while self._runs and self._runs[0][0] <= until_s:
+            _, _, inst, first = heapq.heappop(self._runs)
+            if inst.quiet and inst.quiet[0] is first:  # else the run was cut since
+                events.extend(self._settle_run(inst, until_s, inclusive))
+        return events
+
+    def _settle_run(self, inst: SimInstance, until_s: float, inclusive: bool) -> list[Event]:
+        """`settle` for one engine; the rest of its run waits in `_runs` again."""
+        core, quiet = inst.core, inst.quiet
+        while quiet and (quiet[0].end_s < until_s or inclusive and quiet[0].end_s == until_s):
+            step = quiet.popleft()
+            self.num_token_events += core.complete_repeat(step)
+            if self.step_listeners:
+                self._report_step(inst, step, step.end_s)
+            core.begin_repeat(quiet[0] if quiet else inst.step)
+            self.quiet_end_s = max(self.quiet_end_s, step.end_s)
+        self.pools[inst.role].mark_dirty(inst)
+        if not quiet:  # only the last iteration is left: the run was not cut
+            inst.run_budget = min(2 * inst.run_budget, self.max_run_iterations)
+            return []
+        if quiet[0].end_s == until_s:
+            return self._interrupt(inst)
+        heapq.heappush(self._runs, (quiet[0].end_s, next(self._run_seq), inst, quiet[0]))
+        return []
+
+    def _interrupt(self, inst: SimInstance) -> list[Event]:
+        """Cut `inst`'s decode run (settled up to now): its iteration in flight ends by
+        an event; the batch after it is formed anew. The run's last event goes stale."""
+        if not inst.quiet:
+            return []
+        inst.step = inst.quiet.popleft()
+        inst.quiet.clear()
+        inst.run_budget = max(inst.run_budget // 2, 1)
+        return [StepEndEvent(inst.step.end_s, inst, inst.step)]
+
     def end_step(self, inst: SimInstance, step: ScheduledStep, now: float) -> list[Event]:
+        if step is not inst.step:
+            return []  # the end of a decode run that was cut
         tokens = inst.core.complete_step(step, now)
         inst.step = None
         self.pools[inst.role].mark_dirty(inst)
@@ -384,19 +478,20 @@ class SimCluster:
         plan = plan_move(target.spec, context, cached, self.link, now,
                          num_loadable_tokens=context,
                          num_running_on_target=len(target.core.running), rule=self.move_rule)
+        events = self._interrupt(src)
         src.core.abort_request(request_id)
         pool.mark_dirty(src)
         record = flight.record
         record.num_migrations += 1
         if plan.path is MovePath.TOKEN_IDS:
-            return self._admit(flight, target, now, num_resumed=num_generated)
+            return events + self._admit(flight, target, now, num_resumed=num_generated)
         done_s = self.link.enqueue(now, plan.num_kv_bytes)
         record.num_kv_moves += 1
         record.kv_moved_bytes += plan.num_kv_bytes
         record.kv_move_s += done_s - now
         flight.instance = None  # in transit to the target
         target.inbound += 1
-        return [KvTransferDoneEvent(done_s, flight, target, num_generated)]
+        return [*events, KvTransferDoneEvent(done_s, flight, target, num_generated)]
 
     # ---- end of run --------------------------------------------------------------
     def finalize(self, now: float) -> list[RequestRecord]:

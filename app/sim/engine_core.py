@@ -51,6 +51,8 @@ from app.engines.prefix import PrefixCache
 from app.hardware.specs import BatchShape, InstanceSpec, chunk_attention_pairs
 
 _MASK64 = (1 << 64) - 1
+# KV a decoding request reserves per iteration: the token it computes and the one it samples
+_DECODE_GROWTH = 2
 
 
 def sim_token_id(seed: int, index: int, vocab_size: int) -> int:
@@ -264,10 +266,7 @@ class SimEngineCore:
 
     def complete_step(self, step: ScheduledStep, now_s: float) -> list[TokenEvent]:
         """Apply a finished iteration; returns the tokens it produced."""
-        self.num_iterations += 1
-        self.recent_iteration_s.append(step.duration_s)
-        if step.batch.num_prefill_tokens > 0:
-            self.prefill = self.prefill.add(step.duration_s, step.batch.num_prefill_tokens)
+        self._count_iteration(step)
         events: list[TokenEvent] = []
         vocab = self.instance.model.vocab_size
         for request_id, num_tokens in step.req_to_num_tokens.items():
@@ -291,6 +290,84 @@ class SimEngineCore:
             cached = seq.num_cached_tokens if was_prefilling else None
             events.append(TokenEvent(request_id, token, index, now_s, finish, cached))
         return events
+
+    def _count_iteration(self, step: ScheduledStep) -> None:
+        self.num_iterations += 1
+        self.recent_iteration_s.append(step.duration_s)
+        if step.batch.num_prefill_tokens > 0:
+            self.prefill = self.prefill.add(step.duration_s, step.batch.num_prefill_tokens)
+
+    # ---- runs of one decode batch --------------------------------------------
+    def repeats(self, step: ScheduledStep, max_repeats: int) -> list[ScheduledStep]:
+        """The iterations after `step` (just begun) that `begin_step` would schedule
+        if nothing reached the engine meanwhile: `step`'s batch again, one token
+        further each, up to and including the first that finishes a request, none that
+        might not find KV for every request (there the scheduler preempts), at most
+        `max_repeats`. Empty unless `step` decodes every running request and no waiting
+        one could join (none waits, or every sequence slot is taken).
+
+        A simulator applies them in turn with `begin_repeat` and `complete_repeat`
+        (`complete_step` for the last, which may finish a request), without scheduling
+        each; anything that adds or removes a request in between voids the rest."""
+        running = self.running
+        if (max_repeats < 1 or step.batch.num_prefill_tokens > 0
+                or len(step.req_to_num_tokens) != len(running)
+                or (self.waiting and len(running) < self.config.max_num_seqs)):
+            return []
+        # the iteration in flight is repeat 0; a request with k tokens left ends in repeat k-1
+        count = min(max_repeats,
+                    min(seq.max_output_tokens - seq.num_output_tokens for seq in running) - 1)
+        count = self._repeats_with_kv(count)
+        steps: list[ScheduledStep] = []
+        prev, batch, num_seqs = step, step.batch, len(running)
+        for _ in range(count):
+            batch = BatchShape(batch.num_prefill_tokens, batch.num_prefill_seqs,
+                               batch.prefill_attention_pairs, batch.prefill_kv_read_tokens,
+                               num_seqs, batch.decode_context_tokens + num_seqs)
+            prev = ScheduledStep(prev.end_s, self.instance.iteration_time_s(batch),
+                                 step.req_to_num_tokens, batch)
+            steps.append(prev)
+        return steps
+
+    def complete_repeat(self, step: ScheduledStep) -> int:
+        """Apply a finished iteration of a decode run other than its last: what
+        `complete_step` does to one that finishes no request, whose tokens nobody
+        reads (each request's next output token). Returns how many it produced."""
+        self._count_iteration(step)
+        for request_id in step.req_to_num_tokens:
+            seq = self.requests[request_id]
+            seq.num_computed_tokens += 1
+            seq.num_output_tokens += 1
+        return len(step.req_to_num_tokens)
+
+    def begin_repeat(self, step: ScheduledStep) -> None:
+        """Begin an iteration `repeats` planned: each request's KV grows as
+        `_schedule_running` grows a decoding one (`repeats` checked that it fits)."""
+        for request_id in step.req_to_num_tokens:
+            grown = self._grow(self.requests[request_id], _DECODE_GROWTH)
+            assert grown, f"{request_id}: a planned repeat ran out of KV"
+
+    def _repeats_with_kv(self, limit: int) -> int:
+        """The most repeats, up to `limit`, whose KV growth the free blocks cover."""
+        if limit <= 0 or self._blocks_to_repeat(limit) <= self.num_free_blocks:
+            return max(limit, 0)
+        low, high = 0, limit  # low fits, high does not
+        while high - low > 1:
+            mid = (low + high) // 2
+            if self._blocks_to_repeat(mid) <= self.num_free_blocks:
+                low = mid
+            else:
+                high = mid
+        return low
+
+    def _blocks_to_repeat(self, num_repeats: int) -> int:
+        """New blocks the running requests take over `num_repeats` repeats: repeat r
+        grows each to hold its computed tokens + r + `_DECODE_GROWTH`."""
+        total = 0
+        for seq in self.running:
+            needed = self._blocks_for(seq.num_computed_tokens + num_repeats + _DECODE_GROWTH)
+            total += max(needed - self.req_to_blocks.get(seq.request_id, 0), 0)
+        return total
 
     # ---- scheduling helpers ------------------------------------------------
     def _schedule(self, now_s: float) -> dict[str, int]:
@@ -316,9 +393,12 @@ class SimEngineCore:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            want = seq.prefill_target - seq.num_computed_tokens if seq.is_prefilling else 1
-            num_tokens = min(want, budget)
-            if not self._grow(seq, num_tokens + (0 if seq.is_prefilling else 1)):
+            if seq.is_prefilling:
+                num_tokens = min(seq.prefill_target - seq.num_computed_tokens, budget)
+                growth = num_tokens
+            else:
+                num_tokens, growth = 1, _DECODE_GROWTH
+            if not self._grow(seq, growth):
                 victim = self._preemption_victim()
                 victim_index = self.running.index(victim)
                 self._preempt(victim)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,10 +30,17 @@ def setups_from_config(cluster: ClusterConfig) -> list[InstanceSetup]:
 
 
 class SimInstance:
-    """One engine: the shared engine core plus the simulator's stepping state."""
+    """One engine: the shared engine core plus the simulator's stepping state.
 
-    __slots__ = ("instance_id", "role", "spec", "core", "pool_index", "step", "start_pending",
-                 "inbound")
+    In a decode run (`SimCluster.start_step`) the iterations before `step` wait in
+    `quiet`, the first of them in flight; they end without events of their own. A run
+    is planned ahead, so one cut short wastes the rest of its plan: `run_budget`, the
+    repeats the next run may plan, doubles after a run that got through its quiet
+    iterations and halves after one that was cut, which keeps the waste to about the
+    iterations the runs did apply."""
+
+    __slots__ = ("instance_id", "role", "spec", "core", "pool_index", "step", "quiet",
+                 "run_budget", "start_pending", "inbound")
 
     def __init__(self, instance_id: InstanceId, setup: InstanceSetup, pool_index: int) -> None:
         self.instance_id = instance_id
@@ -40,7 +48,9 @@ class SimInstance:
         self.spec = setup.spec
         self.core = SimEngineCore(setup.spec, setup.scheduler)
         self.pool_index = pool_index
-        self.step: ScheduledStep | None = None  # iteration in flight
+        self.step: ScheduledStep | None = None  # the iteration whose StepEndEvent is queued
+        self.quiet: deque[ScheduledStep] = deque()  # a run's iterations before `step`
+        self.run_budget = 1
         self.start_pending = False  # a StepStartEvent is queued
         self.inbound = 0  # disaggregated: requests placed here whose KV is in transit
 

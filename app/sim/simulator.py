@@ -4,7 +4,9 @@ The loop is Vidur's: pop the earliest event, handle it, push what the handler
 returned. Each instance runs the shared `SimEngineCore`; routing, watchdog and
 feedback go through the same policy objects the live router calls. Runs are
 deterministic for a seed: the only randomness lives in the policies' own RNGs
-and the per-request token seeds.
+and the per-request token seeds. Iterations that repeat an engine's decode batch
+take no events of their own: the cluster applies them before the next event
+(`SimCluster.settle`, "decode runs" in `app.sim.cluster`).
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ class SimResult:
 
     records: tuple[RequestRecord, ...]
     duration_s: float  # arrival window: the goodput denominator
-    makespan_s: float  # virtual time of the last processed event
-    num_events: int
+    makespan_s: float  # virtual time of the last processed event or iteration end
+    num_events: int  # events handled (the iterations of decode runs take none)
     num_token_events: int
     num_preemptions: int
     num_kv_transfers: int
@@ -72,6 +74,7 @@ class Simulator:
         elastic: ElasticPools | None = None,
         move_rule: MoveRule = MoveRule.CHEAPER,
         request_priority: PriorityRule = PriorityRule.NONE,
+        bulk_steps: bool = True,
     ) -> None:
         """
         prefill_policy: disaggregated mode only; picks the prefill instance (default:
@@ -86,6 +89,9 @@ class Simulator:
         move_rule: how migrations reach their target (token ids, KV over the link, or
             the cheaper of the two per move).
         request_priority: the engine priority each request is sent with.
+        bulk_steps: apply the iterations that repeat an engine's decode batch between
+            events, without an event pair each (same records, fewer events); False
+            steps every iteration through the event queue (what tests compare against).
         """
         if max_ongoing_requests is not None and max_ongoing_requests < 1:
             raise ValueError(f"max_ongoing_requests must be >= 1, got {max_ongoing_requests}")
@@ -102,6 +108,7 @@ class Simulator:
         self.elastic = elastic
         self.move_rule = move_rule
         self.request_priority = request_priority
+        self.bulk_steps = bulk_steps
 
     @classmethod
     def from_config(
@@ -156,6 +163,7 @@ class Simulator:
             elastic=self.elastic,
             move_rule=self.move_rule,
             request_priority=self.request_priority,
+            bulk_steps=self.bulk_steps,
         )
 
     def _loop(
@@ -184,6 +192,11 @@ class Simulator:
                 push(event)
         now, num_events, reported = 0.0, 0, 0
         while heap and heap[0][0] <= stop_s:
+            ties = cluster.settle(heap[0][0])  # decode runs catch up first
+            if ties:
+                for event in ties:
+                    push(event)
+                continue
             now, _, _, event = heapq.heappop(heap)
             for follow_up in event.handle(cluster):
                 push(follow_up)
@@ -191,9 +204,10 @@ class Simulator:
             if progress is not None and num_events % PROGRESS_EVERY_EVENTS == 0:
                 progress(cluster.num_done - reported)
                 reported = cluster.num_done
+        cluster.settle(stop_s, inclusive=True)  # the iterations that ended by the stop
         if progress is not None:
             progress(len(requests) - reported)  # everything is settled once the loop ends
-        return now, num_events
+        return max(now, cluster.quiet_end_s), num_events
 
 
 def _check_requests(requests: Sequence[WorkloadRequest]) -> None:

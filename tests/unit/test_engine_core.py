@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from app.engines.config import SchedulerConfig
 from app.engines.messages import RequestStatus, TokenEvent
 from app.hardware.specs import make_instance
-from app.sim.engine_core import SimEngineCore, SimSequence, sim_token_id
+from app.sim.engine_core import ScheduledStep, SimEngineCore, SimSequence, sim_token_id
 
 pytestmark = pytest.mark.unit
 
@@ -258,3 +260,53 @@ def test_priority_mode_passes_over_an_iteration_left_empty():
     finished = [e.request_id for e in events if e.finished]
     assert finished[-1] == "low" and sorted(finished) == ["high-a", "high-b", "low"]
     assert core.num_free_blocks == core.num_kv_blocks
+
+
+def decoding_core(**knobs) -> tuple[SimEngineCore, ScheduledStep]:
+    """Two requests stepped to their first iteration that only decodes (begun)."""
+    core = make_core("A40", **knobs)
+    for i, out in enumerate((40, 70)):
+        core.add_request(make_seq(f"r{i}", prompt=30 + i, out=out))
+    step = core.begin_step(0.0)
+    while step.batch.num_prefill_tokens:
+        core.complete_step(step, step.end_s)
+        step = core.begin_step(step.end_s)
+    return core, step
+
+
+@pytest.mark.parametrize("num_kv_blocks", [9, None])
+def test_repeats_are_what_begin_step_schedules_up_to_a_finish_or_a_preemption(num_kv_blocks):
+    # 9 blocks of 16 tokens: the two requests outgrow them before r0's 40th token
+    planned, step = decoding_core(num_kv_blocks=num_kv_blocks)
+    stepped, _ = decoding_core(num_kv_blocks=num_kv_blocks)
+    repeats = planned.repeats(step, 1000)
+    assert repeats
+    for prev, nxt in itertools.pairwise([step, *repeats]):
+        planned.complete_repeat(prev)
+        planned.begin_repeat(nxt)
+        stepped.complete_step(prev, prev.end_s)
+        assert stepped.begin_step(prev.end_s) == nxt
+    for core in (planned, stepped):
+        core.complete_step(repeats[-1], repeats[-1].end_s)
+        assert core.num_preemptions == 0
+    assert planned.num_free_blocks == stepped.num_free_blocks
+    assert list(planned.recent_iteration_s) == list(stepped.recent_iteration_s)
+    assert [(s.num_computed_tokens, s.num_output_tokens) for s in planned.running] == [
+        (s.num_computed_tokens, s.num_output_tokens) for s in stepped.running]
+    stepped.begin_step(repeats[-1].end_s)
+    if num_kv_blocks is None:
+        assert stepped.num_finished == 1  # the last repeat finished r0
+    else:
+        assert stepped.num_preemptions == 1  # the next iteration did not find KV
+
+
+def test_no_repeats_while_a_request_could_join_or_a_prompt_is_computed():
+    core, step = decoding_core(max_num_seqs=3)
+    core.add_request(make_seq("late", prompt=50, out=5))  # waits, and a slot is free
+    assert core.repeats(step, 100) == []
+    core = make_core()
+    core.add_request(make_seq("r", prompt=2000, out=5))
+    assert core.repeats(core.begin_step(0.0), 100) == []
+    full, step = decoding_core(max_num_seqs=2)
+    full.add_request(make_seq("late", prompt=50, out=5))  # waits, but no slot is free
+    assert len(full.repeats(step, 5)) == 5

@@ -442,6 +442,36 @@ def test_llm_d_model_in_use_is_fitted_at_each_fetch_on_the_samples_received_befo
     assert ttft[0] == pytest.approx(0.5) and tpot[0] == pytest.approx(0.02)
 
 
+def test_llm_d_fits_a_fetch_only_when_a_prediction_reads_its_model():
+    # a fetch whose model no prediction reads before the next fetch is never fitted;
+    # the one a prediction reads is fitted then, on the samples received before it
+    fitted: list[int] = []
+
+    class Counting(OnlineLatencyModel):
+        def _fit(self, rows):
+            fitted.append(len(rows))
+            return super()._fit(rows)
+
+    model = Counting(model_sync_interval_s=1.0)
+    row = LatencyFeatures(kv_cache_percentage=0.5, input_token_length=512,
+                          num_request_waiting=0, num_request_running=1,
+                          prefill_tokens_in_flight=512, prefix_cache_score=0.0)
+    for k in range(10):
+        model.add(row, 0.1, None, 0.1 * k)
+    for _ in range(20):  # tick 1 passes unread
+        model.add(row, 0.5, None, 1.5)
+    model.add(row, 0.5, None, 2.5)  # tick 2: the 30 samples before it are its model's
+    assert fitted == []
+    ttft, _ = model.predict([row], 2.6)
+    assert fitted == [30, 0]  # TTFT on 30 samples; no TPOT sample
+    assert ttft[0] == pytest.approx(0.5)  # p90 of 10 x .1 and 20 x .5 s
+    model.predict([row], 2.9)  # tick 2's model again
+    model.predict([row], 3.5)  # tick 3 holds one new sample: fitted anew
+    assert fitted == [30, 0, 31, 0]
+    model.predict([row], 4.5)  # tick 4 holds none: tick 3's model, no fit
+    assert fitted == [30, 0, 31, 0]
+
+
 # --- every peer ----------------------------------------------------------------------
 
 

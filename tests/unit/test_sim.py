@@ -200,6 +200,68 @@ def test_drain_limit_counts_unfinished_as_violated() -> None:
     assert_conserved(result)
 
 
+# ---- decode runs ---------------------------------------------------------------------------
+
+
+class StepLog(LeastRequestPolicy):
+    """Least-request routing that keeps each instance's step reports."""
+
+    def __init__(self) -> None:
+        super().__init__(seed=0)
+        self.steps: dict[str, list[tuple[StepReport, float]]] = {}
+
+    def on_step(self, instance_id, report, now):
+        self.steps.setdefault(instance_id, []).append((report, now))
+
+
+class MoveWaiting(Watchdog):
+    """At each check, moves the checked instance's first waiting request to the
+    instance with the most free KV (at most `limit` moves in all)."""
+
+    def __init__(self, tau: int, limit: int) -> None:
+        super().__init__(tau)
+        self.limit = limit
+
+    def check(self, instance_id, active, view: ClusterView, now):
+        waiting = [a for a in active if not a.is_running]
+        others = [v for v in view.instances if v.instance_id != instance_id]
+        if not waiting or not others or self.limit == 0:
+            return {}
+        self.limit -= 1
+        target = max(others, key=lambda v: v.num_kv_blocks_free).instance_id
+        return {waiting[0].request.request_id: target}
+
+
+@pytest.mark.parametrize("max_drain_s", [None, 4.0])
+@pytest.mark.parametrize("priority", [PriorityRule.NONE, PriorityRule.DEADLINE])
+def test_decode_runs_give_the_records_and_reports_of_one_event_per_iteration(
+        max_drain_s, priority) -> None:
+    """Arrivals onto busy engines, KV short enough to preempt, a watchdog that moves
+    requests, a drain limit: bulk and per-iteration stepping agree on every record,
+    every step report and the preemptions."""
+    requests = [dataclasses.replace(r, slo_s=5.0 + i % 3)
+                for i, r in enumerate(make_requests(40, prompt=120, output=150, gap_s=0.07))]
+    scheduling = ("priority" if priority is PriorityRule.DEADLINE else "fcfs")
+    setups = make_setups("H800", "A40", "V100", num_kv_blocks=80, max_num_seqs=6,
+                         scheduling_policy=scheduling)
+
+    def simulate(bulk: bool):
+        policy = StepLog()
+        result = run(setups, requests, policy, watchdog=MoveWaiting(tau=10, limit=6),
+                     max_drain_s=max_drain_s, request_priority=priority, bulk_steps=bulk)
+        return result, policy.steps
+
+    (bulk, bulk_steps), (stepped, stepped_steps) = simulate(True), simulate(False)
+    assert [dataclasses.asdict(r) for r in bulk.records] == [
+        dataclasses.asdict(r) for r in stepped.records]
+    assert bulk_steps == stepped_steps
+    assert (bulk.makespan_s, bulk.num_token_events, bulk.num_preemptions) == (
+        stepped.makespan_s, stepped.num_token_events, stepped.num_preemptions)
+    assert stepped.num_preemptions > 0
+    assert sum(r.num_migrations for r in stepped.records) > 0
+    assert bulk.num_events < stepped.num_events / 2  # the runs took no events
+
+
 # ---- router queue ------------------------------------------------------------------------
 
 

@@ -105,21 +105,31 @@ def test_engines_join_only_after_their_start_up_time():
     assert late and min(r.arrival_s for r in late) >= t0 + 17.0 - 1e-9
 
 
-def test_drained_engines_hand_their_requests_over_after_the_deadline():
-    # four engines, a static target of one: three drain at the first step, with long
-    # requests still on them; past the 2 s deadline those move by token ids
+def drain_to_one(bulk_steps: bool = True):
+    """Four engines, a static target of one: three drain at the first step, with long
+    requests still on them; past the 2 s deadline those move by token ids."""
     requests = [WorkloadRequest(f"r{i}", 0.01 * i, 200, 2000, slo_s=1e9) for i in range(40)]
     targets = PoolTargets(0.0, {UNIFIED: {A800: 1}}, 2.0, True)
     scaler = StaticScaler(interval_s=1.0, rules=ScalingRules(0.0, 0.0, 2.0), fixed=targets)
     elastic = ElasticPools(scaler, MODEL, STOCK, startup_s=0.0)
-    result = Simulator(setups(*[EngineRole.UNIFIED] * 4), LeastRequestPolicy(seed=0),
-                       elastic=elastic).run(requests)
+    return Simulator(setups(*[EngineRole.UNIFIED] * 4), LeastRequestPolicy(seed=0),
+                     elastic=elastic, bulk_steps=bulk_steps).run(requests)
+
+
+def test_drained_engines_hand_their_requests_over_after_the_deadline():
+    result = drain_to_one()
     assert_nothing_lost(result)
     stats = result.elastic
     assert stats.num_drain_migrations > 0 and stats.num_stopped == 3
     moved = [r for r in result.records if r.num_migrations]
     assert moved and len({r.instance_ids[-1] for r in moved}) == 1  # onto the one kept
     assert result.elastic.samples[-1].serving == {UNIFIED: 1}
+
+
+def test_moves_off_draining_engines_cut_their_decode_runs_without_changing_a_record():
+    bulk, stepped = drain_to_one(), drain_to_one(bulk_steps=False)
+    assert bulk.records == stepped.records and bulk.elastic == stepped.elastic
+    assert bulk.num_events < stepped.num_events / 2
 
 
 def test_a_decode_engine_with_kv_on_its_way_is_not_stopped():
