@@ -45,7 +45,9 @@ def test_overhead_beside_head_reports_both_sides_and_their_ratios(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "current-seed0.json", "reference-seed0.json", "summary.json"]
     assert json.loads((tmp_path / "reference-seed0.json").read_text())["instances"] == 8
-    assert "goodserve-reference-" not in worktrees()
+    checkout = report["reference"]["root"]  # this run's worktree, whatever others run
+    assert "goodserve-reference-" in checkout
+    assert not Path(checkout).exists() and checkout not in worktrees()
 
 
 def part(wall: float, cpu: float, **counts: int) -> list[dict]:
