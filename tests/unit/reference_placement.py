@@ -132,7 +132,7 @@ class ReferenceScored:
 
 
 @dataclass(frozen=True)
-class ReferenceArrival:
+class ReferenceScoring:
     placer: ReferencePlacer
     request: RouteRequest
     instances: Sequence[InstanceView]
@@ -175,9 +175,9 @@ class ReferencePlacer:
     budgets: SlackBudgets
     admissions: RecentAdmissions
 
-    def arrival(self, request: RouteRequest, instances: Sequence[InstanceView],
-                view: ClusterView, now: float) -> ReferenceArrival:
-        return ReferenceArrival(self, request, instances, view, now)
+    def score(self, request: RouteRequest, instances: Sequence[InstanceView],
+              view: ClusterView, now: float) -> ReferenceScoring:
+        return ReferenceScoring(self, request, instances, view, now)
 
     def reserve(self, request: RouteRequest, candidates: list[Candidate],
                 view: ClusterView) -> list[Candidate]:

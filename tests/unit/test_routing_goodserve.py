@@ -136,7 +136,7 @@ def test_latency_estimate_is_paper_equation_2():
     request = make_request(10.0, prompt=3000, block_hashes=tuple(range(100)))
     policy = JustEnoughPolicy(status, TrueLength(),
                               GoodServeConfig(long_context_estimates=False))
-    _, scored = policy.placer.arrival(request, cluster.instances, cluster, 0.0).place(200)
+    _, scored = policy.placer.score(request, cluster.instances, cluster, 0.0).place(200)
     # q + (L_in - H) p + L_out d = 0.5 + (3000 - 62 x 16) x 1e-4 + 200 x 0.02
     assert scored.latency_s[0] == pytest.approx(0.5 + 2008 * 1e-4 + 4.0)
 
@@ -463,7 +463,7 @@ def test_a_late_session_step_goes_only_where_a_drained_queue_would_meet_it():
                            hits={"H800": 6000})
     step = make_request(12.0, prompt=100_000, rid="step", session_id="s",
                         block_hashes=tuple(range(6250)))
-    candidates = rows_by_id(JustEnoughPolicy(status, TrueLength(), config).placer.arrival(
+    candidates = rows_by_id(JustEnoughPolicy(status, TrueLength(), config).placer.score(
         step, cluster.instances, cluster, 0.0).place(200)[1])
     assert not any(c.meets_deadline() for c in candidates.values())
     assert candidates["A40"].latency_s < candidates["H800"].latency_s
@@ -565,7 +565,7 @@ def test_placing_is_a_pure_probe_and_only_the_acted_on_choice_is_admitted():
     cluster = make_cluster(make_view("H800"), make_view("A40"))
     request = make_request(20.0, prompt=200, out=100, rid="probe")
     for _ in range(3):
-        chosen, _ = policy.placer.arrival(request, cluster.instances, cluster, 0.0).place(100)
+        chosen, _ = policy.placer.score(request, cluster.instances, cluster, 0.0).place(100)
         assert chosen is not None and chosen.instance_id == "A40"
         assert len(policy.budgets) == 0
     assert policy.choose(request, cluster, 0.0) == "A40"
@@ -749,7 +749,7 @@ def test_reserve_marks_only_the_pools_strongest_instances():
 
     def reserved(request: RouteRequest, quantile: float = 0.9) -> set[str]:
         config = placer.config.model_copy(update={"reservation_quantile": quantile})
-        scored = replace(placer, config=config).arrival(request, cluster.instances, cluster,
+        scored = replace(placer, config=config).score(request, cluster.instances, cluster,
                                                         0.0).place(200)[1]
         return {iid for iid, row in rows_by_id(scored).items() if row.reserved}
 
@@ -920,7 +920,7 @@ def test_late_request_avoids_instances_whose_admitted_requests_its_prefill_would
     # tight: H800 needs 2.1 s of its 2.2 s -> 0.1 s of slack
     assert policy.choose(make_request(2.2, rid="tight"), cluster, 0.0) == "H800"
     hopeless = make_request(0.5, prompt=5000, rid="late")
-    by_id = rows_by_id(policy.placer.arrival(hopeless, cluster.instances, cluster,
+    by_id = rows_by_id(policy.placer.score(hopeless, cluster.instances, cluster,
                                              0.0).place(200)[1])
     # the H800 is still the fastest for it, but its 0.5 s prefill would make "tight" late
     assert min(by_id, key=lambda iid: by_id[iid].latency_s) == "H800"
@@ -997,7 +997,7 @@ def test_long_prefill_cannot_stall_an_admitted_request_past_its_slack(
 
     def h800_harmless(prompt: int) -> bool:
         request = make_request(60.0, prompt=prompt, rid=f"p{prompt}")
-        scored = policy.placer.arrival(request, cluster.instances, cluster, 0.0).place(20)[1]
+        scored = policy.placer.score(request, cluster.instances, cluster, 0.0).place(20)[1]
         return rows_by_id(scored)["H800"].harmless
 
     assert all(h800_harmless(n) for n in harmless_prompts)

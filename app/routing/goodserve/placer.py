@@ -27,7 +27,7 @@ from app.routing.view import ClusterView, RouteRequest
 
 @dataclass(frozen=True)
 class JustEnoughPlacer:
-    """`arrival` scores one request's instances and changes nothing; `admit` records
+    """`score` scores one request's instances and changes nothing; `admit` records
     the budget of the choice the caller acts on."""
 
     status: StatusEstimator
@@ -38,8 +38,8 @@ class JustEnoughPlacer:
     def __post_init__(self) -> None:
         warm_up()
 
-    def arrival(self, request: RouteRequest, instances: Sequence[InstanceView],
-                view: ClusterView, now: float) -> Arrival:
+    def score(self, request: RouteRequest, instances: Sequence[InstanceView],
+              view: ClusterView, now: float) -> RequestScoring:
         """`request` scored against `instances` (each read once, whatever the number
         of output lengths tried)."""
         config = self.config
@@ -50,7 +50,7 @@ class JustEnoughPlacer:
         reserved = self.reserved(request, scorer, view)
         if reserved is not None:
             scorer = replace(scorer, reserved=reserved)
-        return Arrival(self, scorer)
+        return RequestScoring(self, scorer)
 
     def reserved(self, request: RouteRequest, scorer: InstanceScorer,
                  view: ClusterView) -> np.ndarray | None:
@@ -81,9 +81,10 @@ class JustEnoughPlacer:
 
 
 @dataclass(frozen=True)
-class Arrival:
-    """One request's placement: `place` at an output length as often as the policy
-    asks, then record its outcome or fall back."""
+class RequestScoring:
+    """One request's instances scored (an arrival, or a move the watchdog weighs):
+    `place` at an output length as often as the caller asks, then `record` the
+    arrival's outcome."""
 
     placer: JustEnoughPlacer
     scorer: InstanceScorer
@@ -107,6 +108,6 @@ class Arrival:
                                  config.cache_affinity_tokens, contended, floor_output_tokens)
 
     def record(self, scored: Scored) -> None:
-        """What the arrival's final scores say of each instance (`RecentAdmissions`)."""
+        """What an arrival's final scores say of each instance (`RecentAdmissions`)."""
         turned_away, stranded = scored.outcomes(self.placer.config.headroom)
         self.placer.admissions.record_outcomes(self.scorer.request, turned_away, stranded)

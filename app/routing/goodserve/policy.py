@@ -7,7 +7,7 @@ from app.routing.base import Reject, RejectCode, RouteDecision, RoutingPolicy
 from app.routing.budgets import SlackBudgets
 from app.routing.goodserve.admissions import RecentAdmissions
 from app.routing.goodserve.config import GoodServeConfig
-from app.routing.goodserve.placer import Arrival, JustEnoughPlacer
+from app.routing.goodserve.placer import JustEnoughPlacer, RequestScoring
 from app.routing.goodserve.scoring import Candidate, Scored
 from app.routing.instance_view import InstanceId
 from app.routing.length import OutputLengthEstimator, bounded_output
@@ -56,11 +56,11 @@ class JustEnoughPolicy(RoutingPolicy):
         output = bounded_output(request, self.length.expected_output(request))
         cold = self.config.fast_while_cold and not self.length.warm(
             self.config.confidence_quantile)
-        arrival = self.placer.arrival(request, holding, view, now)
-        chosen, scored = self._place_confidently(arrival, request, output, cold)
+        scoring = self.placer.score(request, holding, view, now)
+        chosen, scored = self._place_confidently(scoring, request, output, cold)
         if chosen is None:
-            chosen, scored = arrival.place(output, cold, self._optimistic_output(request, output))
-        arrival.record(scored)
+            chosen, scored = scoring.place(output, cold, self._optimistic_output(request, output))
+        scoring.record(scored)
         if chosen is not None:
             self.admissions.record(chosen.instance_id, chosen.latency_s)
         elif (self.config.admission_control and request.has_deadline
@@ -76,7 +76,7 @@ class JustEnoughPolicy(RoutingPolicy):
         return chosen.instance_id
 
     def _place_confidently(
-        self, arrival: Arrival, request: RouteRequest, output: float, cold: bool
+        self, scoring: RequestScoring, request: RouteRequest, output: float, cold: bool
     ) -> tuple[Candidate | None, Scored | None]:
         """Just-enough by the confident length, when it says more than the point
         estimate `output`: (None, None) when there is none or no instance qualifies.
@@ -84,7 +84,7 @@ class JustEnoughPolicy(RoutingPolicy):
         (whatever the quantile): its worst case is known, so the weakest instance that
         meets it is safe."""
         if cold and request.max_output_tokens is not None:
-            return arrival.place(float(request.max_output_tokens))
+            return scoring.place(float(request.max_output_tokens))
         if self.config.confidence_quantile <= 0.5:  # off: the point estimate alone
             return None, None
         confident = self.length.confident_output(request, self.config.confidence_quantile)
@@ -93,7 +93,7 @@ class JustEnoughPolicy(RoutingPolicy):
         confident = bounded_output(request, confident)
         if confident <= output:
             return None, None
-        return arrival.place(confident, cold)
+        return scoring.place(confident, cold)
 
     def triages(self, request: RouteRequest) -> bool:
         """Whether a hopeless `request` goes to the triage sink: always when triage is

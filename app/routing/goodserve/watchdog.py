@@ -169,7 +169,7 @@ class SloWatchdog(Watchdog):
             return None
         resumed = _as_resumed(item.request, item.num_generated_tokens)
         holding = [v for v in stronger if v.can_hold(resumed.num_context_tokens)]
-        chosen, _ = self.placer.arrival(resumed, holding, view, now).place(total)
+        chosen, _ = self.placer.score(resumed, holding, view, now).place(total)
         if chosen is None or not self._affordable(chosen):
             return None
         return chosen
