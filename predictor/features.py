@@ -6,6 +6,7 @@ embedding bag (cost proportional to non-zeros, not to the vocabulary size).
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -208,6 +209,7 @@ def feature_rows_kernel(text_indptr: np.ndarray, columns: np.ndarray, values: np
     return indptr, indices[:nnz], data[:nnz]
 
 
+@functools.cache
 def warm_up() -> None:
     """Compile `TextFeaturizer`'s kernels (or load them from numba's on-disk cache) and
     build their tables now, with the argument types requests pass, so that no request

@@ -286,6 +286,7 @@ def tfidf_kernel(text: np.ndarray, row_starts: np.ndarray, word_characters: np.n
     return indptr, indices[:nnz].copy(), data[:nnz].copy()
 
 
+@functools.cache
 def warm_up() -> None:
     """Compile the kernels (or load them from numba's on-disk cache) and build the
     word-character table now, with the argument types `NgramTfidf` passes, so that no

@@ -1,16 +1,20 @@
 """The one rank rule for a quantile of recent observations, shared by the history
 predictors here and the router's sliding windows (app/routing/quantiles.py).
 
-Kept free of heavy imports: the router reads it at every decision.
+Compiled (numba, as the router's other passes), so that compiled passes use the same
+rule as the Python callers.
 """
 
 from __future__ import annotations
 
 import math
 
+from numba import njit
+
 __all__ = ["quantile_rank"]
 
 
+@njit(cache=True)
 def quantile_rank(q: float, n: int) -> int:
     """The 0-based index of the `q`-quantile among `n` sorted values (n >= 1).
 
@@ -24,5 +28,5 @@ def quantile_rank(q: float, n: int) -> int:
     would give; and it is one index into a sorted window.
     """
     if n < 1:
-        raise ValueError(f"a quantile needs at least one value, got {n}")
+        raise ValueError("a quantile needs at least one value")
     return min(max(math.ceil(q * n) - 1, 0), n - 1)

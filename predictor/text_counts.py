@@ -101,6 +101,7 @@ def count_kernel(text: np.ndarray, row_starts: np.ndarray, classes: np.ndarray) 
     return counts
 
 
+@functools.cache
 def warm_up() -> None:
     """Compile the kernel (or load it from numba's on-disk cache) and build the class
     table now, so that no request pays for them."""

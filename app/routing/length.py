@@ -11,6 +11,7 @@ total, given it has produced `num_generated` so far?". Three answers:
 
 from __future__ import annotations
 
+import functools
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
@@ -22,6 +23,7 @@ from numba import njit
 from app.routing.base import StepListener
 from app.routing.quantiles import SortedWindow, kaplan_meier_quantile
 from app.routing.view import FinishReport, RouteRequest
+from predictor.ranks import quantile_rank
 
 if TYPE_CHECKING:
     from predictor.base import Predictor
@@ -271,24 +273,23 @@ class PredictorLength(OutputLengthEstimator):
             self._windows = None
             ratio = report.num_output_tokens / predicted
             self._ratios.append(ratio)
-            scale = _scale_of(predicted)
+            scale = _scale_of(float(predicted))
             if scale not in self._ratios_by_scale:
                 self._ratios_by_scale[scale] = SortedWindow(self._ratios.size)
             self._ratios_by_scale[scale].append(ratio)
 
 
-def _scale_of(predicted: int) -> int:
-    """A prediction's power of two."""
-    return max(int(predicted), 1).bit_length()
+@njit(cache=True)
+def _scale_of(predicted: float) -> int:
+    """A prediction's power of two (the bit length of its whole tokens, at least 1)."""
+    tokens, scale = max(int(predicted), 1), 0
+    while tokens:
+        tokens >>= 1
+        scale += 1
+    return scale
 
 
 _MAX_SCALE = 64  # powers of two past it share one window slot (a prediction never gets there)
-
-
-@njit(cache=True)
-def _quantile_rank(q: float, n: int) -> int:
-    """`predictor.ranks.quantile_rank`, compiled."""
-    return min(max(math.ceil(q * n) - 1, 0), n - 1)
 
 
 @njit(cache=True)
@@ -301,11 +302,7 @@ def _conditional_totals(arrival, generated, windows, starts, counts, by_scale, f
         if p != p:
             totals[i] = p
             continue
-        predicted, scale = max(int(p), 1), 0
-        while predicted:
-            predicted >>= 1
-            scale += 1
-        window = by_scale[min(scale, len(by_scale) - 1)]
+        window = by_scale[min(_scale_of(p), len(by_scale) - 1)]
         if window < 0:
             window = fallback
         if window < 0:
@@ -317,15 +314,17 @@ def _conditional_totals(arrival, generated, windows, starts, counts, by_scale, f
         if num_above == 0:
             totals[i] = n + 1.0
         else:
-            median_above = ratios[above + _quantile_rank(0.5, num_above)]
-            median = ratios[_quantile_rank(0.5, len(ratios))]
+            median_above = ratios[above + quantile_rank(0.5, num_above)]
+            median = ratios[quantile_rank(0.5, len(ratios))]
             totals[i] = max(p * median_above / median, n + 1.0)
     return totals
 
 
+@functools.cache
 def warm_up() -> None:
     """Compile (or load from the on-disk cache) the conditional totals' pass before the
     watchdog's first check."""
     one = np.ones(1)
     _conditional_totals(one, one, one, np.zeros(1, dtype=np.int64),
                         np.ones(1, dtype=np.int64), np.zeros(_MAX_SCALE + 1, dtype=np.int64), 0)
+    _scale_of(1.0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import functools
 from collections import deque
 from collections.abc import Sequence
 
@@ -24,7 +25,7 @@ class SortedWindow:
         self._arrivals: deque[float] = deque(maxlen=size)
         self._buffer = np.empty(size)
         self._count = 0
-        _slide(np.zeros(2), 1, 0.0, True, 0.0)  # compiled (or loaded) before it is needed
+        warm_up()
 
     @property
     def sorted(self) -> np.ndarray:
@@ -67,6 +68,14 @@ def _slide(buffer: np.ndarray, count: int, oldest: float, full: bool, value: flo
     buffer[at + 1:count + 1] = buffer[at:count].copy()
     buffer[at] = value
     return count + 1
+
+
+@functools.cache
+def warm_up() -> None:
+    """Compile (or load from the on-disk cache) the window's pass before it is needed,
+    once per process."""
+    _slide(np.zeros(2), 1, 0.0, True, 0.0)
+    quantile_rank(0.5, 1)
 
 
 def kaplan_meier_quantile(

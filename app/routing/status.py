@@ -11,6 +11,7 @@ usable at once. Clock-agnostic: `now` is an argument.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
 from collections.abc import Sequence
@@ -236,8 +237,8 @@ class StatusEstimator(StepListener):
         """
         state = self._states.get(view.instance_id)
         row = _NO_STATE if state is None else np.array(_state_row(state))
-        ahead = (math.nan if priority is None or view.waiting_priorities is None
-                 else float(view.num_waiting_ahead(priority)))
+        ahead = (WHOLE_QUEUES if priority is None or view.waiting_priorities is None
+                 else np.array([float(view.num_waiting_ahead(priority))]))
         queue, prefill, decode = _estimate_row(
             row, np.array(view_row(view)), joining,
             view.updated_s if now is None else now, ahead)
@@ -382,16 +383,6 @@ def _queue_s(queue_ema: float, num_ahead: float, departed: float, first_finish_s
 
 
 @njit(cache=True)
-def _estimate_row(state: np.ndarray, view: np.ndarray, joining: int, now: float,
-                  num_ahead: float) -> tuple[float, float, float]:
-    """(q_g, p_g, d_g) of one instance; `num_ahead` nan: the whole queue."""
-    waiting, queue_ema, departed, first_finish, prefill, decode = _row_terms(
-        state, view, joining)
-    ahead = waiting if num_ahead != num_ahead else num_ahead
-    return _queue_s(queue_ema, ahead, departed, first_finish, now), prefill, decode
-
-
-@njit(cache=True)
 def _refresh_terms(states: np.ndarray, state_rows: np.ndarray, view: np.ndarray,
                    seen_view: np.ndarray, stale: np.ndarray, joining: int,
                    terms: np.ndarray) -> None:
@@ -419,6 +410,16 @@ def queue_of_row(terms: np.ndarray, num_ahead: np.ndarray, row: int, now: float)
 
 
 @njit(cache=True)
+def _estimate_row(state: np.ndarray, view: np.ndarray, joining: int, now: float,
+                  num_ahead: np.ndarray) -> tuple[float, float, float]:
+    """(q_g, p_g, d_g) of one instance (`num_ahead` as `queue_of_row` reads it)."""
+    terms = np.empty((1, _NUM_TERMS))
+    (terms[0, 0], terms[0, 1], terms[0, 2], terms[0, 3], terms[0, 4],
+     terms[0, 5]) = _row_terms(state, view, joining)
+    return queue_of_row(terms, num_ahead, 0, now), terms[0, TERM_PREFILL], terms[0, TERM_DECODE]
+
+
+@njit(cache=True)
 def queues_at(terms: np.ndarray, num_ahead: np.ndarray, now: float) -> np.ndarray:
     """q_g of every row of `terms` at `now` (`queue_of_row`)."""
     queue = np.empty(terms.shape[0])
@@ -439,8 +440,6 @@ _RUNNING, _WAITING, _PRIOR_P, _PRIOR_D, _INTERCEPT, _SLOPE, _MAX_NUM_SEQS = (
     COLUMNS.index(name) for name in (
         "num_running", "num_waiting", "unloaded_prefill_s_per_token",
         "unloaded_decode_s_per_token", "batch_intercept", "batch_slope", "max_num_seqs"))
-
-
 
 
 @dataclass
@@ -479,11 +478,13 @@ class _Estimates:
                        self.joining, self.terms)
 
 
+@functools.cache
 def warm_up() -> None:
     """Compile (or load from the on-disk cache) the estimator's passes before the
     first estimate is asked for."""
     states, view = np.zeros((1, _NUM_STATE_COLUMNS)), np.ones((1, len(COLUMNS)))
-    _estimate_row(states[0], view[0], 1, 0.0, math.nan)
+    for num_ahead in (WHOLE_QUEUES, np.ones(1)):
+        _estimate_row(states[0], view[0], 1, 0.0, num_ahead)
     terms = np.empty((1, _NUM_TERMS))
     _refresh_terms(states, np.zeros(1, dtype=np.int64), view, view.copy(),
                    np.ones(1, dtype=np.bool_), 1, terms)

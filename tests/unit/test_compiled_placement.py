@@ -297,7 +297,7 @@ def test_warm_up_compiles_every_pass_a_decision_calls():
     """The compile (or cache load) happens when a placer is built, never on a request:
     a run of decisions, moves and fallbacks adds no signature to any compiled pass."""
     from app.experiments.overhead import mixed_cluster
-    from app.routing import status
+    from app.routing import length, status
     from app.routing.goodserve import scoring
     from app.routing.registry import PolicyKind, RoutingOptions, build_routing
     from app.sim.instance import setups_from_config
@@ -307,7 +307,8 @@ def test_warm_up_compiles_every_pass_a_decision_calls():
 
     stack = build_routing(PolicyKind.GOODSERVE, RoutingOptions(seed=0))
     passes = [scoring._instance_terms, scoring._place, scoring._fallback,
-              scoring._outcome_rows, status._estimate_row, status._refresh_terms]
+              scoring._outcome_rows, status._estimate_row, status._refresh_terms,
+              length._scale_of]
     compiled = [len(p.signatures) for p in passes]
     pool = [Content(300 + 500 * (i % 5), 50 + 80 * (i % 3), (i % 4, i)) for i in range(32)]
     workload = poisson_workload(150.0, 1.0, pool, seed=1)

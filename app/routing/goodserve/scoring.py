@@ -15,6 +15,7 @@ On a disaggregated decode instance the prefill term is the wait for the prompt's
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -241,6 +242,7 @@ def _outcome_rows(latency, slack, harmless, reserved, headroom):
     return turned_away[:num_turned], stranded[:0 if met_harmlessly else num_stranded]
 
 
+@functools.cache
 def warm_up() -> None:
     """Compile (or load from the on-disk cache) every pass before the first request,
     for each array layout routing passes: view columns are strided, except in a

@@ -3,6 +3,7 @@ requests that would miss their deadline to a stronger instance, by token IDs."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -212,6 +213,7 @@ def _lateness(predicted, generated, bounds, queue_s, decode_s, now):
     return totals, late, time_left
 
 
+@functools.cache
 def warm_up() -> None:
     """Compile (or load from the on-disk cache) the watchdog's pass before its first
     check."""
