@@ -23,6 +23,19 @@ def running_replicas() -> int:
     return deployments["RouterDeployment"].replica_states.get("RUNNING", 0)
 
 
+def joined_board(get, controller, give_up_s: float) -> dict:
+    """The controller's status board once two replicas follow it and tell it their
+    slack (a new replica joins at its first request: Serve's proxies learn of it
+    first), or as it stands after `give_up_s`."""
+    deadline = time.monotonic() + give_up_s
+    while True:
+        board = get(controller.status.remote())["status_board"]
+        joined = len(board["followers"]) == 2 and len(board["tellers"]) == 2
+        if joined or time.monotonic() > deadline:
+            return board
+        time.sleep(0.5)
+
+
 def test_serve_adds_a_router_replica_under_load_that_joins_the_board_and_removes_it_after(
         ray_session):
     import httpx
@@ -59,8 +72,7 @@ def test_serve_adds_a_router_replica_under_load_that_joins_the_board_and_removes
             while running_replicas() < 2 and time.monotonic() < give_up_s:
                 time.sleep(1.0)
             scaled_up = running_replicas()
-            time.sleep(2.0)  # a poll round or more for the new replica
-            board = ray.get(controller_for(config).status.remote())["status_board"]
+            board = joined_board(ray.get, controller_for(config), give_up_s=60)
             loading.clear()
         assert scaled_up == 2
         assert len(board["followers"]) == 2 and len(board["tellers"]) == 2, board
