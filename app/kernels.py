@@ -13,14 +13,15 @@ import time
 
 def compile_all() -> float:
     """Compile (or load) every pass; the seconds it took."""
+    from app.engines import prefix
     from app.routing import length, status
     from app.routing.goodserve import scoring, watchdog
     from app.routing.quantiles import SortedWindow
     from predictor import features
 
     start = time.perf_counter()
-    for warm_up in (status.warm_up, scoring.warm_up, watchdog.warm_up, length.warm_up,
-                    features.warm_up):
+    for warm_up in (prefix.warm_up, status.warm_up, scoring.warm_up, watchdog.warm_up,
+                    length.warm_up, features.warm_up):
         warm_up()
     SortedWindow(1)
     return time.perf_counter() - start

@@ -102,8 +102,9 @@ class Predictor(BaseEstimator, ABC):
         return np.maximum(raw, floor)
 
     def observe(self, output_length: int, task: str | None = None) -> None:
-        """Record a finished request's length; only history predictors use it."""
-        check_is_fitted(self)
+        """Record a finished request's length; only history predictors use it. No
+        fitted check: the router calls it at every finish, where scikit-learn's check
+        costs more than the recording (`predict` checks)."""
 
     def save(self, directory: str | Path) -> Path:
         """Write hyperparameters and learned state to `directory` (created if absent)."""

@@ -6,11 +6,13 @@ keeps one per instance of the hashes it sent there (an approximate prefix index)
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 import numpy as np
+from numba import njit
 
 PREFIX_BLOCK_SIZE = 16  # tokens per prefix-hash block (vLLM's KV block size)
 
@@ -88,59 +90,137 @@ class PrefixCache:
 
 
 class PrefixDirectory:
-    """Which instances cache each block: block hash -> bitmask of instances, kept by
-    the instances' `PrefixCache`s (`join`). One query answers every instance's leading
-    hit count for a prompt at once (vectorised routing), where asking each cache walks
-    the prompt once per instance."""
+    """Which instances cache each block: a row of bit words per block hash (bit i: the
+    instance of slot i holds it), kept by the instances' `PrefixCache`s (`join`). One
+    query answers every instance's leading hit count for a prompt in one compiled pass
+    (vectorised routing), where asking each cache walks the prompt once per instance.
+    Words, not a bool per instance: a 512-instance fleet's caches hold millions of
+    blocks."""
 
     def __init__(self) -> None:
-        self._bits: dict[str, int] = {}  # instance id -> bit position
-        self._masks: dict[int, int] = {}
+        warm_up()
+        self._bits: dict[str, int] = {}  # instance id -> bit position (its slot)
+        self._row_of: dict[int, int] = {}  # block hash -> row of `_held`
+        self._held = np.zeros((0, 1), dtype=np.int64)  # (rows, words): holders' bits
+        self._words = memoryview(self._held.reshape(-1))  # `_held` flat, for add/discard
+        self._num_holders: list[int] = []  # per row; 0: free (listed in `_free_rows`)
+        self._free_rows: list[int] = []
         self._slots: tuple[tuple[str, ...], np.ndarray] = ((), np.zeros(0, np.int64))
 
     def bit(self, instance_id: str) -> int:
         if instance_id not in self._bits:
-            self._bits[instance_id] = len(self._bits)
+            bit = self._bits[instance_id] = len(self._bits)
+            if bit >= 64 * self._held.shape[1]:
+                self._resize(np.hstack([self._held, np.zeros_like(self._held)]))
             self._slots = ((), self._slots[1])  # an unknown id's slot now means this one
         return self._bits[instance_id]
 
     def add(self, block_hash: int, bit: int) -> None:
-        self._masks[block_hash] = self._masks.get(block_hash, 0) | (1 << bit)
+        row = self._row_of.get(block_hash)
+        if row is None:
+            row = self._row_of[block_hash] = self._free_row()
+        at, mask = row * self._held.shape[1] + (bit >> 6), _BIT_MASKS[bit & 63]
+        held = self._words[at]
+        if not held & mask:
+            self._words[at] = held | mask
+            self._num_holders[row] += 1
 
     def discard(self, block_hash: int, bit: int) -> None:
-        mask = self._masks.get(block_hash, 0) & ~(1 << bit)
-        if mask:
-            self._masks[block_hash] = mask
-        else:
-            self._masks.pop(block_hash, None)
+        row = self._row_of.get(block_hash)
+        if row is None:
+            return
+        at, mask = row * self._held.shape[1] + (bit >> 6), _BIT_MASKS[bit & 63]
+        held = self._words[at]
+        if held & mask:
+            self._words[at] = held & ~mask
+            self._num_holders[row] -= 1
+            if not self._num_holders[row]:
+                del self._row_of[block_hash]
+                self._free_rows.append(row)
 
-    def hit_blocks(self, block_hashes: Sequence[int], instance_ids: Sequence[str]) -> np.ndarray:
-        """Leading blocks of `block_hashes` cached on each instance (`PrefixCache.peek`
-        for all of them; 0 for an instance not in the directory)."""
-        blocks = np.zeros(len(self._bits) + 1, dtype=np.int64)  # last: unknown instances
-        alive = self._masks.get(block_hashes[0], 0) if block_hashes else 0
-        run = 1
-        for h in block_hashes[1:]:
-            if not alive:
+    def _free_row(self) -> int:
+        if not self._free_rows:
+            num_rows = len(self._held)
+            grown = max(num_rows, 64)
+            self._resize(np.vstack([self._held, np.zeros((grown, self._held.shape[1]),
+                                                         dtype=np.int64)]))
+            self._num_holders.extend([0] * grown)
+            self._free_rows.extend(range(num_rows + grown - 1, num_rows - 1, -1))
+        return self._free_rows.pop()
+
+    def _resize(self, held: np.ndarray) -> None:
+        self._held, self._words = held, memoryview(held.reshape(-1))
+
+    def hit_tokens(self, block_hashes: Sequence[int], instance_ids: Sequence[str],
+                   block_size: int, max_tokens: int) -> np.ndarray:
+        """Tokens of the leading blocks of `block_hashes` cached on each instance
+        (`PrefixCache.peek` x `block_size` for all of them, at most `max_tokens`; 0 for
+        an instance not in the directory). The leading blocks some instance holds are
+        found here; which instances hold how many of them, in one compiled pass."""
+        rows = []
+        row_of = self._row_of
+        for h in block_hashes:
+            row = row_of.get(h)
+            if row is None:
                 break
-            narrower = alive & self._masks.get(h, 0)
-            if narrower != alive:
-                blocks[:-1] += run * self._unpack(alive)
-                alive, run = narrower, 0
-            run += 1
-        if alive:
-            blocks[:-1] += run * self._unpack(alive)
-        return blocks[self._slots_of(instance_ids)]
-
-    def _unpack(self, mask: int) -> np.ndarray:
-        size = len(self._bits)
-        raw = np.frombuffer(mask.to_bytes((size + 7) // 8, "little"), dtype=np.uint8)
-        # int64: runs of more than 255 blocks must not wrap (long agent contexts)
-        return np.unpackbits(raw, bitorder="little")[:size].astype(np.int64)
+            rows.append(row)
+        if not rows:
+            return np.zeros(len(instance_ids), dtype=np.int64)
+        return _leading_tokens(self._held, np.array(rows, dtype=np.int64),
+                               self._slots_of(instance_ids), block_size, max_tokens)
 
     def _slots_of(self, instance_ids: Sequence[str]) -> np.ndarray:
         if self._slots[0] is not instance_ids and self._slots[0] != instance_ids:
-            unknown = len(self._bits)
+            unknown = 64 * self._held.shape[1]  # past every word: no bit
             self._slots = (tuple(instance_ids), np.array(
                 [self._bits.get(i, unknown) for i in instance_ids], dtype=np.int64))
         return self._slots[1]
+
+
+# bit b of a word as a signed 64-bit value (bit 63 is the sign bit)
+_BIT_MASKS = [1 << b if b < 63 else -(1 << 63) for b in range(64)]
+
+
+@njit(cache=True)
+def _set_bits(leading: np.ndarray, word: int, bits: int, value: int) -> None:
+    """leading[64 x word + b] = value for each bit b set in `bits`."""
+    for bit in range(64):
+        if (bits >> bit) & 1:
+            leading[64 * word + bit] = value
+
+
+@njit(cache=True)
+def _leading_tokens(held: np.ndarray, rows: np.ndarray, slots: np.ndarray, block_size: int,
+                    max_tokens: int) -> np.ndarray:
+    """Per slot, how many of `rows` (blocks, in prompt order) lead with its bit set, in
+    tokens of `block_size`, at most `max_tokens`. The set of instances still matching
+    narrows block by block, so the pass costs the blocks' words plus one step per
+    instance however long the shared prefix. A slot past the words (an unknown
+    instance) has none."""
+    num_words = held.shape[1]
+    alive = held[rows[0]].copy()
+    leading = np.zeros(64 * num_words, dtype=np.int64)
+    k = 1
+    while k < len(rows) and alive.any():
+        for word in range(num_words):
+            dropped = alive[word] & ~held[rows[k], word]
+            if dropped:
+                _set_bits(leading, word, dropped, k)
+                alive[word] &= ~dropped
+        k += 1
+    for word in range(num_words):  # still set: they hold every block
+        if alive[word]:
+            _set_bits(leading, word, alive[word], k)
+    tokens = np.zeros(len(slots), dtype=np.int64)
+    for i in range(len(slots)):
+        if slots[i] < len(leading):
+            tokens[i] = min(leading[slots[i]] * block_size, max_tokens)
+    return tokens
+
+
+@functools.cache
+def warm_up() -> None:
+    """Compile (or load from the on-disk cache) the directory's pass, once per
+    process."""
+    _leading_tokens(np.ones((1, 1), dtype=np.int64), np.zeros(1, dtype=np.int64),
+                    np.zeros(1, dtype=np.int64), 16, 16)

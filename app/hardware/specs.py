@@ -6,15 +6,23 @@ The model is a per-operator roofline: each part of an iteration (the linear
 layers, attention, element-wise work, tensor-parallel all-reduce) costs the
 larger of its compute time and its memory time, plus a fixed per-iteration
 overhead for scheduling and kernel launches.
+
+The model is one compiled function (`_iteration_parts`), read per iteration by
+`InstanceSpec.iteration_time_s` and for a whole decode run at once by
+`decode_run_s`: the simulator prices every iteration, so it must be cheap.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
+
+import numpy as np
+from numba import njit
 
 BYTES_PER_GB = 1e9
 
@@ -229,8 +237,9 @@ class InstanceSpec:
                 f"weights {self.model.weight_bytes / BYTES_PER_GB:.1f} GB"
             )
 
-    @property
+    @cached_property
     def name(self) -> str:
+        """'H800', or '2xV100' under tensor parallelism (cached: every status carries it)."""
         return self.gpu.name if self.tp == 1 else f"{self.tp}x{self.gpu.name}"
 
     @property
@@ -244,60 +253,51 @@ class InstanceSpec:
         This is what Vidur's operator profiles measure (no communication), so it is
         validated against them directly.
         """
-        m, g, tp = self.model, self.gpu, self.tp
-        gemm_flops = 2.0 * num_tokens * m.params_per_layer
-        gemm_bytes = (m.params_per_layer + 4 * num_tokens * m.hidden_size) * m.bytes_per_param
-        flops_per_s, bytes_per_s = g.effective_flops * tp, g.effective_bandwidth * tp
-        gemm_s = max(gemm_flops / flops_per_s, gemm_bytes / bytes_per_s)
-        # norms, rotary, activation, residual adds: ~12 passes over a hidden vector
-        elementwise_bytes = 12.0 * num_tokens * m.hidden_size * m.bytes_per_param
-        elementwise_s = elementwise_bytes / bytes_per_s
-        return gemm_s + elementwise_s + g.layer_kernel_floor_s
+        return _layer_compute_s(self.coefficients, float(num_tokens))
 
-    def _layer_allreduce_s(self, num_tokens: int) -> float:
-        """Two ring all-reduces per layer; the per-hop latency dominates small batches."""
-        if self.tp == 1:
-            return 0.0
+    @cached_property
+    def coefficients(self) -> np.ndarray:
+        """The figures `_iteration_parts` reads (`_C_*` order), as floats: every integer
+        product the model forms stays below 2**53, so float arithmetic gives the
+        integer arithmetic's values."""
         m, g, tp = self.model, self.gpu, self.tp
-        payload = num_tokens * m.hidden_size * m.bytes_per_param * 2 * (tp - 1) / tp
-        bandwidth_s = payload / (g.interconnect_gbps * BYTES_PER_GB)
-        hop_s = bandwidth_s + g.allreduce_hop_latency_s * (tp - 1)
-        return 2 * hop_s
+        c = np.zeros(_NUM_COEFFICIENTS)
+        c[_C_FLOPS_PER_S] = g.effective_flops * tp
+        c[_C_BYTES_PER_S] = g.effective_bandwidth * tp
+        c[_C_PARAMS_PER_LAYER] = m.params_per_layer
+        c[_C_HIDDEN] = m.hidden_size
+        c[_C_BYTES_PER_PARAM] = m.bytes_per_param
+        c[_C_KERNEL_FLOOR_S] = g.layer_kernel_floor_s
+        c[_C_NUM_LAYERS] = m.num_layers
+        c[_C_TP] = tp
+        c[_C_INTERCONNECT_BYTES_PER_S] = g.interconnect_gbps * BYTES_PER_GB
+        c[_C_HOP_LATENCY_S] = g.allreduce_hop_latency_s
+        c[_C_HEAD_PARAMS] = m.vocab_size * m.hidden_size
+        c[_C_KV_BYTES_PER_TOKEN] = m.kv_bytes_per_token
+        c[_C_OVERHEAD_S] = g.iteration_overhead_s
+        return c
 
     def iteration_breakdown(self, batch: BatchShape) -> IterationBreakdown:
         """Roofline latency of one iteration, split by operator class."""
-        m, g, tp = self.model, self.gpu, self.tp
-        num_tokens = batch.num_tokens
-        flops_per_s = g.effective_flops * tp
-        bytes_per_s = g.effective_bandwidth * tp
-
-        layers_s = m.num_layers * self.layer_compute_s(num_tokens)
-        allreduce_s = m.num_layers * self._layer_allreduce_s(num_tokens)
-        # the LM head runs only for sequences that sample a token this step
-        num_sampling = batch.num_decode_seqs + batch.num_prefill_seqs
-        head_params = m.vocab_size * m.hidden_size
-        head_s = max(
-            2.0 * num_sampling * head_params / flops_per_s,
-            head_params * m.bytes_per_param / bytes_per_s,
-        )
-
-        attn_pairs = batch.prefill_attention_pairs + batch.decode_context_tokens
-        attn_flops = 4.0 * m.num_layers * m.hidden_size * attn_pairs
-        kv_read_tokens = batch.prefill_kv_read_tokens + batch.decode_context_tokens
-        attention_s = max(
-            attn_flops / flops_per_s, kv_read_tokens * m.kv_bytes_per_token / bytes_per_s
-        )
-        return IterationBreakdown(
-            linear_s=layers_s + head_s,
-            attention_s=attention_s,
-            allreduce_s=allreduce_s,
-            overhead_s=g.iteration_overhead_s,
-        )
+        return IterationBreakdown(*_iteration_parts(
+            self.coefficients, batch.num_prefill_tokens, batch.num_prefill_seqs,
+            batch.prefill_attention_pairs, batch.prefill_kv_read_tokens,
+            batch.num_decode_seqs, batch.decode_context_tokens))
 
     def iteration_time_s(self, batch: BatchShape) -> float:
-        if batch.is_empty:
-            return 0.0
-        return self.iteration_breakdown(batch).total_s
+        return _iteration_time_s(
+            self.coefficients, batch.num_prefill_tokens, batch.num_prefill_seqs,
+            batch.prefill_attention_pairs, batch.prefill_kv_read_tokens,
+            batch.num_decode_seqs, batch.decode_context_tokens)
+
+    def decode_run_s(self, start_s: float, num_seqs: int, context_tokens: int,
+                     num_iterations: int) -> tuple[np.ndarray, np.ndarray]:
+        """(durations, ends) of `num_iterations` decode-only iterations of `num_seqs`
+        sequences back to back from `start_s`, the first over `context_tokens` of
+        context, each later one a token further per sequence: each iteration's
+        `iteration_time_s`, in one call."""
+        return _decode_run_s(self.coefficients, start_s, num_seqs, context_tokens,
+                             num_iterations)
 
     def solo_latency_s(self, input_len: int, output_len: int, chunk_size: int = 8192,
                        num_cached_tokens: int = 0) -> float:
@@ -365,6 +365,101 @@ class InstanceSpec:
     def prefill_time_per_token_s(self, num_tokens: int = 2048) -> float:
         chunk = PrefillChunk(num_tokens, 0)
         return self.iteration_time_s(BatchShape.build([chunk])) / num_tokens
+
+
+# `InstanceSpec.coefficients` columns
+(_C_FLOPS_PER_S, _C_BYTES_PER_S, _C_PARAMS_PER_LAYER, _C_HIDDEN, _C_BYTES_PER_PARAM,
+ _C_KERNEL_FLOOR_S, _C_NUM_LAYERS, _C_TP, _C_INTERCONNECT_BYTES_PER_S, _C_HOP_LATENCY_S,
+ _C_HEAD_PARAMS, _C_KV_BYTES_PER_TOKEN, _C_OVERHEAD_S) = range(13)
+_NUM_COEFFICIENTS = 13
+
+
+@njit(cache=True)
+def _layer_compute_s(c: np.ndarray, num_tokens: float) -> float:
+    """`InstanceSpec.layer_compute_s`: GEMMs (compute or weight/activation reads) plus
+    ~12 element-wise passes over a hidden vector, plus the layer's kernel floor."""
+    flops_per_s, bytes_per_s = c[_C_FLOPS_PER_S], c[_C_BYTES_PER_S]
+    hidden, bytes_per_param = c[_C_HIDDEN], c[_C_BYTES_PER_PARAM]
+    gemm_flops = 2.0 * num_tokens * c[_C_PARAMS_PER_LAYER]
+    gemm_bytes = (c[_C_PARAMS_PER_LAYER] + 4 * num_tokens * hidden) * bytes_per_param
+    gemm_s = max(gemm_flops / flops_per_s, gemm_bytes / bytes_per_s)
+    elementwise_bytes = 12.0 * num_tokens * hidden * bytes_per_param
+    return gemm_s + elementwise_bytes / bytes_per_s + c[_C_KERNEL_FLOOR_S]
+
+
+@njit(cache=True)
+def _layer_allreduce_s(c: np.ndarray, num_tokens: float) -> float:
+    """Two ring all-reduces per layer; the per-hop latency dominates small batches."""
+    tp = c[_C_TP]
+    if tp == 1:
+        return 0.0
+    payload = num_tokens * c[_C_HIDDEN] * c[_C_BYTES_PER_PARAM] * 2 * (tp - 1) / tp
+    hop_s = payload / c[_C_INTERCONNECT_BYTES_PER_S] + c[_C_HOP_LATENCY_S] * (tp - 1)
+    return 2 * hop_s
+
+
+_BATCH_SIGNATURE = "(float64[::1], float64, float64, float64, float64, float64, float64)"
+
+
+@njit("UniTuple(float64, 4)" + _BATCH_SIGNATURE, cache=True)
+def _iteration_parts(c: np.ndarray, num_prefill_tokens: float, num_prefill_seqs: float,
+                     prefill_attention_pairs: float, prefill_kv_read_tokens: float,
+                     num_decode_seqs: float, decode_context_tokens: float
+                     ) -> tuple[float, float, float, float]:
+    """(linear, attention, all-reduce, overhead) seconds of one iteration."""
+    num_tokens = num_prefill_tokens + num_decode_seqs
+    flops_per_s, bytes_per_s = c[_C_FLOPS_PER_S], c[_C_BYTES_PER_S]
+    num_layers, hidden = c[_C_NUM_LAYERS], c[_C_HIDDEN]
+    layers_s = num_layers * _layer_compute_s(c, num_tokens)
+    allreduce_s = num_layers * _layer_allreduce_s(c, num_tokens)
+    # the LM head runs only for sequences that sample a token this step
+    num_sampling = num_decode_seqs + num_prefill_seqs
+    head_params = c[_C_HEAD_PARAMS]
+    head_s = max(2.0 * num_sampling * head_params / flops_per_s,
+                 head_params * c[_C_BYTES_PER_PARAM] / bytes_per_s)
+    attn_pairs = prefill_attention_pairs + decode_context_tokens
+    attn_flops = 4.0 * num_layers * hidden * attn_pairs
+    kv_read_tokens = prefill_kv_read_tokens + decode_context_tokens
+    attention_s = max(attn_flops / flops_per_s,
+                      kv_read_tokens * c[_C_KV_BYTES_PER_TOKEN] / bytes_per_s)
+    return layers_s + head_s, attention_s, allreduce_s, c[_C_OVERHEAD_S]
+
+
+@njit("float64" + _BATCH_SIGNATURE, cache=True)
+def _iteration_time_s(c: np.ndarray, num_prefill_tokens: float, num_prefill_seqs: float,
+                      prefill_attention_pairs: float, prefill_kv_read_tokens: float,
+                      num_decode_seqs: float, decode_context_tokens: float) -> float:
+    """`IterationBreakdown.total_s` of `_iteration_parts` (0 for an empty batch)."""
+    if num_prefill_tokens + num_decode_seqs == 0:
+        return 0.0
+    linear, attention, allreduce, overhead = _iteration_parts(
+        c, num_prefill_tokens, num_prefill_seqs, prefill_attention_pairs,
+        prefill_kv_read_tokens, num_decode_seqs, decode_context_tokens)
+    return linear + attention + allreduce + overhead
+
+
+@njit("UniTuple(float64[::1], 2)(float64[::1], float64, int64, int64, int64)", cache=True)
+def _decode_run_s(c: np.ndarray, start_s: float, num_seqs: int, context_tokens: int,
+                  num_iterations: int) -> tuple[np.ndarray, np.ndarray]:
+    """`InstanceSpec.decode_run_s`; each end is its start plus its duration, as a
+    `ScheduledStep`'s."""
+    durations, ends = np.empty(num_iterations), np.empty(num_iterations)
+    for i in range(num_iterations):
+        durations[i] = _iteration_time_s(c, 0.0, 0.0, 0.0, 0.0, float(num_seqs),
+                                         float(context_tokens + i * num_seqs))
+        ends[i] = start_s + durations[i]
+        start_s = ends[i]
+    return durations, ends
+
+
+@functools.cache
+def warm_up() -> None:
+    """Compile (or load from the on-disk cache) the model's passes before the first
+    iteration is priced."""
+    c = np.ones(_NUM_COEFFICIENTS)
+    _iteration_parts(c, 1, 1, 1.0, 1, 1, 1)
+    _iteration_time_s(c, 1, 1, 1.0, 1, 1, 1)
+    _decode_run_s(c, 0.0, 1, 1, 1)
 
 
 def make_instance(gpu: str, model: str, tp: int = 1) -> InstanceSpec:

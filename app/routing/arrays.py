@@ -95,16 +95,25 @@ class ViewArrays:
                                  dtype=np.int64, count=len(rows))
         return ordered, known, rows, priorities
 
-    @cached_property
+    @property
     def id_rank(self) -> np.ndarray:
-        return self.rank if self.rank is not None else rank_of(self.ids)
+        """The builder's rank when it has one: a plain property, since every snapshot's
+        first read of a `cached_property` takes its lock (a few microseconds a
+        decision)."""
+        return self.rank if self.rank is not None else self._built_rank
 
     @cached_property
+    def _built_rank(self) -> np.ndarray:
+        return rank_of(self.ids)
+
+    @property
     def row_of(self) -> Mapping[InstanceId, int]:
         """id -> row: kept by the builder across snapshots of the same instances, so a
         lookup does not index every instance again."""
-        if self.positions is not None:
-            return self.positions
+        return self.positions if self.positions is not None else self._built_rows
+
+    @cached_property
+    def _built_rows(self) -> Mapping[InstanceId, int]:
         return {iid: i for i, iid in enumerate(self.ids)}
 
 

@@ -40,7 +40,9 @@ class StepListener:
     """Black-box feedback a substrate delivers; no-ops unless overridden."""
 
     def on_step(self, instance_id: InstanceId, report: StepReport, now: float) -> None:
-        """Called after every iteration of every instance (status estimators learn here)."""
+        """Called with every iteration of every instance, in order per instance and
+        before any decision after it: one report per iteration, or per stretch of a
+        decode run (status estimators learn here; `now` is the last one's end)."""
 
     def on_first_token(self, request: RouteRequest, instance_id: InstanceId,
                        first_token_s: float, now: float) -> None:
@@ -105,7 +107,9 @@ class Watchdog(StepListener, ABC):
     instance (tau unless a watchdog checks more often than it moves), between
     iterations. A migration aborts the request on its instance and re-adds
     it on the target by token IDs (prompt + generated so far); the target
-    re-prefills them, no KV is copied.
+    re-prefills them, no KV is copied. A check reads other instances through its
+    `view`: a substrate may build their part only when the check reads it (the
+    simulator applies their engines' iterations up to the check first).
     """
 
     needs_true_output_length: ClassVar[bool] = False

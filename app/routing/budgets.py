@@ -31,9 +31,11 @@ from app.routing.instance_view import InstanceId
 
 class SlackBudgets:
     """instance -> admitted requests' slack (longest stall each tolerates), with each
-    instance's smallest kept until its budgets change. A dict per instance, not a heap:
-    the watchdog rewrites an instance's budgets every check, and a heap with lazy
-    removal would keep every superseded entry."""
+    instance's smallest kept as requests come (a new one can only lower it) and
+    recomputed only when the smallest leaves or the watchdog rewrites the instance's
+    budgets. A dict per instance, not a heap: the watchdog rewrites an instance's
+    budgets every check, and a heap with lazy removal would keep every superseded
+    entry."""
 
     def __init__(self) -> None:
         self._by_instance: dict[InstanceId, dict[str, float]] = {}  # iid -> rid -> slack
@@ -56,31 +58,39 @@ class SlackBudgets:
             return
         self._req_to_instance[request_id] = instance_id
         self._by_instance.setdefault(instance_id, {})[request_id] = slack_s
-        self._touched(instance_id)
+        smallest = self._own_min.get(instance_id)
+        if smallest is not None and slack_s < smallest:
+            self._own_min[instance_id] = slack_s
+        self._changed.add(instance_id)
 
     def admit_many(self, instance_id: InstanceId, request_ids: Sequence[str],
                    slacks_s: Sequence[float]) -> None:
         """`admit` for requests on one instance (the watchdog's refresh of its budgets),
         in one pass: most are already there and only their slack changes."""
         slacks = self._by_instance.setdefault(instance_id, {})
-        req_to_instance = self._req_to_instance
+        req_to_instance, isinf = self._req_to_instance, math.isinf
         for request_id, slack_s in zip(request_ids, slacks_s, strict=True):
             was = req_to_instance.get(request_id)
-            if was is not None and was != instance_id:
-                self.remove(request_id)
-            if math.isinf(slack_s):
+            if isinf(slack_s):
                 if was == instance_id:
                     del req_to_instance[request_id], slacks[request_id]
+                elif was is not None:
+                    self.remove(request_id)
                 continue
-            req_to_instance[request_id] = instance_id
+            if was != instance_id:  # new here, or moved from another instance
+                if was is not None:
+                    self.remove(request_id)
+                req_to_instance[request_id] = instance_id
             slacks[request_id] = float(slack_s)
         self._touched(instance_id)
 
     def remove(self, request_id: str) -> None:
         instance_id = self._req_to_instance.pop(request_id, None)
         if instance_id is not None:
-            del self._by_instance[instance_id][request_id]
-            self._touched(instance_id)
+            slack_s = self._by_instance[instance_id].pop(request_id)
+            if slack_s == self._own_min.get(instance_id):  # the smallest may have gone
+                del self._own_min[instance_id]
+            self._changed.add(instance_id)
 
     def _touched(self, instance_id: InstanceId) -> None:
         self._changed.add(instance_id)

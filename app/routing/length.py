@@ -191,12 +191,16 @@ class PredictorLength(OutputLengthEstimator):
 
     def __init__(self, predictor: Predictor, calibration_window: int = 2000) -> None:
         self.predictor = predictor
+        # every ratio window's sorted values, one row each (`_ALL_RATIOS`, then a row per
+        # power of two), and their counts: what `_conditional_totals` reads, written in
+        # place as the windows slide
+        self._ratio_table = np.zeros((_MAX_SCALE + 2, calibration_window))
+        self._ratio_counts = np.zeros(_MAX_SCALE + 2, dtype=np.int64)
         # true / predicted length of recently finished requests, prediction made at arrival
-        self._ratios = SortedWindow(calibration_window)
-        # the same ratios by the arrival prediction's power of two: a short prediction
-        # errs by other factors than a long one
+        self._ratios = SortedWindow(calibration_window, self._ratio_table[_ALL_RATIOS])
+        # the same ratios by the arrival prediction's power of two (row 1 + scale): a
+        # short prediction errs by other factors than a long one
         self._ratios_by_scale: dict[int, SortedWindow] = {}
-        self._windows: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int] | None = None
         warm_up()
 
     def confident_output(self, request: RouteRequest, quantile: float) -> float | None:
@@ -239,44 +243,29 @@ class PredictorLength(OutputLengthEstimator):
         reading the sorted windows in place (`_conditional_totals`)."""
         arrival = np.array([math.nan if r.predicted_output_tokens is None
                             else r.predicted_output_tokens for r in requests], dtype=np.float64)
-        windows, starts, counts, by_scale, fallback = self._ratio_windows()
-        totals = _conditional_totals(arrival, np.asarray(num_generated, dtype=np.float64),
-                                     windows, starts, counts, by_scale, fallback)
-        missing = np.flatnonzero(np.isnan(arrival))
-        if len(missing):
+        totals, num_missing = _conditional_totals(
+            arrival, np.asarray(num_generated, dtype=np.float64), self._ratio_table,
+            self._ratio_counts)
+        if num_missing:
+            missing = np.flatnonzero(np.isnan(arrival))
             totals[missing] = self.predict_totals([requests[i] for i in missing],
                                                   [num_generated[i] for i in missing])
         return totals.tolist()
-
-    def _ratio_windows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
-        """The calibrated ratio windows side by side, for `_conditional_totals`: (their
-        sorted values, each one's start and count, each power of two's window or -1,
-        the window of all ratios or -1); rebuilt only after a finish."""
-        if self._windows is None:
-            calibrated = [w for w in (self._ratios, *self._ratios_by_scale.values())
-                          if len(w) >= MIN_CALIBRATION_SAMPLES]
-            counts = np.array([len(w) for w in calibrated], dtype=np.int64)
-            starts = np.cumsum(counts) - counts
-            index = {id(w): i for i, w in enumerate(calibrated)}
-            by_scale = np.full(_MAX_SCALE + 1, -1, dtype=np.int64)
-            for scale, window in self._ratios_by_scale.items():
-                by_scale[min(scale, _MAX_SCALE)] = index.get(id(window), -1)
-            values = (np.concatenate([w.sorted for w in calibrated]) if calibrated
-                      else np.zeros(0))
-            self._windows = (values, starts, counts, by_scale, index.get(id(self._ratios), -1))
-        return self._windows
 
     def on_finish(self, report: FinishReport, now: float) -> None:
         self.predictor.observe(report.num_output_tokens, report.request.task)
         predicted = report.request.predicted_output_tokens
         if predicted:
-            self._windows = None
             ratio = report.num_output_tokens / predicted
             self._ratios.append(ratio)
-            scale = _scale_of(float(predicted))
-            if scale not in self._ratios_by_scale:
-                self._ratios_by_scale[scale] = SortedWindow(self._ratios.size)
-            self._ratios_by_scale[scale].append(ratio)
+            self._ratio_counts[_ALL_RATIOS] = len(self._ratios)
+            row = 1 + min(_scale_of(float(predicted)), _MAX_SCALE)
+            window = self._ratios_by_scale.get(row)
+            if window is None:
+                window = self._ratios_by_scale[row] = SortedWindow(
+                    self._ratios.size, self._ratio_table[row])
+            window.append(ratio)
+            self._ratio_counts[row] = len(window)
 
 
 @njit(cache=True)
@@ -289,26 +278,31 @@ def _scale_of(predicted: float) -> int:
     return scale
 
 
-_MAX_SCALE = 64  # powers of two past it share one window slot (a prediction never gets there)
+_MAX_SCALE = 64  # powers of two past it share one window row (a prediction never gets there)
+_ALL_RATIOS = 0  # the ratio table's row of every ratio
 
 
 @njit(cache=True)
-def _conditional_totals(arrival, generated, windows, starts, counts, by_scale, fallback):
-    """`PredictorLength.conditional_totals` for every request with an arrival
-    prediction (nan: none, left nan)."""
+def _conditional_totals(arrival, generated, table, counts):
+    """(`PredictorLength.conditional_totals` for every request with an arrival
+    prediction (nan: none, left nan), the number without one), from the ratio windows'
+    rows (`table`, each row's first `counts` values sorted): a power of two's window
+    once calibrated, else all ratios once calibrated."""
     totals = np.empty(len(arrival))
+    num_missing = 0
     for i in range(len(arrival)):
         p, n = arrival[i], generated[i]
         if p != p:
             totals[i] = p
+            num_missing += 1
             continue
-        window = by_scale[min(_scale_of(p), len(by_scale) - 1)]
-        if window < 0:
-            window = fallback
-        if window < 0:
+        window = 1 + min(_scale_of(p), _MAX_SCALE)
+        if counts[window] < MIN_CALIBRATION_SAMPLES:
+            window = _ALL_RATIOS
+        if counts[window] < MIN_CALIBRATION_SAMPLES:
             totals[i] = max(p, n + 1)
             continue
-        ratios = windows[starts[window]:starts[window] + counts[window]]
+        ratios = table[window, :counts[window]]
         above = np.searchsorted(ratios, n / p, side="right")
         num_above = len(ratios) - above
         if num_above == 0:
@@ -317,7 +311,7 @@ def _conditional_totals(arrival, generated, windows, starts, counts, by_scale, f
             median_above = ratios[above + quantile_rank(0.5, num_above)]
             median = ratios[quantile_rank(0.5, len(ratios))]
             totals[i] = max(p * median_above / median, n + 1.0)
-    return totals
+    return totals, num_missing
 
 
 @functools.cache
@@ -325,6 +319,6 @@ def warm_up() -> None:
     """Compile (or load from the on-disk cache) the conditional totals' pass before the
     watchdog's first check."""
     one = np.ones(1)
-    _conditional_totals(one, one, one, np.zeros(1, dtype=np.int64),
-                        np.ones(1, dtype=np.int64), np.zeros(_MAX_SCALE + 1, dtype=np.int64), 0)
+    _conditional_totals(one, one, np.ones((_MAX_SCALE + 2, 1)),
+                        np.zeros(_MAX_SCALE + 2, dtype=np.int64))
     _scale_of(1.0)

@@ -17,13 +17,17 @@ class SortedWindow:
     """The last `size` values, in arrival order and sorted: a quantile of a sliding
     window read at every routing decision without sorting the window each time. The
     sorted values are one numpy buffer, so compiled passes read the window as it is
-    (`sorted`), with no copy."""
+    (`sorted`), with no copy. `buffer` (`size` floats, e.g. a row of a table of windows
+    one compiled pass reads whole) is where they are kept; else the window's own."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, buffer: np.ndarray | None = None) -> None:
         if size < 1:
             raise ValueError(f"window size must be >= 1, got {size}")
+        if buffer is not None and buffer.shape != (size,):
+            raise ValueError(f"a window of {size} needs a buffer of {size}, got {buffer.shape}")
+        self.size = size
         self._arrivals: deque[float] = deque(maxlen=size)
-        self._buffer = np.empty(size)
+        self._buffer = np.empty(size) if buffer is None else buffer
         self._count = 0
         warm_up()
 
@@ -33,10 +37,11 @@ class SortedWindow:
         return self._buffer[:self._count]
 
     def append(self, value: float) -> None:
-        full = self._count == self.size
-        self._count = _slide(self._buffer, self._count, self._arrivals[0] if full else 0.0,
-                             full, value)
-        self._arrivals.append(value)
+        arrivals = self._arrivals
+        full = len(arrivals) == self.size
+        self._count = _slide(self._buffer, self._count, arrivals[0] if full else 0.0, full,
+                             value)
+        arrivals.append(value)
 
     def quantile(self, q: float) -> float:
         """The q-quantile of the window (not empty), ranked by `quantile_rank`."""
@@ -51,23 +56,28 @@ class SortedWindow:
     def __len__(self) -> int:
         return self._count
 
-    @property
-    def size(self) -> int:
-        return self._arrivals.maxlen or 0
-
 
 @njit(cache=True)
 def _slide(buffer: np.ndarray, count: int, oldest: float, full: bool, value: float) -> int:
-    """The sorted `buffer[:count]` without `oldest` (when `full`) and with `value`
-    inserted after its equals, in place; the new count."""
-    if full:
-        at = np.searchsorted(buffer[:count], oldest)
-        buffer[at:count - 1] = buffer[at + 1:count]
-        count -= 1
+    """The sorted `buffer[:count]` without `oldest` (its first equal, when `full`) and
+    with `value` inserted after its equals, in place; the new count. Only the values
+    between the two places move, not the window's tail twice."""
     at = np.searchsorted(buffer[:count], value, side="right")
-    buffer[at + 1:count + 1] = buffer[at:count].copy()
-    buffer[at] = value
-    return count + 1
+    if not full:
+        for i in range(count, at, -1):
+            buffer[i] = buffer[i - 1]
+        buffer[at] = value
+        return count + 1
+    out = np.searchsorted(buffer[:count], oldest)
+    if at > out:  # the values between move down into the hole
+        for i in range(out, at - 1):
+            buffer[i] = buffer[i + 1]
+        buffer[at - 1] = value
+    else:  # they move up over it
+        for i in range(out, at, -1):
+            buffer[i] = buffer[i - 1]
+        buffer[at] = value
+    return count
 
 
 @functools.cache

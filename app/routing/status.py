@@ -12,9 +12,10 @@ usable at once. Clock-agnostic: `now` is an argument.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,11 +46,12 @@ class _Ema:
     alpha: float
     value: float | None = None
 
-    def update(self, sample: float) -> None:
-        if self.value is None:
-            self.value = sample
-        else:
-            self.value += self.alpha * (sample - self.value)
+    def update(self, samples: Iterable[float]) -> None:
+        """One step per sample, in order (a run of iterations in one call)."""
+        value, alpha = self.value, self.alpha
+        for sample in samples:
+            value = sample if value is None else value + alpha * (sample - value)
+        self.value = value
 
     def update_repeated(self, sample: float, count: int) -> None:
         """`count` updates with the same sample, in one step (a polled mean)."""
@@ -133,38 +135,46 @@ class StatusEstimator(StepListener):
         return state
 
     # ---- samples -------------------------------------------------------------
-    def observe_iteration(
+    def observe_iterations(
         self,
         instance_id: InstanceId,
-        duration_s: float,
+        durations_s: Sequence[float],
         num_prefill_tokens: int,
         num_decode_seqs: int,
-        now: float,
     ) -> None:
-        """One engine iteration: decoding requests each waited `duration_s` for a token;
-        prefill tokens cost `duration_s` between them (mixed batches included, since
-        that is what a new prompt really pays on a busy instance)."""
-        if duration_s < 0:
-            raise ValueError(f"negative iteration duration {duration_s}")
+        """Engine iterations of one batch shape, in order, each an EMA sample as if
+        reported alone: decoding requests each waited an iteration's duration for a
+        token; prefill tokens cost it between them (mixed batches included, since that
+        is what a new prompt really pays on a busy instance)."""
+        if min(durations_s) < 0:
+            raise ValueError(f"negative iteration duration {min(durations_s)}")
         state = self._state(instance_id)
+        count = len(durations_s)
         if num_decode_seqs > 0:
-            state.decode_iteration.update(duration_s)
-            state.decode_batch.update(float(num_decode_seqs))
+            state.decode_iteration.update(durations_s)
+            state.decode_batch.update(itertools.repeat(float(num_decode_seqs), count))
         if num_prefill_tokens > 0:
-            state.prefill_step_s.update(duration_s)
-            state.prefill_step_tokens.update(float(num_prefill_tokens))
-        state.num_samples += 1
+            state.prefill_step_s.update(durations_s)
+            state.prefill_step_tokens.update(itertools.repeat(float(num_prefill_tokens), count))
+        state.num_samples += count
+
+    def observe_iteration(self, instance_id: InstanceId, duration_s: float,
+                          num_prefill_tokens: int, num_decode_seqs: int, now: float) -> None:
+        """One engine iteration (`observe_iterations`)."""
+        self.observe_iterations(instance_id, (duration_s,), num_prefill_tokens,
+                                num_decode_seqs)
 
     def observe_queue_wait(self, instance_id: InstanceId, wait_s: float, now: float) -> None:
-        self._state(instance_id).queue_delay.update(max(wait_s, 0.0))
+        self._state(instance_id).queue_delay.update((max(wait_s, 0.0),))
 
     # ---- substrate callbacks -------------------------------------------------
     def on_step(self, instance_id: InstanceId, report: StepReport, now: float) -> None:
-        self.observe_iteration(
-            instance_id, report.duration_s, report.num_prefill_tokens, report.num_decode_seqs, now
-        )
-        self._take_new_queue_waits(instance_id, report.status, now)
-        self._take_new_finishes(instance_id, report.status, now)
+        """The report's iterations; requests that started or finished in them did so
+        by the end of the first (`StepReport`), where departures are dated."""
+        self.observe_iterations(instance_id, report.durations_s, report.num_prefill_tokens,
+                                report.num_decode_seqs)
+        self._take_new_queue_waits(instance_id, report.status, report.first_end_s)
+        self._take_new_finishes(instance_id, report.status, report.first_end_s)
 
     def on_status(self, status: EngineStatus, now: float) -> None:
         """A polled report (live router): take only what is newer than the last poll.
@@ -175,8 +185,9 @@ class StatusEstimator(StepListener):
         state = self._state(status.engine_id)
         batch = max(status.num_running, 1)
         durations = status.recent_iteration_s
-        for duration in newest_entries(durations, status.num_iterations, state.seen_iterations):
-            self.observe_iteration(status.engine_id, duration, 0, batch, now)
+        new = newest_entries(durations, status.num_iterations, state.seen_iterations)
+        if new:
+            self.observe_iterations(status.engine_id, new, 0, batch)
         state.seen_iterations = status.num_iterations
         self._take_new_prefill(state, status.prefill)
         self._take_new_queue_waits(status.engine_id, status, now)
@@ -206,7 +217,8 @@ class StatusEstimator(StepListener):
             departures.times.append(now)
         departures.seen = max(status.num_finished, departures.seen)
 
-    def _take_new_queue_waits(self, instance_id: InstanceId, status: EngineStatus, now: float):
+    def _take_new_queue_waits(self, instance_id: InstanceId, status: EngineStatus,
+                              now: float) -> None:
         state = self._state(instance_id)
         waits = status.recent_queue_wait_s
         for wait in newest_entries(waits, status.num_queue_wait_samples, state.seen_queue_waits):
@@ -262,9 +274,7 @@ class StatusEstimator(StepListener):
         `joining` values asked) and recomputed only for the rows whose state or columns
         changed; the queue's Little's-law part, which ages with `now`, is computed from
         them when read (`queues_at`, or a compiled caller's own pass)."""
-        dirty = self._table.refresh(self._states)
-        for kept in self._estimates:
-            kept.stale |= dirty
+        self._table.refresh(self._states)
         cache = next((c for c in self._estimates if c.joining == joining and (
             c.ids is arrays.ids or c.ids == arrays.ids)), None)
         if cache is None:
@@ -283,29 +293,41 @@ _NUM_STATE_COLUMNS = 8
 
 class _StateTable:
     """The estimator's per-instance state as rows of floats, refreshed only for the
-    instances whose state changed since the last vectorised estimate. Row 0 stands
-    for an instance with no state (catalog prior)."""
+    instances whose state changed since the last vectorised estimate, each rewrite
+    counted in the row's version (kept estimates recompute the rows whose version
+    moved). Row 0 stands for an instance with no state (catalog prior)."""
 
     def __init__(self) -> None:
         self.dirty: set[InstanceId] = set()
         self._row: dict[InstanceId, int] = {}
+        self.ids: list[InstanceId] = []  # in row order, from row 1
         self._table = np.zeros((1, _NUM_STATE_COLUMNS))
+        self._versions = np.zeros(1, dtype=np.int64)
 
-    def refresh(self, states: dict[InstanceId, _InstanceState]) -> set[InstanceId]:
-        """Rewrite the rows of the instances whose state changed: those instances."""
+    def refresh(self, states: dict[InstanceId, _InstanceState]) -> None:
+        """Rewrite the rows of the instances whose state changed."""
+        if not self.dirty:
+            return
         dirty, self.dirty = self.dirty, set()
         for instance_id in dirty:
             row = self._row.get(instance_id)
             if row is None:
                 row = self._row[instance_id] = len(self._table)
+                self.ids.append(instance_id)
                 self._table = np.vstack([self._table, np.zeros((1, _NUM_STATE_COLUMNS))])
+                self._versions = np.append(self._versions, 0)
             state = states.get(instance_id)
             self._table[row] = _NO_STATE if state is None else _state_row(state)
-        return dirty
+            self._versions[row] += 1
 
     @property
     def table(self) -> np.ndarray:
         return self._table
+
+    @property
+    def versions(self) -> np.ndarray:
+        """Per row, how often it was rewritten."""
+        return self._versions
 
     def row_index(self, instance_id: InstanceId) -> int:
         """The instance's row (0 for an instance never seen)."""
@@ -383,22 +405,25 @@ def _queue_s(queue_ema: float, num_ahead: float, departed: float, first_finish_s
 
 
 @njit(cache=True)
-def _refresh_terms(states: np.ndarray, state_rows: np.ndarray, view: np.ndarray,
-                   seen_view: np.ndarray, stale: np.ndarray, joining: int,
-                   terms: np.ndarray) -> None:
-    """Recompute `terms`' rows (`_row_terms`, one row per instance) whose state is
-    `stale` or whose view columns differ from `seen_view`, which takes the new ones."""
+def _refresh_terms(states: np.ndarray, versions: np.ndarray, state_rows: np.ndarray,
+                   seen_versions: np.ndarray, view: np.ndarray, seen_view: np.ndarray,
+                   joining: int, terms: np.ndarray) -> None:
+    """Recompute `terms`' rows (`_row_terms`, one row per instance) whose state row's
+    version differs from `seen_versions` or whose view columns differ from
+    `seen_view`; both take the new ones."""
     for row in range(view.shape[0]):
-        changed = stale[row]
+        state_row = state_rows[row]
+        changed = versions[state_row] != seen_versions[row]
         if not changed:
             for column in range(view.shape[1]):
                 if view[row, column] != seen_view[row, column]:
                     changed = True
                     break
         if changed:
+            seen_versions[row] = versions[state_row]
             seen_view[row] = view[row]
             (terms[row, 0], terms[row, 1], terms[row, 2], terms[row, 3], terms[row, 4],
-             terms[row, 5]) = _row_terms(states[state_rows[row]], view[row], joining)
+             terms[row, 5]) = _row_terms(states[state_row], view[row], joining)
 
 
 @njit(cache=True)
@@ -445,37 +470,38 @@ _RUNNING, _WAITING, _PRIOR_P, _PRIOR_D, _INTERCEPT, _SLOPE, _MAX_NUM_SEQS = (
 @dataclass
 class _Estimates:
     """`estimate_arrays`' answer for one list of instances, kept between calls: the
-    terms of `_row_terms` per row, the state rows they read and the view table they
-    were computed from."""
+    terms of `_row_terms` per row, the state rows they read (and those rows' versions)
+    and the view table they were computed from."""
 
     ids: tuple[InstanceId, ...]
     joining: int
     state_rows: np.ndarray  # each instance's `_StateTable` row
+    seen_versions: np.ndarray  # the state rows' versions the terms were computed from
     seen_view: np.ndarray  # the view columns the terms were computed from
     terms: np.ndarray  # (instances, _NUM_TERMS)
-    stale: set[InstanceId] = field(default_factory=set)  # state changed since computed
+    num_mapped: int = 0  # `_StateTable.ids` already looked up in `state_rows`
 
     @classmethod
     def of(cls, arrays: ViewArrays, table: _StateTable, joining: int) -> _Estimates:
         kept = cls(arrays.ids, joining, table.rows_of(arrays.ids),
-                   np.full_like(arrays.table, np.nan), np.empty((len(arrays), _NUM_TERMS)))
-        kept.update(arrays, table, np.ones(len(arrays), dtype=np.bool_))
+                   np.full(len(arrays), -1, dtype=np.int64),
+                   np.full_like(arrays.table, np.nan), np.empty((len(arrays), _NUM_TERMS)),
+                   len(table.ids))
+        kept.update(arrays, table)
         return kept
 
-    def update(self, arrays: ViewArrays, table: _StateTable,
-               stale: np.ndarray | None = None) -> None:
-        """Recompute the rows whose state is stale or whose view columns changed."""
-        if stale is None:
-            stale = np.zeros(len(arrays), dtype=np.bool_)
+    def update(self, arrays: ViewArrays, table: _StateTable) -> None:
+        """Recompute the rows whose state or view columns changed (instances that got
+        a state row since the last call first take theirs)."""
+        if self.num_mapped < len(table.ids):
             row_of = arrays.row_of
-            for instance_id in self.stale:
+            for instance_id in table.ids[self.num_mapped:]:
                 row = row_of.get(instance_id)
                 if row is not None:
-                    stale[row] = True
                     self.state_rows[row] = table.row_index(instance_id)
-            self.stale.clear()
-        _refresh_terms(table.table, self.state_rows, arrays.table, self.seen_view, stale,
-                       self.joining, self.terms)
+            self.num_mapped = len(table.ids)
+        _refresh_terms(table.table, table.versions, self.state_rows, self.seen_versions,
+                       arrays.table, self.seen_view, self.joining, self.terms)
 
 
 @functools.cache
@@ -485,7 +511,6 @@ def warm_up() -> None:
     states, view = np.zeros((1, _NUM_STATE_COLUMNS)), np.ones((1, len(COLUMNS)))
     for num_ahead in (WHOLE_QUEUES, np.ones(1)):
         _estimate_row(states[0], view[0], 1, 0.0, num_ahead)
-    terms = np.empty((1, _NUM_TERMS))
-    _refresh_terms(states, np.zeros(1, dtype=np.int64), view, view.copy(),
-                   np.ones(1, dtype=np.bool_), 1, terms)
+    terms, rows = np.empty((1, _NUM_TERMS)), np.zeros(1, dtype=np.int64)
+    _refresh_terms(states, rows, rows, rows - 1, view, view.copy(), 1, terms)
     queues_at(terms, WHOLE_QUEUES, 0.0)

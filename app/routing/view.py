@@ -97,11 +97,14 @@ class ClusterView:
     def by_id(self) -> dict[InstanceId, InstanceView]:
         return {v.instance_id: v for v in self.instances}
 
-    @cached_property
+    @property
     def arrays(self) -> ViewArrays:
-        """`instances` as columns (vectorised routing): the substrate's, else built."""
-        if self.columns is not None:
-            return self.columns
+        """`instances` as columns (vectorised routing): the substrate's, else built
+        (once: `ViewArrays.id_rank` says why this is not one `cached_property`)."""
+        return self.columns if self.columns is not None else self._built_arrays
+
+    @cached_property
+    def _built_arrays(self) -> ViewArrays:
         return ViewArrays.of(self.instances)
 
     def get(self, instance_id: InstanceId) -> InstanceView:
@@ -124,8 +127,9 @@ class ClusterView:
             return np.zeros(len(instance_ids), dtype=np.int64)
         if self.prefix_directory is None:
             return [self.prefix_hit_tokens(i, request) for i in instance_ids]
-        blocks = self.prefix_directory.hit_blocks(request.block_hashes, instance_ids)
-        return np.minimum(blocks * request.hash_block_size, request.num_prompt_tokens)
+        return self.prefix_directory.hit_tokens(request.block_hashes, instance_ids,
+                                                request.hash_block_size,
+                                                request.num_prompt_tokens)
 
     def holding(self, request: RouteRequest) -> Sequence[InstanceView]:
         """Instances whose KV capacity can ever hold the request, in view order."""
@@ -135,16 +139,70 @@ class ClusterView:
         return [v for v in self.instances if v.can_hold(need)]
 
 
+class DeferredClusterView(ClusterView):
+    """A snapshot that holds one instance's view and builds the others' when first
+    read: a watchdog check reads its own instance every time but the others only when
+    it weighs a move, and a substrate may have work to do before it can show them (the
+    simulator applies their engines' iterations up to the check)."""
+
+    def __init__(self, time_s: float, source: InstanceView,
+                 build: Callable[[], ClusterView]) -> None:
+        object.__setattr__(self, "time_s", time_s)
+        object.__setattr__(self, "_source", source)
+        object.__setattr__(self, "_build", build)
+
+    @cached_property
+    def whole(self) -> ClusterView:
+        """The snapshot of every instance, built on first read."""
+        return self._build()
+
+    @property  # type: ignore[override]
+    def instances(self) -> tuple[InstanceView, ...]:
+        return self.whole.instances
+
+    @property  # type: ignore[override]
+    def prefix_lookup(self) -> PrefixLookup:
+        return self.whole.prefix_lookup
+
+    @property  # type: ignore[override]
+    def kv_capacity_floor_tokens(self) -> int:
+        return self.whole.kv_capacity_floor_tokens
+
+    @property  # type: ignore[override]
+    def columns(self) -> ViewArrays | None:
+        return self.whole.columns
+
+    @property  # type: ignore[override]
+    def prefix_directory(self) -> PrefixDirectory | None:
+        return self.whole.prefix_directory
+
+    def get(self, instance_id: InstanceId) -> InstanceView:
+        if instance_id == self._source.instance_id:
+            return self._source
+        return self.whole.get(instance_id)
+
+
 @dataclass(frozen=True)
 class StepReport:
-    """One finished engine iteration, as a black-box status estimator receives it."""
+    """Finished engine iterations of one batch shape, back to back, as a black-box
+    status estimator receives them: one, or the stretch of a decode run between two
+    decisions, so that a listener takes a run in one call, not one per iteration.
+
+    No iteration after the first starts or finishes a request, so the status's
+    counters of those (finishes, queue waits) stand as read after the first."""
 
     instance_id: InstanceId
-    start_s: float
-    duration_s: float
-    num_prefill_tokens: int
-    num_decode_seqs: int
-    status: EngineStatus  # queue/batch/KV figures right after the iteration
+    start_s: float  # when the first began; each later one begins as the one before ends
+    durations_s: Sequence[float]  # per iteration
+    num_prefill_tokens: int  # per iteration
+    num_decode_seqs: int  # per iteration
+    status: EngineStatus  # queue/batch/KV figures right after the last iteration
+
+    @property
+    def first_end_s(self) -> float:
+        """When the first iteration ended (its start plus its duration, as the
+        substrate's clock adds them)."""
+        return self.start_s + self.durations_s[0]
 
 
 @dataclass(frozen=True)

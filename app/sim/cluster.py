@@ -6,25 +6,33 @@ through the same policy / watchdog objects the live router uses.
 
 Decode runs. Most iterations repeat their engine's batch one token further, and
 nothing but the engine and its step listeners notices them. When an iteration begins,
-the engine plans the ones after it that would repeat its batch (`SimEngineCore.repeats`,
-up to the next that finishes a request, needs a watchdog check or might preempt), and
-only the last gets a StepEndEvent; the others are applied in `settle`, which the
-simulator calls before every event, with each iteration's step report as if it had
-had its own event. Step listeners thus hear each engine's iterations in order and
-before any decision after them, though not interleaved in time with other engines'
-(a status estimator keeps one state per engine, so it ends up the same). Whatever
-adds a request to an engine or takes one off it (`_admit`, `migrate`), or a router
-queue that starts to hold requests (every entry engine's iteration end then drains
-it), cuts the run: the iteration in flight ends by an event, the next batch is formed
-anew. An iteration that would end exactly at another event's time ends by an event
-too, so it still comes before arrivals and batches formed at that time; only among
-iteration ends of several engines at one instant may the order differ from stepping.
-Otherwise runs give the same records as one event pair per iteration
-(`bulk_steps=False`).
+the engine plans the ones after it that would repeat its batch (`SimEngineCore.plan_run`,
+up to the next that finishes a request or might preempt; their times priced in one
+compiled call), and only the last gets a StepEndEvent; the others are applied in
+`settle`, which the simulator calls before every event, as if each had had its own
+event. An engine's iterations between two reads of it are applied together and reach
+the step listeners in one report (`StepReport` with their durations): before an event
+that touches other engines than its own (an arrival routes) every engine catches up;
+before an engine's own iteration start or end only that engine does. Step listeners
+thus hear each engine's iterations in order and before any decision after them, though
+not interleaved in time with other engines' (a status estimator keeps one state per
+engine, so it ends up the same). A watchdog check that falls inside a run is a decision
+too: `settle` takes the checks in time order, each once its engine is applied up to
+it; the check's view builds the other engines' views only when the check reads them,
+after applying their iterations that ended before it (`_watch`), and the run goes on
+unless the check moved a request. Whatever adds a request to an engine or takes one off
+it (`_admit`, `migrate`), or a router queue that starts to hold requests (every entry
+engine's iteration end then drains it), cuts the run: the iteration in flight ends by
+an event, the next batch is formed anew. An iteration that would end exactly at another
+event's time ends by an event too, so it still comes before arrivals and batches formed
+at that time; only among iteration ends of several engines at one instant may the order
+differ from stepping. Otherwise runs give the same records as one event pair per
+iteration (`bulk_steps=False`).
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 from collections import deque
@@ -40,7 +48,7 @@ from app.routing.instance_view import InstanceId
 from app.routing.move_path import MovePath, MoveRule, plan_move
 from app.routing.priority import PriorityRule
 from app.routing.view import FinishReport, StepReport
-from app.sim.engine_core import ScheduledStep, SimSequence
+from app.sim.engine_core import DecodeRun, ScheduledStep, SimSequence
 from app.sim.events import (
     ArrivalEvent,
     ElasticHooks,
@@ -127,8 +135,10 @@ class SimCluster:
         self.num_done = 0  # finished or rejected
         self.num_token_events = 0
         self.max_run_iterations = MAX_RUN_ITERATIONS if bulk_steps else 1
-        # (end of the first quiet iteration, tie-break, its instance, that iteration)
-        self._runs: list[tuple[float, int, SimInstance, ScheduledStep]] = []
+        # (end of an iteration in flight, tie-break, its instance, the run, its index)
+        self._runs: list[tuple[float, int, SimInstance, DecodeRun, int]] = []
+        # (end of a run's iteration that ends with a watchdog check, the same)
+        self._checks: list[tuple[float, int, SimInstance, DecodeRun, int]] = []
         self._run_seq = itertools.count()
         self.quiet_end_s = 0.0  # end of the latest iteration applied by `settle`
 
@@ -282,64 +292,158 @@ class SimCluster:
             if inst.core.has_work:
                 raise RuntimeError(f"{inst.instance_id} has work but scheduled nothing")
             return []
-        repeats = inst.core.repeats(step, min(self._run_limit(inst) - 1, inst.run_budget))
-        if repeats:
-            inst.quiet.append(step)
-            inst.quiet.extend(repeats[:-1])
-            heapq.heappush(self._runs, (step.end_s, next(self._run_seq), inst, step))
-            step = repeats[-1]
+        run = inst.core.plan_run(step, min(self._run_limit(inst) - 1, inst.run_budget))
+        if run is not None:
+            inst.run, inst.run_at = run, 0
+            step = run.iteration(run.num_repeats)
+            self._queue_run(inst)
         inst.step = step
         return [StepEndEvent(step.end_s, inst, step)]
 
     def _run_limit(self, inst: SimInstance) -> int:
-        """Iterations, from the one beginning now, that may end without an event: up
-        to the next watchdog check; one while the router queue waits on this pool."""
+        """Iterations, from the one beginning now, that may end without an event: one
+        while the router queue waits on this pool."""
         if self.router_queue and inst.role == self.entry_role:
             return 1
-        limit = self.max_run_iterations
+        return self.max_run_iterations
+
+    def _queue_run(self, inst: SimInstance) -> None:
+        """Queue the end of `inst`'s iteration in flight and, when a watchdog check
+        falls within the run's quiet iterations, the first such (`settle`)."""
+        run, at = inst.run, inst.run_at
+        assert run is not None
+        heapq.heappush(self._runs, (run.ends_s[at], next(self._run_seq), inst, run, at))
+        inst.check_at = run.num_repeats
         if self.watchdog is not None and inst.role == self.serve_role:
             period = self.watchdog.check_period_iterations
-            limit = min(limit, period - inst.core.num_iterations % period)
-        return limit
+            check = at + (-(inst.core.num_iterations + 1)) % period
+            if check < run.num_repeats:
+                inst.check_at = check
+                heapq.heappush(self._checks,
+                               (run.ends_s[check], next(self._run_seq), inst, run, check))
 
-    def settle(self, until_s: float, *, inclusive: bool = False) -> list[Event]:
+    def settle(self, until_s: float, *, inclusive: bool = False,
+               before: Event | None = None) -> list[Event]:
         """Apply the decode runs' iterations that end before `until_s` (or at it, when
         `inclusive`): each completes, reports to the step listeners and begins the
-        next. An iteration ending exactly at `until_s` (not `inclusive`) gets its
-        StepEndEvent instead, returned: it then ends in event order."""
+        next; before an event at `until_s` that touches only its own engine
+        (`_keeps_to_itself`), only that engine's (the others wait until anything
+        reads them). A watchdog check in a run happens in time order, once its engine
+        is applied up to it (the others when the check reads them, `_watch`); the
+        events of a check that moved requests are returned at once (they come before
+        anything later). An iteration ending exactly at `until_s` (not `inclusive`)
+        gets its StepEndEvent instead, returned: it then ends in event order."""
+        while True:
+            check = self._next_check()
+            if check is None or check[0] > until_s or check[0] == until_s and not inclusive:
+                if before is None or not self._keeps_to_itself(before):
+                    return self._apply_runs(until_s, inclusive, cut_ties=True)
+                inst = before.instance  # type: ignore[attr-defined]
+                if inst.run is not None and inst.run.ends_s[inst.run_at] < until_s:
+                    self._settle_run(inst, until_s, inclusive=False)
+                return []
+            check_s, _, inst, _, at = heapq.heappop(self._checks)
+            events = self._check_in_run(inst, at, check_s)
+            if events:
+                return events
+
+    def _keeps_to_itself(self, event: Event) -> bool:
+        """Whether `event` reads and changes only its own engine, so the other engines'
+        runs need not be applied first: an iteration's start, or its end while no
+        request waits at the router (whose drain routes) and no elastic hooks listen
+        (its own watchdog check reads the others only through `_watch`'s view)."""
+        return (isinstance(event, (StepStartEvent, StepEndEvent)) and not self.router_queue
+                and self.elastic is None)
+
+    def _next_check(self) -> tuple[float, int, SimInstance, DecodeRun, int] | None:
+        """The earliest watchdog check still due in a run (those of cut runs dropped)."""
+        checks = self._checks
+        while checks and (checks[0][2].run is not checks[0][3]
+                          or checks[0][2].check_at != checks[0][4]):
+            heapq.heappop(checks)
+        return checks[0] if checks else None
+
+    def _apply_runs(self, until_s: float, inclusive: bool, cut_ties: bool) -> list[Event]:
+        """Every run's iterations ending before `until_s` (or at it, when `inclusive`),
+        up to its next watchdog check; `cut_ties`: an iteration in flight that ends at
+        `until_s` is cut to end by an event (`_interrupt`)."""
         events: list[Event] = []
-        while self._runs and self._runs[0][0] <= until_s:
-            _, _, inst, first = heapq.heappop(self._runs)
-            if inst.quiet and inst.quiet[0] is first:  # else the run was cut since
-                events.extend(self._settle_run(inst, until_s, inclusive))
+        runs = self._runs
+        while runs and runs[0][0] <= until_s:
+            end_s, _, inst, run, at = runs[0]
+            if inst.run is not run or inst.run_at != at:  # cut, or applied since
+                heapq.heappop(runs)
+            elif end_s < until_s or inclusive:
+                assert at < inst.check_at, "a run was applied past a watchdog check"
+                heapq.heappop(runs)
+                self._settle_run(inst, until_s, inclusive)
+            elif cut_ties:
+                heapq.heappop(runs)
+                events.extend(self._interrupt(inst))
+            else:
+                break
         return events
 
-    def _settle_run(self, inst: SimInstance, until_s: float, inclusive: bool) -> list[Event]:
-        """`settle` for one engine; the rest of its run waits in `_runs` again."""
-        core, quiet = inst.core, inst.quiet
-        while quiet and (quiet[0].end_s < until_s or inclusive and quiet[0].end_s == until_s):
-            step = quiet.popleft()
-            self.num_token_events += core.complete_repeat(step)
-            if self.step_listeners:
-                self._report_step(inst, step, step.end_s)
-            core.begin_repeat(quiet[0] if quiet else inst.step)
-            self.quiet_end_s = max(self.quiet_end_s, step.end_s)
+    def _settle_run(self, inst: SimInstance, until_s: float, inclusive: bool) -> None:
+        """`_apply_runs` for one engine: its iterations from the one in flight that end
+        before `until_s` (or at it), up to its next watchdog check; the rest of its run
+        waits in `_runs` again."""
+        core, run, first = inst.core, inst.run, inst.run_at
+        assert run is not None
+        stop = (bisect.bisect_right if inclusive else bisect.bisect_left)(
+            run.ends_s, until_s, first, inst.check_at)
+        self.num_token_events += core.complete_repeats(run, first, stop)
+        if self.step_listeners:
+            self._report_run(inst, run, first, stop)
+        self._begin_run_iteration(inst, run, stop)
+
+    def _begin_run_iteration(self, inst: SimInstance, run: DecodeRun, index: int) -> None:
+        """Iterations before `index` of `inst`'s run are applied: begin `index`, the
+        last (whose StepEndEvent is queued) or one queued again in `_runs`."""
+        inst.core.begin_repeat(run, index)
         self.pools[inst.role].mark_dirty(inst)
-        if not quiet:  # only the last iteration is left: the run was not cut
+        self.quiet_end_s = max(self.quiet_end_s, run.ends_s[index - 1])
+        if index == run.num_repeats:  # only the last iteration is left: the run was not cut
+            inst.run = None
             inst.run_budget = min(2 * inst.run_budget, self.max_run_iterations)
-            return []
-        if quiet[0].end_s == until_s:
-            return self._interrupt(inst)
-        heapq.heappush(self._runs, (quiet[0].end_s, next(self._run_seq), inst, quiet[0]))
-        return []
+            return
+        inst.run_at = index
+        if index > inst.check_at:  # past its check: queue the next
+            self._queue_run(inst)
+        else:
+            heapq.heappush(self._runs, (run.ends_s[index], next(self._run_seq), inst, run, index))
+
+    def _check_in_run(self, inst: SimInstance, at: int, now: float) -> list[Event]:
+        """Iteration `at` of `inst`'s run ends with a watchdog check: its iterations up
+        to it applied and reported (the other engines' only if the check reads them,
+        `_watch`), the check sees the engine as `end_step` would; no move, the run goes
+        on, else the engine forms its next batch now."""
+        core, run, first = inst.core, inst.run, inst.run_at
+        assert run is not None and first <= at == inst.check_at
+        self.num_token_events += core.complete_repeats(run, first, at + 1)
+        core.place_batch(run, at + 1, begun=False)
+        self.pools[inst.role].mark_dirty(inst)
+        self.quiet_end_s = max(self.quiet_end_s, now)
+        if self.step_listeners:
+            self._report_run(inst, run, first, at + 1)
+        last, inst.run, inst.step = inst.step, None, None  # as between two iterations
+        num_held = len(core.requests)
+        events = self._watch(inst, now)
+        if len(core.requests) < num_held:  # moved: the batch changed
+            inst.run_budget = max(inst.run_budget // 2, 1)
+            return events + self._kick(inst, now) if core.has_work else events
+        inst.run, inst.step = run, last
+        self._begin_run_iteration(inst, run, at + 1)
+        return events
 
     def _interrupt(self, inst: SimInstance) -> list[Event]:
         """Cut `inst`'s decode run (settled up to now): its iteration in flight ends by
         an event; the batch after it is formed anew. The run's last event goes stale."""
-        if not inst.quiet:
+        run = inst.run
+        if run is None:
             return []
-        inst.step = inst.quiet.popleft()
-        inst.quiet.clear()
+        inst.step = run.iteration(inst.run_at)
+        inst.run = None
         inst.run_budget = max(inst.run_budget // 2, 1)
         return [StepEndEvent(inst.step.end_s, inst, inst.step)]
 
@@ -355,7 +459,8 @@ class SimCluster:
             if token.index == 0 or token.finish_reason is not None:
                 self._on_token(inst, token, now, events)
         if self.step_listeners:
-            self._report_step(inst, step, now)
+            self._report_step(inst, step.start_s, (step.duration_s,),
+                              step.batch.num_prefill_tokens, step.batch.num_decode_seqs, now)
         if self.watchdog is not None and inst.role == self.serve_role:
             if inst.core.num_iterations % self.watchdog.check_period_iterations == 0:
                 events.extend(self._watch(inst, now))
@@ -402,17 +507,18 @@ class SimCluster:
             for listener in self.finish_listeners:
                 listener.on_finish(report, now)
 
-    def _report_step(self, inst: SimInstance, step: ScheduledStep, now: float) -> None:
-        report = StepReport(
-            instance_id=inst.instance_id,
-            start_s=step.start_s,
-            duration_s=step.duration_s,
-            num_prefill_tokens=step.batch.num_prefill_tokens,
-            num_decode_seqs=step.batch.num_decode_seqs,
-            status=inst.status(now),
-        )
+    def _report_step(self, inst: SimInstance, start_s: float, durations_s: Sequence[float],
+                     num_prefill_tokens: int, num_decode_seqs: int, now: float) -> None:
+        """One report for iterations of one batch shape that just ended, at `now`."""
+        report = StepReport(inst.instance_id, start_s, durations_s, num_prefill_tokens,
+                            num_decode_seqs, inst.status(now))
         for listener in self.step_listeners:
             listener.on_step(inst.instance_id, report, now)
+
+    def _report_run(self, inst: SimInstance, run: DecodeRun, first: int, stop: int) -> None:
+        """Iterations `first` to `stop` - 1 of `inst`'s run, just applied: one report."""
+        self._report_step(inst, run.start_s(first), run.durations_s[first:stop], 0,
+                          len(run.seqs), run.ends_s[stop - 1])
 
     def transfer_done(self, flight: SimFlight, target: SimInstance, num_resumed: int,
                       now: float) -> list[Event]:
@@ -449,8 +555,13 @@ class SimCluster:
             )
             for rid, seq in core.requests.items()
         ]
-        view = self.pools[inst.role].snapshot(now)
+        def settle_others() -> None:  # iterations that ended before the check
+            self._apply_runs(now, False, cut_ties=False)
+
+        view = self.pools[inst.role].check_snapshot(inst, now, settle_others)
         moves = self.watchdog.check(inst.instance_id, active, view, now)
+        if moves:  # the targets' runs first reach the check
+            settle_others()
         events: list[Event] = []
         for request_id, target_id in moves.items():
             events.extend(self.migrate(inst, request_id, target_id, now))

@@ -34,10 +34,14 @@ KV loads) and keeps a separate queue for requests holding KV.
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+import numpy as np
+from numba import njit
 
 from app.engines.config import SchedulerConfig, SchedulingPolicy
 from app.engines.messages import (
@@ -51,6 +55,7 @@ from app.engines.prefix import PrefixCache
 from app.hardware.specs import BatchShape, InstanceSpec, chunk_attention_pairs
 
 _MASK64 = (1 << 64) - 1
+_NO_DIGEST: frozenset[int] = frozenset()
 # KV a decoding request reserves per iteration: the token it computes and the one it samples
 _DECODE_GROWTH = 2
 
@@ -192,6 +197,67 @@ class ScheduledStep:
         return self.start_s + self.duration_s
 
 
+@dataclass(frozen=True, eq=False)
+class DecodeRun:
+    """A begun decode iteration (`step`, iteration 0) and the iterations that repeat
+    its batch one token further each (1 to `num_repeats`), priced at once."""
+
+    step: ScheduledStep
+    seqs: tuple[SimSequence, ...]  # the batch, in running order
+    # per sequence, when `step` began: computed and output tokens, KV blocks held
+    computed: list[int]
+    generated: list[int]
+    held: list[int]
+    durations_s: list[float]  # per iteration
+    ends_s: list[float]  # per iteration; each its start (the one before's end) + duration
+    new_blocks: list[int]  # per iteration: KV blocks the batch took since `step` began
+    num_free_blocks: int  # when `step` began
+
+    @property
+    def num_repeats(self) -> int:
+        return len(self.ends_s) - 1
+
+    def start_s(self, index: int) -> float:
+        """When iteration `index` begins: the end of the one before."""
+        return self.ends_s[index - 1] if index else self.step.start_s
+
+    def iteration(self, index: int) -> ScheduledStep:
+        """Iteration `index` as `begin_step` schedules it."""
+        if index == 0:
+            return self.step
+        batch, num_seqs = self.step.batch, len(self.seqs)
+        shape = BatchShape(0, 0, 0, 0, num_seqs, batch.decode_context_tokens + index * num_seqs)
+        return ScheduledStep(self.ends_s[index - 1], self.durations_s[index],
+                             self.step.req_to_num_tokens, shape)
+
+
+@njit(cache=True)
+def _run_blocks(computed: np.ndarray, held: np.ndarray, block_size: int, limit: int,
+                num_free: int) -> np.ndarray:
+    """New KV blocks the batch has taken by each of repeats 0 to r (repeat r grows each
+    request to hold its computed tokens + r + `_DECODE_GROWTH`), for the most repeats r,
+    up to `limit`, that the `num_free` blocks cover."""
+    taken = np.zeros(limit + 1, dtype=np.int64)
+    for r in range(1, limit + 1):
+        total = 0
+        for i in range(len(computed)):
+            needed = (computed[i] + r + _DECODE_GROWTH + block_size - 1) // block_size
+            if needed > held[i]:
+                total += needed - held[i]
+        if total > num_free:
+            return taken[:r]
+        taken[r] = total
+    return taken
+
+
+@functools.cache
+def warm_up() -> None:
+    """Compile (or load from the on-disk cache) the run planner's pass before the first
+    run is planned."""
+    one = np.ones(1, dtype=np.int64)
+    _run_blocks(one, one, 16, 1, 1)
+
+
 class SimEngineCore:
     """vLLM-v1-like scheduler over the roofline latency model.
 
@@ -224,6 +290,7 @@ class SimEngineCore:
         self.num_finished = 0
         self.num_preemptions = 0
         self.prefill = PrefillTotals()
+        warm_up()
 
     # ---- request lifecycle -------------------------------------------------
     def add_request(self, seq: SimSequence) -> None:
@@ -298,76 +365,75 @@ class SimEngineCore:
             self.prefill = self.prefill.add(step.duration_s, step.batch.num_prefill_tokens)
 
     # ---- runs of one decode batch --------------------------------------------
-    def repeats(self, step: ScheduledStep, max_repeats: int) -> list[ScheduledStep]:
+    def plan_run(self, step: ScheduledStep, max_repeats: int) -> DecodeRun | None:
         """The iterations after `step` (just begun) that `begin_step` would schedule
         if nothing reached the engine meanwhile: `step`'s batch again, one token
         further each, up to and including the first that finishes a request, none that
         might not find KV for every request (there the scheduler preempts), at most
-        `max_repeats`. Empty unless `step` decodes every running request and no waiting
+        `max_repeats`. None unless `step` decodes every running request and no waiting
         one could join (none waits, or every sequence slot is taken).
 
-        A simulator applies them in turn with `begin_repeat` and `complete_repeat`
-        (`complete_step` for the last, which may finish a request), without scheduling
-        each; anything that adds or removes a request in between voids the rest."""
+        A simulator applies the run with `complete_repeats` and `begin_repeat` (and
+        `complete_step` for its last iteration, which may finish a request), without
+        scheduling each; anything that adds or removes a request in between voids the
+        rest."""
         running = self.running
         if (max_repeats < 1 or step.batch.num_prefill_tokens > 0
                 or len(step.req_to_num_tokens) != len(running)
                 or (self.waiting and len(running) < self.config.max_num_seqs)):
-            return []
+            return None
         # the iteration in flight is repeat 0; a request with k tokens left ends in repeat k-1
-        count = min(max_repeats,
+        limit = min(max_repeats,
                     min(seq.max_output_tokens - seq.num_output_tokens for seq in running) - 1)
-        count = self._repeats_with_kv(count)
-        steps: list[ScheduledStep] = []
-        prev, batch, num_seqs = step, step.batch, len(running)
-        for _ in range(count):
-            batch = BatchShape(batch.num_prefill_tokens, batch.num_prefill_seqs,
-                               batch.prefill_attention_pairs, batch.prefill_kv_read_tokens,
-                               num_seqs, batch.decode_context_tokens + num_seqs)
-            prev = ScheduledStep(prev.end_s, self.instance.iteration_time_s(batch),
-                                 step.req_to_num_tokens, batch)
-            steps.append(prev)
-        return steps
+        if limit < 1:
+            return None
+        computed = np.array([seq.num_computed_tokens for seq in running], dtype=np.int64)
+        held = np.array([self.req_to_blocks.get(seq.request_id, 0) for seq in running],
+                        dtype=np.int64)
+        blocks = _run_blocks(computed, held, self.config.block_size, limit,
+                             self.num_free_blocks)
+        count = len(blocks) - 1
+        if count < 1:
+            return None
+        num_seqs = len(running)
+        durations, ends = self.instance.decode_run_s(
+            step.end_s, num_seqs, step.batch.decode_context_tokens + num_seqs, count)
+        return DecodeRun(step, tuple(running), computed.tolist(),
+                         [seq.num_output_tokens for seq in running], held.tolist(),
+                         [step.duration_s, *durations.tolist()], [step.end_s, *ends.tolist()],
+                         blocks.tolist(), self.num_free_blocks)
 
-    def complete_repeat(self, step: ScheduledStep) -> int:
-        """Apply a finished iteration of a decode run other than its last: what
-        `complete_step` does to one that finishes no request, whose tokens nobody
-        reads (each request's next output token). Returns how many it produced."""
-        self._count_iteration(step)
-        for request_id in step.req_to_num_tokens:
-            seq = self.requests[request_id]
-            seq.num_computed_tokens += 1
-            seq.num_output_tokens += 1
-        return len(step.req_to_num_tokens)
+    def complete_repeats(self, run: DecodeRun, first: int, stop: int) -> int:
+        """Apply iterations `first` to `stop` - 1 of `run` (iteration `first` in flight,
+        none of them its last) to the engine's own figures, what a status reports: what
+        `complete_step` does to iterations that finish no request and whose tokens
+        nobody reads, the KV as iteration `stop` - 1 took it. The batch's sequences
+        follow in `place_batch` (or `begin_repeat`), once for any number of iterations.
+        Returns the tokens produced."""
+        num = stop - first
+        self.num_iterations += num
+        self.recent_iteration_s.extend(run.durations_s[first:stop])
+        self.num_free_blocks = run.num_free_blocks - run.new_blocks[stop - 1]
+        return num * len(run.seqs)
 
-    def begin_repeat(self, step: ScheduledStep) -> None:
-        """Begin an iteration `repeats` planned: each request's KV grows as
-        `_schedule_running` grows a decoding one (`repeats` checked that it fits)."""
-        for request_id in step.req_to_num_tokens:
-            grown = self._grow(self.requests[request_id], _DECODE_GROWTH)
-            assert grown, f"{request_id}: a planned repeat ran out of KV"
+    def begin_repeat(self, run: DecodeRun, index: int) -> None:
+        """Begin iteration `index` of `run`, the ones before it completed: each
+        request's KV grows as `_schedule_running` grows a decoding one (`plan_run`
+        checked that it fits)."""
+        self.place_batch(run, index, begun=True)
 
-    def _repeats_with_kv(self, limit: int) -> int:
-        """The most repeats, up to `limit`, whose KV growth the free blocks cover."""
-        if limit <= 0 or self._blocks_to_repeat(limit) <= self.num_free_blocks:
-            return max(limit, 0)
-        low, high = 0, limit  # low fits, high does not
-        while high - low > 1:
-            mid = (low + high) // 2
-            if self._blocks_to_repeat(mid) <= self.num_free_blocks:
-                low = mid
-            else:
-                high = mid
-        return low
-
-    def _blocks_to_repeat(self, num_repeats: int) -> int:
-        """New blocks the running requests take over `num_repeats` repeats: repeat r
-        grows each to hold its computed tokens + r + `_DECODE_GROWTH`."""
-        total = 0
-        for seq in self.running:
-            needed = self._blocks_for(seq.num_computed_tokens + num_repeats + _DECODE_GROWTH)
-            total += max(needed - self.req_to_blocks.get(seq.request_id, 0), 0)
-        return total
+    def place_batch(self, run: DecodeRun, num_completed: int, *, begun: bool) -> None:
+        """The batch's sequences (tokens and KV) as after `run`'s first `num_completed`
+        iterations, and iteration `num_completed` too when `begun`."""
+        block_size, req_to_blocks = self.config.block_size, self.req_to_blocks
+        index = num_completed if begun else num_completed - 1  # the latest begun
+        for seq, computed, generated, held in zip(run.seqs, run.computed, run.generated,
+                                                  run.held, strict=True):
+            seq.num_computed_tokens = computed + num_completed
+            seq.num_output_tokens = generated + num_completed
+            needed = -(-(computed + index + _DECODE_GROWTH) // block_size)
+            req_to_blocks[seq.request_id] = needed if needed > held else held
+        self.num_free_blocks = run.num_free_blocks - run.new_blocks[index]
 
     # ---- scheduling helpers ------------------------------------------------
     def _schedule(self, now_s: float) -> dict[str, int]:
@@ -519,7 +585,7 @@ class SimEngineCore:
             num_kv_blocks_used=self.num_kv_blocks - self.num_free_blocks,
             num_kv_blocks_free=self.num_free_blocks,
             num_cached_prefix_blocks=len(self.prefix_cache),
-            prefix_digest=self.prefix_cache.digest() if with_digest else frozenset(),
+            prefix_digest=self.prefix_cache.digest() if with_digest else _NO_DIGEST,
             time_s=now_s,
             num_iterations=self.num_iterations,
             num_queue_wait_samples=self.num_queue_wait_samples,

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from app.engines.config import ClusterConfig, EngineRole, SchedulerConfig
@@ -12,8 +11,8 @@ from app.engines.prefix import PrefixDirectory
 from app.hardware.specs import InstanceSpec
 from app.routing.arrays import ViewColumns
 from app.routing.instance_view import InstanceId, InstanceView
-from app.routing.view import ClusterView
-from app.sim.engine_core import ScheduledStep, SimEngineCore
+from app.routing.view import ClusterView, DeferredClusterView
+from app.sim.engine_core import DecodeRun, ScheduledStep, SimEngineCore
 
 
 @dataclass(frozen=True)
@@ -32,24 +31,27 @@ def setups_from_config(cluster: ClusterConfig) -> list[InstanceSetup]:
 class SimInstance:
     """One engine: the shared engine core plus the simulator's stepping state.
 
-    In a decode run (`SimCluster.start_step`) the iterations before `step` wait in
-    `quiet`, the first of them in flight; they end without events of their own. A run
-    is planned ahead, so one cut short wastes the rest of its plan: `run_budget`, the
-    repeats the next run may plan, doubles after a run that got through its quiet
-    iterations and halves after one that was cut, which keeps the waste to about the
-    iterations the runs did apply."""
+    In a decode run (`SimCluster.start_step`) the iterations of `run` before `step`
+    (its last), from `run_at` (in flight), end without events of their own; the first
+    that ends with a watchdog check is `check_at`. A run is planned ahead, so one cut
+    short wastes the rest of its plan: `run_budget`, the repeats the next run may plan,
+    doubles after a run that got through its quiet iterations and halves after one that
+    was cut, which keeps the waste to about the iterations the runs did apply."""
 
-    __slots__ = ("instance_id", "role", "spec", "core", "pool_index", "step", "quiet",
-                 "run_budget", "start_pending", "inbound")
+    __slots__ = ("instance_id", "role", "role_name", "spec", "core", "pool_index", "step",
+                 "run", "run_at", "check_at", "run_budget", "start_pending", "inbound")
 
     def __init__(self, instance_id: InstanceId, setup: InstanceSetup, pool_index: int) -> None:
         self.instance_id = instance_id
         self.role = setup.role
+        self.role_name = setup.role.value  # what each status carries
         self.spec = setup.spec
         self.core = SimEngineCore(setup.spec, setup.scheduler)
         self.pool_index = pool_index
         self.step: ScheduledStep | None = None  # the iteration whose StepEndEvent is queued
-        self.quiet: deque[ScheduledStep] = deque()  # a run's iterations before `step`
+        self.run: DecodeRun | None = None  # while it has iterations before `step`
+        self.run_at = 0  # the run's iteration in flight
+        self.check_at = 0  # the run's first iteration that ends with a watchdog check
         self.run_budget = 1
         self.start_pending = False  # a StepStartEvent is queued
         self.inbound = 0  # disaggregated: requests placed here whose KV is in transit
@@ -91,7 +93,7 @@ class SimInstance:
         )
 
     def status(self, now: float) -> EngineStatus:
-        return self.core.status(self.instance_id, self.role.value, now, with_digest=False)
+        return self.core.status(self.instance_id, self.role_name, now, with_digest=False)
 
 
 class Pool:
@@ -155,12 +157,20 @@ class Pool:
             )
         return inst
 
+    def _view(self, index: int, now: float) -> InstanceView:
+        """Member `index`'s view, rebuilt (and its columns) if it changed since."""
+        view = self._views[index]
+        if index in self._dirty:
+            self._views[index] = view = self.instances[index].make_view(now)
+            self._columns.set(index, view)
+            self._dirty.discard(index)
+        assert view is not None
+        return view
+
     def snapshot(self, now: float, max_outstanding: int | None = None) -> ClusterView:
         """Views of the open instances, or of those under the admission cap."""
         for i in sorted(self._dirty):
-            self._views[i] = view = self.instances[i].make_view(now)
-            self._columns.set(i, view)
-        self._dirty.clear()
+            self._view(i, now)
         views: tuple[InstanceView, ...] = tuple(self._views)  # type: ignore[arg-type]
         if not self._closed and max_outstanding is None:
             return ClusterView(now, views, self.prefix_blocks, self._capacity_floor,
@@ -169,6 +179,17 @@ class Pool:
                 and (max_outstanding is None or v.num_outstanding < max_outstanding)]
         return ClusterView(now, tuple(views[i] for i in rows), self.prefix_blocks,
                            self._capacity_floor, self._columns.arrays(rows), self._prefixes)
+
+    def check_snapshot(self, inst: SimInstance, now: float,
+                       settle: Callable[[], None]) -> ClusterView:
+        """`snapshot(now)` for a watchdog check of open member `inst`: its own view at
+        once, the others' when the check first reads them, after `settle` brought their
+        engines up to `now` (most checks read only their own)."""
+        def build() -> ClusterView:
+            settle()
+            return self.snapshot(now)
+
+        return DeferredClusterView(now, self._view(inst.pool_index, now), build)
 
     def prefix_blocks(self, instance_id: InstanceId, block_hashes: Sequence[int]) -> int:
         return self.by_id[instance_id].core.prefix_cache.peek(block_hashes)

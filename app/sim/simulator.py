@@ -191,8 +191,17 @@ class Simulator:
             for event in self.elastic.attach(cluster, requests[0].arrival_s):
                 push(event)
         now, num_events, reported = 0.0, 0, 0
-        while heap and heap[0][0] <= stop_s:
-            ties = cluster.settle(heap[0][0])  # decode runs catch up first
+        while True:
+            if not heap or heap[0][0] > stop_s:
+                # the iterations that end by the stop; a watchdog check among them may
+                # still start a batch by then
+                late = cluster.settle(stop_s, inclusive=True)
+                if not late:
+                    break
+                for event in late:
+                    push(event)
+                continue
+            ties = cluster.settle(heap[0][0], before=heap[0][-1])  # decode runs catch up
             if ties:
                 for event in ties:
                     push(event)
@@ -204,7 +213,6 @@ class Simulator:
             if progress is not None and num_events % PROGRESS_EVERY_EVENTS == 0:
                 progress(cluster.num_done - reported)
                 reported = cluster.num_done
-        cluster.settle(stop_s, inclusive=True)  # the iterations that ended by the stop
         if progress is not None:
             progress(len(requests) - reported)  # everything is settled once the loop ends
         return max(now, cluster.quiet_end_s), num_events

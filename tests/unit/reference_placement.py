@@ -13,6 +13,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from app.routing.budgets import SlackBudgets
 from app.routing.goodserve.admissions import RecentAdmissions
 from app.routing.goodserve.config import GoodServeConfig, JustEnoughVariant
@@ -159,13 +161,15 @@ class ReferenceScoring:
     def record(self, scored: ReferenceScored) -> None:
         headroom = self.placer.config.headroom
         candidates = scored.candidates
-        turned_away = [c.instance_id for c in candidates
+        turned_away = [i for i, c in enumerate(candidates)
                        if c.meets_deadline(headroom) and not c.admissible()]
         stranded = []
         if not any(c.meets_deadline() and c.harmless() for c in candidates):
-            stranded = [c.instance_id for c in candidates
+            stranded = [i for i, c in enumerate(candidates)
                         if c.meets_deadline() and not c.harmless()]
-        self.placer.admissions.record_outcomes(self.request, turned_away, stranded)
+        self.placer.admissions.record_outcomes(
+            self.request, [c.instance_id for c in candidates],
+            np.array(turned_away, dtype=np.int64), np.array(stranded, dtype=np.int64))
 
 
 @dataclass(frozen=True)

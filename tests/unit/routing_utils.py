@@ -98,7 +98,8 @@ def scored_rows(request: RouteRequest, rows: Sequence[Row]) -> Scored:
 def record_arrival(admissions: RecentAdmissions, request: RouteRequest, rows: Sequence[Row],
                    headroom: float) -> None:
     """What an arrival scored as `rows` tells `admissions`."""
-    admissions.record_outcomes(request, *scored_rows(request, rows).outcomes(headroom))
+    scored = scored_rows(request, rows)
+    admissions.record_outcomes(request, scored.scorer.arrays.ids, *scored.outcomes(headroom))
 
 
 @dataclass(frozen=True)

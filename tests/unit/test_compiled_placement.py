@@ -289,13 +289,16 @@ def test_the_prefix_directory_answers_what_each_cache_would():
         rng.choice(list(caches.values())).insert(prompt, 16)
         query = rng.choice(stems)[:rng.randrange(0, 31)]
         ids = [*rng.sample(list(caches), 20), "absent"]
-        hits = directory.hit_blocks(query, ids)
-        assert list(hits) == [caches[i].peek(query) if i in caches else 0 for i in ids]
+        cap = rng.randrange(1, 16 * 31)
+        hits = directory.hit_tokens(query, ids, 16, cap)
+        assert list(hits) == [min(16 * caches[i].peek(query), cap) if i in caches else 0
+                              for i in ids]
 
 
 def test_warm_up_compiles_every_pass_a_decision_calls():
     """The compile (or cache load) happens when a placer is built, never on a request:
     a run of decisions, moves and fallbacks adds no signature to any compiled pass."""
+    from app.engines import prefix
     from app.experiments.overhead import mixed_cluster
     from app.routing import length, status
     from app.routing.goodserve import scoring
@@ -308,7 +311,7 @@ def test_warm_up_compiles_every_pass_a_decision_calls():
     stack = build_routing(PolicyKind.GOODSERVE, RoutingOptions(seed=0))
     passes = [scoring._instance_terms, scoring._place, scoring._fallback,
               scoring._outcome_rows, status._estimate_row, status._refresh_terms,
-              length._scale_of]
+              length._scale_of, prefix._leading_tokens]
     compiled = [len(p.signatures) for p in passes]
     pool = [Content(300 + 500 * (i % 5), 50 + 80 * (i % 3), (i % 4, i)) for i in range(32)]
     workload = poisson_workload(150.0, 1.0, pool, seed=1)

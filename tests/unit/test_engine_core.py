@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 
 from app.engines.config import SchedulerConfig
@@ -279,34 +277,59 @@ def test_repeats_are_what_begin_step_schedules_up_to_a_finish_or_a_preemption(nu
     # 9 blocks of 16 tokens: the two requests outgrow them before r0's 40th token
     planned, step = decoding_core(num_kv_blocks=num_kv_blocks)
     stepped, _ = decoding_core(num_kv_blocks=num_kv_blocks)
-    repeats = planned.repeats(step, 1000)
-    assert repeats
-    for prev, nxt in itertools.pairwise([step, *repeats]):
-        planned.complete_repeat(prev)
-        planned.begin_repeat(nxt)
+    run = planned.plan_run(step, 1000)
+    assert run is not None and run.num_repeats > 0
+    for index in range(run.num_repeats):
+        prev, nxt = run.iteration(index), run.iteration(index + 1)
+        planned.complete_repeats(run, index, index + 1)
+        planned.begin_repeat(run, index + 1)
         stepped.complete_step(prev, prev.end_s)
         assert stepped.begin_step(prev.end_s) == nxt
+        assert planned.num_free_blocks == stepped.num_free_blocks
+        assert planned.req_to_blocks == stepped.req_to_blocks
+    last = run.iteration(run.num_repeats)
     for core in (planned, stepped):
-        core.complete_step(repeats[-1], repeats[-1].end_s)
+        core.complete_step(last, last.end_s)
         assert core.num_preemptions == 0
     assert planned.num_free_blocks == stepped.num_free_blocks
     assert list(planned.recent_iteration_s) == list(stepped.recent_iteration_s)
     assert [(s.num_computed_tokens, s.num_output_tokens) for s in planned.running] == [
         (s.num_computed_tokens, s.num_output_tokens) for s in stepped.running]
-    stepped.begin_step(repeats[-1].end_s)
+    stepped.begin_step(last.end_s)
     if num_kv_blocks is None:
         assert stepped.num_finished == 1  # the last repeat finished r0
     else:
         assert stepped.num_preemptions == 1  # the next iteration did not find KV
 
 
+def test_a_run_applied_at_once_leaves_the_engine_as_one_iteration_at_a_time():
+    bulk, step = decoding_core()
+    single, _ = decoding_core()
+    run, same = bulk.plan_run(step, 20), single.plan_run(step, 20)
+    assert run is not None and same is not None and run.num_repeats == 20
+    bulk.complete_repeats(run, 0, 13)
+    bulk.begin_repeat(run, 13)
+    for index in range(13):
+        single.complete_repeats(same, index, index + 1)
+        single.begin_repeat(same, index + 1)
+    for core in (bulk, single):
+        core.complete_step(run.iteration(13), run.ends_s[13])
+    assert bulk.num_free_blocks == single.num_free_blocks
+    assert bulk.req_to_blocks == single.req_to_blocks
+    assert list(bulk.recent_iteration_s) == list(single.recent_iteration_s)
+    assert bulk.num_iterations == single.num_iterations
+    assert [(s.num_computed_tokens, s.num_output_tokens) for s in bulk.running] == [
+        (s.num_computed_tokens, s.num_output_tokens) for s in single.running]
+
+
 def test_no_repeats_while_a_request_could_join_or_a_prompt_is_computed():
     core, step = decoding_core(max_num_seqs=3)
     core.add_request(make_seq("late", prompt=50, out=5))  # waits, and a slot is free
-    assert core.repeats(step, 100) == []
+    assert core.plan_run(step, 100) is None
     core = make_core()
     core.add_request(make_seq("r", prompt=2000, out=5))
-    assert core.repeats(core.begin_step(0.0), 100) == []
+    assert core.plan_run(core.begin_step(0.0), 100) is None
     full, step = decoding_core(max_num_seqs=2)
     full.add_request(make_seq("late", prompt=50, out=5))  # waits, but no slot is free
-    assert len(full.repeats(step, 5)) == 5
+    run = full.plan_run(step, 5)
+    assert run is not None and run.num_repeats == 5

@@ -186,7 +186,7 @@ def test_a_repeated_report_adds_nothing_and_a_restart_is_not_negative_work():
 
 
 def _step(duration_s: float, num_prefill: int, totals: PrefillTotals) -> StepReport:
-    return StepReport("A40", 0.0, duration_s, num_prefill, 0, make_status(totals))
+    return StepReport("A40", 0.0, (duration_s,), num_prefill, 0, make_status(totals))
 
 
 def test_polled_counters_learn_the_same_p_g_as_per_iteration_step_reports():
@@ -219,6 +219,27 @@ def test_one_poll_over_identical_iterations_weighs_them_like_that_many_steps():
     assert polled.estimate(view).prefill_s_per_token == pytest.approx(
         stepped.estimate(view).prefill_s_per_token, rel=1e-9
     )
+
+
+def test_one_report_of_a_run_leaves_the_estimator_where_one_report_per_iteration_does():
+    """A decode run's stretch in one report: the same EMA steps, bit for bit, and its
+    new queue waits and finishes dated at the first iteration's end, as per iteration."""
+    durations = [0.021, 0.0213, 0.0209, 0.0217, 0.0222]
+    before = make_status(PrefillTotals(), running=4)
+    after = replace(before, recent_queue_wait_s=(0.5, 0.7), num_queue_wait_samples=2,
+                    num_finished=3)
+    bulk, stepped = StatusEstimator(alpha=0.3), StatusEstimator(alpha=0.3)
+    for estimator in (bulk, stepped):
+        estimator.on_step("A40", StepReport("A40", 0.0, (0.05,), 300, 2, before), 0.05)
+    bulk.on_step("A40", StepReport("A40", 0.05, durations, 0, 4, after), 0.05 + sum(durations))
+    start_s = 0.05
+    for duration_s in durations:
+        stepped.on_step("A40", StepReport("A40", start_s, (duration_s,), 0, 4, after),
+                        start_s + duration_s)
+        start_s += duration_s
+    assert bulk._states == stepped._states
+    view = make_view("A40", running=4, waiting=2)
+    assert bulk.estimate(view, now=1.0) == stepped.estimate(view, now=1.0)
 
 
 def test_each_backend_says_what_it_can_do():

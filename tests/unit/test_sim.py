@@ -9,6 +9,7 @@ import math
 import pytest
 
 from app.engines.config import EngineRole, SchedulerConfig
+from app.engines.messages import EngineStatus
 from app.hardware.kv_link import KvLink
 from app.hardware.specs import make_instance
 from app.routing.base import ActiveRequest, Reject, RoutingPolicy, Watchdog
@@ -206,6 +207,32 @@ def test_drain_limit_counts_unfinished_as_violated() -> None:
 class StepLog(LeastRequestPolicy):
     """Least-request routing that keeps each instance's step reports."""
 
+    def iterations(self) -> dict[str, list[tuple[float, float, int, int]]]:
+        """Each instance's iterations as its reports told them: (start, duration,
+        prefill tokens, decode sequences), a report's `now` its last one's end."""
+        told: dict[str, list[tuple[float, float, int, int]]] = {}
+        for instance_id, reports in self.steps.items():
+            rows = told[instance_id] = []
+            for report, now in reports:
+                start_s = report.start_s
+                for duration_s in report.durations_s:
+                    rows.append((start_s, duration_s, report.num_prefill_tokens,
+                                 report.num_decode_seqs))
+                    start_s += duration_s
+                assert start_s == now
+        return told
+
+    def statuses(self) -> dict[str, list[tuple[int, int, EngineStatus]]]:
+        """Each instance's reports as (their first iteration, last, the status)."""
+        spans: dict[str, list[tuple[int, int, EngineStatus]]] = {}
+        for instance_id, reports in self.steps.items():
+            rows = spans[instance_id] = []
+            first = 0
+            for report, _ in reports:
+                rows.append((first, first + len(report.durations_s) - 1, report.status))
+                first += len(report.durations_s)
+        return spans
+
     def __init__(self) -> None:
         super().__init__(seed=0)
         self.steps: dict[str, list[tuple[StepReport, float]]] = {}
@@ -249,12 +276,24 @@ def test_decode_runs_give_the_records_and_reports_of_one_event_per_iteration(
         policy = StepLog()
         result = run(setups, requests, policy, watchdog=MoveWaiting(tau=10, limit=6),
                      max_drain_s=max_drain_s, request_priority=priority, bulk_steps=bulk)
-        return result, policy.steps
+        return result, policy
 
-    (bulk, bulk_steps), (stepped, stepped_steps) = simulate(True), simulate(False)
+    (bulk, bulk_log), (stepped, stepped_log) = simulate(True), simulate(False)
     assert [dataclasses.asdict(r) for r in bulk.records] == [
         dataclasses.asdict(r) for r in stepped.records]
-    assert bulk_steps == stepped_steps
+    assert bulk_log.iterations() == stepped_log.iterations()
+    stepped_statuses = {i: [status for *_, status in spans]
+                        for i, spans in stepped_log.statuses().items()}
+    for instance_id, spans in bulk_log.statuses().items():
+        for first, last, status in spans:  # a report covers its iterations' status:
+            assert status == stepped_statuses[instance_id][last]  # after the last,
+            for each in stepped_statuses[instance_id][first:last]:  # with the starts and
+                assert (each.num_finished, each.num_queue_wait_samples,  # finishes as
+                        each.recent_queue_wait_s) == (  # after the first
+                    status.num_finished, status.num_queue_wait_samples,
+                    status.recent_queue_wait_s)
+    assert max(last - first for spans in bulk_log.statuses().values()
+               for first, last, _ in spans) > 0  # some reports covered several
     assert (bulk.makespan_s, bulk.num_token_events, bulk.num_preemptions) == (
         stepped.makespan_s, stepped.num_token_events, stepped.num_preemptions)
     assert stepped.num_preemptions > 0
@@ -292,7 +331,7 @@ class Recorder(LeastRequestPolicy):
         return super().choose(request, view, now)
 
     def on_step(self, instance_id, report, now):
-        assert report.start_s + report.duration_s == pytest.approx(now)
+        assert report.start_s + sum(report.durations_s) == pytest.approx(now)
         self.steps.append(report)
 
     def on_finish(self, report, now):

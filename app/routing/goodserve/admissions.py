@@ -9,10 +9,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
+
 from app.routing.goodserve.config import GoodServeConfig
 from app.routing.instance_view import InstanceId
 from app.routing.quantiles import SortedWindow
 from app.routing.view import RouteRequest
+
+_NEVER = -(2**62)  # the arrival number of an outcome that never happened
 
 
 class RecentAdmissions:
@@ -30,6 +34,11 @@ class RecentAdmissions:
     all - stranding (a reservation's own refusals do not count, or it would feed
     itself).
     Across instances, the SLO spans of the last `slo_window` arrivals.
+
+    The arrival numbers are arrays indexed by a slot per instance (`slots_of` maps a
+    list of instances to theirs once per list), so an arrival's outcomes are written
+    and a whole view's contention read with one numpy step each, not a dict entry per
+    instance.
     """
 
     def __init__(self, config: GoodServeConfig = GoodServeConfig()) -> None:
@@ -37,23 +46,47 @@ class RecentAdmissions:
         self.min_slo_samples = config.min_slo_samples
         self._latencies: dict[InstanceId, SortedWindow] = {}
         self._num_arrivals = 0
-        self._last_turned_away: dict[InstanceId, int] = {}  # arrival number
-        self._last_stranded: dict[InstanceId, int] = {}  # arrival number
-        self._last_any_stranded: int | None = None
+        self._slot: dict[InstanceId, int] = {}
+        # per slot, the arrival number it last turned one away / stranded one at
+        self._last_turned_away = np.full(0, _NEVER, dtype=np.int64)
+        self._last_stranded = np.full(0, _NEVER, dtype=np.int64)
+        self._last_any_stranded = _NEVER
         self._slo_spans = SortedWindow(config.slo_window)
+        self._slots: tuple[tuple[InstanceId, ...], np.ndarray] = ((), np.zeros(0, np.int64))
 
-    def record_outcomes(self, request: RouteRequest, turned_away: Sequence[InstanceId],
-                        stranded: Sequence[InstanceId]) -> None:
-        """A new request arrived; the instances that turned it away while it would have
-        met its deadline there with the headroom, and those that stranded it."""
+    def slots_of(self, instance_ids: Sequence[InstanceId]) -> np.ndarray:
+        """Each instance's slot, new ones added; kept for the last list asked (a view's
+        ids are the same tuple from one decision to the next)."""
+        known, slots = self._slots
+        if known is not instance_ids and known != instance_ids:
+            slots = np.array([self._slot_of(i) for i in instance_ids], dtype=np.int64)
+            self._slots = (tuple(instance_ids), slots)
+        return slots
+
+    def _slot_of(self, instance_id: InstanceId) -> int:
+        slot = self._slot.get(instance_id)
+        if slot is None:
+            slot = self._slot[instance_id] = len(self._slot)
+            if slot == len(self._last_turned_away):
+                grown = np.full(max(2 * slot, 8), _NEVER, dtype=np.int64)
+                self._last_turned_away = np.concatenate([self._last_turned_away, grown])
+                self._last_stranded = np.concatenate([self._last_stranded, grown])
+        return slot
+
+    def record_outcomes(self, request: RouteRequest, instance_ids: Sequence[InstanceId],
+                        turned_away: np.ndarray, stranded: np.ndarray) -> None:
+        """A new request arrived, scored on `instance_ids`; the rows of those that
+        turned it away while it would have met its deadline there with the headroom,
+        and of those that stranded it."""
         self._num_arrivals += 1
         if request.has_deadline:
             self._slo_spans.append(request.slo_s)
-        for instance_id in turned_away:
-            self._last_turned_away[instance_id] = self._num_arrivals
-        for instance_id in stranded:
-            self._last_stranded[instance_id] = self._num_arrivals
-            self._last_any_stranded = self._num_arrivals
+        if len(turned_away) or len(stranded):
+            slots = self.slots_of(instance_ids)
+            self._last_turned_away[slots[turned_away]] = self._num_arrivals
+            if len(stranded):
+                self._last_stranded[slots[stranded]] = self._num_arrivals
+                self._last_any_stranded = self._num_arrivals
 
     def record(self, instance_id: InstanceId, latency_s: float) -> None:
         """A new request was placed on `instance_id` with estimated latency T."""
@@ -63,16 +96,30 @@ class RecentAdmissions:
         latencies.append(latency_s)
 
     def contended(self, instance_id: InstanceId) -> bool:
-        return self._within_window(self._last_turned_away.get(instance_id))
+        return self._recent(self._last_turned_away, instance_id)
+
+    def contended_rows(self, instance_ids: Sequence[InstanceId]) -> np.ndarray:
+        """`contended` of each instance, as a bool array."""
+        slots = self.slots_of(instance_ids)  # first: it may grow the arrays
+        return self._within_window(self._last_turned_away[slots])
 
     def stranding(self, instance_id: InstanceId) -> bool:
-        return self._within_window(self._last_stranded.get(instance_id))
+        return self._recent(self._last_stranded, instance_id)
+
+    def stranding_rows(self, instance_ids: Sequence[InstanceId]) -> np.ndarray:
+        """`stranding` of each instance, as a bool array."""
+        slots = self.slots_of(instance_ids)  # first: it may grow the arrays
+        return self._within_window(self._last_stranded[slots])
 
     def any_stranding(self) -> bool:
-        return self._within_window(self._last_any_stranded)
+        return bool(self._within_window(self._last_any_stranded))
 
-    def _within_window(self, arrival_number: int | None) -> bool:
-        return arrival_number is not None and self._num_arrivals - arrival_number < self.window
+    def _recent(self, last: np.ndarray, instance_id: InstanceId) -> bool:
+        slot = self._slot.get(instance_id)
+        return slot is not None and bool(self._within_window(last[slot]))
+
+    def _within_window(self, arrival_number: np.ndarray | int) -> np.ndarray:
+        return self._num_arrivals - arrival_number < self.window
 
     def slo_span_quantile_s(self, q: float) -> float:
         """The q-quantile (nearest rank, `quantile_rank`) of recent arrivals' SLO spans; inf while

@@ -63,13 +63,10 @@ class JustEnoughPlacer:
         if quantile >= 1.0 or len(scorer.arrays) == 0 or not admissions.any_stranding():
             return None
         strongest = view.arrays.column("unloaded_decode_s_per_token").min()
-        ids = scorer.arrays.ids
-        stranding = [i for i in np.flatnonzero(scorer.capability == strongest)
-                     if admissions.stranding(ids[i])]
-        if not stranding or not request.slo_s > admissions.slo_span_quantile_s(quantile):
+        reserved = (scorer.capability == strongest) & admissions.stranding_rows(
+            scorer.arrays.ids)
+        if not reserved.any() or not request.slo_s > admissions.slo_span_quantile_s(quantile):
             return None
-        reserved = np.zeros(len(ids), dtype=np.bool_)
-        reserved[stranding] = True
         return reserved
 
     def admit(self, request: RouteRequest, chosen: Candidate) -> None:
@@ -80,11 +77,11 @@ class JustEnoughPlacer:
             self.budgets.admit(chosen.instance_id, request.request_id, slack)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RequestScoring:
     """One request's instances scored (an arrival, or a move the watchdog weighs):
     `place` at an output length as often as the caller asks, then `record` the
-    arrival's outcome."""
+    arrival's outcome. Read-only (slots, not frozen: one is built per decision)."""
 
     placer: JustEnoughPlacer
     scorer: InstanceScorer
@@ -101,13 +98,11 @@ class RequestScoring:
         config = self.placer.config
         contended = None
         if cold:
-            admissions = self.placer.admissions
-            contended = np.array([admissions.contended(i) for i in self.scorer.arrays.ids],
-                                 dtype=np.bool_)
+            contended = self.placer.admissions.contended_rows(self.scorer.arrays.ids)
         return self.scorer.place(output_tokens, config.variant, config.headroom,
                                  config.cache_affinity_tokens, contended, floor_output_tokens)
 
     def record(self, scored: Scored) -> None:
         """What an arrival's final scores say of each instance (`RecentAdmissions`)."""
-        turned_away, stranded = scored.outcomes(self.placer.config.headroom)
-        self.placer.admissions.record_outcomes(self.scorer.request, turned_away, stranded)
+        self.placer.admissions.record_outcomes(self.scorer.request, self.scorer.arrays.ids,
+                                               *scored.outcomes(self.placer.config.headroom))

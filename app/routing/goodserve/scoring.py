@@ -22,8 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
+from app.engines import prefix
 from app.hardware.specs import InstanceSpec
-from app.routing.arrays import ViewArrays
+from app.routing.arrays import COLUMNS, ViewArrays
 from app.routing.budgets import SlackBudgets
 from app.routing.goodserve.config import JustEnoughVariant
 from app.routing.instance_view import InstanceId, InstanceView
@@ -39,6 +40,10 @@ from app.routing.view import ClusterView, RouteRequest
 
 SHORT_SPAN_TOKENS = 1024  # attended span at which the unloaded per-token figures hold
 _NO_AFFINITY = -1
+# the view table's columns `_instance_terms` reads
+_SPAN_SLOPE, _CONTEXT_SLOPE, _KV_FREE = (
+    COLUMNS.index(name) for name in ("prefill_span_slope", "decode_context_slope",
+                                     "kv_free_tokens"))
 _NOT_COLD = np.zeros(0, dtype=np.bool_)
 
 
@@ -59,21 +64,20 @@ def _at_least_one(x: float) -> float:
 
 
 @njit(cache=True)
-def _instance_terms(terms, num_ahead, now, hits, context, span_slope, context_slope, kv_free,
-                    shortest_stall, stall_factor, long_context, kv_delivered):
-    """(q_g, q_g + prefill, d_g, KV room, stall charged, uncached tokens, harmless) per
-    instance, from the status estimator's `terms`. Long contexts: the uncached tokens
+def _instance_terms(terms, num_ahead, now, hits, context, view, shortest_stall, stall_factor,
+                    long_context, kv_delivered):
+    """((q_g, q_g + prefill, d_g, stall charged), (KV room, harmless), uncached tokens)
+    per instance, from the status estimator's `terms` and the view's table (`view`, read
+    whole rather than as three strided columns). Long contexts: the uncached tokens
     attend to the hit ones and to half of their own on average, and each decode step
     reads the whole context, so both per-token figures grow past SHORT_SPAN_TOKENS
     (never below the short-span ones)."""
     n = len(terms)
-    queue = np.empty(n)
-    ahead = np.empty(n)
-    decode_s = np.empty(n)
-    room = np.empty(n, dtype=np.bool_)
-    stall = np.empty(n)
+    times = np.empty((4, n))  # rows: one array each to box, not four
+    queue, ahead, decode_s, stall = times[0], times[1], times[2], times[3]
+    flags = np.empty((2, n), dtype=np.bool_)
+    room, harmless = flags[0], flags[1]
     uncached_tokens = np.empty(n, dtype=np.int64)
-    harmless = np.empty(n, dtype=np.bool_)
     for i in range(n):
         queue[i] = queue_of_row(terms, num_ahead, i, now)
         left = context - hits[i]
@@ -81,16 +85,16 @@ def _instance_terms(terms, num_ahead, now, hits, context, span_slope, context_sl
         p, d = terms[i, TERM_PREFILL], terms[i, TERM_DECODE]
         if long_context:
             span = hits[i] + uncached / 2
-            p = p * _at_least_one(1.0 + span_slope[i] * (span - SHORT_SPAN_TOKENS))
-            d = d * _at_least_one(1.0 + context_slope[i] * (context - SHORT_SPAN_TOKENS))
+            p = p * _at_least_one(1.0 + view[i, _SPAN_SLOPE] * (span - SHORT_SPAN_TOKENS))
+            d = d * _at_least_one(1.0 + view[i, _CONTEXT_SLOPE] * (context - SHORT_SPAN_TOKENS))
         prefill = 0.0 if kv_delivered else uncached * p
         ahead[i] = queue[i] + prefill
         decode_s[i] = d
-        room[i] = kv_free[i] >= left
+        room[i] = view[i, _KV_FREE] >= left
         stall[i] = stall_factor * prefill
         uncached_tokens[i] = int(left) if left > 0.0 else 0
         harmless[i] = room[i] and stall[i] <= shortest_stall[i]
-    return queue, ahead, decode_s, room, stall, uncached_tokens, harmless
+    return times, flags, uncached_tokens
 
 
 @njit(cache=True)
@@ -246,18 +250,20 @@ def _outcome_rows(latency, slack, harmless, reserved, headroom):
 def warm_up() -> None:
     """Compile (or load from the on-disk cache) every pass before the first request,
     for each array layout routing passes: view columns are strided, except in a
-    one-instance view."""
+    one-instance view. The prefix directory's pass too: a decision calls it, and the
+    substrate may build its directory after the placer."""
+    prefix.warm_up()
     table, two = np.ones((2, 6)), np.ones(2)
     yes = np.ones(2, dtype=np.bool_)
     count, rank = np.zeros(2, dtype=np.int64), np.arange(2, dtype=np.int64)
     for column in (table[:, 0], two):  # strided, contiguous
-        for num_ahead in (WHOLE_QUEUES, two):
-            _instance_terms(table, num_ahead, 0.0, two, 1, column, column, column, two, 1.0,
-                            True, False)
         for contended in (yes, _NOT_COLD):
             _place(two, two, 0.0, 1.0, 1.0, 0.0, yes, ~yes, column, count, rank, 0.0, False,
                    _NO_AFFINITY, contended, np.empty(2), np.empty(2))
         _fallback(two, two, two, two, yes, ~yes, yes, column, count, rank, True, 0, True)
+    for num_ahead in (WHOLE_QUEUES, two):
+        _instance_terms(table, num_ahead, 0.0, count, 1, np.ones((2, len(COLUMNS))), two, 1.0,
+                        True, False)
     _outcome_rows(two, two, yes, ~yes, 0.0)
 
 
@@ -292,15 +298,15 @@ class InstanceScorer:
         """`budgets` None: nothing is protected; `long_context`: the per-token
         estimates are scaled to the request's context."""
         arrays = view.arrays if instances is view.instances else ViewArrays.of(instances)
-        hits = np.asarray(view.prefix_hits_of(request, arrays.ids), dtype=np.float64)
+        hits = np.asarray(view.prefix_hits_of(request, arrays.ids), dtype=np.int64)
         shortest = (budgets.shortest_stalls(arrays.ids) if budgets is not None
                     else np.full(len(arrays), math.inf))
-        queue, ahead, decode, room, stall, uncached, harmless = _instance_terms(
+        times, flags, uncached = _instance_terms(
             status.terms(arrays), num_ahead_of(arrays, request.priority), now, hits,
-            request.num_context_tokens,
-            arrays.column("prefill_span_slope"), arrays.column("decode_context_slope"),
-            arrays.column("kv_free_tokens"), shortest, stall_factor, long_context,
+            request.num_context_tokens, arrays.table, shortest, stall_factor, long_context,
             request.kv_ready_s is not None)
+        queue, ahead, decode, stall = times
+        room, harmless = flags
         return cls(request, arrays, now, kv_wait_s(request, now), queue, ahead, decode, room,
                    stall, shortest, uncached, harmless, np.zeros(len(arrays), dtype=np.bool_))
 
@@ -325,8 +331,7 @@ class InstanceScorer:
         down. `contended` (while the length estimator is cold): each instance turned
         an arrival away lately. `floor_output_tokens`: the optimistic length the
         triage asks about (`Scored.fallback`)."""
-        n = len(self.arrays)
-        latency, slack = np.empty(n), np.empty(n)
+        latency, slack = np.empty((2, len(self.arrays)))
         row = _place(self.ahead_s, self.decode_s, self.wait_s,
                      self.remaining_tokens(output_tokens), self.request.deadline_s, self.now,
                      self.harmless, self.reserved, self.capability, self.uncached_tokens,
@@ -383,21 +388,17 @@ class Scored:
                         session_home)
         return Candidate(self, row)
 
-    def outcomes(self, headroom: float) -> tuple[list[InstanceId], list[InstanceId]]:
-        """(the instances that turned the request away while it would have met its
-        deadline there with `headroom`, those that stranded it: would have met it with
-        no headroom but lacked capacity, memory or an admitted request's budget, when
-        no instance could take it and meet it at all). Stranding asks whether the
-        deadline could be met at all, so no headroom: with it, an overloaded pool
-        where nothing meets with headroom would never count as stranding, and the
-        reservation would switch off exactly when it is needed; a reservation's own
-        refusals do not count, or it would feed itself."""
+    def outcomes(self, headroom: float) -> tuple[np.ndarray, np.ndarray]:
+        """(the rows of the instances that turned the request away while it would have
+        met its deadline there with `headroom`, those that stranded it: would have met
+        it with no headroom but lacked capacity, memory or an admitted request's
+        budget, when no instance could take it and meet it at all). Stranding asks
+        whether the deadline could be met at all, so no headroom: with it, an
+        overloaded pool where nothing meets with headroom would never count as
+        stranding, and the reservation would switch off exactly when it is needed; a
+        reservation's own refusals do not count, or it would feed itself."""
         s = self.scorer
-        turned_away, stranded = _outcome_rows(self.latency_s, self.slack_s, s.harmless,
-                                              s.reserved, headroom)
-        ids = s.arrays.ids
-        return ([ids[i] for i in turned_away] if len(turned_away) else [],
-                [ids[i] for i in stranded] if len(stranded) else [])
+        return _outcome_rows(self.latency_s, self.slack_s, s.harmless, s.reserved, headroom)
 
 
 class Candidate:

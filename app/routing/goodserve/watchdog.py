@@ -97,41 +97,47 @@ class SloWatchdog(Watchdog):
         source = view.get(instance_id)
         may_move = self._check_period == self.tau_iterations or self._crossed_tau(source)
         stronger: list[InstanceView] | None = None  # listed when a request first needs it
-        watched = [a for a in active if a.request.has_deadline]
         moves: dict[str, InstanceId] = {}
+        # one pass over the requests; rows as `_lateness` reads them
+        columns = np.array([(a.request.deadline_s, math.inf if a.request.max_output_tokens
+                             is None else a.request.max_output_tokens, a.is_running,
+                             a.num_generated_tokens) for a in active],
+                           dtype=np.float64).reshape(len(active), 4)
+        watched = active
+        has_deadline = np.isfinite(columns[:, 0])
+        if not has_deadline.all():
+            watched = [active[i] for i in np.flatnonzero(has_deadline)]
+            columns = columns[has_deadline]
         if not watched:
             return moves
         estimate = self.status.estimate(source, now, joining=0)
         requests = [a.request for a in watched]
         counts = [a.num_generated_tokens for a in watched]
-        generated = np.array(counts, dtype=np.float64)
         if self._tracks_progress:
             self.length.on_progress({r.request_id: a.num_generated_tokens
                                      for r, a in zip(requests, watched, strict=True)})
-        bounds = np.array([(r.deadline_s, math.inf if r.max_output_tokens is None
-                            else r.max_output_tokens, a.is_running)
-                           for r, a in zip(requests, watched, strict=True)], dtype=np.float64)
         mode = self.config.reestimate
         if mode == LengthReestimate.REPREDICT:
             predicted = self.length.predict_totals(requests, counts)
         else:
             predicted = self.length.conditional_totals(requests, counts)
         predicted = np.asarray(predicted, dtype=np.float64)
-        totals, late_s, time_left_s = _lateness(predicted, generated, bounds,
+        totals, late_s, time_left_s = _lateness(predicted, columns,
                                                 estimate.queue_delay_s,
                                                 estimate.decode_s_per_token, now)
         if mode == LengthReestimate.AT_RISK and (late_s > 0).any():
             risky = np.flatnonzero(late_s > 0)
             predicted[risky] = self.length.predict_totals([requests[i] for i in risky],
                                                           [counts[i] for i in risky])
-            totals, late_s, time_left_s = _lateness(predicted, generated, bounds,
+            totals, late_s, time_left_s = _lateness(predicted, columns,
                                                     estimate.queue_delay_s,
                                                     estimate.decode_s_per_token, now)
-        on_track = late_s <= 0  # what it can afford now is its budget
-        self.budgets.admit_many(instance_id, [requests[i].request_id
-                                              for i in np.flatnonzero(on_track)],
-                                (-late_s[on_track]).tolist())
-        for index in np.flatnonzero(~on_track):
+        # what an on-track request can afford now is its budget
+        budgets = [(r.request_id, -late) for r, late in zip(requests, late_s.tolist(),
+                                                             strict=True) if late <= 0]
+        self.budgets.admit_many(instance_id, [rid for rid, _ in budgets],
+                                [slack for _, slack in budgets])
+        for index in np.flatnonzero(~(late_s <= 0)):
             item, rid = watched[index], requests[index].request_id
             target = None
             if may_move and late_s[index] > self.config.migration_margin * max(
@@ -185,9 +191,11 @@ class SloWatchdog(Watchdog):
 
 
 def stronger_than(source: InstanceView, view: ClusterView) -> list[InstanceView]:
-    """The instances that decode faster than `source`: where a late request may move."""
-    capability = capability_s_per_token(source.spec)
-    return [v for v in view.instances if capability_s_per_token(v.spec) < capability]
+    """The instances that decode faster than `source`: where a late request may move
+    (read off the view's capability column)."""
+    capability = view.arrays.column("unloaded_decode_s_per_token")
+    faster = np.flatnonzero(capability < capability_s_per_token(source.spec))
+    return [view.instances[i] for i in faster]
 
 
 def _as_resumed(request: RouteRequest, num_generated: int) -> RouteRequest:
@@ -196,19 +204,19 @@ def _as_resumed(request: RouteRequest, num_generated: int) -> RouteRequest:
 
 
 @njit(cache=True)
-def _lateness(predicted, generated, bounds, queue_s, decode_s, now):
+def _lateness(predicted, columns, queue_s, decode_s, now):
     """(totals bounded by max_tokens, expected lateness, time left) of an instance's
     requests in one pass: remaining tokens x d_g past the deadline, less the queue
-    delay still ahead of those waiting. `bounds` rows: (deadline, max_tokens or inf,
-    running)."""
+    delay still ahead of those waiting. `columns` rows: (deadline, max_tokens or inf,
+    running, generated tokens), read off the requests in one pass."""
     n = len(predicted)
     totals, late, time_left = np.empty(n), np.empty(n), np.empty(n)
     for i in range(n):
-        cap = bounds[i, 1]
+        cap = columns[i, 1]
         totals[i] = predicted[i] if predicted[i] <= cap else cap
-        remaining = max(totals[i] - generated[i], 1.0)
-        waiting = 0.0 if bounds[i, 2] else queue_s
-        time_left[i] = bounds[i, 0] - now - waiting
+        remaining = max(totals[i] - columns[i, 3], 1.0)
+        waiting = 0.0 if columns[i, 2] else queue_s
+        time_left[i] = columns[i, 0] - now - waiting
         late[i] = remaining * decode_s - time_left[i]
     return totals, late, time_left
 
@@ -217,4 +225,4 @@ def _lateness(predicted, generated, bounds, queue_s, decode_s, now):
 def warm_up() -> None:
     """Compile (or load from the on-disk cache) the watchdog's pass before its first
     check."""
-    _lateness(np.ones(1), np.ones(1), np.ones((1, 3)), 0.0, 1.0, 0.0)
+    _lateness(np.ones(1), np.ones((1, 4)), 0.0, 1.0, 0.0)
