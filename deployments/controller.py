@@ -34,6 +34,7 @@ from app.control.controller import Controller, ControlStep
 from app.control.fleet import Fleet, Registry, engine_kind, engine_name, template_for
 from app.control.observe import LoadReport
 from app.control.plan import EngineState, PlanDiff
+from app.engines.messages import EngineStatus
 from app.routing.view import FinishReport
 from app.serving.config import ServeConfig
 from app.serving.status_board import BoardAnswer, StatusBoard
@@ -124,33 +125,43 @@ class ControllerActor:
                            others_finished)
 
     async def _publish_statuses_forever(self) -> None:
-        """Every serving engine's report once per poll period, each engine on its own:
-        one slow to answer (busy, dying) delays nobody else's report."""
-        polls: dict[str, asyncio.Task] = {}
+        """Every serving engine's report once per poll period. Each engine is asked on
+        its own, so one slow to answer (busy, dying) is waited for no longer than the
+        period, and a round's reports are published together: a replica's long poll
+        then wakes once per round rather than once per engine (each wake is a call to
+        the controller and back on the replica's event loop, which its requests wait
+        for)."""
+        polls: dict[str, asyncio.Task[EngineStatus | None]] = {}
         while True:
+            next_round_s = time.monotonic() + self.config.poll_interval_s
             engines = {e.engine_id for e in self.fleet
                        if e.state is not EngineState.STARTING and e.engine_id in self.handles}
-            for engine_id in engines:
-                if engine_id not in polls or polls[engine_id].done():
-                    polls[engine_id] = asyncio.ensure_future(self._publish_status(engine_id))
+            for engine_id in engines - set(polls):
+                polls[engine_id] = asyncio.ensure_future(self._engine_status(engine_id))
             for engine_id in set(polls) - engines:
-                polls.pop(engine_id)
+                polls.pop(engine_id).cancel()
                 self.board.forget(engine_id)
-            if self._board_ready is not None and not self._board_ready.done():
-                await asyncio.gather(*polls.values())  # a router's first view holds them all
+            first = self._board_ready is not None and not self._board_ready.done()
+            if polls:  # the first round waits for every engine: a router's first view
+                await asyncio.wait(polls.values(),
+                                   timeout=None if first else self.config.poll_interval_s)
+            for engine_id, poll in [(e, p) for e, p in polls.items() if p.done()]:
+                del polls[engine_id]
+                if engine_id in self.handles:  # not stopped meanwhile
+                    self.board.publish(engine_id, poll.result())
+            if first:
+                assert self._board_ready is not None
                 self._board_ready.set_result(None)
-            await asyncio.sleep(self.config.poll_interval_s)
+            await asyncio.sleep(max(next_round_s - time.monotonic(), 0.0))
 
-    async def _publish_status(self, engine_id: str) -> None:
-        """One status call; the reply (None: no answer in time) goes on the board."""
+    async def _engine_status(self, engine_id: str) -> EngineStatus | None:
+        """One status call's reply; None: no answer in time."""
         try:
-            status = await asyncio.wait_for(self.handles[engine_id].status.remote(),
-                                            STATUS_TIMEOUT_S)
+            return await asyncio.wait_for(self.handles[engine_id].status.remote(),
+                                          STATUS_TIMEOUT_S)
         except Exception as exc:
             logger.warning("engine %s did not report: %s", engine_id, exc)
-            status = None
-        if engine_id in self.handles:  # not stopped meanwhile
-            self.board.publish(engine_id, status)
+            return None
 
     async def router_load(self, replica: str, in_flight: int) -> None:
         """A router replica's requests in flight (sent with every registry poll)."""

@@ -197,7 +197,7 @@ class RouterReplica:
             return denied
         match route:
             case Route.COMPLETIONS | Route.CHAT:
-                return await self.service.complete(await body(), chat=route is Route.CHAT,
+                return await self.service.complete(body, chat=route is Route.CHAT,
                                                    received_perf_s=received_perf_s,
                                                    headers=headers)
             case Route.MODELS:
@@ -231,11 +231,19 @@ class RouterReplica:
         self.service.close()
 
 
+# A router replica's requests run on Serve's own event loop rather than on a second
+# loop in a thread of their own (Serve's default): there, every body read, response
+# chunk and call's reply crosses between the two loops (a thread wake-up and a GIL
+# hand-off each), and the two threads take turns at the GIL. Nothing of ours blocks
+# the loop: the prediction has its own thread, engine look-ups go off the loop.
+ROUTER_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+
 # Serve names both "RouterDeployment" (the faults harness and the tests find its
 # replicas by it); an application holds at most one FastAPI deployment
-ROUTER_OPTIONS: dict[str, object] = {"name": "RouterDeployment",
-                                     "ray_actor_options": {"num_cpus": 0},
-                                     "max_ongoing_requests": 4096}
+ROUTER_OPTIONS: dict[str, object] = {
+    "name": "RouterDeployment",
+    "ray_actor_options": {"num_cpus": 0, "runtime_env": {"env_vars": ROUTER_ENV}},
+    "max_ongoing_requests": 4096}
 
 # behind an ingress (`ingress_replicas` > 0): reached through Serve handles only
 RouterCore = serve.deployment(**ROUTER_OPTIONS)(RouterReplica)

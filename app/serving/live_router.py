@@ -101,6 +101,7 @@ class RouterCounters:
 
 
 Predict = Callable[[RouteRequest], Awaitable[float]]
+Found = tuple[InstanceId, EngineRecord]  # where an engine holds a client request
 # the engines' reports that changed since the last call, as every replica is given them
 StatusFeed = Callable[[], Awaitable[StatusChanges]]
 
@@ -244,19 +245,32 @@ class LiveRouter:
 
     # ---- routing -----------------------------------------------------------------
     async def submit(self, request: GenerationRequest, text: OutputHook | None = None) -> Flight:
-        """Route a request; raises `RequestRejected` with the reason when it is not served.
+        """Route a request (`routed`, then `place`); raises `RequestRejected` with the
+        reason when it is not served. A request without an arrival arrives now."""
+        if request.received_perf_s is None:
+            request = replace(request, received_perf_s=time.perf_counter())
+        return self.place(request, await self.routed(request), text)
+
+    async def routed(self, request: GenerationRequest) -> RouteRequest:
+        """The policy's view of a request, with its output length predicted when the
+        router predicts: what `place` needs, and all of its waiting."""
+        route = self._route_request(request)
+        if self.predict is None:
+            return route
+        started = time.perf_counter()
+        predicted = await self.predict(route)
+        self.metrics.predicted(time.perf_counter() - started)
+        return replace(route, predicted_output_tokens=max(round(predicted), 1))
+
+    def place(self, request: GenerationRequest, route: RouteRequest,
+              text: OutputHook | None = None) -> Flight:
+        """Place a request by its `route` (made by `routed`); raises `RequestRejected`
+        with the reason when it is not served.
 
         `text` is the client's view of the output (stop strings and stop token ids end it
         where it says); without one only the engine ends it."""
-        received = (time.perf_counter() if request.received_perf_s is None
-                    else request.received_perf_s)
-        route = self._route_request(request)
-        if self.predict is not None:
-            started = time.perf_counter()
-            predicted = await self.predict(route)
-            self.metrics.predicted(time.perf_counter() - started)
-            route = replace(route, predicted_output_tokens=max(round(predicted), 1))
         started = time.perf_counter()
+        received = started if request.received_perf_s is None else request.received_perf_s
         try:
             prefill, target = self._place(route, self.clock(), request.sampling.resumable)
         except RequestRejected as exc:
@@ -301,31 +315,35 @@ class LiveRouter:
         )
 
     # ---- re-attaching --------------------------------------------------------------
-    async def find(self, request_id: str, timeout_s: float = FIND_TIMEOUT_S
-                   ) -> tuple[InstanceId, EngineRecord] | None:
+    async def find(self, request_id: str, timeout_s: float = FIND_TIMEOUT_S) -> Found | None:
         """Where the engines hold client request `request_id` (another replica started
         it): its latest submission past the prefill stage, and the engine. None: no
         engine started it (a prefill stage alone counts as not started). An engine that
         does not answer within `timeout_s` may run it: `EngineUnanswered`, for starting
         it again could run it twice."""
-        async def ask(inst: LiveInstance) -> list[tuple[InstanceId, EngineRecord]]:
-            try:
-                records = await asyncio.wait_for(inst.client.find(request_id), timeout_s)
-            except TimeoutError:
-                raise EngineUnanswered(
-                    f"engine {inst.instance_id} did not say within {timeout_s:g} s whether "
-                    f"it runs request {request_id}") from None
-            except Exception as exc:  # a dead engine holds nothing to re-attach
-                logger.info("engine %s not asked about %s: %s", inst.instance_id, request_id,
-                            exc)
-                return []
-            return [(inst.instance_id, r) for r in records if r.attempt >= 0]
-
-        answers = await asyncio.gather(*(ask(i) for i in list(self.instances.values())))
-        found = [pair for answer in answers for pair in answer]
+        asks = {asyncio.ensure_future(inst.client.find(request_id)): inst
+                for inst in list(self.instances.values())}
+        if not asks:
+            return None
+        try:
+            _, unanswered = await asyncio.wait(asks, timeout=timeout_s)
+        finally:  # also when the caller gave up
+            for ask in asks:
+                ask.cancel()
+        if unanswered:
+            raise EngineUnanswered(
+                f"engine {asks[next(iter(unanswered))].instance_id} did not say within "
+                f"{timeout_s:g} s whether it runs request {request_id}")
+        found: list[Found] = []
+        for ask, inst in asks.items():
+            if (exc := ask.exception()) is not None:  # a dead engine holds nothing
+                logger.info("engine %s not asked about %s: %s", inst.instance_id,
+                            request_id, exc)
+                continue
+            found += [(inst.instance_id, r) for r in ask.result() if r.attempt >= 0]
         return max(found, key=lambda pair: pair[1].attempt, default=None)
 
-    def reattach(self, request: GenerationRequest, found: tuple[InstanceId, EngineRecord],
+    def reattach(self, request: GenerationRequest, found: Found,
                  text: OutputHook | None = None, num_seen: int = 0) -> Flight:
         """Take over a request an engine already runs (or just ran) for another router
         replica, never running it twice: the flight reads its latest submission where it

@@ -45,6 +45,7 @@ from app.serving.kv_transfer import ConnectorTransport, KvTransport, SimulatedLi
 from app.serving.live_router import (
     EngineLost,
     EngineUnanswered,
+    Found,
     LiveRouter,
     Predict,
     RequestRejected,
@@ -115,6 +116,13 @@ def routing_options(config: ServeConfig, predictor: Predictor | None) -> Routing
 
         factory = lambda: PredictorLength(predictor)  # noqa: E731
     return config.routing.routing_options(factory)
+
+
+def drop(task: asyncio.Future) -> None:
+    """A task whose outcome nobody needs: cancelled, or when done its exception read, so
+    that none is logged as lost."""
+    if not task.cancel() and not task.cancelled():
+        task.exception()
 
 
 @dataclass(frozen=True)
@@ -294,22 +302,40 @@ class CompletionService:
         return JsonReply(denied.status_code, error_body(denied.message, denied.error_type),
                          denied.headers)
 
-    async def complete(self, raw: bytes, chat: bool, received_perf_s: float | None = None,
+    async def complete(self, raw: bytes | Callable[[], Awaitable[bytes]], chat: bool,
+                       received_perf_s: float | None = None,
                        headers: Mapping[str, str] | None = None
                        ) -> JsonReply | StreamReply:
-        """A full JSON reply, or the SSE lines of a streamed one. `received_perf_s`: the
-        request's arrival (`time.perf_counter()`; default now), where its
-        arrival-to-placement time starts, so parsing and tokenizing count in it.
-        `headers` (lower-case names) may carry the request's id (`X-Request-Id`,
+        """A full JSON reply, or the SSE lines of a streamed one. `raw`: the body, or
+        how to read it (HTTP), read once the engines are being asked about a
+        client-named request (`_look_up_early`). `received_perf_s`: the request's
+        arrival (`time.perf_counter()`; default now), where its arrival-to-placement
+        time starts, so reading, parsing and tokenizing count in it. `headers`
+        (lower-case names) may carry the request's id (`X-Request-Id`,
         `Idempotency-Key`) and a reconnecting stream's `Last-Event-ID`: a request whose
         id runs or ran lately is answered from it, never run twice."""
         received = time.perf_counter() if received_perf_s is None else received_perf_s
         headers = headers or {}
+        looked_up: dict[str, asyncio.Task[Found | None]] = {}
+        try:
+            return await self._complete(raw, chat, received, headers, looked_up)
+        finally:
+            for task in looked_up.values():  # a look-up nobody took (an error, n > 1)
+                drop(task)
+
+    async def _complete(self, raw: bytes | Callable[[], Awaitable[bytes]], chat: bool,
+                        received: float, headers: Mapping[str, str],
+                        looked_up: dict[str, asyncio.Task[Found | None]]
+                        ) -> JsonReply | StreamReply:
+        """`complete`; `looked_up` holds the look-ups started and not yet taken."""
         try:
             await self.start()
             if self.closing:
                 raise ApiError(503, "the server is shutting down; retry on another",
                                "service_unavailable")
+            if not isinstance(raw, bytes):
+                looked_up.update(self._look_up_early(headers))
+                raw = await raw()
             self.check_size(len(raw))
             client_id = client_request_id(headers)
             after = last_event_id(headers)
@@ -325,9 +351,9 @@ class CompletionService:
         try:
             requests = self._generation_requests(body, chat, received, request_id)
             readers = self._tool_readers(body, requests, chat)
-            flights = await self._submit_all(requests, body, readers,
-                                             look_up=client_id is not None
-                                             and FRESH_ID_HEADER not in headers, after=after)
+            flights = await self._submit_all(
+                requests, body, readers, after=after, looked_up=looked_up,
+                look_up=client_id is not None and FRESH_ID_HEADER not in headers)
         except ApiError as exc:
             refused = JsonReply(exc.status_code, exc.body(), named)
             if body.stream:
@@ -346,6 +372,24 @@ class CompletionService:
         self.replies.produce(log, asyncio.create_task(
             self._record_whole(log, self._collect(flights, readers, meta), named)))
         return await self.replies.whole(log)
+
+    def _look_up_early(self, headers: Mapping[str, str]
+                       ) -> dict[str, asyncio.Task[Found | None]]:
+        """The engines asked, from the headers alone, whether they run the request the
+        client names (another replica may have started it), so that the answer comes
+        while the body is read, parsed, tokenized and predicted rather than after: by
+        its id, which is its one choice's. None asked where no look-up is due (no id or
+        an invalid one, which is refused later; an id the ingress made; one this replica
+        holds a reply for)."""
+        if FRESH_ID_HEADER in headers:
+            return {}
+        try:
+            client_id = client_request_id(headers)
+        except ApiError:
+            return {}
+        if client_id is None or self.replies.get(client_id) is not None:
+            return {}
+        return {client_id: asyncio.ensure_future(self.router.find(client_id))}
 
     async def _again(self, log: ReplyLog, digest: str, after: int | None
                      ) -> JsonReply | StreamReply:
@@ -534,11 +578,15 @@ class CompletionService:
 
     async def _submit_all(self, requests: list[GenerationRequest], body: Any,
                           readers: list[ToolCallReader | None], look_up: bool = False,
-                          after: int | None = None) -> list[Flight]:
+                          after: int | None = None,
+                          looked_up: dict[str, asyncio.Task[Found | None]] | None = None
+                          ) -> list[Flight]:
         """Route every choice; when one is refused, those already routed are dropped.
         With `look_up` (the client named the request) a choice an engine already runs
         for another replica is re-attached there, the client holding its first `after`
-        tokens (a stream's `Last-Event-ID`)."""
+        tokens (a stream's `Last-Event-ID`); `looked_up` holds the engines' answers
+        already asked for, by choice id (taken from it)."""
+        looked_up = {} if looked_up is None else looked_up
         flights: list[Flight] = []
         try:
             for request, reader in zip(requests, readers, strict=True):
@@ -548,13 +596,16 @@ class CompletionService:
                 text = OutputText(self.tokenizer, body.stop, body.stop_token_ids,
                                   body.include_stop_str_in_output, request.sampling.min_tokens,
                                   skip_special)
-                try:
-                    found = await self.router.find(request.request_id) if look_up else None
-                except EngineUnanswered as exc:
-                    raise ApiError(503, f"{exc}; retry with the same request id",
-                                   "service_unavailable") from None
-                if found is None:
+                asked = looked_up.pop(request.request_id, None)
+                if asked is None and look_up:
+                    asked = self.router.find(request.request_id)
+                if asked is None:
                     flights.append(await self._submit(request, text))
+                    continue
+                routing = asyncio.ensure_future(self.router.routed(request))
+                found = await self._answer(asked, routing)
+                if found is None:
+                    flights.append(await self._submit(request, text, routing))
                     continue
                 if after and len(requests) > 1:
                     raise ApiError(409, "a stream of several choices resumes only on the "
@@ -571,9 +622,31 @@ class CompletionService:
             raise
         return flights
 
-    async def _submit(self, request: GenerationRequest, text: OutputText) -> Flight:
+    @staticmethod
+    async def _answer(asked: Awaitable[Found | None],
+                      routing: asyncio.Future[RouteRequest]) -> Found | None:
+        """The engines' answer to a look-up, the request's routing (its prediction) made
+        meanwhile; the routing is dropped where an engine holds the request or one did
+        not answer."""
         try:
-            return await self.router.submit(request, text)
+            found = await asked
+        except BaseException as exc:
+            drop(routing)
+            if isinstance(exc, EngineUnanswered):
+                raise ApiError(503, f"{exc}; retry with the same request id",
+                               "service_unavailable") from None
+            raise
+        if found is not None:
+            drop(routing)
+        return found
+
+    async def _submit(self, request: GenerationRequest, text: OutputText,
+                      routing: Awaitable[RouteRequest] | None = None) -> Flight:
+        """The request placed (`routing`: its route being made, else made here)."""
+        try:
+            if routing is None:
+                return await self.router.submit(request, text)
+            return self.router.place(request, await routing, text)
         except RequestRejected as exc:
             # a prompt no engine can hold is the client's to fix; the rest is load
             status = 400 if exc.code is RejectCode.CONTEXT_TOO_LONG else 503

@@ -287,3 +287,54 @@ async def test_an_engine_that_does_not_say_whether_it_runs_a_request_gets_it_no_
 
     engine.find = dead  # type: ignore[method-assign]
     assert await b.router.find("slow") is None
+
+
+async def test_a_named_request_read_from_http_is_looked_up_while_its_body_is_read():
+    """Given a body still to read (HTTP), the engines are asked about the client's id
+    first, so their answer comes while the body is read; a retry on another replica is
+    re-attached as from the bytes, and a fresh id is placed as usual."""
+    engine = JournalEngine(ScriptedEngine("e", "A40"))
+    a, b = replicas(engine)
+    first = await a.complete(body(), chat=False, headers={"x-request-id": "early"})
+    find, asked = engine.find, []
+
+    async def recording_find(request_id):
+        asked.append(request_id)
+        return await find(request_id)
+
+    engine.find = recording_find  # type: ignore[method-assign]
+
+    async def read() -> bytes:
+        await asyncio.sleep(0.01)
+        assert asked == ["early"]  # asked before the body came
+        return body()
+
+    async def read_fresh() -> bytes:
+        return body()
+
+    retry = await b.complete(read, chat=False, headers={"x-request-id": "early"})
+    assert retry.body["choices"][0]["text"] == first.body["choices"][0]["text"]
+    assert [r.request_id for r in engine.engine.received] == ["early"]  # run once
+    fresh = await b.complete(read_fresh, chat=False, headers={"x-request-id": "fresh"})
+    assert fresh.status_code == 200 and asked == ["early", "fresh"]
+
+
+async def test_a_named_request_is_predicted_while_the_engines_answer_its_look_up():
+    engine = JournalEngine(ScriptedEngine("e", "A40"))
+    service = sim_service(engine)  # type: ignore[arg-type]
+    order = []
+
+    async def slow_find(request_id):
+        await asyncio.sleep(0.02)
+        order.append("answered")
+        return []
+
+    async def predict(route):
+        order.append("predicted")
+        return 3.0
+
+    engine.find = slow_find  # type: ignore[method-assign]
+    service.router.predict = predict
+    reply = await service.complete(body(), chat=False, headers={"x-request-id": "p"})
+    assert reply.status_code == 200 and order == ["predicted", "answered"]
+    assert reply.body["goodserve"]["predicted_output_tokens"] == 3
