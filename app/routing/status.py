@@ -158,12 +158,6 @@ class StatusEstimator(StepListener):
             state.prefill_step_tokens.update(itertools.repeat(float(num_prefill_tokens), count))
         state.num_samples += count
 
-    def observe_iteration(self, instance_id: InstanceId, duration_s: float,
-                          num_prefill_tokens: int, num_decode_seqs: int, now: float) -> None:
-        """One engine iteration (`observe_iterations`)."""
-        self.observe_iterations(instance_id, (duration_s,), num_prefill_tokens,
-                                num_decode_seqs)
-
     def observe_queue_wait(self, instance_id: InstanceId, wait_s: float, now: float) -> None:
         self._state(instance_id).queue_delay.update((max(wait_s, 0.0),))
 
@@ -196,7 +190,7 @@ class StatusEstimator(StepListener):
     @staticmethod
     def _take_new_prefill(state: _InstanceState, totals: PrefillTotals) -> None:
         """The prefill iterations since the last poll, as that many samples of their
-        mean duration and mean tokens: the EMAs `observe_iteration` keeps per
+        mean duration and mean tokens: the EMAs `observe_iterations` keeps per
         iteration, fed from counters so no iteration between polls is lost.
 
         The first report only sets the baseline: its totals span the engine's whole

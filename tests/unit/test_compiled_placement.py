@@ -76,10 +76,10 @@ def feed(estimators: list[StatusEstimator], views: tuple[InstanceView, ...],
     for view in rng.sample(views, k=len(views) // 2):
         iid = view.instance_id
         for _ in range(rng.randrange(1, 4)):
-            args = (iid, rng.uniform(0.01, 0.3), rng.choice([0, 0, 512, 4096]),
-                    rng.choice([0, 1, 16, 128]), now)
+            args = (iid, (rng.uniform(0.01, 0.3),), rng.choice([0, 0, 512, 4096]),
+                    rng.choice([0, 1, 16, 128]))
             for status in estimators:
-                status.observe_iteration(*args)
+                status.observe_iterations(*args)
         if rng.random() < 0.5:
             wait = rng.uniform(0, 3)
             for status in estimators:
@@ -198,7 +198,7 @@ def test_priority_mode_queue_delay_counts_only_the_requests_ahead():
     view = replace(random_views(random.Random(2), 1, 0.0)[0], num_running=4, num_waiting=4,
                    waiting_priorities=(10, 20, 30, 40))
     iid = view.instance_id
-    status.observe_iteration(iid, 0.05, 0, 4, 0.0)
+    status.observe_iterations(iid, (0.05,), 0, 4)
     status.on_status(EngineStatus(iid, view.gpu_type, "unified", 0, 1, (), (), 0, 1, 0,
                                   num_finished=11), 0.0)  # 10 departures over 10 s
     whole = status.estimate(view, 10.0).queue_delay_s

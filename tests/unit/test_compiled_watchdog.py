@@ -86,7 +86,7 @@ def test_budgets_after_a_check_are_each_on_track_requests_slack():
     max_tokens bounding the estimate) at d_g; a late one loses its budget."""
     rng = random.Random(3)
     status = StatusEstimator(alpha=1.0)
-    status.observe_iteration("A40", 0.04, 0, 8, 0.0)
+    status.observe_iterations("A40", (0.04,), 0, 8)
     status.observe_queue_wait("A40", 0.7, 0.0)
     length = PredictorLength(fixed_length_predictor(300))
     dog = SloWatchdog(status, length, GoodServeConfig(max_migrations_per_request=0))

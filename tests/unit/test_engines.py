@@ -209,11 +209,11 @@ def test_polled_counters_learn_the_same_p_g_as_per_iteration_step_reports():
 def test_one_poll_over_identical_iterations_weighs_them_like_that_many_steps():
     stepped, polled = StatusEstimator(alpha=0.2), StatusEstimator(alpha=0.2)
     for estimator in (stepped, polled):  # same starting point: one 1 ms/token step
-        estimator.observe_iteration("A40", 0.1, 100, 0, 0.0)
+        estimator.observe_iterations("A40", (0.1,), 100, 0)
     stepped.on_status(make_status(PrefillTotals()), 0.0)
     polled.on_status(make_status(PrefillTotals()), 0.0)
     for _ in range(5):
-        stepped.observe_iteration("A40", 0.4, 200, 0, 1.0)
+        stepped.observe_iterations("A40", (0.4,), 200, 0)
     polled.on_status(make_status(PrefillTotals(5, 1000, 2.0)), 1.0)
     view = make_view("A40", running=1)
     assert polled.estimate(view).prefill_s_per_token == pytest.approx(

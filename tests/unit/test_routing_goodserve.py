@@ -49,23 +49,23 @@ pytestmark = pytest.mark.unit
 
 def set_speed(status: StatusEstimator, gpu: str, decode_s: float, prefill_s: float = 1e-4):
     """Feed one pure-decode and one pure-prefill iteration with alpha=1."""
-    status.observe_iteration(gpu, decode_s, 0, 4, 0.0)
-    status.observe_iteration(gpu, prefill_s * 1000, 1000, 0, 0.0)
+    status.observe_iterations(gpu, (decode_s,), 0, 4)
+    status.observe_iterations(gpu, (prefill_s * 1000,), 1000, 0)
 
 
 # ---- status estimator ----------------------------------------------------------
 def test_ema_update_weights_new_samples_by_alpha():
     status = StatusEstimator(alpha=0.25)
     view = make_view("A40")
-    status.observe_iteration("A40", 0.040, 0, 8, 0.0)
+    status.observe_iterations("A40", (0.040,), 0, 8)
     assert status.estimate(view).decode_s_per_token == pytest.approx(0.040)
-    status.observe_iteration("A40", 0.080, 0, 8, 0.0)
+    status.observe_iterations("A40", (0.080,), 0, 8)
     assert status.estimate(view).decode_s_per_token == pytest.approx(0.050)
 
 
 def test_prefill_per_token_is_ratio_of_emas():
     status = StatusEstimator(alpha=1.0)
-    status.observe_iteration("A40", 0.5, 2000, 0, 0.0)
+    status.observe_iterations("A40", (0.5,), 2000, 0)
     assert status.estimate(make_view("A40")).prefill_s_per_token == pytest.approx(0.5 / 2000)
 
 
@@ -73,7 +73,7 @@ def test_unseen_and_idle_instances_use_catalog_speed():
     status = StatusEstimator(alpha=1.0)
     prior = catalog_prior(SPECS["A800"])
     assert status.estimate(make_view("A800")) == prior
-    status.observe_iteration("A800", 1.0, 0, 64, 0.0)  # a heavy burst in the past
+    status.observe_iterations("A800", (1.0,), 0, 64)  # a heavy burst in the past
     status.observe_queue_wait("A800", 5.0, 0.0)
     idle = status.estimate(make_view("A800", running=0))
     assert idle.decode_s_per_token == prior.decode_s_per_token and idle.queue_delay_s == 0.0
@@ -100,7 +100,7 @@ def test_polled_status_only_counts_new_window_entries():
 
 def test_decode_estimate_grows_with_the_batch_it_will_run_in():
     status = StatusEstimator(alpha=1.0)
-    status.observe_iteration("A800", 0.020, 0, 10, 0.0)  # measured with 10 sequences
+    status.observe_iterations("A800", (0.020,), 0, 10)  # measured with 10 sequences
     same = status.estimate(make_view("A800", running=9)).decode_s_per_token
     bigger = status.estimate(make_view("A800", running=209)).decode_s_per_token
     assert same == pytest.approx(0.020)
@@ -117,7 +117,7 @@ def test_decode_estimate_grows_with_the_batch_it_will_run_in():
 
 def test_forget_drops_an_instance():
     status = StatusEstimator(alpha=1.0)
-    status.observe_iteration("A40", 9.0, 0, 1, 0.0)
+    status.observe_iterations("A40", (9.0,), 0, 1)
     status.forget("A40")
     assert status.estimate(make_view("A40")) == catalog_prior(SPECS["A40"])
 
@@ -529,7 +529,7 @@ def test_admission_control_admits_what_meets_the_deadline_without_headroom():
 
 def test_prefix_hit_makes_a_weaker_instance_feasible():
     policy = policy_with_speeds(H800=0.01, A40=0.02)
-    policy.status.observe_iteration("A40", 0.01 * 1000, 1000, 0, 0.0)  # 10 ms per prompt token
+    policy.status.observe_iterations("A40", (0.01 * 1000,), 1000, 0)  # 10 ms per prompt token
     request = make_request(7.0, prompt=600)
     no_hit = make_cluster(make_view("H800"), make_view("A40"))
     assert policy.choose(request, no_hit, 0.0) == "H800"
