@@ -14,6 +14,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 from numba import njit
 
+from app.routing.slots import SlotsOfLastList
+
 PREFIX_BLOCK_SIZE = 16  # tokens per prefix-hash block (vLLM's KV block size)
 
 
@@ -105,14 +107,14 @@ class PrefixDirectory:
         self._words = memoryview(self._held.reshape(-1))  # `_held` flat, for add/discard
         self._num_holders: list[int] = []  # per row; 0: free (listed in `_free_rows`)
         self._free_rows: list[int] = []
-        self._slots: tuple[tuple[str, ...], np.ndarray] = ((), np.zeros(0, np.int64))
+        self._slots = SlotsOfLastList()
 
     def bit(self, instance_id: str) -> int:
         if instance_id not in self._bits:
             bit = self._bits[instance_id] = len(self._bits)
             if bit >= 64 * self._held.shape[1]:
                 self._resize(np.hstack([self._held, np.zeros_like(self._held)]))
-            self._slots = ((), self._slots[1])  # an unknown id's slot now means this one
+            self._slots.forget()  # an unknown id's slot now means this one
         return self._bits[instance_id]
 
     def add(self, block_hash: int, bit: int) -> None:
@@ -167,14 +169,12 @@ class PrefixDirectory:
         if not rows:
             return np.zeros(len(instance_ids), dtype=np.int64)
         return _leading_tokens(self._held, np.array(rows, dtype=np.int64),
-                               self._slots_of(instance_ids), block_size, max_tokens)
+                               self._slots.of(instance_ids, self._slot_of), block_size,
+                               max_tokens)
 
-    def _slots_of(self, instance_ids: Sequence[str]) -> np.ndarray:
-        if self._slots[0] is not instance_ids and self._slots[0] != instance_ids:
-            unknown = 64 * self._held.shape[1]  # past every word: no bit
-            self._slots = (tuple(instance_ids), np.array(
-                [self._bits.get(i, unknown) for i in instance_ids], dtype=np.int64))
-        return self._slots[1]
+    def _slot_of(self, instance_id: str) -> int:
+        """The instance's bit; one past every word (no bit) when it is unknown."""
+        return self._bits.get(instance_id, 64 * self._held.shape[1])
 
 
 # bit b of a word as a signed 64-bit value (bit 63 is the sign bit)

@@ -383,6 +383,14 @@ def _row_terms(state: np.ndarray, view: np.ndarray, joining: int
 
 
 @njit(cache=True)
+def _write_terms(terms: np.ndarray, row: int, state: np.ndarray, view: np.ndarray,
+                 joining: int) -> None:
+    """`terms[row]` = `_row_terms` of the state row and view columns."""
+    (terms[row, 0], terms[row, 1], terms[row, 2], terms[row, 3], terms[row, 4],
+     terms[row, 5]) = _row_terms(state, view, joining)
+
+
+@njit(cache=True)
 def _queue_s(queue_ema: float, num_ahead: float, departed: float, first_finish_s: float,
              now: float) -> float:
     """q_g: the observed-wait EMA, raised to Little's law on the `num_ahead` requests
@@ -416,8 +424,7 @@ def _refresh_terms(states: np.ndarray, versions: np.ndarray, state_rows: np.ndar
         if changed:
             seen_versions[row] = versions[state_row]
             seen_view[row] = view[row]
-            (terms[row, 0], terms[row, 1], terms[row, 2], terms[row, 3], terms[row, 4],
-             terms[row, 5]) = _row_terms(states[state_row], view[row], joining)
+            _write_terms(terms, row, states[state_row], view[row], joining)
 
 
 @njit(cache=True)
@@ -433,8 +440,7 @@ def _estimate_row(state: np.ndarray, view: np.ndarray, joining: int, now: float,
                   num_ahead: np.ndarray) -> tuple[float, float, float]:
     """(q_g, p_g, d_g) of one instance (`num_ahead` as `queue_of_row` reads it)."""
     terms = np.empty((1, _NUM_TERMS))
-    (terms[0, 0], terms[0, 1], terms[0, 2], terms[0, 3], terms[0, 4],
-     terms[0, 5]) = _row_terms(state, view, joining)
+    _write_terms(terms, 0, state, view, joining)
     return queue_of_row(terms, num_ahead, 0, now), terms[0, TERM_PREFILL], terms[0, TERM_DECODE]
 
 

@@ -19,6 +19,7 @@ keeps its load counts by `Flight.is_running` after each transition.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -56,9 +57,9 @@ class GenerationRequest:
     session_id: str | None = None  # the agent session (conversation) it continues
     step_index: int = 0  # its step in that session, 0 for the first
     # time.perf_counter() when it reached the router (arrival_s is on the router's clock,
-    # wall time, which can step): where arrival-to-placement is measured from; None: at
-    # `LiveRouter.submit`
-    received_perf_s: float | None = None
+    # wall time, which can step): where arrival-to-placement is measured from; by
+    # default when the request was made
+    received_perf_s: float = field(default_factory=time.perf_counter)
 
 
 class OutputHook(Protocol):

@@ -246,9 +246,7 @@ class LiveRouter:
     # ---- routing -----------------------------------------------------------------
     async def submit(self, request: GenerationRequest, text: OutputHook | None = None) -> Flight:
         """Route a request (`routed`, then `place`); raises `RequestRejected` with the
-        reason when it is not served. A request without an arrival arrives now."""
-        if request.received_perf_s is None:
-            request = replace(request, received_perf_s=time.perf_counter())
+        reason when it is not served."""
         return self.place(request, await self.routed(request), text)
 
     async def routed(self, request: GenerationRequest) -> RouteRequest:
@@ -270,7 +268,6 @@ class LiveRouter:
         `text` is the client's view of the output (stop strings and stop token ids end it
         where it says); without one only the engine ends it."""
         started = time.perf_counter()
-        received = started if request.received_perf_s is None else request.received_perf_s
         try:
             prefill, target = self._place(route, self.clock(), request.sampling.resumable)
         except RequestRejected as exc:
@@ -281,7 +278,7 @@ class LiveRouter:
         self._report_arrival(route, prefill or target)
         placed = time.perf_counter()
         self.metrics.routed(self.instances[target].tags, placed - started)
-        self.metrics.placed(placed - received)
+        self.metrics.placed(placed - request.received_perf_s)
         flight = Flight.routed(request, route, target, prefill, self.disaggregated, text)
         for iid in {prefill or target, target}:
             self.instances[iid].remember_prefix(route.block_hashes)

@@ -191,7 +191,7 @@ class ReferencePlacer:
         strongest = min(v.spec.unloaded_decode_s_per_token for v in view.instances)
         return [replace(c, reserved=True)
                 if c.capability_s_per_token == strongest
-                and admissions.stranding(c.instance_id)
+                and admissions.stranding_rows((c.instance_id,))[0]
                 and request.slo_s > admissions.slo_span_quantile_s(quantile) else c
                 for c in candidates]
 

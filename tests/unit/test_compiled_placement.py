@@ -295,6 +295,23 @@ def test_the_prefix_directory_answers_what_each_cache_would():
                               for i in ids]
 
 
+def test_an_instance_that_joins_the_directory_is_seen_by_a_list_asked_before():
+    """The same tuple of ids asked before and after an instance joins: the slots kept
+    for the tuple must not keep calling it unknown."""
+    from app.engines.prefix import PrefixCache, PrefixDirectory
+
+    directory, prompt = PrefixDirectory(), tuple(range(8))
+    ids = ("a", "late")
+    early = PrefixCache(capacity_tokens=4096)
+    early.join(directory, "a")
+    early.insert(prompt[:2], 16)
+    assert list(directory.hit_tokens(prompt, ids, 16, 1000)) == [32, 0]
+    late = PrefixCache(capacity_tokens=4096)
+    late.join(directory, "late")
+    late.insert(prompt, 16)
+    assert list(directory.hit_tokens(prompt, ids, 16, 1000)) == [32, 128]
+
+
 def test_warm_up_compiles_every_pass_a_decision_calls():
     """The compile (or cache load) happens when a placer is built, never on a request:
     a run of decisions, moves and fallbacks adds no signature to any compiled pass."""

@@ -670,16 +670,16 @@ def test_an_instance_strands_an_arrival_only_when_nothing_else_could_take_it():
     room_elsewhere = Row("A800", latency_s=1.0, slack_s=5.0, capability_s_per_token=0.02,
                          has_memory_room=True)
     record_arrival(admissions, arrival, [turned_away("H800"), room_elsewhere], headroom=0.5)
-    assert admissions.contended("H800") and not admissions.stranding("H800")
+    assert admissions.contended("H800") and not admissions.stranding_rows(("H800",))[0]
     record_arrival(admissions, arrival, [turned_away("H800")], headroom=0.5)
-    assert admissions.stranding("H800")
+    assert admissions.stranding_rows(("H800",))[0]
     record_arrival(admissions, arrival, [], headroom=0.5)
     record_arrival(admissions, arrival, [], headroom=0.5)
-    assert not admissions.stranding("H800")
+    assert not admissions.stranding_rows(("H800",))[0]
     # turned away by its reservation: still contended, but that does not extend it
     reserved = replace(turned_away("H800"), shortest_stall_s=math.inf, reserved=True)
     record_arrival(admissions, arrival, [reserved], headroom=0.5)
-    assert admissions.contended("H800") and not admissions.stranding("H800")
+    assert admissions.contended("H800") and not admissions.stranding_rows(("H800",))[0]
 
 
 def test_stranding_counts_arrivals_that_could_meet_their_deadline_only_without_headroom():
@@ -690,13 +690,13 @@ def test_stranding_counts_arrivals_that_could_meet_their_deadline_only_without_h
     arrival = make_request(10.0)
     at_the_edge = replace(turned_away("H800"), slack_s=0.2)  # meets, but not with 0.5 x T
     record_arrival(admissions, arrival, [at_the_edge], headroom=0.5)
-    assert admissions.stranding("H800") and admissions.any_stranding()
+    assert admissions.stranding_rows(("H800",))[0] and admissions.any_stranding()
     assert not admissions.contended("H800")  # no move could meet with headroom there
     harmless_edge = Row("A800", latency_s=1.0, slack_s=0.2, capability_s_per_token=0.02,
                         has_memory_room=True)  # fallback's first step takes it there
     record_arrival(admissions, arrival, [at_the_edge, harmless_edge], headroom=0.5)
     record_arrival(admissions, arrival, [at_the_edge, harmless_edge], headroom=0.5)
-    assert not admissions.stranding("H800")
+    assert not admissions.stranding_rows(("H800",))[0]
 
 
 def test_slo_span_quantile_waits_for_enough_arrivals():
@@ -743,7 +743,7 @@ def test_reserve_marks_only_the_pools_strongest_instances():
     admissions = policy.admissions
     stranding_h800_after_spans(admissions)
     record_arrival(admissions, make_request(50.0), [turned_away("A800")], headroom=0.0)
-    assert admissions.stranding("A800")
+    assert admissions.stranding_rows(("A800",))[0]
     cluster = make_cluster(make_view("H800"), make_view("A800"), make_view("A40"))
     placer = policy.placer
 

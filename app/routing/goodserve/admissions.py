@@ -14,6 +14,7 @@ import numpy as np
 from app.routing.goodserve.config import GoodServeConfig
 from app.routing.instance_view import InstanceId
 from app.routing.quantiles import SortedWindow
+from app.routing.slots import SlotsOfLastList
 from app.routing.view import RouteRequest
 
 _NEVER = -(2**62)  # the arrival number of an outcome that never happened
@@ -52,16 +53,12 @@ class RecentAdmissions:
         self._last_stranded = np.full(0, _NEVER, dtype=np.int64)
         self._last_any_stranded = _NEVER
         self._slo_spans = SortedWindow(config.slo_window)
-        self._slots: tuple[tuple[InstanceId, ...], np.ndarray] = ((), np.zeros(0, np.int64))
+        self._slots = SlotsOfLastList()
 
     def slots_of(self, instance_ids: Sequence[InstanceId]) -> np.ndarray:
         """Each instance's slot, new ones added; kept for the last list asked (a view's
         ids are the same tuple from one decision to the next)."""
-        known, slots = self._slots
-        if known is not instance_ids and known != instance_ids:
-            slots = np.array([self._slot_of(i) for i in instance_ids], dtype=np.int64)
-            self._slots = (tuple(instance_ids), slots)
-        return slots
+        return self._slots.of(instance_ids, self._slot_of)
 
     def _slot_of(self, instance_id: InstanceId) -> int:
         slot = self._slot.get(instance_id)
@@ -102,9 +99,6 @@ class RecentAdmissions:
         """`contended` of each instance, as a bool array."""
         slots = self.slots_of(instance_ids)  # first: it may grow the arrays
         return self._within_window(self._last_turned_away[slots])
-
-    def stranding(self, instance_id: InstanceId) -> bool:
-        return self._recent(self._last_stranded, instance_id)
 
     def stranding_rows(self, instance_ids: Sequence[InstanceId]) -> np.ndarray:
         """`stranding` of each instance, as a bool array."""
