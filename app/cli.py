@@ -85,6 +85,9 @@ def serve(
         None, help="serve Prometheus metrics (Ray's and GoodServe's) on this port"),
     metrics_report_interval_ms: int | None = typer.Option(
         None, help="how often the metrics endpoint refreshes (Ray's default: 10000)"),
+    tokenizer: Path | None = typer.Option(
+        None, help="a local tokenizer directory: the router counts prompts with it and "
+        "simulated engines generate its words (e.g. `goodserve tiny-model`'s)"),
 ) -> None:
     """Start a local Ray cluster and serve the OpenAI API until SIGINT or SIGTERM;
     requests in flight get the config's `shutdown_grace_s`, then the engines and the
@@ -95,7 +98,9 @@ def serve(
     import ray
     from ray import serve as ray_serve
 
-    from app.serving.config import default_serve_config, load_serve_config
+    from app.engines.config import EngineBackend
+    from app.engines.sim import round_trip_vocabulary
+    from app.serving.config import default_serve_config, load_serve_config, with_tokenizer
     from app.serving.service import api_keys, make_tokenizer, tool_parsing
     from deployments.cluster import init_local_ray
     from deployments.controller import drain_application, stop_controller
@@ -103,6 +108,10 @@ def serve(
 
     try:
         serve_config = load_serve_config(config) if config else default_serve_config()
+        if tokenizer is not None:
+            if not tokenizer.is_dir():
+                raise ValueError(f"tokenizer directory not found: {tokenizer}")
+            serve_config = with_tokenizer(serve_config, str(tokenizer.resolve()))
         api_keys(serve_config)  # a keys file that cannot be read stops here, not in a replica
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -112,31 +121,47 @@ def serve(
         typer.echo(f"error: model directory not found: {model_path} (for the tiny test model "
                    "run `goodserve tiny-model`)", err=True)
         raise typer.Exit(code=2)
-    try:  # a tool parser the model cannot run stops here, not in a replica
+    try:  # a tokenizer or tool parser that cannot run stops here, not in a replica
         tool_parsing(serve_config, make_tokenizer(serve_config))
-    except ValueError as exc:
+        for engine in serve_config.cluster.engines()[:1]:
+            if engine.backend == EngineBackend.SIM and engine.tokenizer_path is not None:
+                round_trip_vocabulary(engine.tokenizer_path)
+    except (ValueError, OSError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from None
     http_port = port or serve_config.http_port
     inventory = serve_config.controller.inventory if serve_config.controller else ()
 
-    init_local_ray(serve_config.cluster, inventory=inventory,
-                   metrics_export_port=metrics_export_port,
-                   metrics_report_interval_ms=metrics_report_interval_ms)
-
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
     # SIGTERM (containers, process managers) as Ctrl-C, in place of the handler Ray
     # installs (which exits at once); SIGINT too, which a shell starting us in the
-    # background leaves ignored
+    # background leaves ignored. Installed before start-up, so a signal during it stops
+    # the server too; one that comes while Ray's processes are starting waits until
+    # they are up, so that they are stopped rather than orphaned.
+    starting_ray, pending = True, []
+
+    def interrupt(signum: int, frame: object) -> None:
+        if starting_ray:
+            pending.append(signum)
+            return
+        raise KeyboardInterrupt
+
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, interrupt)
+    serving = False
     try:
+        try:
+            init_local_ray(serve_config.cluster, inventory=inventory,
+                           metrics_export_port=metrics_export_port,
+                           metrics_report_interval_ms=metrics_report_interval_ms)
+        finally:
+            starting_ray = False
+        if pending:
+            raise KeyboardInterrupt
         ray_serve.start(http_options={"host": "0.0.0.0", "port": http_port})
         ray_serve.run(build_app(serve_config), name="goodserve", route_prefix="/")
-        typer.echo(f"serving {serve_config.model_name!r} on http://127.0.0.1:{http_port}/v1 "
-                   "(Ctrl-C stops)")
+        serving = True
+        typer.echo(f"serving {serve_config.served_model_names[0]!r} on "
+                   f"http://127.0.0.1:{http_port}/v1 (Ctrl-C stops)")
         if metrics_export_port is not None:
             typer.echo(f"metrics on http://127.0.0.1:{metrics_export_port}/metrics")
         while True:
@@ -144,14 +169,19 @@ def serve(
     except KeyboardInterrupt:
         for signum in (signal.SIGTERM, signal.SIGINT):  # a second signal must not cut this
             signal.signal(signum, signal.SIG_IGN)
-        grace_s = serve_config.shutdown_grace_s
-        typer.echo(f"stopping: new requests get a 503; those in flight get up to {grace_s:g} s")
-        left = drain_application(serve_config.cluster.name, grace_s)
-        if left:
-            typer.echo(f"{left} requests still in flight after {grace_s:g} s are cut")
+        if serving:
+            grace_s = serve_config.shutdown_grace_s
+            typer.echo(f"stopping: new requests get a 503; those in flight get up to "
+                       f"{grace_s:g} s")
+            left = drain_application(serve_config.cluster.name, grace_s)
+            if left:
+                typer.echo(f"{left} requests still in flight after {grace_s:g} s are cut")
+        else:
+            typer.echo("stopping during start-up")
     finally:
-        ray_serve.shutdown()
-        stop_controller(serve_config.cluster.name)  # and every engine it started
+        if ray.is_initialized():
+            ray_serve.shutdown()
+            stop_controller(serve_config.cluster.name)  # and every engine it started
         ray.shutdown()
 
 

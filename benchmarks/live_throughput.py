@@ -187,7 +187,8 @@ async def added_latency(config: Any, rate: float, seconds: float, port: int) -> 
     """One engine: the same Poisson requests through the router and straight to it."""
     with deployed(config) as actors:
         async with client_for(port) as client:
-            via_router, direct = router_sender(client, config.model_name), engine_sender(actors)
+            via_router = router_sender(client, config.served_model_names[0])
+            direct = engine_sender(actors)
             await open_loop(via_router, rate, 2.0)  # warm the connections and the replica
             routed = (await open_loop(via_router, rate, seconds, seed=1)).summary()
             straight = (await open_loop(direct, rate, seconds, seed=1)).summary()
@@ -203,7 +204,7 @@ async def saturated(config: Any, seconds: float, concurrency: int, port: int,
     one every GPU is just enough and the weakest takes them all); the cores used."""
     with deployed(config) as actors:
         async with client_for(port) as client:
-            send = router_sender(client, config.model_name, slo_s)
+            send = router_sender(client, config.served_model_names[0], slo_s)
             await open_loop(send, 10.0, 2.0)
             before = cpu_seconds()
             result = await closed_loop(send, concurrency, seconds)

@@ -22,7 +22,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from app.serving.api import error_body, sse
 from app.serving.relay import Forwarded, RelayHead, StreamCursor, retry_backoff_s
 from app.serving.replies import EVENT_STREAM
-from deployments.http_api import Route, api_app
+from deployments.http_api import NodeMetrics, Route, api_app
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,7 @@ class IngressDeployment:
     def __init__(self, router: DeploymentHandle, max_tries: int) -> None:
         self.router = router.options(stream=True)
         self.max_tries = max_tries
+        self._node_metrics = NodeMetrics()
 
     async def _open(self, route: Route, forwarded: Forwarded, body: bytes, tries: int,
                     after: int | None = None
@@ -134,3 +135,7 @@ class IngressDeployment:
     @ingress_app.post(Route.MIGRATE.value)
     async def migrate(self, request: Request) -> Response:
         return await self._forward(Route.MIGRATE, request)
+
+    @ingress_app.get(Route.METRICS.value)
+    async def metrics(self) -> Response:
+        return await self._node_metrics.page()

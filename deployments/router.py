@@ -35,7 +35,7 @@ from app.serving.service import CompletionService, JsonReply, StreamReply
 from app.serving.status_board import StatusChanges
 from deployments.cluster import ENGINE_NAMESPACE, EngineHandle, engine_ids
 from deployments.controller import controller_for, stop_controller
-from deployments.http_api import ROUTE_ACCESS, Route, http_app
+from deployments.http_api import ROUTE_ACCESS, NodeMetrics, Route, http_app
 from deployments.ingress import IngressDeployment
 from deployments.metrics import RayMetricFactory
 
@@ -118,6 +118,7 @@ class RouterReplica:
         self.status_version = 0
         self.finish_cursor = 0  # the board's finish log read up to here
         self.poll_interval_s = config.poll_interval_s
+        self._node_metrics = NodeMetrics()  # `GET /metrics` where it takes HTTP itself
         self.service = CompletionService(config, clients, companion=self._follow,
                                          metrics=RayMetricFactory(),
                                          status_feed=self._published_statuses)
@@ -281,6 +282,10 @@ class RouterDeployment(RouterReplica):
     @http_app.post(Route.MIGRATE.value)
     async def migrate(self, request: Request) -> Response:
         return await self._http(Route.MIGRATE, request)
+
+    @http_app.get(Route.METRICS.value)
+    async def metrics(self) -> Response:
+        return await self._node_metrics.page()
 
 
 def free_port() -> int:

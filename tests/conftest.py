@@ -119,6 +119,17 @@ def ray_metrics_url(ray_session) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory) -> Path:
+    """The tiny model's byte-level BPE alone (specials <s>=0, </s>=1), built locally."""
+    from app.engines.tiny_model import TINY_MODEL_NAME, build_tokenizer
+    from app.hardware.specs import get_model
+
+    out_dir = tmp_path_factory.mktemp("tiny-tokenizer")
+    build_tokenizer(out_dir, get_model(TINY_MODEL_NAME).vocab_size)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     from app.engines.tiny_model import build_tiny_llama
 

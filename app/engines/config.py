@@ -139,6 +139,10 @@ class EngineConfig(Frozen):
         "(first and last token go out at once); 0 streams every iteration"
     )
     model_path: str | None = Field(None, description="vllm backend: local model directory")
+    tokenizer_path: str | None = Field(
+        None, description="sim backend: a local tokenizer directory; the output tokens are "
+        "words of its vocabulary that re-tokenize one for one, so a client counting them "
+        "with it counts what was generated (default: any id, shown as <id>)")
     vllm_kwargs: dict = Field(default_factory=dict, description="extra vLLM engine args")
     kv_connector: KvConnectorConfig | None = Field(
         None, description="vllm backend: the KV connector (prefill / decode roles: the "

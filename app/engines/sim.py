@@ -8,7 +8,9 @@ config's `time_scale`, so routing can be exercised live without a GPU.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
@@ -17,6 +19,32 @@ from app.engines.base import STATUS_WINDOW, EngineBackendBase, EngineCapabilitie
 from app.engines.config import EngineConfig
 from app.engines.messages import EngineRequest, EngineStatus, TokenEvent
 from app.sim.engine_core import SimEngineCore, SimSequence
+
+_WORD = re.compile(r"[a-z]{2,}")
+
+
+@functools.cache
+def round_trip_vocabulary(path: str) -> tuple[int, ...]:
+    """The ids of the tokenizer in `path` whose text is one lower-case word after a
+    space, and that re-tokenize to themselves alone and after another word: text made
+    of them tokenizes back to the same ids, one for one (ValueError when there are
+    none)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    special = set(tokenizer.all_special_ids)
+    words = [(i, text) for i in range(len(tokenizer)) if i not in special
+             and (text := tokenizer.decode([i])).startswith(" ")
+             and _WORD.fullmatch(text[1:])]
+    kept: tuple[int, ...] = ()
+    if words:
+        alone = tokenizer([w for _, w in words], add_special_tokens=False)["input_ids"]
+        twice = tokenizer([w + w for _, w in words], add_special_tokens=False)["input_ids"]
+        kept = tuple(i for (i, _), one, two in zip(words, alone, twice, strict=True)
+                     if one == [i] and two == [i, i])
+    if not kept:
+        raise ValueError(f"tokenizer {path}: no token is a word that re-tokenizes alone")
+    return kept
 
 
 def prompt_seed(token_ids: list[int] | tuple[int, ...]) -> int:
@@ -37,7 +65,10 @@ class SimBackend(EngineBackendBase):
         super().__init__(engine_id, config)
         self._clock = clock
         self._origin = clock()
-        self.core = SimEngineCore(config.instance, config.scheduler, status_window=STATUS_WINDOW)
+        vocabulary = (None if config.tokenizer_path is None
+                      else round_trip_vocabulary(config.tokenizer_path))
+        self.core = SimEngineCore(config.instance, config.scheduler, status_window=STATUS_WINDOW,
+                                  vocabulary=vocabulary)
         self._req_to_queue: dict[str, asyncio.Queue[list[TokenEvent] | None]] = {}
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None

@@ -124,7 +124,7 @@ def run_live(config: AutoscaleConfig, profile: RateProfile, workload: Workload,
         controller = controller_for(serve_config, LIVE_APP)
         start_s = time.time()
         vocab = serve_config.engine_template.instance.model.vocab_size
-        records = asyncio.run(drive(url, workload, serve_config.model_name, vocab,
+        records = asyncio.run(drive(url, workload, serve_config.served_model_names[0], vocab,
                                     stop_s=stop_time_s(workload, config.max_drain_s)))
         status = ray.get(controller.status.remote())
         counters = httpx.get(url + "/v1/instances", timeout=60).json()["counters"]

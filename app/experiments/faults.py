@@ -276,7 +276,7 @@ def run_scenario(config: ServeConfig, fault: Fault, num_requests: int, rate: flo
     app_name = f"faults-{fault.value}"
     with serving(config, app_name) as url:
         client = _Client(url, timeout_s, client_retries)
-        greedy = {"model": config.model_name, "prompt": GREEDY_PROMPT,
+        greedy = {"model": config.served_model_names[0], "prompt": GREEDY_PROMPT,
                   "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
         _, _, unfaulted, _ = client.send(greedy)
         reference = None if unfaulted is None else unfaulted["choices"][0]["text"]

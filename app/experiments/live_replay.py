@@ -237,7 +237,7 @@ def live_cell(
     try:
         t0 = time.monotonic()
         vocab = config.engine_template.instance.model.vocab_size
-        records = asyncio.run(drive(base_url, workload, config.model_name, vocab,
+        records = asyncio.run(drive(base_url, workload, config.served_model_names[0], vocab,
                                     progress=progress, stop_s=stop_s))
         return records, time.monotonic() - t0
     finally:

@@ -202,9 +202,11 @@ class _OpenAiBody(BaseModel):
     task: str | None = Field(None, max_length=200)
     session_id: str | None = Field(
         None, min_length=1, max_length=200,
-        description="agent session (conversation) this request continues: session-affinity "
-        "routing keeps a session on one engine, and length estimates learn from its "
-        "earlier steps")
+        description="agent session (conversation) this request continues (default: the "
+        "one its headers name, such as X-Session-Affinity, or llm-d's cookie): its steps go "
+        "where their shared context is cached unless the deadline needs another GPU, a "
+        "step after the first is never turned away, and length estimates learn from its "
+        "earlier steps (the session-affinity policy alone pins a session to one engine)")
     session_step: int | None = Field(
         None, ge=0, description="this request's step in its session, 0 for the first: a "
         "session is admitted or turned away at its first step, never later (default: "
@@ -632,7 +634,7 @@ class ResponseMeta:
         return {"index": index, **content, "logprobs": logprobs,
                 "finish_reason": finish_reason, "stop_reason": stop_reason}
 
-    def full(self, choices: list[dict[str, Any]], usage: dict[str, int],
+    def full(self, choices: list[dict[str, Any]], usage: dict[str, Any],
              summaries: Sequence[RequestSummary]) -> dict[str, Any]:
         """The reply; `goodserve` tells where the first choice ran (with `n` > 1 every
         choice's summary is under `goodserve.choices`)."""
@@ -663,7 +665,7 @@ class ResponseMeta:
     def chunk_object_name(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
-    def last_chunk(self, usage: dict[str, int] | None,
+    def last_chunk(self, usage: dict[str, Any] | None,
                    summaries: Sequence[RequestSummary]) -> dict[str, Any]:
         """The stream's closing chunk: no choice, the usage when asked for
         (`stream_options.include_usage`) and the `goodserve` summary."""
@@ -681,11 +683,14 @@ def goodserve_summary(summaries: Sequence[RequestSummary]) -> dict[str, Any]:
     return body
 
 
-def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
+def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int = 0
+          ) -> dict[str, Any]:
+    """OpenAI's usage, with the prompt tokens the engine found cached (its prefix hit)."""
     return {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_output_tokens,
         "total_tokens": num_prompt_tokens + num_output_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
     }
 
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from app.control.config import ControllerConfig
 from app.control.controller import ControllerSettings
 from app.engines.base import EngineCapabilities
 from app.engines.config import (
     ClusterConfig,
+    EngineBackend,
     EngineConfig,
     Frozen,
     InstanceGroup,
@@ -27,6 +28,8 @@ from app.planning.inventory import DECODE, PREFILL, UNIFIED
 from app.routing.goodserve import GoodServeConfig
 from app.routing.length import OutputLengthEstimator
 from app.routing.registry import SIM_ONLY, PolicyKind, RoutingOptions
+
+MODEL_ALIAS = "goodserve"  # a `model` every server accepts, whatever it serves
 
 
 class RoutingConfig(GoodServeConfig):
@@ -118,15 +121,31 @@ class ServeConfig(Frozen):
     """The served model's cluster and how the router treats requests."""
 
     cluster: ClusterConfig = Field(description="the engines the router serves over")
-    model_name: str = Field("goodserve", description="the `model` clients must send")
+    served_model_name: str | tuple[str, ...] | None = Field(
+        None, validation_alias=AliasChoices("served_model_name", "model_name"),
+        description="the name or names clients send as `model` (vLLM's "
+        "--served-model-name; `model_name` is read too): the first is the one /v1/models "
+        f"lists first; default: the engines' model. `{MODEL_ALIAS}` is always accepted")
     routing: RoutingConfig = Field(
         RoutingConfig(), description="the routing policy and its knobs")
     default_slo_s: float | None = Field(
         None, gt=0, description="deadline for requests that send no slo_s; None = best effort"
     )
+    session_headers: tuple[str, ...] = Field(
+        ("x-session-affinity", "x-session-id", "x-amzn-sagemaker-session-id",
+         "x-session-token"), description="headers that name a request's agent session "
+        "when its body has no session_id, the first present taken (AIPerf's multi-turn "
+        "mode, SageMaker's sticky sessions, llm-d's former header)")
+    session_cookies: tuple[str, ...] = Field(
+        ("llm-d-session",), description="cookies that name a request's agent session "
+        "when neither its body nor a session header does (llm-d's session affinity)")
+    stream_chunk_tokens: int = Field(
+        1, ge=1, description="the most output tokens one streamed chunk carries: 1 sends "
+        "each token in a chunk of its own, as vLLM does; more lets the tokens that reach "
+        "the router together share a chunk (less work per token under load)")
     tokenizer_path: str | None = Field(
-        None, description="local tokenizer directory; default: the vLLM engines' model_path"
-    )
+        None, description="local tokenizer directory the router tokenizes with; default: "
+        "the engines' (a vLLM engine's model_path, a simulated engine's tokenizer_path)")
     tool_call_parser: str | None = Field(
         None, description="vLLM's tool parser for the model family (its "
         "`--tool-call-parser`: hermes, llama3_json, mistral, pythonic, ...); lets chat "
@@ -169,6 +188,11 @@ class ServeConfig(Frozen):
         "so a client that reconnects with its request id gets the rest; then its "
         "generation is aborted")
 
+    @field_validator("session_headers")
+    @classmethod
+    def _lower_case(cls, names: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(name.lower() for name in names)  # as the router reads headers
+
     @model_validator(mode="after")
     def _one_model(self) -> ServeConfig:
         engines = self.cluster.engines()
@@ -190,6 +214,13 @@ class ServeConfig(Frozen):
             raise ValueError(f"tool_call_parser: {self.engine_capabilities.kind} engines "
                              "generate no text to read tool calls from")
         return self
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """The names a request's `model` may take, the primary first; the alias last."""
+        names = self.served_model_name or self.engine_template.model
+        names = (names,) if isinstance(names, str) else tuple(names)
+        return names + ((MODEL_ALIAS,) if MODEL_ALIAS not in names else ())
 
     @property
     def engine_template(self) -> EngineConfig:
@@ -218,6 +249,16 @@ def default_serve_config() -> ServeConfig:
         for g, tp in (("H800", 1), ("A800", 1), ("A40", 1), ("V100", 2))
     ]
     return ServeConfig(cluster=ClusterConfig(name="local-sim", groups=groups))
+
+
+def with_tokenizer(config: ServeConfig, path: str) -> ServeConfig:
+    """`config` with the router and every simulated engine on the tokenizer in `path`
+    (`goodserve serve --tokenizer`)."""
+    groups = [g.model_copy(update={"engine": g.engine.model_copy(
+        update={"tokenizer_path": path})}) if g.engine.backend == EngineBackend.SIM else g
+        for g in config.cluster.groups]
+    cluster = config.cluster.model_copy(update={"groups": groups})
+    return config.model_copy(update={"tokenizer_path": path, "cluster": cluster})
 
 
 def load_serve_config(path: str | Path) -> ServeConfig:

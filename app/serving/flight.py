@@ -179,6 +179,7 @@ class OutputLog:
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens the first engine found in its prefix cache
     # the client's view of the output: stop strings and stop token ids end it here, on
     # whichever engine the tokens came from (None: only the engine ends it)
     text: OutputHook | None = None

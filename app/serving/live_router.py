@@ -106,6 +106,13 @@ Found = tuple[InstanceId, EngineRecord]  # where an engine holds a client reques
 StatusFeed = Callable[[], Awaitable[StatusChanges]]
 
 
+
+def pieces(batch: list[TokenEvent], size: int | None) -> list[list[TokenEvent]]:
+    """`batch` in consecutive pieces of at most `size` events (None: whole)."""
+    if size is None or len(batch) <= size:
+        return [batch]
+    return [batch[start:start + size] for start in range(0, len(batch), size)]
+
 class LiveRouter:
     """Routes, streams, migrates and fails over; one instance per router replica."""
 
@@ -449,8 +456,12 @@ class LiveRouter:
             return self._choose(resumed, self.clock(), exclude=exclude,
                                 role=EngineRole.PREFILL)
 
-    async def stream(self, flight: Flight) -> AsyncIterator[list[TokenEvent]]:
-        """The request's tokens (indices from 0, one stream across moves); ends the flight."""
+    async def stream(self, flight: Flight, chunk_tokens: int | None = None
+                     ) -> AsyncIterator[list[TokenEvent]]:
+        """The request's tokens (indices from 0, one stream across moves); ends the
+        flight. `chunk_tokens`: an engine's batch is taken and handed on in pieces of at
+        most that many tokens, so that each piece's text is its own (None: as it comes;
+        the engine actor merges the batches of `stream_interval_s`)."""
         try:
             if flight.placement.backlog or flight.placement.orphaned:
                 kept = self._take_backlog(flight)
@@ -468,11 +479,12 @@ class LiveRouter:
                     async for batch in self._submission(flight):
                         if batch and not flight.placement.started:
                             self._on_submission_start(flight, batch)
-                        kept = self._take(flight, batch)
-                        if kept:
-                            yield kept
-                        if flight.state is FlightState.FINISHED:
-                            return
+                        for piece in pieces(batch, chunk_tokens):
+                            kept = self._take(flight, piece)
+                            if kept:
+                                yield kept
+                            if flight.state is FlightState.FINISHED:
+                                return
                 except (EngineLost, InvalidTransition):  # a lost flight, or a bug of ours
                     raise
                 except Exception as exc:  # our abort for a move, or the engine failed
@@ -568,6 +580,7 @@ class LiveRouter:
         flight.took_tokens(now)
         self._recount(flight)
         if first:
+            output.num_cached_tokens = batch[0].num_cached_tokens or 0
             for listener in self._first_token_listeners:
                 listener.on_first_token(flight.route, flight.instance_id, now, now)
         kept = [

@@ -16,9 +16,10 @@ import asyncio
 import hashlib
 import re
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from http.cookies import CookieError, SimpleCookie
 from typing import Any
 
 from app.engines.journal import Retention
@@ -46,6 +47,33 @@ def client_request_id(headers: Mapping[str, str]) -> str | None:
                 "or '_'", name)
         return value
     return None
+
+
+MAX_SESSION_ID_LEN = 200  # as the body's `session_id`
+
+
+def named_session(headers: Mapping[str, str], header_names: Sequence[str],
+                  cookie_names: Sequence[str]) -> str | None:
+    """The agent session a request's headers name, as clients name it: the first of
+    `header_names` present (AIPerf's X-Session-Affinity, SageMaker's
+    X-Amzn-SageMaker-Session-Id, ...), else the first of `cookie_names` among its cookies
+    (llm-d's); None: none. A 400 for a name that is empty or too long."""
+    named = next(((name, headers[name]) for name in header_names if name in headers), None)
+    if named is None and cookie_names and "cookie" in headers:
+        jar = SimpleCookie()
+        try:
+            jar.load(headers["cookie"])
+        except CookieError:
+            jar = SimpleCookie()  # a cookie header we cannot read names no session
+        named = next(((f"cookie {name}", jar[name].value) for name in cookie_names
+                      if name in jar), None)
+    if named is None:
+        return None
+    source, value = named
+    if not 0 < len(value.strip()) <= MAX_SESSION_ID_LEN:
+        raise invalid_request(f"{source}: a session id is 1 to {MAX_SESSION_ID_LEN} "
+                              "characters", source)
+    return value.strip()
 
 
 def resumable(client_id: str | None, headers: Mapping[str, str]) -> bool:

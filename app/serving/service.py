@@ -59,6 +59,7 @@ from app.serving.replies import (
     body_digest,
     client_request_id,
     last_event_id,
+    named_session,
     request_headers,
     resumable,
 )
@@ -73,8 +74,9 @@ logger = logging.getLogger(__name__)
 
 
 def make_tokenizer(config: ServeConfig) -> Tokenizer:
-    """The served model's tokenizer; word hashing for simulated engines."""
-    path = config.tokenizer_path or config.engine_template.model_path
+    """The served model's tokenizer; word hashing for simulated engines that name none."""
+    engine = config.engine_template
+    path = config.tokenizer_path or engine.model_path or engine.tokenizer_path
     if path is not None:
         return HfTokenizer(path)
     if config.engine_capabilities.text:
@@ -349,7 +351,9 @@ class CompletionService:
             return JsonReply(exc.status_code, exc.body())
         named = request_headers(request_id)
         try:
-            requests = self._generation_requests(body, chat, received, request_id)
+            session = body.session_id or named_session(
+                headers, self.config.session_headers, self.config.session_cookies)
+            requests = self._generation_requests(body, chat, received, request_id, session)
             readers = self._tool_readers(body, requests, chat)
             flights = await self._submit_all(
                 requests, body, readers, after=after, looked_up=looked_up,
@@ -362,7 +366,7 @@ class CompletionService:
             self.replies.discard(log, refused)
             return refused
         meta = ResponseMeta.new(f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
-                                self.config.model_name, chat)
+                                body.model, chat)
         if body.stream:
             events = self._stream(flights, readers, meta, body.stream_options or StreamOptions(),
                                   resumed=after is not None,
@@ -427,8 +431,8 @@ class CompletionService:
 
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [
-            {"id": self.config.model_name, "object": "model", "owned_by": "goodserve"}
-        ]}
+            {"id": name, "object": "model", "owned_by": "goodserve"}
+            for name in self.config.served_model_names]}
 
     async def health(self) -> JsonReply:
         await self.start()
@@ -478,13 +482,15 @@ class CompletionService:
 
     # ---- helpers -----------------------------------------------------------------------
     def _generation_requests(self, body: Any, chat: bool, received_perf_s: float,
-                             request_id: str) -> list[GenerationRequest]:
+                             request_id: str, session_id: str | None
+                             ) -> list[GenerationRequest]:
         """One request per choice (`n`); choice i of response `cmpl-<id>` is request
         `<id>` when n = 1, else `<id>.<i>` (its seed, when given, seed + i, as
-        vLLM's)."""
-        if body.model != self.config.model_name:
+        vLLM's). `session_id`: the body's, else the one its headers name."""
+        if body.model not in self.config.served_model_names:
             raise ApiError(404, f"the model {body.model!r} does not exist; this server serves "
-                           f"{self.config.model_name!r}", "not_found_error", "model")
+                           f"{self.config.served_model_names[0]!r}", "not_found_error",
+                           "model")
         if chat:
             tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
             text = self.tokenizer.render_chat(body.messages, tools)
@@ -538,7 +544,7 @@ class CompletionService:
                 prompt_text=text,
                 task=body.task,
                 streamed=body.stream,
-                session_id=body.session_id,
+                session_id=session_id,
                 step_index=body.step_index,
                 received_perf_s=received_perf_s,
             ))
@@ -682,10 +688,11 @@ class CompletionService:
         wanted = flight.request.sampling.logprobs is not None
         return LogprobsFormatter(self.tokenizer, chat) if wanted else None
 
-    def _usage(self, flights: Sequence[Flight]) -> dict[str, int]:
+    def _usage(self, flights: Sequence[Flight]) -> dict[str, Any]:
         """The prompt counted once (as vLLM does for n > 1), every choice's output."""
         return usage(len(flights[0].request.prompt_token_ids),
-                     sum(len(f.output.token_ids) for f in flights))
+                     sum(len(f.output.token_ids) for f in flights),
+                     flights[0].output.num_cached_tokens)
 
     async def _collect(self, flights: list[Flight], readers: list[ToolCallReader | None],
                        meta: ResponseMeta) -> JsonReply:
@@ -737,10 +744,16 @@ class CompletionService:
         queue: asyncio.Queue[tuple[int, list[TokenEvent] | BaseException | None]] = (
             asyncio.Queue())
 
+        # a choice's next tokens are taken only once its last ones are in a chunk: the
+        # chunk is read off the output so far, which must not run ahead of its batch
+        shown = [asyncio.Event() for _ in flights]
+
         async def pump(index: int, flight: Flight) -> None:
             try:
-                async for batch in self.router.stream(flight):
+                async for batch in self.router.stream(flight, self.config.stream_chunk_tokens):
+                    shown[index].clear()
                     queue.put_nowait((index, batch))
+                    await shown[index].wait()
                 queue.put_nowait((index, None))
             except Exception as exc:  # handed to the consumer
                 queue.put_nowait((index, exc))
@@ -756,7 +769,8 @@ class CompletionService:
             """`chunk`, with its choice's usage so far when asked for (vLLM's
             `continuous_usage_stats`)."""
             if options.include_usage and options.continuous_usage_stats:
-                chunk["usage"] = usage(num_prompt_tokens, num_output_tokens)
+                chunk["usage"] = usage(num_prompt_tokens, num_output_tokens,
+                                       flights[0].output.num_cached_tokens)
             return chunk
 
         try:
@@ -776,6 +790,7 @@ class CompletionService:
                 if isinstance(item, BaseException):
                     raise item
                 chunk = choices[index].chunk(meta, item[-1].finished)
+                shown[index].set()
                 if chunk is not None:
                     offset = sum(c.num_sent for c in choices)
                     yield offset, sse(with_usage(chunk, choices[index].num_sent),

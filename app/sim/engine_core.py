@@ -37,7 +37,7 @@ from __future__ import annotations
 import functools
 import heapq
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -270,10 +270,14 @@ class SimEngineCore:
     """
 
     def __init__(
-        self, instance: InstanceSpec, config: SchedulerConfig, *, status_window: int = 32
+        self, instance: InstanceSpec, config: SchedulerConfig, *, status_window: int = 32,
+        vocabulary: Sequence[int] | None = None,
     ) -> None:
+        """`vocabulary`: the ids output tokens are drawn from (default: every id of the
+        model's vocabulary)."""
         self.instance = instance
         self.config = config
+        self.vocabulary = None if vocabulary is None else tuple(vocabulary)
         default_blocks = instance.kv_capacity_tokens // config.block_size
         self.num_kv_blocks = config.num_kv_blocks or default_blocks
         cache_tokens = self.num_kv_blocks * config.block_size if config.enable_prefix_caching else 0
@@ -335,7 +339,8 @@ class SimEngineCore:
         """Apply a finished iteration; returns the tokens it produced."""
         self._count_iteration(step)
         events: list[TokenEvent] = []
-        vocab = self.instance.model.vocab_size
+        vocabulary = self.vocabulary
+        vocab = self.instance.model.vocab_size if vocabulary is None else len(vocabulary)
         for request_id, num_tokens in step.req_to_num_tokens.items():
             seq = self.requests.get(request_id)
             if seq is None or seq.status != RequestStatus.RUNNING:
@@ -354,6 +359,8 @@ class SimEngineCore:
                 finish = FINISH_REASONS[seq.status]
                 self._finish(seq)
             token = sim_token_id(seq.token_seed, index, vocab)
+            if vocabulary is not None:
+                token = vocabulary[token]
             cached = seq.num_cached_tokens if was_prefilling else None
             events.append(TokenEvent(request_id, token, index, now_s, finish, cached))
         return events

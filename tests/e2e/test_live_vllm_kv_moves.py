@@ -36,7 +36,7 @@ def kv_moves(request, ray_session, tiny_model_dir, tmp_path_factory):
         update={"kv_connector": connector})}) for g in plain.groups]
     cluster = plain.model_copy(update={"name": "e2e-kv", "groups": groups,
                                        "move_path": request.param})
-    config = ServeConfig(cluster=cluster, model_name="tiny-llama", default_slo_s=300.0)
+    config = ServeConfig(cluster=cluster, served_model_name="tiny-llama", default_slo_s=300.0)
     with serving(config, "live-vllm-kv-moves") as url:
         yield url, config
 

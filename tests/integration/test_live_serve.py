@@ -26,7 +26,8 @@ def test_completion_is_openai_shaped_and_reports_where_it_ran(live_url):
     assert data["usage"]["completion_tokens"] == 12 and data["usage"]["prompt_tokens"] == 100
     assert data["choices"][0]["finish_reason"] == "length"
     assert data["goodserve"]["met_deadline"] is True
-    assert httpx.get(live_url + "/v1/models").json()["data"][0]["id"] == "goodserve"
+    listed = [m["id"] for m in httpx.get(live_url + "/v1/models").json()["data"]]
+    assert listed == ["llama-3.1-8b", "goodserve"]  # the model's own name, then the alias
     assert httpx.get(live_url + "/health").json()["status"] == "ok"
 
 

@@ -192,6 +192,10 @@ def test_served_traffic_moves_the_series_prometheus_scrapes(observed):
                    "ray_goodserve_routing_arrival_to_placement_seconds_bucket",
                    "ray_goodserve_pool_target_engines", "ray_serve_"):
         assert series in text, series
+    # and the API port serves the same page, where vLLM clients look for it
+    page = httpx.get(url + "/metrics", timeout=30)
+    assert page.headers["content-type"].startswith("text/plain")
+    assert "ray_goodserve_requests_total" in page.text
     # the controller's view: a target and held engines per pool, a binding constraint
     assert scalar(prom, 'sum(ray_goodserve_pool_engines{role="decode",state="active"})') >= 2
     assert scalar(prom, "sum(ray_goodserve_pool_binding_constraint)") == 1

@@ -77,6 +77,46 @@ def test_sim_backend_streams_and_counts_its_prefill_work():
     assert status.prefill.busy_s == status.recent_iteration_s[0] > 0  # the first step
 
 
+def test_a_sim_backend_with_a_tokenizer_generates_words_that_re_tokenize_one_for_one(
+        tiny_tokenizer_dir):
+    """What a benchmark client counts is what was generated: the output decodes to text
+    that the same tokenizer splits back into the same ids."""
+    from transformers import AutoTokenizer
+
+    from app.engines.sim import round_trip_vocabulary
+
+    tiny_tokenizer = str(tiny_tokenizer_dir)
+    config = SIM_CONFIG.model_copy(update={"tokenizer_path": tiny_tokenizer})
+
+    async def run():
+        backend = SimBackend("e0", config)
+        try:
+            return [await _collect(backend, request(f"r{i}", max_tokens=60)) for i in range(3)]
+        finally:
+            await backend.shutdown()
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer, local_files_only=True)
+    vocabulary = set(round_trip_vocabulary(tiny_tokenizer))
+    assert len(vocabulary) > 20
+    for events in asyncio.run(run()):
+        ids = [e.token_id for e in events]
+        assert len(ids) == 60 and set(ids) <= vocabulary and len(set(ids)) > 10
+        assert tokenizer.encode(tokenizer.decode(ids), add_special_tokens=False) == ids
+
+
+def test_a_tokenizer_with_no_word_tokens_is_refused(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from app.engines.sim import round_trip_vocabulary
+
+    chars = Tokenizer(models.WordLevel({c: i for i, c in enumerate("abc")}, unk_token="a"))
+    chars.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=chars).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="no token is a word"):
+        round_trip_vocabulary(str(tmp_path))
+
+
 def test_sim_backend_abort_ends_the_stream():
     async def run():
         backend = SimBackend("e0", SIM_CONFIG)

@@ -14,6 +14,7 @@ import json
 import math
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import replace
 
 import pytest
 
@@ -423,6 +424,125 @@ async def test_bad_requests_get_openai_errors_and_lose_nothing(raw, status, para
     ok = await service.complete(body(), chat=False)  # the next request is served
     assert ok.status_code == 200 and ok.body["usage"]["completion_tokens"] == 3
     service.close()
+
+
+async def test_the_model_is_served_by_its_own_name_and_the_alias():
+    """As vLLM's --served-model-name: by default the engines' model; any configured
+    name is accepted and echoed; `goodserve` always is; another name is a 404."""
+    service = sim_service(ScriptedEngine("e", "A40"))
+    assert [m["id"] for m in service.models()["data"]] == ["llama-3.1-8b", "goodserve"]
+    for name in ("llama-3.1-8b", "goodserve"):
+        reply = await service.complete(body(model=name), chat=False)
+        assert reply.status_code == 200 and reply.body["model"] == name
+    named = sim_service(ScriptedEngine("e", "A40"), served_model_name=("meta/llama", "l8"))
+    assert [m["id"] for m in named.models()["data"]] == ["meta/llama", "l8", "goodserve"]
+    assert (await named.complete(body(model="l8"), chat=False)).body["model"] == "l8"
+    refused = await named.complete(body(model="llama-3.1-8b"), chat=False)
+    assert refused.status_code == 404 and "'meta/llama'" in refused.body["error"]["message"]
+    cluster = ClusterConfig(groups=[InstanceGroup(engine=EngineConfig(gpu_type="A40"))])
+    assert ServeConfig.model_validate({"cluster": cluster, "model_name": "old"}
+                                      ).served_model_names == ("old", "goodserve")
+    service.close()
+    named.close()
+
+
+class MergingEngine(ScriptedEngine):
+    """Its tokens `per_batch` at a time, as an engine actor merges the batches of its
+    stream interval; the first reports `cached` prompt tokens found in its cache."""
+
+    def __init__(self, *args, per_batch: int = 3, cached: int = 2, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.per_batch, self.cached = per_batch, cached
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[list[TokenEvent]]:
+        pending: list[TokenEvent] = []
+        async for (event,) in super().generate(request):
+            if event.num_cached_tokens is not None:
+                event = replace(event, num_cached_tokens=self.cached)
+            pending.append(event)
+            if len(pending) == self.per_batch or event.finished:
+                yield pending
+                pending = []
+
+
+async def streamed_chunks(service: CompletionService, **fields) -> list[dict]:
+    reply = await service.complete(body(stream=True, **fields), chat=False)
+    data = [sse_data(event) async for event in reply]
+    return [json.loads(d) for d in data if d != "[DONE]"]
+
+
+async def test_a_stream_sends_a_token_per_chunk_and_the_usage_counts_cached_tokens():
+    """Tokens that reach the router together still go out a chunk each, as vLLM
+    streams them (unless `stream_chunk_tokens` allows more); the usage carries the
+    engine's prefix hit as `prompt_tokens_details.cached_tokens`."""
+    service = sim_service(MergingEngine("e", "A40"))
+    chunks = await streamed_chunks(service, max_tokens=7,
+                                   stream_options={"include_usage": True})
+    texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
+    assert [t.count("<") for t in texts] == [1] * 7
+    assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 2}
+    whole = await service.complete(body(max_tokens=7), chat=False)
+    assert whole.body["usage"]["prompt_tokens_details"] == {"cached_tokens": 2}
+    wider = sim_service(MergingEngine("e", "A40"), stream_chunk_tokens=3)
+    texts = [c["choices"][0]["text"] for c in await streamed_chunks(wider, max_tokens=7)
+             if c["choices"]]
+    assert [t.count("<") for t in texts] == [3, 3, 1]
+    service.close()
+    wider.close()
+
+
+async def test_with_a_tokenizer_prompts_are_counted_as_the_client_counts_them(
+        tiny_tokenizer_dir):
+    """`goodserve serve --tokenizer`: the router counts prompt tokens with it, and every
+    simulated engine generates its words."""
+    from app.serving.config import default_serve_config, with_tokenizer
+    from app.serving.tokenizer import HfTokenizer
+
+    path = str(tiny_tokenizer_dir)
+    config = with_tokenizer(default_serve_config(), path)
+    assert {e.tokenizer_path for e in config.cluster.engines()} == {path}
+    service = CompletionService(config, [ScriptedEngine("e", "A40")])
+    prompt = "zephyr quartz goodput xylophones"  # words its corpus never had
+    reply = await service.complete(body(prompt=prompt), chat=False)
+    counted = len(HfTokenizer(path).encode(prompt))
+    assert reply.body["usage"]["prompt_tokens"] == counted != len(prompt.split())
+    service.close()
+
+
+@pytest.mark.parametrize(("headers", "session"), [
+    ({"x-session-affinity": "conv-1"}, "conv-1"),  # AIPerf's multi-turn mode
+    ({"x-amzn-sagemaker-session-id": "sm-7"}, "sm-7"),
+    ({"cookie": "theme=dark; llm-d-session=ZGVmYXVsdC9wb2QtMQ=="}, "ZGVmYXVsdC9wb2QtMQ=="),
+    ({"x-session-id": "h", "cookie": "llm-d-session=c"}, "h"),  # a header before a cookie
+    ({"cookie": "not a cookie; ;="}, None),
+    ({"x-correlation-id": "per-request"}, None),  # not a session name by default
+])
+async def test_a_session_named_by_a_header_or_cookie_is_routed_as_a_session(headers, session):
+    service = sim_service(ScriptedEngine("e", "A40"))
+    routes = []
+    routed = service.router.routed
+
+    async def spy(request):
+        routes.append(await routed(request))
+        return routes[-1]
+
+    service.router.routed = spy
+    reply = await service.complete(body(), chat=False, headers=headers)
+    assert reply.status_code == 200 and routes[-1].session_id == session
+    in_body = await service.complete(body(session_id="mine"), chat=False, headers=headers)
+    assert in_body.status_code == 200 and routes[-1].session_id == "mine"  # the body wins
+    service.close()
+
+
+async def test_a_session_header_out_of_bounds_is_a_400_that_loses_nothing():
+    service = sim_service(ScriptedEngine("e", "A40"))
+    reply = await service.complete(body(), chat=False, headers={"x-session-id": "s" * 201})
+    assert reply.status_code == 400 and reply.body["error"]["param"] == "x-session-id"
+    assert (await service.complete(body(), chat=False)).status_code == 200
+    custom = sim_service(ScriptedEngine("e", "A40"), session_headers=["X-Conversation"])
+    assert custom.config.session_headers == ("x-conversation",)
+    service.close()
+    custom.close()
 
 
 async def test_a_closing_service_refuses_new_requests_and_reports_it():

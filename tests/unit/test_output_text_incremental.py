@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from app.engines.tiny_model import TINY_MODEL_NAME, build_tokenizer
+from app.engines.tiny_model import TINY_MODEL_NAME
 from app.hardware.specs import get_model
 from app.serving.tokenizer import (
     REPLACEMENT_CHAR,
@@ -120,11 +119,8 @@ class WholeDecodeOutputText:
 
 
 @pytest.fixture(scope="module")
-def tiny_hf(tmp_path_factory) -> HfTokenizer:
-    """The tiny model's byte-level BPE (specials <s>=0, </s>=1), built locally."""
-    out_dir: Path = tmp_path_factory.mktemp("tiny-tokenizer")
-    build_tokenizer(out_dir, get_model(TINY_MODEL_NAME).vocab_size)
-    return HfTokenizer(str(out_dir))
+def tiny_hf(tiny_tokenizer_dir) -> HfTokenizer:
+    return HfTokenizer(str(tiny_tokenizer_dir))
 
 
 def random_output(rng: random.Random, tokenizer: Tokenizer, vocab_size: int) -> list[int]:

@@ -216,7 +216,8 @@ async def test_n_choices_are_separate_requests_with_one_prompt_in_the_usage():
     assert reply.status_code == 200
     assert [c["index"] for c in reply.body["choices"]] == [0, 1, 2]
     assert reply.body["usage"] == {"prompt_tokens": 4, "completion_tokens": 12,
-                                   "total_tokens": 16}  # "a b c d" is four words
+                                   "total_tokens": 16,  # "a b c d" is four words
+                                   "prompt_tokens_details": {"cached_tokens": 0}}
     ids = sorted(r.request_id for r in engine.received)
     base = reply.body["id"].removeprefix("cmpl-")
     assert ids == [f"{base}.{i}" for i in range(3)]

@@ -255,7 +255,7 @@ def tool_service(*engines: Spelling, parser: str | None = "pythonic") -> Complet
     """A service over `engines` (round-robin: the first request goes to the first)."""
     engine = EngineConfig(gpu_type="A40", backend=EngineBackend.VLLM, model_path="/no/model")
     cluster = ClusterConfig(groups=[InstanceGroup(engine=engine, count=len(engines))])
-    config = ServeConfig(cluster=cluster, model_name="m", tool_call_parser=parser,
+    config = ServeConfig(cluster=cluster, served_model_name="m", tool_call_parser=parser,
                          routing=RoutingConfig(policy="round-robin"))
     return CompletionService(config, list(engines), tokenizer=Characters())
 
