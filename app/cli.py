@@ -6,6 +6,7 @@ app/experiments/) and are mounted here.
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import typer
@@ -77,6 +78,41 @@ def demo(
     typer.echo(format_comparison(live, sim))
 
 
+class StopSignals:
+    """SIGTERM (containers, process managers) and SIGINT as Ctrl-C, in place of the
+    handler Ray installs (which exits at once); SIGINT too, which a shell starting us in
+    the background leaves ignored. Until `release` (while Ray's processes start) a
+    signal is held, so that they are stopped rather than orphaned; after, it raises
+    KeyboardInterrupt."""
+
+    def __init__(self) -> None:
+        self.holding, self.pending = True, False
+        self._install()
+
+    def _install(self) -> None:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self.holding:
+            self.pending = True
+            return
+        raise KeyboardInterrupt
+
+    def release(self) -> None:
+        """Signals stop the server from here on, one held meanwhile at once (the
+        handlers again: starting Ray installs its own)."""
+        self._install()
+        self.holding = False
+        if self.pending:
+            raise KeyboardInterrupt
+
+    @staticmethod
+    def ignore() -> None:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, signal.SIG_IGN)
+
+
 @cli.command()
 def serve(
     config: str | None = typer.Option(None, help="serve config YAML (default: embedded)"),
@@ -92,8 +128,9 @@ def serve(
     """Start a local Ray cluster and serve the OpenAI API until SIGINT or SIGTERM;
     requests in flight get the config's `shutdown_grace_s`, then the engines and the
     Ray instance are stopped."""
-    import signal
     import time
+
+    signals = StopSignals()  # first: a signal during start-up must stop it too
 
     import ray
     from ray import serve as ray_serve
@@ -132,31 +169,15 @@ def serve(
     http_port = port or serve_config.http_port
     inventory = serve_config.controller.inventory if serve_config.controller else ()
 
-    # SIGTERM (containers, process managers) as Ctrl-C, in place of the handler Ray
-    # installs (which exits at once); SIGINT too, which a shell starting us in the
-    # background leaves ignored. Installed before start-up, so a signal during it stops
-    # the server too; one that comes while Ray's processes are starting waits until
-    # they are up, so that they are stopped rather than orphaned.
-    starting_ray, pending = True, []
-
-    def interrupt(signum: int, frame: object) -> None:
-        if starting_ray:
-            pending.append(signum)
-            return
-        raise KeyboardInterrupt
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, interrupt)
+    if signals.pending:
+        typer.echo("stopped before start-up")
+        return
     serving = False
     try:
-        try:
-            init_local_ray(serve_config.cluster, inventory=inventory,
-                           metrics_export_port=metrics_export_port,
-                           metrics_report_interval_ms=metrics_report_interval_ms)
-        finally:
-            starting_ray = False
-        if pending:
-            raise KeyboardInterrupt
+        init_local_ray(serve_config.cluster, inventory=inventory,
+                       metrics_export_port=metrics_export_port,
+                       metrics_report_interval_ms=metrics_report_interval_ms)
+        signals.release()
         ray_serve.start(http_options={"host": "0.0.0.0", "port": http_port})
         ray_serve.run(build_app(serve_config), name="goodserve", route_prefix="/")
         serving = True
@@ -167,8 +188,7 @@ def serve(
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        for signum in (signal.SIGTERM, signal.SIGINT):  # a second signal must not cut this
-            signal.signal(signum, signal.SIG_IGN)
+        signals.ignore()  # a second signal must not cut the stop short
         if serving:
             grace_s = serve_config.shutdown_grace_s
             typer.echo(f"stopping: new requests get a 503; those in flight get up to "

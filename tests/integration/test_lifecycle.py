@@ -73,3 +73,43 @@ def test_sigterm_lets_the_request_in_flight_finish_then_stops_everything():
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait(timeout=30)
+
+
+@pytest.mark.parametrize("moment", ["ray_starting", "deploying"])
+def test_sigint_during_start_up_stops_the_server_and_everything_it_started(moment):
+    """Ctrl-C while Ray's processes start (held until they are up, then stopped) or
+    while the application deploys: the server exits cleanly, never comes up, and leaves
+    nothing running."""
+    port = free_port()
+    server = subprocess.Popen([str(BIN / "goodserve"), "serve", "--port", str(port)],
+                              cwd=ROOT, env=environment(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    started: list[psutil.Process] = []
+
+    def ray_started() -> bool:
+        if server.poll() is not None:
+            return True
+        started[:] = psutil.Process(server.pid).children(recursive=True)
+        names = " ".join(" ".join(p.cmdline()) for p in started if p.is_running())
+        return "gcs_server" in names and ("raylet" in names or moment == "ray_starting")
+
+    try:
+        wait_for(ray_started, 120, "goodserve serve did not start Ray")
+        if moment == "deploying":  # Serve's controller is starting the application
+            wait_for(lambda: server.poll() is not None or any(
+                "ServeController" in " ".join(p.cmdline())
+                for p in psutil.Process(server.pid).children(recursive=True)
+                if p.is_running()), 120, "Serve did not start")
+            started[:] = psutil.Process(server.pid).children(recursive=True)
+        assert server.poll() is None and not _healthy(f"http://127.0.0.1:{port}")
+        os.kill(server.pid, signal.SIGINT)
+        assert server.wait(timeout=180) == 0
+        output = server.stdout.read()
+        assert "stopping during start-up" in output and "serving " not in output, output
+        time.sleep(2)
+        left = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not left, [" ".join(p.cmdline())[:120] for p in left]
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(timeout=30)
