@@ -39,6 +39,61 @@ def use_local_serve_env() -> None:
         os.environ.setdefault(name, value)
 
 
+ROUTER_RESOURCE = "router"  # what only CPU nodes declare (cluster.yaml's head)
+
+
+class LocalNodes:
+    """Ray's own multi-node test cluster (`ray.cluster_utils.Cluster`) on this machine,
+    shaped as cluster.yaml shapes a real one: a head that declares no GPU kind but
+    `ROUTER_RESOURCE` (Serve, the routers, the controller: a config with
+    `router_resources` keeps them there), and a node per engine of `cluster` declaring
+    its kind (`gpu_type:<GPU>`, tp units), plus `spare_per_kind` more per kind for the
+    engines lost with a node. Connected on entry; every node stopped on exit."""
+
+    def __init__(self, cluster: ClusterConfig, spare_per_kind: int = 0,
+                 head_cpus: int = 2) -> None:
+        self.cluster, self.spare_per_kind, self.head_cpus = cluster, spare_per_kind, head_cpus
+        self.nodes = None
+
+    def __enter__(self) -> LocalNodes:
+        from ray.cluster_utils import Cluster
+
+        use_local_serve_env()
+        self.nodes = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": self.head_cpus, "resources": {ROUTER_RESOURCE: 1000},
+            "include_dashboard": False})
+        engines = self.cluster.engines()
+        kinds = {e.resource_name: e.tp for e in engines}
+        spares = [(name, tp) for name, tp in kinds.items() for _ in range(self.spare_per_kind)]
+        for name, tp in [(e.resource_name, e.tp) for e in engines] + spares:
+            self.nodes.add_node(num_cpus=0, resources={name: tp})
+        self.nodes.connect()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        ray.shutdown()
+        if self.nodes is not None:
+            self.nodes.shutdown()
+
+    def node_of(self, actor_name: str) -> str:
+        """The id of the node a live named actor runs on (KeyError: none)."""
+        for actor in ray._private.state.actors().values():  # the GCS actor table
+            if actor.get("Name") == actor_name and actor["State"] == "ALIVE":
+                return actor["Address"]["NodeID"]
+        raise KeyError(f"no live actor named {actor_name}")
+
+    def kinds_of_nodes(self) -> dict[str, set[str]]:
+        """Each live node's id -> the GPU kinds it declares."""
+        return {n["NodeID"]: {r for r in n["Resources"] if r.startswith("gpu_type:")}
+                for n in ray.nodes() if n["Alive"]}
+
+    def remove(self, node_id: str) -> None:
+        """Kill a worker node's every process at once, as a lost machine."""
+        assert self.nodes is not None
+        node = next(n for n in self.nodes.worker_nodes if n.node_id == node_id)
+        self.nodes.remove_node(node, allow_graceful=False)
+
+
 @dataclass(frozen=True)
 class EngineHandle:
     """A started engine actor and what it serves."""

@@ -34,12 +34,13 @@ from app.control.controller import Controller, ControlStep
 from app.control.fleet import Fleet, Registry, engine_kind, engine_name, template_for
 from app.control.observe import LoadReport
 from app.control.plan import EngineState, PlanDiff
+from app.engines.config import EngineConfig
 from app.engines.messages import EngineStatus
 from app.routing.view import FinishReport
 from app.serving.config import ServeConfig
 from app.serving.status_board import BoardAnswer, StatusBoard
 from app.serving.telemetry import ControllerMetrics
-from deployments.cluster import ENGINE_NAMESPACE, engine_ids, launch_engine, numbered_config
+from deployments.cluster import ENGINE_NAMESPACE, launch_engine, numbered_config
 from deployments.metrics import RayMetricFactory
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,8 @@ class ControllerActor:
         self.board = StatusBoard()
         self._board_task: asyncio.Task | None = None
         self._board_ready: asyncio.Future | None = None  # done after the first round
+        # engines launched from the cluster's groups: id -> the group's engine config
+        self._static_configs: dict[str, EngineConfig] = {}
 
     # ---- the routers' side -------------------------------------------------------------
     async def registry(self, known: tuple[str, int] | None = None,
@@ -155,13 +158,32 @@ class ControllerActor:
             await asyncio.sleep(max(next_round_s - time.monotonic(), 0.0))
 
     async def _engine_status(self, engine_id: str) -> EngineStatus | None:
-        """One status call's reply; None: no answer in time."""
+        """One status call's reply; None: no answer in time, or the engine is dead."""
         try:
             return await asyncio.wait_for(self.handles[engine_id].status.remote(),
                                           STATUS_TIMEOUT_S)
+        except ray.exceptions.ActorDiedError as exc:  # not merely unreachable for now
+            logger.warning("engine %s died: %s", engine_id, exc)
+            self._engine_died(engine_id)
+            return None
         except Exception as exc:
             logger.warning("engine %s did not report: %s", engine_id, exc)
             return None
+
+    def _engine_died(self, engine_id: str) -> None:
+        """A dead engine (its process or its node lost) leaves the registry within the
+        status round that found it, so the routers stop sending it requests. Without a
+        control loop (which sizes the pools itself) one of its kind is launched in its
+        place; it starts once a node of that kind has room."""
+        if engine_id not in self.fleet:
+            return
+        self.fleet.remove(engine_id)
+        self.handles.pop(engine_id, None)
+        self._release(engine_id)
+        self._publish()
+        base = self._static_configs.pop(engine_id, None)
+        if self.controller is None and base is not None:
+            self._launch_static(base, self.fleet.next_index())
 
     async def router_load(self, replica: str, in_flight: int) -> None:
         """A router replica's requests in flight (sent with every registry poll)."""
@@ -235,9 +257,11 @@ class ControllerActor:
         now = time.time()
         found = await self._discover(now)
         if not found or self.config.controller is None:
-            launches = [self._launch(eid, cfg) for eid, cfg in engine_ids(self.config.cluster)
-                        if eid not in self.fleet]
-            await asyncio.gather(*launches)
+            cluster = self.config.cluster
+            await asyncio.gather(*(
+                self._launch_static(config, index)
+                for index, config in enumerate(cluster.engines())
+                if engine_name(cluster.name, config, index) not in self.fleet))
         settings = self.config.controller_settings
         if settings is not None:
             self.controller = Controller(settings, time.time())
@@ -270,6 +294,16 @@ class ControllerActor:
         return len(self.handles)
 
     # ---- engines -------------------------------------------------------------------
+    def _launch_static(self, config: EngineConfig, index: int) -> asyncio.Task:
+        """Engine number `index` of a configured group's `config` (what `engine_ids`
+        names), kept to launch again should it die."""
+        engine_id = engine_name(self.config.cluster.name, config, index)
+        self._static_configs[engine_id] = config
+        task = asyncio.ensure_future(self._launch(engine_id, numbered_config(config, index)))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
     async def _launch(self, engine_id: str, config) -> None:
         """Create an engine (STARTING), and make it ACTIVE once it serves."""
         handle = launch_engine(engine_id, config, owner=self.name)
@@ -433,7 +467,7 @@ def controller_for(config: ServeConfig, app_name: str | None = None):
     by Ray when it dies)."""
     return ControllerActor.options(
         name=controller_name(config.cluster.name), namespace=ENGINE_NAMESPACE,
-        lifetime="detached", get_if_exists=True,
+        lifetime="detached", get_if_exists=True, resources=config.router_resources,
     ).remote(config, app_name)
 
 

@@ -36,7 +36,10 @@ class RoutersLost(Exception):
     """Every try of a request met a dead or unreachable router replica."""
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
+INGRESS_ACTOR_OPTIONS = {"num_cpus": 0}
+
+
+@serve.deployment(ray_actor_options=INGRESS_ACTOR_OPTIONS, max_ongoing_requests=4096)
 @serve.ingress(ingress_app)
 class IngressDeployment:
     """Forwards every route to the router replicas, a request at most `max_tries` times."""

@@ -36,7 +36,7 @@ from app.serving.status_board import StatusChanges
 from deployments.cluster import ENGINE_NAMESPACE, EngineHandle, engine_ids
 from deployments.controller import controller_for, stop_controller
 from deployments.http_api import ROUTE_ACCESS, NodeMetrics, Route, http_app
-from deployments.ingress import IngressDeployment
+from deployments.ingress import INGRESS_ACTOR_OPTIONS, IngressDeployment
 from deployments.metrics import RayMetricFactory
 
 logger = logging.getLogger(__name__)
@@ -304,14 +304,17 @@ def build_app(config: ServeConfig) -> serve.Application:
         {"num_replicas": config.num_router_replicas} if config.router_autoscaling is None
         else {"autoscaling_config": config.router_autoscaling.serve_options()})
     deployment = RouterDeployment if config.ingress_replicas == 0 else RouterCore
+    placed = {"resources": config.router_resources}
     routers = deployment.options(
         **replicas, graceful_shutdown_timeout_s=config.shutdown_grace_s,
-        graceful_shutdown_wait_loop_s=0.5).bind(config)
+        graceful_shutdown_wait_loop_s=0.5,
+        ray_actor_options=ROUTER_OPTIONS["ray_actor_options"] | placed).bind(config)
     if config.ingress_replicas == 0:
         return routers
     return IngressDeployment.options(
         num_replicas=config.ingress_replicas, graceful_shutdown_timeout_s=config.shutdown_grace_s,
-        graceful_shutdown_wait_loop_s=0.5).bind(routers, config.ingress_tries)
+        graceful_shutdown_wait_loop_s=0.5,
+        ray_actor_options=INGRESS_ACTOR_OPTIONS | placed).bind(routers, config.ingress_tries)
 
 
 @contextmanager
@@ -320,7 +323,8 @@ def serve_application(config: ServeConfig, app_name: str,
     """`config`'s router application on the running Ray, on `port` (default a free one),
     yielding its URL; Serve is shut down afterwards (the engines stay)."""
     port = port or free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    # one proxy, on the head: the nodes of a test cluster share this machine's ports
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
     serve.run(build_app(config), name=app_name, route_prefix="/")
     try:
         yield f"http://127.0.0.1:{port}"

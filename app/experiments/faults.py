@@ -24,6 +24,7 @@ one node the proxy takes about half a minute to come back after it dies.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import threading
 import time
@@ -32,11 +33,15 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import typer
 
 from app.serving.config import ServeConfig
+
+if TYPE_CHECKING:
+    from deployments.cluster import LocalNodes
 
 GREEDY_PROMPT = "same every time"
 CONNECT_WAIT_S = 60.0
@@ -47,6 +52,7 @@ class Fault(StrEnum):
     ENGINE = "engine"  # the engine actor carrying the most requests
     ROUTER = "router"  # one of the router deployment's replicas
     PROXY = "proxy"  # Ray Serve's HTTP proxy actor
+    NODE = "node"  # a whole Ray node: the one running the busiest engine
 
 
 @dataclass
@@ -67,7 +73,9 @@ class ScenarioResult:
     retries: int = 0  # sends beyond each request's first (refused, unrouted, 5xx, broken)
     retried: int = 0  # completed requests sent more than once
     retried_kept: int = 0  # ... whose text an unfaulted resend gives again
-    replaced: bool | None = None  # router fault: Serve runs a new replica in its place
+    replaced: bool | None = None  # router / node fault: a new one runs in its place
+    engines_on_their_kind: bool | None = None  # node fault: each engine on a node of its GPU
+    dropped_after_s: float | None = None  # node fault: until no router lists its engines
 
     def as_dict(self) -> dict:
         return asdict(self) | {"rejected": dict(self.rejected), "failed": dict(self.failed)}
@@ -221,7 +229,7 @@ def retryable(outcome: str, reason: str) -> bool:
 
 
 def kill(fault: Fault, url: str, app_name: str) -> str:
-    """Kill the part `fault` names; what was killed."""
+    """Kill the part `fault` names (a node: `kill_node`); what was killed."""
     import ray
 
     from deployments.cluster import ENGINE_NAMESPACE
@@ -266,11 +274,55 @@ def busiest_engine(url: str, wait_s: float = 10.0) -> str:
         time.sleep(0.05)
 
 
+def kill_node(url: str, nodes: LocalNodes, engines: set[str]) -> tuple[str, set[str]]:
+    """Kill the node of the busiest engine: (what was killed, `engines` it ran)."""
+    busiest = busiest_engine(url)
+    victim = nodes.node_of(busiest)
+    on_node = {e for e in engines if nodes.node_of(e) == victim}
+    nodes.remove(victim)
+    return f"the node of {busiest}", on_node
+
+
+def engines_on_their_kind(config: ServeConfig, nodes: LocalNodes, engines: set[str]) -> bool:
+    """Whether each configured engine runs on a node of its GPU kind alone."""
+    from deployments.cluster import engine_ids
+
+    kinds = nodes.kinds_of_nodes()
+    configured = dict(engine_ids(config.cluster))
+    return engines == set(configured) and all(
+        kinds[nodes.node_of(e)] == {configured[e].resource_name} for e in engines)
+
+
+def engines_listed(url: str) -> set[str]:
+    """The engines a router replica routes over: listed and in rotation."""
+    return {r["instance_id"] for r in httpx.get(url + "/v1/instances", timeout=30).json()[
+        "instances"] if r["healthy"]}
+
+
+def node_loss(url: str, lost: set[str], num_engines: int, killed_s: float,
+              wait_s: float = 120.0) -> tuple[float | None, bool]:
+    """(seconds from the kill until no router replica asked routes over an engine of
+    the lost node, None: not within `wait_s`; whether `num_engines` engines serve
+    again)."""
+    give_up_s = time.monotonic() + wait_s
+    dropped_after_s = None
+    while time.monotonic() < give_up_s:
+        listed = engines_listed(url)
+        if dropped_after_s is None and not listed & lost:
+            dropped_after_s = time.monotonic() - killed_s
+        if dropped_after_s is not None and len(listed) >= num_engines:
+            return dropped_after_s, True
+        time.sleep(0.1)
+    return dropped_after_s, False
+
+
 def run_scenario(config: ServeConfig, fault: Fault, num_requests: int, rate: float,
                  max_tokens: int = 60, timeout_s: float = 120.0,
-                 client_retries: int = MAX_RETRIES) -> ScenarioResult:
+                 client_retries: int = MAX_RETRIES,
+                 nodes: LocalNodes | None = None) -> ScenarioResult:
     """Serve `config`, send `num_requests` at `rate`, kill `fault` a third of the way in;
-    each client sends a request again at most `client_retries` times."""
+    each client sends a request again at most `client_retries` times. A node fault
+    needs `nodes`, the cluster the application runs on."""
     from deployments.router import serving
 
     app_name = f"faults-{fault.value}"
@@ -311,10 +363,22 @@ def run_scenario(config: ServeConfig, fault: Fault, num_requests: int, rate: flo
                 else:
                     getattr(result, outcome)[reason] += 1
 
+        engines = engines_listed(url)
+        if nodes is not None:
+            result.engines_on_their_kind = engines_on_their_kind(config, nodes, engines)
+        elif fault is Fault.NODE:
+            raise ValueError("a node fault needs a cluster of several nodes")
         with concurrent.futures.ThreadPoolExecutor(num_requests) as pool:
             futures = [pool.submit(one, i) for i in range(num_requests)]
             time.sleep(num_requests / rate / 3)
-            result.killed = kill(fault, url, app_name)
+            if fault is Fault.NODE:
+                assert nodes is not None
+                killed_s = time.monotonic()
+                result.killed, on_node = kill_node(url, nodes, engines)
+                result.dropped_after_s, result.replaced = node_loss(
+                    url, on_node, len(engines), killed_s)
+            else:
+                result.killed = kill(fault, url, app_name)
             done, _ = concurrent.futures.wait(
                 futures, timeout=num_requests / rate + CONNECT_WAIT_S + 2 * timeout_s)
         result.lost += num_requests - result.sent  # threads that never recorded an end
@@ -402,7 +466,7 @@ def faults(
     import ray
 
     from app.serving.config import load_serve_config
-    from deployments.cluster import init_local_ray
+    from deployments.cluster import ROUTER_RESOURCE, LocalNodes, init_local_ray
 
     try:
         serve_config = (faults_config(ingress_replicas=ingress_replicas) if config is None
@@ -411,19 +475,31 @@ def faults(
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from None
-    init_local_ray(serve_config.cluster)
     results = []
+    num_node_faults = scenario.count(Fault.NODE)
+    if num_node_faults:  # a node per engine and a spare per kind for each node lost
+        serve_config = serve_config.model_copy(
+            update={"router_resources": {ROUTER_RESOURCE: 0.001}})
+        nodes: LocalNodes | None = LocalNodes(serve_config.cluster, num_node_faults)
+        context = nodes
+    else:
+        nodes = None
+        init_local_ray(serve_config.cluster)
+        context = contextlib.nullcontext()
     try:
-        for fault in scenario:
-            typer.echo(f"scenario {fault.value}: {requests} requests at {rate:g} req/s ...")
-            results.append(run_scenario(serve_config, fault, requests, rate,
-                                        client_retries=client_retries))
+        with context:
+            for fault in scenario:
+                typer.echo(f"scenario {fault.value}: {requests} requests at {rate:g} req/s ...")
+                results.append(run_scenario(serve_config, fault, requests, rate,
+                                            client_retries=client_retries, nodes=nodes))
     finally:
         ray.shutdown()
     setup = {"config": config or "three simulated engines",
              "engines": [e.instance.name for e in serve_config.cluster.engines()],
              "backend": serve_config.engine_template.backend.value,
              "router_replicas": serve_config.num_router_replicas,
+             "ray_nodes": ("one" if nodes is None else "a head, a node per engine and "
+                           f"{num_node_faults} spare per GPU kind"),
              "ingress_replicas": serve_config.ingress_replicas,
              "client_retries": client_retries, "requests": requests,
              "rate": rate, "max_tokens": 60, "greedy_every": 5}

@@ -167,6 +167,11 @@ class ServeConfig(Frozen):
     ingress_tries: int = Field(
         3, ge=1, description="how many router replicas an ingress tries per request "
         "before it answers 503")
+    router_resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources each router replica, "
+        "ingress replica and the controller hold: one that only CPU nodes declare "
+        "(cluster.yaml's head declares `router`) keeps them off the GPU nodes, so losing "
+        "a GPU node loses engines only; empty: anywhere")
     http_port: int = Field(8000, ge=1, le=65535, description="HTTP port of the OpenAI API")
     controller: ControllerConfig | None = Field(
         None, description="resize the pools from SARA's allocation (the cluster's engines "
@@ -187,6 +192,14 @@ class ServeConfig(Frozen):
         30.0, ge=0, description="how long a reply no client reads any more is still made, "
         "so a client that reconnects with its request id gets the rest; then its "
         "generation is aborted")
+
+    @field_validator("router_resources")
+    @classmethod
+    def _positive_amounts(cls, resources: dict[str, float]) -> dict[str, float]:
+        bad = {name: amount for name, amount in resources.items() if not amount > 0}
+        if bad:
+            raise ValueError(f"resource amounts must be > 0, got {bad}")
+        return resources
 
     @field_validator("session_headers")
     @classmethod

@@ -53,6 +53,8 @@ def test_vllm_model_path_expands_home():
      "min_replicas"),
     ("cluster: {request_priority: deadline, groups: [{engine: {gpu_type: A40}}]}\n",
      "no engine has scheduling_policy priority"),
+    ("cluster: {groups: [{engine: {gpu_type: A40}}]}\nrouter_resources: {router: 0}\n",
+     "resource amounts must be > 0"),
 ])
 def test_bad_serve_configs_say_what_is_wrong(tmp_path, yaml_text, message):
     path = tmp_path / "bad.yaml"
@@ -92,6 +94,10 @@ def test_cluster_yaml_node_types_can_host_the_gpu_serve_config():
             assert engine.num_gpus == engine.tp
             need[engine.resource_name] = need.get(engine.resource_name, 0) + engine.tp
         assert all(need[name] <= capacity.get(name, 0) for name in need), (need, capacity)
+        # the routers and the controller ask for what only the head (CPU) node declares
+        asked = load_serve_config(root / "configs" / config).router_resources
+        held_by = {kind for kind, node in nodes.items() if set(asked) <= set(node["resources"])}
+        assert asked and held_by == {"head"}, (asked, held_by)
 
 
 def test_nixl_engines_get_one_handshake_port_each():
