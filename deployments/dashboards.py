@@ -105,6 +105,10 @@ SLO = Dashboard("goodserve-slo", "GoodServe - SLOs and goodput",
     Panel("Token goodput (output tokens of met requests per second)", (
         Query(_sum(_rate("goodput_tokens_total")), "goodput"),
         Query(_sum(_rate("output_tokens_total")), "all output")), "short"),
+    Panel("Prompt tokens per second, and the share the engines had cached", (
+        Query(_sum(_rate("prompt_tokens_total")), "prompt tokens"),
+        Query(_sum(_rate("cached_prompt_tokens_total", window="5m")) + " / "
+              + _sum(_rate("prompt_tokens_total", window="5m")), "cached share")), "short"),
 ))
 
 FLEET = Dashboard("goodserve-fleet", "GoodServe - fleet by GPU type",

@@ -734,7 +734,9 @@ class LiveRouter:
                 arrival_s=flight.request.arrival_s, deadline_s=flight.route.deadline_s,
                 first_token_s=output.first_token_s, end_s=end_s,
                 num_output_tokens=len(output.token_ids),
-                predicted_output_tokens=flight.route.predicted_output_tokens)
+                predicted_output_tokens=flight.route.predicted_output_tokens,
+                num_prompt_tokens=flight.route.num_prompt_tokens,
+                num_cached_tokens=output.num_cached_tokens)
             for listener in self._listeners:
                 listener.on_finish(report, now)
             if self.status_feed is not None:

@@ -141,6 +141,11 @@ class RouterMetrics:
         self.goodput_tokens = f.counter(
             "goodserve_goodput_tokens", "Output tokens of requests that met their deadline",
             ())
+        self.prompt_tokens = f.counter(
+            "goodserve_prompt_tokens", "Prompt tokens of finished requests", ("outcome",))
+        self.cached_prompt_tokens = f.counter(
+            "goodserve_cached_prompt_tokens", "Prompt tokens of finished requests that their "
+            "first engine found in its prefix cache (the usage's cached_tokens)", ())
         self.decisions = f.counter(
             "goodserve_routing_decisions", "Placements by policy and instance",
             ("policy", *INSTANCE_TAGS))
@@ -196,7 +201,8 @@ class RouterMetrics:
 
     def finished(self, *, arrival_s: float, deadline_s: float, first_token_s: float | None,
                  end_s: float, num_output_tokens: int,
-                 predicted_output_tokens: int | None) -> Outcome:
+                 predicted_output_tokens: int | None, num_prompt_tokens: int,
+                 num_cached_tokens: int = 0) -> Outcome:
         """Count a finished request; returns its outcome."""
         if deadline_s == float("inf"):
             outcome = Outcome.BEST_EFFORT
@@ -209,6 +215,9 @@ class RouterMetrics:
         if first_token_s is not None:
             self.ttft.observe(first_token_s - arrival_s)
         self.output_tokens.inc(num_output_tokens, tags={"outcome": outcome})
+        self.prompt_tokens.inc(num_prompt_tokens, tags={"outcome": outcome})
+        if num_cached_tokens:  # a Ray counter takes no zero step
+            self.cached_prompt_tokens.inc(num_cached_tokens)
         if outcome is Outcome.MET:
             self.goodput_tokens.inc(num_output_tokens)
         if predicted_output_tokens is not None and num_output_tokens > 0:

@@ -21,7 +21,8 @@ class Recorded:
         return tuple(sorted(tags.items()))
 
     def inc(self, value: float = 1.0, tags: Mapping[str, str] | None = None) -> None:
-        assert isinstance(value, int | float) and math.isfinite(value) and value >= 0
+        # as Ray's counter, which raises on a step that is not > 0
+        assert isinstance(value, int | float) and math.isfinite(value) and value > 0
         slot = self.values[self._key(tags)]
         slot[:] = [(slot[0] if slot else 0.0) + value]
 

@@ -33,11 +33,14 @@ def test_a_finished_request_is_met_missed_or_best_effort_with_its_slack_and_erro
     factory = RecordingFactory()
     metrics = RouterMetrics(factory, policy="goodserve")
     met = metrics.finished(arrival_s=0.0, deadline_s=10.0, first_token_s=0.5, end_s=4.0,
-                           num_output_tokens=100, predicted_output_tokens=150)
+                           num_output_tokens=100, predicted_output_tokens=150,
+                           num_prompt_tokens=300, num_cached_tokens=256)
     missed = metrics.finished(arrival_s=0.0, deadline_s=2.0, first_token_s=None, end_s=5.0,
-                              num_output_tokens=50, predicted_output_tokens=20)
+                              num_output_tokens=50, predicted_output_tokens=20,
+                              num_prompt_tokens=40)
     best = metrics.finished(arrival_s=1.0, deadline_s=float("inf"), first_token_s=1.2,
-                            end_s=2.0, num_output_tokens=10, predicted_output_tokens=None)
+                            end_s=2.0, num_output_tokens=10, predicted_output_tokens=None,
+                            num_prompt_tokens=5)
     assert (met, missed, best) == (Outcome.MET, Outcome.MISSED, Outcome.BEST_EFFORT)
     requests = factory["goodserve_requests"]
     for outcome in ("met", "missed", "best_effort"):
@@ -47,6 +50,8 @@ def test_a_finished_request_is_met_missed_or_best_effort_with_its_slack_and_erro
     assert factory["goodserve_request_deadline_seconds"].get() == [10.0, 2.0]
     assert factory["goodserve_goodput_tokens"].get() == [100.0]  # the met request's only
     assert factory["goodserve_output_tokens"].get(outcome="missed") == [50.0]
+    assert factory["goodserve_prompt_tokens"].get(outcome="met") == [300.0]
+    assert factory["goodserve_cached_prompt_tokens"].get() == [256.0]
     assert factory["goodserve_ttft_seconds"].get() == [0.5, pytest.approx(0.2)]
     errors = factory["goodserve_output_length_error_tokens"]
     assert errors.get(direction="over") == [50] and errors.get(direction="under") == [30]
