@@ -69,6 +69,25 @@ def overrides(listener: StepListener, callback: str) -> bool:
     return getattr(type(listener), callback) is not getattr(StepListener, callback)
 
 
+@dataclass(frozen=True)
+class Listeners:
+    """The routing stack's parts a substrate gives feedback to, each object once (one
+    may play two parts), and per costly callback those that implement it, so the
+    simulator and the live router wire them alike."""
+
+    every: tuple[StepListener, ...]
+    step: tuple[StepListener, ...]  # implement `on_step`
+    first_token: tuple[StepListener, ...]  # implement `on_first_token`
+    finish: tuple[StepListener, ...]  # implement `on_finish`
+
+    @classmethod
+    def of(cls, *parts: StepListener | None) -> Listeners:
+        """The listeners among `parts` (None: a part the stack lacks), in order."""
+        every = tuple({id(x): x for x in parts if x is not None}.values())
+        return cls(every, *(tuple(x for x in every if overrides(x, callback))
+                             for callback in ("on_step", "on_first_token", "on_finish")))
+
+
 class RoutingPolicy(StepListener, ABC):
     """Picks an instance for each request.
 

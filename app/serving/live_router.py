@@ -36,7 +36,7 @@ from app.control.observe import LoadReport
 from app.engines.config import EngineRole
 from app.engines.messages import EngineRecord, StoredPromptKv, TokenEvent
 from app.engines.prefix import PREFIX_BLOCK_SIZE, prefix_block_hashes
-from app.routing.base import ActiveRequest, Reject, RejectCode, overrides
+from app.routing.base import ActiveRequest, Listeners, Reject, RejectCode
 from app.routing.disaggregated import DisaggregatedPlacer, LeastTtftPolicy
 from app.routing.finish_log import DEFAULT_FINISH_CAPACITY, lengths_of, shareable
 from app.routing.instance_view import InstanceId
@@ -165,14 +165,11 @@ class LiveRouter:
         # gauges show what routing sees
         self.estimator = stack.estimator or StatusEstimator()
         own = None if stack.estimator is not None else self.estimator  # else the policy feeds it
-        present = (x for x in (stack.policy, prefill_policy, stack.watchdog, own) if x is not None)
-        self._listeners = list({id(x): x for x in present}.values())
-        self._first_token_listeners = [x for x in self._listeners
-                                       if overrides(x, "on_first_token")]
+        self._listeners = Listeners.of(stack.policy, prefill_policy, stack.watchdog, own)
         self.metrics = metrics or RouterMetrics(NullFactory())
         self.clock = clock
         self.tracker = InstanceTracker(clients, estimator=self.estimator,
-                                       listeners=self._listeners, metrics=self.metrics,
+                                       listeners=self._listeners.every, metrics=self.metrics,
                                        clock=clock, status_timeout_s=status_timeout_s)
         self.predict = predict
         self.poll_interval_s = poll_interval_s
@@ -581,7 +578,7 @@ class LiveRouter:
         self._recount(flight)
         if first:
             output.num_cached_tokens = batch[0].num_cached_tokens or 0
-            for listener in self._first_token_listeners:
+            for listener in self._listeners.first_token:
                 listener.on_first_token(flight.route, flight.instance_id, now, now)
         kept = [
             replace(ev, finish_reason=None) if ev.finish_reason == ABORTED else ev
@@ -737,7 +734,7 @@ class LiveRouter:
                 predicted_output_tokens=flight.route.predicted_output_tokens,
                 num_prompt_tokens=flight.route.num_prompt_tokens,
                 num_cached_tokens=output.num_cached_tokens)
-            for listener in self._listeners:
+            for listener in self._listeners.finish:
                 listener.on_finish(report, now)
             if self.status_feed is not None:
                 self._finished_to_tell.append(shareable(report))
@@ -748,7 +745,7 @@ class LiveRouter:
                 flight.cancel()
             self.metrics.ended(Outcome.ERROR if flight.state is FlightState.LOST
                                else Outcome.CANCELLED)
-            for listener in self._listeners:
+            for listener in self._listeners.every:
                 listener.on_drop(flight.route, now)
         if flight.route.session_id is not None:
             self._report_step_done(flight, now)

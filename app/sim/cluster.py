@@ -42,7 +42,7 @@ from dataclasses import replace
 from app.engines.config import EngineRole
 from app.engines.messages import RequestStatus, TokenEvent
 from app.hardware.kv_link import KvLink
-from app.routing.base import ActiveRequest, Reject, RoutingPolicy, Watchdog, overrides
+from app.routing.base import ActiveRequest, Listeners, Reject, RoutingPolicy, Watchdog
 from app.routing.disaggregated import DisaggregatedPlacer, LeastTtftPolicy
 from app.routing.instance_view import InstanceId
 from app.routing.move_path import MovePath, MoveRule, plan_move
@@ -123,12 +123,9 @@ class SimCluster:
                           if self.disaggregated and prefill_policy is not None else None)
         self.max_ongoing_requests = max_ongoing_requests
         self.seed = seed
-        present = (x for x in (policy, prefill_policy, watchdog) if x is not None)
-        listeners = list({id(x): x for x in present}.values())  # one object may play two parts
-        self.step_listeners = [x for x in listeners if overrides(x, "on_step")]
-        self.first_token_listeners = [x for x in listeners if overrides(x, "on_first_token")]
-        self.finish_listeners = [x for x in listeners if overrides(x, "on_finish")]
-        self.reveal_lengths = any(getattr(x, "needs_true_output_length", False) for x in listeners)
+        self.listeners = Listeners.of(policy, prefill_policy, watchdog)
+        self.reveal_lengths = any(getattr(x, "needs_true_output_length", False)
+                                  for x in self.listeners.every)
         self.router_queue: deque[SimFlight] = deque()
         self.flights: dict[str, SimFlight] = {}  # request_id -> in-flight state
         self.records: list[RequestRecord] = []
@@ -393,7 +390,7 @@ class SimCluster:
         stop = (bisect.bisect_right if inclusive else bisect.bisect_left)(
             run.ends_s, until_s, first, inst.check_at)
         self.num_token_events += core.complete_repeats(run, first, stop)
-        if self.step_listeners:
+        if self.listeners.step:
             self._report_run(inst, run, first, stop)
         self._begin_run_iteration(inst, run, stop)
 
@@ -424,7 +421,7 @@ class SimCluster:
         core.place_batch(run, at + 1, begun=False)
         self.pools[inst.role].mark_dirty(inst)
         self.quiet_end_s = max(self.quiet_end_s, now)
-        if self.step_listeners:
+        if self.listeners.step:
             self._report_run(inst, run, first, at + 1)
         last, inst.run, inst.step = inst.step, None, None  # as between two iterations
         num_held = len(core.requests)
@@ -458,7 +455,7 @@ class SimCluster:
         for token in tokens:  # hot loop: only first and last tokens matter here
             if token.index == 0 or token.finish_reason is not None:
                 self._on_token(inst, token, now, events)
-        if self.step_listeners:
+        if self.listeners.step:
             self._report_step(inst, step.start_s, (step.duration_s,),
                               step.batch.num_prefill_tokens, step.batch.num_decode_seqs, now)
         if self.watchdog is not None and inst.role == self.serve_role:
@@ -476,7 +473,7 @@ class SimCluster:
         record = flight.record
         if token.index == 0:
             record.first_token_s = now
-            for listener in self.first_token_listeners:
+            for listener in self.listeners.first_token:
                 listener.on_first_token(flight.route, inst.instance_id, now, now)
         if not token.finished:
             return
@@ -499,12 +496,12 @@ class SimCluster:
         flight.instance = None
         del self.flights[flight.route.request_id]
         self.num_done += 1
-        if self.finish_listeners:
+        if self.listeners.finish:
             report = FinishReport(
                 flight.route, inst.instance_id, flight.record.num_generated_tokens,
                 flight.record.first_token_s, now,
             )
-            for listener in self.finish_listeners:
+            for listener in self.listeners.finish:
                 listener.on_finish(report, now)
 
     def _report_step(self, inst: SimInstance, start_s: float, durations_s: Sequence[float],
@@ -512,7 +509,7 @@ class SimCluster:
         """One report for iterations of one batch shape that just ended, at `now`."""
         report = StepReport(inst.instance_id, start_s, durations_s, num_prefill_tokens,
                             num_decode_seqs, inst.status(now))
-        for listener in self.step_listeners:
+        for listener in self.listeners.step:
             listener.on_step(inst.instance_id, report, now)
 
     def _report_run(self, inst: SimInstance, run: DecodeRun, first: int, stop: int) -> None:
