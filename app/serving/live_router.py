@@ -27,9 +27,8 @@ import asyncio
 import logging
 import math
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from app.control.fleet import Member
 from app.control.observe import LoadReport
@@ -38,7 +37,6 @@ from app.engines.messages import EngineRecord, StoredPromptKv, TokenEvent
 from app.engines.prefix import PREFIX_BLOCK_SIZE, prefix_block_hashes
 from app.routing.base import ActiveRequest, Listeners, Reject, RejectCode
 from app.routing.disaggregated import DisaggregatedPlacer, LeastTtftPolicy
-from app.routing.finish_log import DEFAULT_FINISH_CAPACITY, lengths_of, shareable
 from app.routing.instance_view import InstanceId
 from app.routing.move_path import MovePath, MoveRule, plan_move
 from app.routing.priority import PriorityRule
@@ -55,8 +53,9 @@ from app.serving.flight import (
 )
 from app.serving.instances import EngineClient, InstanceTracker, LiveInstance
 from app.serving.kv_transfer import ConnectorTransport, KvTransport
+from app.serving.router_reports import RouterCounters, RouterReports
 from app.serving.status_board import StatusChanges
-from app.serving.telemetry import MigrationReason, NullFactory, Outcome, RouterMetrics
+from app.serving.telemetry import MigrationReason, NullFactory, RouterMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -83,21 +82,6 @@ class RequestRejected(Exception):
 
 class EngineLost(Exception):
     """A request's engine failed and no other instance could take it over."""
-
-
-@dataclass(frozen=True)
-class RouterCounters:
-    """Totals since start (for metrics and tests)."""
-
-    num_routed: int
-    num_rejected: int
-    num_finished: int
-    num_dropped: int
-    num_migrations: int  # SLO-risk and operator moves
-    num_drain_migrations: int  # moves off engines leaving their pool
-    num_failovers: int
-    num_in_flight: int
-    num_reattached: int = 0  # taken over from another router replica
 
 
 Predict = Callable[[RouteRequest], Awaitable[float]]
@@ -178,13 +162,8 @@ class LiveRouter:
         self.flights: dict[str, Flight] = {}  # request_id -> flight
         self._poll_task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
-        self._num_routed = self._num_rejected = self._num_finished = self._num_dropped = 0
-        self._num_migrations = self._num_drain_migrations = self._num_failovers = 0
-        self._num_reattached = 0  # requests taken over from another replica
-        self._load_report = LoadReport()  # arrivals, completions, steps since the last take
-        # finishes not yet told to the other replicas (with a status feed: a board);
-        # bounded, so a feed that stopped asking costs no more than this
-        self._finished_to_tell: deque[FinishReport] = deque(maxlen=DEFAULT_FINISH_CAPACITY)
+        self.reports = RouterReports(stack.policy, self._listeners, self.tracker, self.metrics,
+                                     clock, tell_finishes=status_feed is not None)
 
     # ---- lifecycle -------------------------------------------------------------
     async def start(self) -> None:
@@ -275,11 +254,9 @@ class LiveRouter:
         try:
             prefill, target = self._place(route, self.clock(), request.sampling.resumable)
         except RequestRejected as exc:
-            self._load_report.arrival(route.num_prompt_tokens)
-            self._num_rejected += 1
-            self.metrics.rejected(exc.code)
+            self.reports.rejected(route, exc.code)
             raise
-        self._report_arrival(route, prefill or target)
+        self.reports.arrived(route, prefill or target)
         placed = time.perf_counter()
         self.metrics.routed(self.instances[target].tags, placed - started)
         self.metrics.placed(placed - request.received_perf_s)
@@ -287,7 +264,7 @@ class LiveRouter:
         for iid in {prefill or target, target}:
             self.instances[iid].remember_prefix(route.block_hashes)
         self._track(flight)
-        self._num_routed += 1
+        self.reports.routed()
         return flight
 
     def _track(self, flight: Flight) -> None:
@@ -364,7 +341,7 @@ class LiveRouter:
         events = record.output_events(self.clock())
         placement.backlog = events[num_seen:]
         self._track(flight)
-        self._num_reattached += 1
+        self.reports.reattached()
         self._take(flight, events[:num_seen])
         return flight
 
@@ -394,19 +371,6 @@ class LiveRouter:
             flight.fail_over(self._leave_for(flight, target, MigrationReason.FAILURE))
             self._recount(flight)
         return kept
-
-    def _report_arrival(self, route: RouteRequest, computed_on: InstanceId) -> None:
-        """A routed request into the load report. An agent step also reports its arrival
-        to the session's count and the prompt tokens `computed_on` (the engine that
-        computes its prompt) is not believed to cache, by this router's prefix index
-        (before the step's own blocks go in)."""
-        if route.session_id is None:
-            self._load_report.arrival(route.num_prompt_tokens)
-            return
-        cached = self.tracker.prefix_blocks(computed_on, route.block_hashes) * PREFIX_BLOCK_SIZE
-        self._load_report.arrival(route.num_prompt_tokens,
-                                  max(route.num_prompt_tokens - cached, 1))
-        self._load_report.step_issued(route.session_id, route.arrival_s)
 
     def _place(self, route: RouteRequest, now: float,
                resumable: bool = True) -> tuple[InstanceId | None, InstanceId]:
@@ -623,10 +587,7 @@ class LiveRouter:
     def _move(self, flight: Flight) -> None:
         """Carry out an asked migration: the flight goes on where it was asked to."""
         reason = flight.placement.move_reason
-        if reason is MigrationReason.DRAIN:
-            self._num_drain_migrations += 1
-        else:
-            self._num_migrations += 1
+        self.reports.moved(reason)
         target = flight.placement.move_to
         assert target is not None
         flight.move(self._leave_for(flight, target, reason))
@@ -708,7 +669,7 @@ class LiveRouter:
             flight.lose()
             raise EngineLost(f"request {flight.request_id}: engine {lost} failed ({why}) "
                              f"and no other can continue it: {exc}") from None
-        self._num_failovers += 1
+        self.reports.failed_over()
         flight.fail_over(self._leave_for(flight, target, MigrationReason.FAILURE))
         self._recount(flight)
 
@@ -720,58 +681,21 @@ class LiveRouter:
             self.tracker.load.remove(flight)
             del self.flights[flight.request_id]
         now = self.clock()
-        output = flight.output
         if flight.state is FlightState.FINISHED:
-            self._num_finished += 1
-            end_s = output.finish_s or now
-            self._load_report.completion(len(output.token_ids), end_s <= flight.route.deadline_s)
-            report = FinishReport(flight.route, flight.instance_id, len(output.token_ids),
-                                  output.first_token_s, end_s)
-            self.metrics.finished(
-                arrival_s=flight.request.arrival_s, deadline_s=flight.route.deadline_s,
-                first_token_s=output.first_token_s, end_s=end_s,
-                num_output_tokens=len(output.token_ids),
-                predicted_output_tokens=flight.route.predicted_output_tokens,
-                num_prompt_tokens=flight.route.num_prompt_tokens,
-                num_cached_tokens=output.num_cached_tokens)
-            for listener in self._listeners.finish:
-                listener.on_finish(report, now)
-            if self.status_feed is not None:
-                self._finished_to_tell.append(shareable(report))
+            self.reports.finished(flight, now)
         else:
-            self._num_dropped += 1
             self._abort_in_background(flight)  # client gone or engine lost: free the engine
             if flight.state is not FlightState.LOST:
                 flight.cancel()
-            self.metrics.ended(Outcome.ERROR if flight.state is FlightState.LOST
-                               else Outcome.CANCELLED)
-            for listener in self._listeners.every:
-                listener.on_drop(flight.route, now)
-        if flight.route.session_id is not None:
-            self._report_step_done(flight, now)
+            self.reports.dropped(flight, now)
+        self.reports.step_done(flight, now)
         if self.kv_transport is not None:
             self.kv_transport.sweep()
         used = [*flight.placement.instance_ids, flight.placement.prefill_instance_id]
         self.tracker.forget_left([iid for iid in used if iid is not None])
 
-    def _report_step_done(self, flight: Flight, now: float) -> None:
-        """An agent step's end into the load report, with its context (prompt + output).
-        Whether the answer ends the session is the tool parser's to say, which reads the
-        reply after the stream is over: the step is reported as not ending it, and the
-        API layer tells a final answer apart (`session_answered`); a session without
-        one ends once it is silent for the controller's idle time-out."""
-        output = flight.output
-        finished = flight.state is FlightState.FINISHED and output.finish_s is not None
-        end_s = output.finish_s if finished else now
-        self._load_report.step_done(flight.route.session_id, end_s,
-                                    flight.route.num_prompt_tokens + len(output.token_ids),
-                                    ends_session=False)
-
     def session_answered(self, session_id: str) -> None:
-        """A step of `session_id` ended with the session's final answer (the API layer
-        read no tool call in a reply that could make one): into the load report, so the
-        controller stops counting the session open."""
-        self._load_report.session_answered(session_id, self.clock())
+        self.reports.session_answered(session_id)
 
     def cancel(self, flight: Flight) -> None:
         """End a flight whose stream will never be read (a sibling choice was refused)."""
@@ -857,40 +781,16 @@ class LiveRouter:
 
     # ---- reporting ----------------------------------------------------------------------
     def counters(self) -> RouterCounters:
-        return RouterCounters(
-            num_routed=self._num_routed,
-            num_rejected=self._num_rejected,
-            num_finished=self._num_finished,
-            num_dropped=self._num_dropped,
-            num_migrations=self._num_migrations,
-            num_drain_migrations=self._num_drain_migrations,
-            num_failovers=self._num_failovers,
-            num_in_flight=len(self.flights),
-            num_reattached=self._num_reattached,
-        )
+        return self.reports.counters(len(self.flights))
 
     def take_finished(self) -> list[FinishReport]:
-        """The requests this router saw finish since the last call, for the other
-        replicas' length estimators (`finish_log`)."""
-        reports = list(self._finished_to_tell)
-        self._finished_to_tell.clear()
-        return reports
+        return self.reports.take_finished()
 
     def learn_finished(self, reports: Sequence[FinishReport]) -> None:
-        """Requests other replicas saw finish: the length estimator learns from them as
-        from its own (nothing else here knew them)."""
-        length = lengths_of(self.policy)
-        if length is None:
-            return
-        now = self.clock()
-        for report in reports:
-            length.on_finish(report, now)
+        self.reports.learn_finished(reports)
 
     def take_load_report(self) -> LoadReport:
-        """Arrivals, completions and agent steps' events since the last call (for the
-        pool controller)."""
-        report, self._load_report = self._load_report, LoadReport()
-        return report
+        return self.reports.take_load_report()
 
     # ---- membership -------------------------------------------------------------------
     def follow(self, members: Sequence[Member],
