@@ -88,10 +88,15 @@ class FlightState(StrEnum):
 
 TERMINAL = frozenset({FlightState.FINISHED, FlightState.CANCELLED, FlightState.LOST})
 LIVE = frozenset(FlightState) - TERMINAL
+MOVABLE = frozenset({FlightState.QUEUED, FlightState.RUNNING})  # what a migration may move
 
 
 class InvalidTransition(RuntimeError):
     """A transition asked of a flight in a state it does not leave that way."""
+
+
+class EngineLost(Exception):
+    """A request's engine failed and no other instance could take it over."""
 
 
 @dataclass

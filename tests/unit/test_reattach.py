@@ -198,7 +198,7 @@ def replicas(engine: JournalEngine) -> tuple[CompletionService, CompletionServic
 
 def die(service: CompletionService) -> None:
     """A replica's process dies: its tasks stop, and it aborts nothing on the way."""
-    service.router._abort_in_background = lambda flight: None  # type: ignore[method-assign]
+    service.router.background.abort = lambda flight: None  # type: ignore[method-assign]
     for log in service.replies.logs.values():
         if log.producer is not None:
             log.producer.cancel()
