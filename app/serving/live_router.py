@@ -243,7 +243,10 @@ class LiveRouter:
         with the reason when it is not served.
 
         `text` is the client's view of the output (stop strings and stop token ids end it
-        where it says); without one only the engine ends it."""
+        where it says); without one only the engine ends it. ValueError, before anything
+        is decided or reported, when a request of that id is in flight (one that arrived
+        while this one's length was predicted)."""
+        self.ctx.flights.check_new(request.request_id)
         flight = self.chooser.place(request, route, text)
         self.ctx.flights.track(flight)
         self.reports.routed()

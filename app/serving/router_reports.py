@@ -100,7 +100,7 @@ class RouterReports:
         feedback and, with a status feed, the finish for the other replicas."""
         output = flight.output
         self.num_finished += 1
-        end_s = output.finish_s or now
+        end_s = now if output.finish_s is None else output.finish_s
         self.load_report.completion(len(output.token_ids), end_s <= flight.route.deadline_s)
         report = FinishReport(flight.route, flight.instance_id, len(output.token_ids),
                               output.first_token_s, end_s)

@@ -142,6 +142,26 @@ def hub_cache_with(tokenizer_dir: Path, cache: Path) -> str:
     return "goodserve/tiny-llama"
 
 
+def run_aiperf(aiperf: Path, server_url: str, tiny_model_dir: Path, tmp_path: Path,
+               workload: list[str]) -> Path:
+    """`aiperf profile` of `workload` (its endpoint and dataset flags), streaming, with the
+    deadline in every request and goodput at it, on the tiny tokenizer (a private hub
+    cache: AIPerf 0.13.0 takes no local directory); its artifacts' directory."""
+    tokenizer = hub_cache_with(tiny_model_dir, tmp_path / "hf-cache")
+    artifacts = tmp_path / "aiperf"
+    command = [str(aiperf), "profile", "--model", MODEL, "--url", server_url, "--streaming",
+               *workload, "--tokenizer", tokenizer,
+               "--extra-inputs", f"slo_s:{SLO_S}", "--goodput", f"request_latency:{SLO_S * 1000}",
+               "--export-level", "raw", "--random-seed", "0", "--no-gpu-telemetry",
+               "--ui-type", "none", "--artifact-dir", str(artifacts)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "RAY_"))}
+    env |= {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hf-cache")}
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return artifacts
+
+
 def streamed_summaries(raw_export: Path) -> list[dict]:
     """Per request of AIPerf's raw export: its HTTP status and the last stream chunk's
     `usage` and `goodserve` objects (the server's own account of the request)."""
@@ -166,21 +186,10 @@ def test_aiperf_replays_a_mooncake_trace_and_counts_what_the_server_counts(
                    cwd=ROOT, check=True, capture_output=True, timeout=120)
     rows = [json.loads(line) for line in trace.read_text().splitlines()]
     assert len(rows) == TRACE_REQUESTS
-    tokenizer = hub_cache_with(tiny_model_dir, tmp_path / "hf-cache")
-    artifacts = tmp_path / "aiperf"
     before = server_counters(server_url)
-    command = [str(aiperf), "profile", "--model", MODEL, "--url", server_url,
-               "--endpoint-type", "completions", "--streaming",
-               "--input-file", str(trace), "--custom-dataset-type", "mooncake_trace",
-               "--fixed-schedule", "--tokenizer", tokenizer,
-               "--extra-inputs", f"slo_s:{SLO_S}", "--goodput", f"request_latency:{SLO_S * 1000}",
-               "--export-level", "raw", "--random-seed", "0", "--no-gpu-telemetry",
-               "--ui-type", "none", "--artifact-dir", str(artifacts)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "RAY_"))}
-    env |= {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hf-cache")}
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=240)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    artifacts = run_aiperf(aiperf, server_url, tiny_model_dir, tmp_path, [
+        "--endpoint-type", "completions", "--input-file", str(trace),
+        "--custom-dataset-type", "mooncake_trace", "--fixed-schedule"])
     summary = json.loads((artifacts / "profile_export_aiperf.json").read_text())
     figure = {key: summary[key]["avg"] for key in (
         "request_count", "request_error_rate", "total_isl", "total_osl", "good_request_count")}
@@ -244,3 +253,64 @@ def test_vllm_bench_serve_counts_what_the_server_counts(server_url, tiny_model_d
     assert within(result["total_output_tokens"], server["output_tokens"]), (result, server)
     good = result["request_goodput"] * result["duration"]
     assert round(good) == server["met"], (good, server)
+
+
+CONVERSATIONS, TURNS = 10, 4
+CACHED_LATER_TURNS = 0.8  # measured: 30 of 30 later turns, with header sessions on or off
+
+
+def test_aiperf_multi_turn_chat_finds_each_turns_context_cached(
+        aiperf, server_url, tiny_model_dir, tmp_path):
+    """AIPerf's synthetic multi-turn chat: each turn's messages carry the earlier turns
+    and replies, and one X-Session-Affinity value per conversation. A later turn should
+    run where its conversation's previous turn ran and find that turn's prompt in the
+    engine's prefix cache (`cached_tokens`). On this cluster, with deadlines the
+    engines meet easily, prefix-cache scoring keeps the turns together whether or not
+    the router reads the header as a session (measured the same with `session_headers:
+    []`), so this guards the cache reuse and the history, not the header: see
+    docs/aiperf.md, "Multi-turn sessions"."""
+    artifacts = run_aiperf(aiperf, server_url, tiny_model_dir, tmp_path, [
+        "--endpoint-type", "chat", "--conversation-num", str(CONVERSATIONS),
+        "--conversation-turn-mean", str(TURNS), "--conversation-turn-stddev", "0",
+        "--synthetic-input-tokens-mean", "200", "--synthetic-input-tokens-stddev", "0",
+        "--output-tokens-mean", "16", "--output-tokens-stddev", "0",
+        "--concurrency", "5", "--request-count", str(CONVERSATIONS * TURNS)])
+    summary = json.loads((artifacts / "profile_export_aiperf.json").read_text())
+    raw = artifacts / "profile_export_raw.jsonl"
+    records = [json.loads(line) for line in raw.read_text().splitlines()]
+    replies = streamed_summaries(raw)
+
+    # every turn answered, none failed, on either side
+    assert summary["request_count"]["avg"] == CONVERSATIONS * TURNS
+    assert summary["request_error_rate"]["avg"] == 0
+    assert not summary.get("error_summary"), summary["error_summary"]
+    assert len(replies) == CONVERSATIONS * TURNS
+    assert all(r["status"] == 200 and "usage" in r and "goodserve" in r for r in replies)
+    # one session per conversation: X-Session-Affinity (its value redacted in the export)
+    # carries the correlation id, the same for a conversation's turns, unlike another's
+    conversations: dict[str, dict[int, dict]] = {}
+    correlation: dict[str, set[str]] = {}
+    for record, reply in zip(records, replies, strict=True):
+        meta = record["metadata"]
+        assert "X-Session-Affinity" in record["request_headers"], record["request_headers"]
+        conversations.setdefault(meta["conversation_id"], {})[meta["turn_index"]] = reply
+        correlation.setdefault(meta["conversation_id"], set()).add(meta["x_correlation_id"])
+    assert len(conversations) == CONVERSATIONS
+    assert all(sorted(turns) == list(range(TURNS)) for turns in conversations.values())
+    assert all(len(ids) == 1 for ids in correlation.values()), correlation
+    assert len(set.union(*correlation.values())) == CONVERSATIONS
+
+    later = cached = same_engine = 0
+    for turns in conversations.values():
+        for index in range(1, TURNS):
+            turn, previous = turns[index]["usage"], turns[index - 1]["usage"]
+            # the history: this turn's prompt holds the previous prompt and its reply
+            assert turn["prompt_tokens"] > previous["prompt_tokens"] + previous[
+                "completion_tokens"], (turn, previous)
+            hit = (turn.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            later += 1
+            cached += hit >= previous["prompt_tokens"] / 2
+            same_engine += (turns[index]["goodserve"]["instance_ids"][0]
+                            == turns[index - 1]["goodserve"]["instance_ids"][-1])
+    assert cached >= CACHED_LATER_TURNS * later, (cached, later, same_engine)
+    assert same_engine >= CACHED_LATER_TURNS * later, (cached, later, same_engine)

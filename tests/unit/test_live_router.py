@@ -29,6 +29,7 @@ from app.engines.config import (
 )
 from app.engines.messages import EngineRequest, EngineStatus, SamplingSpec, TokenEvent
 from app.routing.base import ActiveRequest, RouteDecision, RoutingPolicy, Watchdog
+from app.routing.budgets import budgets_of
 from app.routing.instance_view import InstanceId
 from app.routing.priority import PriorityRule
 from app.routing.registry import PolicyKind, RoutingStack, build_routing
@@ -128,6 +129,23 @@ async def started(*engines: EngineClient, policy: str = "goodserve",
                       kv_transport=kv_transport, metrics=metrics)
     await live.start()
     return live
+
+
+async def test_a_request_id_in_flight_is_refused_before_anything_is_decided():
+    """A second request of an id that arrived while the first one's length was predicted:
+    refused before the policy decides (no budget, no load report, nothing counted)."""
+    router = await started(ScriptedEngine("a", "A40"), ScriptedEngine("b", "H800"))
+    first, second = request(slo_s=30.0), request(slo_s=30.0)
+    routes = [await router.routed(first), await router.routed(second)]
+    flight = router.place(first, routes[0])
+    budgets = budgets_of(router.policy)
+    assert len(budgets) == 1  # the first is protected where it runs
+    with pytest.raises(ValueError, match="duplicate request id r1"):
+        router.place(second, routes[1])
+    assert router.counters().num_routed == 1 and router.counters().num_rejected == 0
+    assert router.take_load_report().arrivals == 1 and len(budgets) == 1
+    await drain(router, flight)
+    router.close()
 
 
 async def test_migration_continues_the_stream_by_token_ids():
