@@ -44,24 +44,29 @@ ROUTER_RESOURCE = "router"  # what only CPU nodes declare (cluster.yaml's head)
 
 class LocalNodes:
     """Ray's own multi-node test cluster (`ray.cluster_utils.Cluster`) on this machine,
-    shaped as cluster.yaml shapes a real one: a head that declares no GPU kind but
-    `ROUTER_RESOURCE` (Serve, the routers, the controller: a config with
-    `router_resources` keeps them there), and a node per engine of `cluster` declaring
+    shaped as cluster.yaml shapes a real one: a head for Serve's controller and proxy
+    that declares no GPU kind, CPU nodes declaring `ROUTER_RESOURCE` (a config with
+    `router_resources` keeps the routers, the ingress and the controller there: the
+    head itself when `router_nodes` is 0), and a node per engine of `cluster` declaring
     its kind (`gpu_type:<GPU>`, tp units), plus `spare_per_kind` more per kind for the
     engines lost with a node. Connected on entry; every node stopped on exit."""
 
     def __init__(self, cluster: ClusterConfig, spare_per_kind: int = 0,
-                 head_cpus: int = 2) -> None:
+                 router_nodes: int = 0, head_cpus: int = 2) -> None:
         self.cluster, self.spare_per_kind, self.head_cpus = cluster, spare_per_kind, head_cpus
+        self.router_nodes = router_nodes
         self.nodes = None
 
     def __enter__(self) -> LocalNodes:
         from ray.cluster_utils import Cluster
 
         use_local_serve_env()
+        routers = {ROUTER_RESOURCE: 1000}
         self.nodes = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": self.head_cpus, "resources": {ROUTER_RESOURCE: 1000},
+            "num_cpus": self.head_cpus, "resources": {} if self.router_nodes else routers,
             "include_dashboard": False})
+        for _ in range(self.router_nodes):
+            self.nodes.add_node(num_cpus=0, resources=routers)
         engines = self.cluster.engines()
         kinds = {e.resource_name: e.tp for e in engines}
         spares = [(name, tp) for name, tp in kinds.items() for _ in range(self.spare_per_kind)]

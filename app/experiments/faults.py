@@ -53,6 +53,12 @@ class Fault(StrEnum):
     ROUTER = "router"  # one of the router deployment's replicas
     PROXY = "proxy"  # Ray Serve's HTTP proxy actor
     NODE = "node"  # a whole Ray node: the one running the busiest engine
+    CONTROLLER_NODE = "controller-node"  # the CPU node running the controller
+    ROUTER_NODE = "router-node"  # a CPU node running a router replica, not the controller
+
+
+NODE_FAULTS = frozenset({Fault.NODE, Fault.CONTROLLER_NODE, Fault.ROUTER_NODE})
+CPU_NODE_FAULTS = frozenset({Fault.CONTROLLER_NODE, Fault.ROUTER_NODE})
 
 
 @dataclass
@@ -283,6 +289,53 @@ def kill_node(url: str, nodes: LocalNodes, engines: set[str]) -> tuple[str, set[
     return f"the node of {busiest}", on_node
 
 
+def kill_cpu_node(fault: Fault, config: ServeConfig, nodes: LocalNodes,
+                  app_name: str) -> str:
+    """Kill the CPU node that runs the controller (`CONTROLLER_NODE`), or one that runs a
+    router replica and not the controller (`ROUTER_NODE`, else any with a replica);
+    what was killed, with the parts it took."""
+    from deployments.controller import controller_name
+
+    controller = nodes.node_of(controller_name(config.cluster.name))
+    replicas = {name: nodes.node_of(name)
+                for name in actor_names(replica_prefix(app_name))}
+    if fault is Fault.CONTROLLER_NODE:
+        victim = controller
+    else:
+        victim = next((n for n in replicas.values() if n != controller),
+                      next(iter(replicas.values())))
+    ingress = {nodes.node_of(name) for name in actor_names(
+        replica_prefix(app_name, "IngressDeployment"))}
+    parts = [*(["the controller"] if victim == controller else []),
+             f"{sum(n == victim for n in replicas.values())} of {len(replicas)} router "
+             "replicas", *(["the ingress"] if victim in ingress else [])]
+    nodes.remove(victim)
+    return "a CPU node: " + ", ".join(parts)
+
+
+def parts_back(config: ServeConfig, app_name: str, wait_s: float = 120.0) -> bool:
+    """Whether the controller answers and Serve runs every router replica again (up to
+    `wait_s`)."""
+    import ray
+
+    from deployments.cluster import ENGINE_NAMESPACE
+    from deployments.controller import controller_name
+
+    give_up_s = time.monotonic() + wait_s
+    while time.monotonic() < give_up_s:
+        try:
+            controller = ray.get_actor(controller_name(config.cluster.name),
+                                       namespace=ENGINE_NAMESPACE)
+            ray.get(controller.status.remote(), timeout=10)
+            replicas = actor_names(replica_prefix(app_name))
+            if len(replicas) >= config.num_router_replicas:
+                return True
+        except (ValueError, ray.exceptions.RayError):
+            pass
+        time.sleep(1.0)
+    return False
+
+
 def engines_on_their_kind(config: ServeConfig, nodes: LocalNodes, engines: set[str]) -> bool:
     """Whether each configured engine runs on a node of its GPU kind alone."""
     from deployments.cluster import engine_ids
@@ -366,8 +419,10 @@ def run_scenario(config: ServeConfig, fault: Fault, num_requests: int, rate: flo
         engines = engines_listed(url)
         if nodes is not None:
             result.engines_on_their_kind = engines_on_their_kind(config, nodes, engines)
-        elif fault is Fault.NODE:
+        elif fault in NODE_FAULTS:
             raise ValueError("a node fault needs a cluster of several nodes")
+        if fault in CPU_NODE_FAULTS and not config.ingress_replicas:
+            raise ValueError(f"a {fault.value} fault runs with an ingress (--ingress-replicas)")
         with concurrent.futures.ThreadPoolExecutor(num_requests) as pool:
             futures = [pool.submit(one, i) for i in range(num_requests)]
             time.sleep(num_requests / rate / 3)
@@ -377,6 +432,10 @@ def run_scenario(config: ServeConfig, fault: Fault, num_requests: int, rate: flo
                 result.killed, on_node = kill_node(url, nodes, engines)
                 result.dropped_after_s, result.replaced = node_loss(
                     url, on_node, len(engines), killed_s)
+            elif fault in CPU_NODE_FAULTS:
+                assert nodes is not None
+                result.killed = kill_cpu_node(fault, config, nodes, app_name)
+                result.replaced = parts_back(config, app_name)
             else:
                 result.killed = kill(fault, url, app_name)
             done, _ = concurrent.futures.wait(
@@ -477,10 +536,15 @@ def faults(
         raise typer.Exit(code=2) from None
     results = []
     num_node_faults = scenario.count(Fault.NODE)
-    if num_node_faults:  # a node per engine and a spare per kind for each node lost
+    num_cpu_node_faults = sum(f in CPU_NODE_FAULTS for f in scenario)
+    if num_node_faults or num_cpu_node_faults:
+        # a node per engine and a spare per kind for each engine node lost; two CPU
+        # nodes for the routers and the controller, and one more for each lost
         serve_config = serve_config.model_copy(
             update={"router_resources": {ROUTER_RESOURCE: 0.001}})
-        nodes: LocalNodes | None = LocalNodes(serve_config.cluster, num_node_faults)
+        nodes: LocalNodes | None = LocalNodes(
+            serve_config.cluster, num_node_faults,
+            router_nodes=1 + num_cpu_node_faults if num_cpu_node_faults else 0)
         context = nodes
     else:
         nodes = None
@@ -498,8 +562,9 @@ def faults(
              "engines": [e.instance.name for e in serve_config.cluster.engines()],
              "backend": serve_config.engine_template.backend.value,
              "router_replicas": serve_config.num_router_replicas,
-             "ray_nodes": ("one" if nodes is None else "a head, a node per engine and "
-                           f"{num_node_faults} spare per GPU kind"),
+             "ray_nodes": ("one" if nodes is None else
+                           f"a head, {nodes.router_nodes} CPU nodes for the routers (0: the "
+                           f"head), a node per engine and {num_node_faults} spare per kind"),
              "ingress_replicas": serve_config.ingress_replicas,
              "client_retries": client_retries, "requests": requests,
              "rate": rate, "max_tokens": 60, "greedy_every": 5}
