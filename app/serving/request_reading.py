@@ -139,14 +139,15 @@ class RequestReader:
             raise invalid_request(
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({budget}) exceeds "
                 f"the model context of {limit} tokens", "max_tokens")
-        chat = isinstance(body, ChatCompletionRequest)
-        if chat and body.may_call_tools and self.tool_parsing is None:
+        chat = body if isinstance(body, ChatCompletionRequest) else None
+        if chat is not None and chat.may_call_tools and self.tool_parsing is None:
             raise invalid_request(
                 "tool_choice: 'auto' (the default with tools) needs the model family's tool "
                 "parser, which this server is not configured with (tool_call_parser); use "
                 "'required', a named function or 'none'", "tool_choice")
         structured = body.structured
-        constrained_by = "tools" if chat and body.calls_tools else "response_format"
+        constrained_by = ("tools" if chat is not None and chat.calls_tools
+                          else "response_format")
         capabilities = self.engines.CAPABILITIES
         if body.num_top_logprobs is not None and not capabilities.logprobs:
             raise invalid_request(f"logprobs: {capabilities.kind} engines compute no token "
