@@ -19,9 +19,10 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from app.serving.api import error_body, sse
+from app.serving.api import error_body
 from app.serving.relay import Forwarded, RelayHead, StreamCursor, retry_backoff_s
 from app.serving.replies import EVENT_STREAM
+from app.serving.reply_writing import sse
 from deployments.http_api import NodeMetrics, Route, api_app
 
 logger = logging.getLogger(__name__)

@@ -1,20 +1,17 @@
-"""OpenAI-compatible request/response schema with GoodServe's SLO extension.
+"""OpenAI-compatible request schema with GoodServe's SLO extension, and the error body.
 
-Plain pydantic and dict builders, no web framework: the Serve deployment maps HTTP
-onto these, and tests check them without a server. Extensions to the OpenAI body:
-`slo_s` (end-to-end deadline in seconds after arrival: the time to the last token),
-`task` (declared task type, a predictor feature) and vLLM's `ignore_eos`. Responses
-carry a `goodserve` object saying where the request ran and whether it met its
-deadline.
+Plain pydantic, no web framework: the Serve deployment maps HTTP onto these, and tests
+check them without a server. Extensions to the OpenAI body: `slo_s` (end-to-end
+deadline in seconds after arrival: the time to the last token), `task` (declared task
+type, a predictor feature) and vLLM's `ignore_eos`. Replies (`reply_writing`) carry a
+`goodserve` object saying where the request ran and whether it met its deadline.
 """
 
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
@@ -483,6 +480,10 @@ class ChatCompletionRequest(_OpenAiBody):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+# A completion or chat body: what the service reads into requests and answers
+OpenAiRequest = CompletionRequest | ChatCompletionRequest
+
+
 class MigrateRequest(BaseModel):
     """`POST /admin/migrate`: move a request; without `target` the policy picks."""
 
@@ -553,155 +554,3 @@ def render_chat(messages: Sequence[ChatMessage]) -> str:
     """Plain-text transcript ending with the assistant's turn (models without a template)."""
     lines = [f"{m.role}: {m.text}" for m in messages]
     return "\n".join([*lines, "assistant:"])
-
-
-@dataclass(frozen=True)
-class RequestSummary:
-    """What the router reports about a finished request (the `goodserve` extension)."""
-
-    instance_ids: tuple[str, ...]  # unified or decode instances, in visit order
-    num_migrations: int
-    slo_s: float | None
-    e2e_s: float
-    predicted_output_tokens: int | None
-    ttft_s: float | None = None  # arrival to first token; None: no token came
-    prefill_instance: str | None = None  # disaggregated: where the prompt was computed
-    kv_transfer_s: float | None = None  # disaggregated: prefill -> decode KV transfer
-    kv_loaded_tokens: int = 0  # prompt tokens whose KV the decode engine loaded
-    # each move (migration or fail-over): target, reason, path (token-ids or kv), KV
-    # bytes, estimated and measured time to the target's first token, tokens it loaded
-    moves: tuple[dict[str, Any], ...] = ()
-
-    @property
-    def met_deadline(self) -> bool | None:
-        return None if self.slo_s is None else self.e2e_s <= self.slo_s
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "instance_ids": list(self.instance_ids),
-            "num_migrations": self.num_migrations,
-            "slo_s": self.slo_s,
-            "e2e_s": round(self.e2e_s, 6),
-            "ttft_s": None if self.ttft_s is None else round(self.ttft_s, 6),
-            "met_deadline": self.met_deadline,
-            "predicted_output_tokens": self.predicted_output_tokens,
-            "prefill_instance": self.prefill_instance,
-            "decode_instance": self.instance_ids[-1] if self.prefill_instance else None,
-            "kv_transfer_s": (None if self.kv_transfer_s is None
-                              else round(self.kv_transfer_s, 6)),
-            "kv_loaded_tokens": self.kv_loaded_tokens,
-            "moves": list(self.moves),
-        }
-
-
-@dataclass(frozen=True)
-class ResponseMeta:
-    """Identity of one response, shared by its chunks."""
-
-    response_id: str
-    model: str
-    chat: bool
-    created: int
-
-    @classmethod
-    def new(cls, response_id: str, model: str, chat: bool) -> ResponseMeta:
-        return cls(response_id, model, chat, int(time.time()))
-
-    @property
-    def object_name(self) -> str:
-        return "chat.completion" if self.chat else "text_completion"
-
-    def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": self.response_id,
-            "object": object_name,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-
-    def choice(self, index: int, text: str | None, finish_reason: str,
-               stop_reason: str | int | None, logprobs: dict[str, Any] | None,
-               tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        """One choice of a full reply (`tool_calls` None: a reply without the key)."""
-        if tool_calls is not None:
-            content = {"message": {"role": "assistant", "content": text,
-                                   "tool_calls": tool_calls}}
-        elif self.chat:
-            content = {"message": {"role": "assistant", "content": text}}
-        else:
-            content = {"text": text}
-        return {"index": index, **content, "logprobs": logprobs,
-                "finish_reason": finish_reason, "stop_reason": stop_reason}
-
-    def full(self, choices: list[dict[str, Any]], usage: dict[str, Any],
-             summaries: Sequence[RequestSummary]) -> dict[str, Any]:
-        """The reply; `goodserve` tells where the first choice ran (with `n` > 1 every
-        choice's summary is under `goodserve.choices`)."""
-        return self._envelope(self.object_name, choices) | {
-            "usage": usage, "goodserve": goodserve_summary(summaries)}
-
-    def chunk(self, index: int, text: str, finish_reason: str | None = None,
-              stop_reason: str | int | None = None, logprobs: dict[str, Any] | None = None,
-              delta: dict[str, Any] | None = None) -> dict[str, Any]:
-        """One choice's chunk: `text`, or for chat a `delta` read for tool calls."""
-        if self.chat:
-            content = {"delta": {"content": text} if delta is None else delta}
-        else:
-            content = {"text": text}
-        choice = {"index": index, **content, "logprobs": logprobs,
-                  "finish_reason": finish_reason}
-        if finish_reason is not None:
-            choice["stop_reason"] = stop_reason
-        return self._envelope(self.chunk_object_name, [choice])
-
-    def opening_chunk(self, index: int) -> dict[str, Any]:
-        """A chat stream's first chunk of a choice: the assistant's role (as OpenAI's)."""
-        choice = {"index": index, "delta": {"role": "assistant", "content": ""},
-                  "logprobs": None, "finish_reason": None}
-        return self._envelope(self.chunk_object_name, [choice])
-
-    @property
-    def chunk_object_name(self) -> str:
-        return "chat.completion.chunk" if self.chat else "text_completion"
-
-    def last_chunk(self, usage: dict[str, Any] | None,
-                   summaries: Sequence[RequestSummary]) -> dict[str, Any]:
-        """The stream's closing chunk: no choice, the usage when asked for
-        (`stream_options.include_usage`) and the `goodserve` summary."""
-        body = self._envelope(self.chunk_object_name, []) | {
-            "goodserve": goodserve_summary(summaries)}
-        if usage is not None:
-            body["usage"] = usage
-        return body
-
-
-def goodserve_summary(summaries: Sequence[RequestSummary]) -> dict[str, Any]:
-    body = summaries[0].as_dict()
-    if len(summaries) > 1:
-        body["choices"] = [s.as_dict() for s in summaries]
-    return body
-
-
-def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int = 0
-          ) -> dict[str, Any]:
-    """OpenAI's usage, with the prompt tokens the engine found cached (its prefix hit)."""
-    return {
-        "prompt_tokens": num_prompt_tokens,
-        "completion_tokens": num_output_tokens,
-        "total_tokens": num_prompt_tokens + num_output_tokens,
-        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
-    }
-
-
-def sse(payload: dict[str, Any] | str, event_id: int | None = None) -> str:
-    """One server-sent event; `event_id` (the output tokens sent up to it) is what a
-    reconnecting client sends back as `Last-Event-ID`."""
-    data = payload if isinstance(payload, str) else json.dumps(payload)
-    return f"data: {data}\n\n" if event_id is None else f"id: {event_id}\ndata: {data}\n\n"
-
-
-def sse_data(event: str) -> str:
-    """The data of one server-sent event as `sse` writes it (its id line skipped)."""
-    return next(line.removeprefix("data: ") for line in event.splitlines()
-                if line.startswith("data: "))

@@ -1,9 +1,9 @@
 """The OpenAI-compatible service: HTTP-free request handling around `LiveRouter`.
 
 The Serve deployment maps each endpoint onto one method here and wraps the result
-in a JSON or streaming response; everything between (validation, tokenizing,
-routing, detokenizing, error mapping) lives here, so it is the same code with any
-transport.
+in a JSON or streaming response; everything between lives here or below, so it is
+the same code with any transport: the request read (`request_reading`), routed and
+answered once (reply logs by id, re-attach), the reply written (`reply_writing`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from app.engines.config import KvConnectorKind
 from app.engines.factory import backend_class
-from app.engines.messages import SamplingSpec, StructuredOutput, TokenEvent
+from app.engines.messages import TokenEvent
 from app.routing.base import RejectCode
 from app.routing.registry import RoutingOptions, build_routing
 from app.routing.view import RouteRequest
@@ -28,14 +28,10 @@ from app.serving.api import (
     ChatCompletionRequest,
     CompletionRequest,
     MigrateRequest,
-    RequestSummary,
-    ResponseMeta,
+    OpenAiRequest,
     StreamOptions,
     error_body,
-    invalid_request,
     parse_body,
-    sse,
-    usage,
 )
 from app.serving.auth import Access, ApiKeys, RateLimiter
 from app.serving.config import ServeConfig
@@ -51,7 +47,6 @@ from app.serving.live_router import (
     RequestRejected,
     StatusFeed,
 )
-from app.serving.logprobs import LogprobsFormatter
 from app.serving.replies import (
     FRESH_ID_HEADER,
     ReplyLog,
@@ -59,13 +54,20 @@ from app.serving.replies import (
     body_digest,
     client_request_id,
     last_event_id,
-    named_session,
     request_headers,
     resumable,
 )
+from app.serving.reply_writing import (
+    Event,
+    ReplyWriter,
+    ResponseMeta,
+    StreamWriter,
+    stream_error,
+)
+from app.serving.request_reading import ReadRequest, RequestReader
 from app.serving.telemetry import MetricFactory, NullFactory, RouterMetrics
 from app.serving.tokenizer import HfTokenizer, OutputText, Tokenizer, WordHashTokenizer
-from app.serving.tools import ToolCallReader, ToolParsing, tool_call_reader
+from app.serving.tools import ToolParsing
 
 if TYPE_CHECKING:
     from predictor.base import Predictor
@@ -145,52 +147,6 @@ class StreamReply:
         return self.events
 
 
-Event = tuple[int | None, str]  # (output tokens sent up to it, None: no token; SSE text)
-
-
-@dataclass
-class ChoiceStream:
-    """One choice of a streamed reply: how far it was sent, how its output is shown."""
-
-    index: int
-    flight: Flight
-    reader: ToolCallReader | None  # reads tool calls out of the text; None: plain text
-    formatter: LogprobsFormatter | None  # None: no logprobs asked for
-    num_sent: int = 0  # output tokens already sent
-
-    def skip_seen(self) -> None:
-        """A re-attached choice: the output it already holds is the client's (sent
-        before its reconnect); the next chunk starts after it."""
-        output = self.flight.output
-        if not output.token_ids:
-            return
-        assert isinstance(output.text, OutputText)
-        self.num_sent = len(output.token_ids)
-        text = output.text.delta(False)
-        if self.reader is not None:
-            self.reader.delta(text, output.token_ids, False)
-
-    def chunk(self, meta: ResponseMeta, batch_finished: bool) -> dict[str, Any] | None:
-        """The chunk for the tokens since the last one (None: nothing to show yet)."""
-        output = self.flight.output
-        assert isinstance(output.text, OutputText)
-        final = output.finish_reason is not None and batch_finished
-        start, self.num_sent = self.num_sent, len(output.token_ids)
-        text = output.text.delta(final)
-        logprobs = None if self.formatter is None else self.formatter.format(
-            output.token_ids[start:], output.logprobs[start:])
-        finish_reason = output.finish_reason if final else None
-        delta = None
-        if self.reader is not None:
-            delta = self.reader.delta(text, output.token_ids[start:], final)
-            if delta is None and not final and logprobs is None:
-                return None  # e.g. a call's name still incomplete
-            delta = delta or {}
-            if finish_reason is not None:
-                finish_reason = self.reader.finish_reason(finish_reason, streamed=True)
-        return meta.chunk(self.index, text, finish_reason, output.stop_reason, logprobs, delta)
-
-
 def tool_parsing(config: ServeConfig, tokenizer: Tokenizer) -> ToolParsing | None:
     """The model family's tool parser the config names (ValueError when it cannot run)."""
     if config.tool_call_parser is None:
@@ -238,7 +194,6 @@ class CompletionService:
         `status_feed` gives the engines' published reports (None: the router polls
         each engine)."""
         self.config = config
-        self.engines = backend_class(config.engine_template.backend)  # asked what it can do
         self.tokenizer = tokenizer or make_tokenizer(config)
         predictor = load_length_predictor(config)
         predict, self._close_predictor = make_predict(predictor)
@@ -252,7 +207,9 @@ class CompletionService:
                                  metrics=RouterMetrics(metrics or NullFactory(),
                                                        config.routing.policy))
         self.keys = api_keys(config)
-        self.tool_parsing = tool_parsing(config, self.tokenizer)
+        self.reader = RequestReader(config, self.tokenizer,
+                                    backend_class(config.engine_template.backend),
+                                    tool_parsing(config, self.tokenizer), self.router.clock)
         self.closing = False  # shutting down: new requests get a 503, those in flight finish
         self.replies = ReplyStore(retain_s=config.reply_retain_s,
                                   max_retained=config.max_retained_replies,
@@ -341,7 +298,8 @@ class CompletionService:
             self.check_size(len(raw))
             client_id = client_request_id(headers)
             after = last_event_id(headers)
-            body = parse_body(raw, ChatCompletionRequest if chat else CompletionRequest)
+            body: OpenAiRequest = parse_body(
+                raw, ChatCompletionRequest if chat else CompletionRequest)
             digest = body_digest(raw)
             if client_id is not None and (log := self.replies.get(client_id)) is not None:
                 return await self._again(log, digest, after)
@@ -351,30 +309,28 @@ class CompletionService:
             return JsonReply(exc.status_code, exc.body())
         named = request_headers(request_id)
         try:
-            session = body.session_id or named_session(
-                headers, self.config.session_headers, self.config.session_cookies)
-            requests = self._generation_requests(body, chat, received, request_id, session)
-            readers = self._tool_readers(body, requests, chat)
+            read = self.reader.read(body, headers, received, request_id)
             flights = await self._submit_all(
-                requests, body, readers, after=after, looked_up=looked_up,
+                read, after=after, looked_up=looked_up,
                 look_up=client_id is not None and FRESH_ID_HEADER not in headers)
         except ApiError as exc:
             refused = JsonReply(exc.status_code, exc.body(), named)
             if body.stream:
-                log.append(None, sse(exc.body()))
-                log.append(None, sse("[DONE]"))
+                for offset, text in stream_error(exc.body()):
+                    log.append(offset, text)
             self.replies.discard(log, refused)
             return refused
         meta = ResponseMeta.new(f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
                                 body.model, chat)
+        writer = ReplyWriter(meta, flights, read.readers, self.tokenizer, self.router.clock)
         if body.stream:
-            events = self._stream(flights, readers, meta, body.stream_options or StreamOptions(),
+            events = self._stream(writer, body.stream_options or StreamOptions(),
                                   resumed=after is not None,
                                   event_ids=resumable(client_id, headers))
             self.replies.produce(log, asyncio.create_task(self._record_stream(log, events)))
             return StreamReply(self.replies.follow(log, after), named)
         self.replies.produce(log, asyncio.create_task(
-            self._record_whole(log, self._collect(flights, readers, meta), named)))
+            self._record_whole(log, self._collect(writer), named)))
         return await self.replies.whole(log)
 
     def _look_up_early(self, headers: Mapping[str, str]
@@ -413,8 +369,9 @@ class CompletionService:
                 log.append(offset, text)
         except Exception as exc:  # a bug: the client gets an error, not a hang
             logger.exception("stream of request %s failed", log.request_id)
-            log.append(None, sse(error_body(f"{type(exc).__name__}: {exc}", "server_error")))
-            log.append(None, sse("[DONE]"))
+            for offset, text in stream_error(
+                    error_body(f"{type(exc).__name__}: {exc}", "server_error")):
+                log.append(offset, text)
         finally:
             log.end()
 
@@ -481,109 +438,7 @@ class CompletionService:
         return JsonReply(200, {"request_id": request_id, "target": moved, "moving": True})
 
     # ---- helpers -----------------------------------------------------------------------
-    def _generation_requests(self, body: Any, chat: bool, received_perf_s: float,
-                             request_id: str, session_id: str | None
-                             ) -> list[GenerationRequest]:
-        """One request per choice (`n`); choice i of response `cmpl-<id>` is request
-        `<id>` when n = 1, else `<id>.<i>` (its seed, when given, seed + i, as
-        vLLM's). `session_id`: the body's, else the one its headers name."""
-        if body.model not in self.config.served_model_names:
-            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves "
-                           f"{self.config.served_model_names[0]!r}", "not_found_error",
-                           "model")
-        if chat:
-            tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
-            text = self.tokenizer.render_chat(body.messages, tools)
-            token_ids = self.tokenizer.encode(text)
-        elif isinstance(body.prompt, str):
-            text, token_ids = body.prompt, self.tokenizer.encode(body.prompt)
-        else:
-            text, token_ids = None, list(body.prompt)
-        if not token_ids:
-            raise invalid_request("prompt has no tokens", "prompt")
-        vocab = self.config.engine_template.instance.model.vocab_size
-        for field_name, ids in (("prompt", token_ids), ("stop_token_ids", body.stop_token_ids),
-                                ("logit_bias", [int(t) for t in body.logit_bias])):
-            if ids and max(ids) >= vocab:
-                raise invalid_request(f"{field_name}: token ids must be < {vocab}", field_name)
-        budget = body.output_budget
-        limit = self.config.engine_template.max_model_len
-        if len(token_ids) + budget > limit:
-            raise invalid_request(
-                f"prompt ({len(token_ids)} tokens) + max_tokens ({budget}) exceeds "
-                f"the model context of {limit} tokens", "max_tokens")
-        if chat and body.may_call_tools and self.tool_parsing is None:
-            raise invalid_request(
-                "tool_choice: 'auto' (the default with tools) needs the model family's tool "
-                "parser, which this server is not configured with (tool_call_parser); use "
-                "'required', a named function or 'none'", "tool_choice")
-        structured = body.structured
-        constrained_by = "tools" if chat and body.calls_tools else "response_format"
-        capabilities = self.engines.CAPABILITIES
-        if body.num_top_logprobs is not None and not capabilities.logprobs:
-            raise invalid_request(f"logprobs: {capabilities.kind} engines compute no token "
-                                  "probabilities", "logprobs")
-        if structured is not None:
-            if not capabilities.structured_outputs:
-                raise invalid_request(f"{constrained_by}: {capabilities.kind} engines "
-                                      "generate no text to constrain", constrained_by)
-            error = self.engines.constraint_error(structured)
-            if error is not None:
-                raise invalid_request(f"{constrained_by}: {error}", constrained_by)
-        sampling = self._sampling(body, structured)
-        arrival_s = self.router.clock()
-        requests = []
-        for index in range(body.n):
-            seed = None if body.seed is None else body.seed + index
-            requests.append(GenerationRequest(
-                request_id=request_id if body.n == 1 else f"{request_id}.{index}",
-                prompt_token_ids=tuple(token_ids),
-                sampling=replace(sampling, seed=seed),
-                arrival_s=arrival_s,
-                slo_s=body.slo_s if body.slo_s is not None else self.config.default_slo_s,
-                prompt_text=text,
-                task=body.task,
-                streamed=body.stream,
-                session_id=session_id,
-                step_index=body.step_index,
-                received_perf_s=received_perf_s,
-            ))
-        return requests
-
-    @staticmethod
-    def _sampling(body: Any, structured: StructuredOutput | None) -> SamplingSpec:
-        """The engines' sampling parameters (unset ones take OpenAI's / vLLM's defaults)."""
-        def given(value: Any, default: Any) -> Any:
-            return default if value is None else value
-
-        return SamplingSpec(
-            max_tokens=body.output_budget,
-            temperature=given(body.temperature, 1.0),
-            top_p=given(body.top_p, 1.0),
-            top_k=max(given(body.top_k, 0), 0),
-            min_p=given(body.min_p, 0.0),
-            presence_penalty=given(body.presence_penalty, 0.0),
-            frequency_penalty=given(body.frequency_penalty, 0.0),
-            repetition_penalty=given(body.repetition_penalty, 1.0),
-            min_tokens=body.min_tokens,
-            ignore_eos=body.ignore_eos,
-            seed=body.seed,
-            stop_token_ids=tuple(body.stop_token_ids),
-            logit_bias=tuple((int(t), v) for t, v in body.logit_bias.items()),
-            logprobs=body.num_top_logprobs,
-            structured=structured,
-        )
-
-    def _tool_readers(self, body: Any, requests: list[GenerationRequest],
-                      chat: bool) -> list[ToolCallReader | None]:
-        """A tool-call reader per choice (None where the reply cannot call tools)."""
-        if not chat:
-            return [None] * len(requests)
-        return [tool_call_reader(body, self.tool_parsing, r.prompt_token_ids)
-                for r in requests]
-
-    async def _submit_all(self, requests: list[GenerationRequest], body: Any,
-                          readers: list[ToolCallReader | None], look_up: bool = False,
+    async def _submit_all(self, read: ReadRequest, look_up: bool = False,
                           after: int | None = None,
                           looked_up: dict[str, asyncio.Task[Found | None]] | None = None
                           ) -> list[Flight]:
@@ -595,13 +450,7 @@ class CompletionService:
         looked_up = {} if looked_up is None else looked_up
         flights: list[Flight] = []
         try:
-            for request, reader in zip(requests, readers, strict=True):
-                skip_special = (body.skip_special_tokens if reader is None
-                                or reader.skip_special_tokens is None
-                                else reader.skip_special_tokens)
-                text = OutputText(self.tokenizer, body.stop, body.stop_token_ids,
-                                  body.include_stop_str_in_output, request.sampling.min_tokens,
-                                  skip_special)
+            for request, text in zip(read.requests, read.texts, strict=True):
                 asked = looked_up.pop(request.request_id, None)
                 if asked is None and look_up:
                     asked = self.router.find(request.request_id)
@@ -613,7 +462,7 @@ class CompletionService:
                 if found is None:
                     flights.append(await self._submit(request, text, routing))
                     continue
-                if after and len(requests) > 1:
+                if after and len(read.requests) > 1:
                     raise ApiError(409, "a stream of several choices resumes only on the "
                                    "router replica that made it; send it again without "
                                    "Last-Event-ID for the whole stream", "conflict",
@@ -658,81 +507,31 @@ class CompletionService:
             status = 400 if exc.code is RejectCode.CONTEXT_TOO_LONG else 503
             raise ApiError(status, f"request not admitted: {exc}", exc.code.value) from None
 
-    def _summary(self, flight: Flight) -> RequestSummary:
-        finish_s = flight.output.finish_s
-        end = finish_s if finish_s is not None else self.router.clock()
-        first_token_s = flight.output.first_token_s
-        kv = flight.kv
-        return RequestSummary(
-            instance_ids=tuple(flight.placement.instance_ids),
-            prefill_instance=flight.placement.prefill_instance_id,
-            kv_transfer_s=None if kv is None else kv.transfer_s,
-            kv_loaded_tokens=0 if kv is None else kv.loaded_tokens,
-            moves=tuple(m.as_dict() for m in flight.placement.moves),
-            num_migrations=flight.placement.num_migrations,
-            slo_s=flight.request.slo_s,
-            e2e_s=end - flight.request.arrival_s,
-            ttft_s=(None if first_token_s is None
-                    else first_token_s - flight.request.arrival_s),
-            predicted_output_tokens=flight.route.predicted_output_tokens,
-        )
-
-    def _logprobs(self, flight: Flight, chat: bool) -> dict[str, Any] | None:
-        """The whole output's logprobs, when asked for."""
-        formatter = self._formatter(flight, chat)
-        if formatter is None:
-            return None
-        return formatter.format(flight.output.token_ids, flight.output.logprobs)
-
-    def _formatter(self, flight: Flight, chat: bool) -> LogprobsFormatter | None:
-        wanted = flight.request.sampling.logprobs is not None
-        return LogprobsFormatter(self.tokenizer, chat) if wanted else None
-
-    def _usage(self, flights: Sequence[Flight]) -> dict[str, Any]:
-        """The prompt counted once (as vLLM does for n > 1), every choice's output."""
-        return usage(len(flights[0].request.prompt_token_ids),
-                     sum(len(f.output.token_ids) for f in flights),
-                     flights[0].output.num_cached_tokens)
-
-    async def _collect(self, flights: list[Flight], readers: list[ToolCallReader | None],
-                       meta: ResponseMeta) -> JsonReply:
+    async def _collect(self, writer: ReplyWriter) -> JsonReply:
+        """The whole reply once every choice has finished (a 502 for an engine lost)."""
         async def drain(flight: Flight) -> None:
             async for _ in self.router.stream(flight):
                 pass
 
-        results = await asyncio.gather(*(drain(f) for f in flights), return_exceptions=True)
+        results = await asyncio.gather(*(drain(f) for f in writer.flights),
+                                       return_exceptions=True)
         for result in results:
             if isinstance(result, EngineLost):
                 return JsonReply(502, error_body(str(result), "engine_error"))
             if isinstance(result, BaseException):
                 raise result
-        choices = []
-        for index, (flight, reader) in enumerate(zip(flights, readers, strict=True)):
-            output = flight.output
-            assert isinstance(output.text, OutputText)
-            text, tool_calls = output.text.text, None
-            finish_reason = output.finish_reason or "stop"
-            if reader is not None:
-                reply = reader.read(text, output.token_ids)
-                text, tool_calls = reply.content, reply.tool_calls
-                finish_reason = reader.finish_reason(finish_reason, streamed=False)
-            choices.append(meta.choice(
-                index, text, finish_reason, output.stop_reason,
-                self._logprobs(flight, meta.chat), tool_calls))
-        self._tell_final_answers(flights, readers)
-        return JsonReply(200, meta.full(choices, self._usage(flights),
-                                        [self._summary(f) for f in flights]))
+        reply = writer.whole()
+        self._tell_final_answers(writer)
+        return JsonReply(200, reply)
 
-    def _tell_final_answers(self, flights: list[Flight],
-                            readers: list[ToolCallReader | None]) -> None:
+    def _tell_final_answers(self, writer: ReplyWriter) -> None:
         """An agent step whose reply could call a tool and did not is its session's final
         answer: the router tells the controller, which stops counting the session open."""
-        for flight, reader in zip(flights, readers, strict=True):
+        for flight, reader in zip(writer.flights, writer.readers, strict=True):
             if reader is not None and not reader.called and flight.route.session_id:
                 self.router.session_answered(flight.route.session_id)
 
-    async def _stream(self, flights: list[Flight], readers: list[ToolCallReader | None],
-                      meta: ResponseMeta, options: StreamOptions, resumed: bool = False,
+    async def _stream(self, writer: ReplyWriter, options: StreamOptions, resumed: bool = False,
                       event_ids: bool = True) -> AsyncIterator[Event]:
         """Chunks of every choice as they come (interleaved, each with its index), then
         the closing chunk and `[DONE]`; an engine lost ends the stream with an error. A
@@ -743,6 +542,7 @@ class CompletionService:
         starts after the tokens its flights already hold."""
         queue: asyncio.Queue[tuple[int, list[TokenEvent] | BaseException | None]] = (
             asyncio.Queue())
+        flights = writer.flights
 
         # a choice's next tokens are taken only once its last ones are in a chunk: the
         # chunk is read off the output so far, which must not run ahead of its batch
@@ -759,24 +559,10 @@ class CompletionService:
                 queue.put_nowait((index, exc))
 
         tasks = [asyncio.create_task(pump(i, f)) for i, f in enumerate(flights)]
-        choices = [ChoiceStream(i, flight, reader, self._formatter(flight, meta.chat))
-                   for i, (flight, reader) in enumerate(zip(flights, readers, strict=True))]
-        for choice in choices:
-            choice.skip_seen()
-        num_prompt_tokens = len(flights[0].request.prompt_token_ids)
-
-        def with_usage(chunk: dict[str, Any], num_output_tokens: int) -> dict[str, Any]:
-            """`chunk`, with its choice's usage so far when asked for (vLLM's
-            `continuous_usage_stats`)."""
-            if options.include_usage and options.continuous_usage_stats:
-                chunk["usage"] = usage(num_prompt_tokens, num_output_tokens,
-                                       flights[0].output.num_cached_tokens)
-            return chunk
-
+        chunks = StreamWriter(writer, options, resumed, event_ids)
         try:
-            if meta.chat and not resumed:
-                for index in range(len(flights)):
-                    yield None, sse(with_usage(meta.opening_chunk(index), 0))
+            for event in chunks.opening():
+                yield event
             num_open = len(flights)
             while num_open:
                 index, item = await queue.get()
@@ -784,22 +570,18 @@ class CompletionService:
                     num_open -= 1
                     continue
                 if isinstance(item, EngineLost):
-                    yield None, sse(error_body(str(item), "engine_error"))
-                    yield None, sse("[DONE]")
+                    for event in stream_error(error_body(str(item), "engine_error")):
+                        yield event
                     return
                 if isinstance(item, BaseException):
                     raise item
-                chunk = choices[index].chunk(meta, item[-1].finished)
+                chunk = chunks.chunk(index, item[-1].finished)
                 shown[index].set()
                 if chunk is not None:
-                    offset = sum(c.num_sent for c in choices)
-                    yield offset, sse(with_usage(chunk, choices[index].num_sent),
-                                      offset if event_ids else None)
-            self._tell_final_answers(flights, readers)
-            yield None, sse(meta.last_chunk(
-                self._usage(flights) if options.include_usage else None,
-                [self._summary(f) for f in flights]))
-            yield None, sse("[DONE]")
+                    yield chunk
+            self._tell_final_answers(writer)
+            for event in chunks.closing():
+                yield event
         finally:
             for task in tasks:
                 task.cancel()

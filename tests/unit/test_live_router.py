@@ -34,12 +34,12 @@ from app.routing.instance_view import InstanceId
 from app.routing.priority import PriorityRule
 from app.routing.registry import PolicyKind, RoutingStack, build_routing
 from app.routing.view import ClusterView, RouteRequest
-from app.serving.api import sse_data
 from app.serving.config import ServeConfig
 from app.serving.flight import FlightState, GenerationRequest
 from app.serving.instances import EngineClient
 from app.serving.kv_transfer import ConnectorTransport, KvHandoff, KvTransport, SimulatedLink
 from app.serving.live_router import EngineLost, LiveRouter, RequestRejected
+from app.serving.reply_writing import sse_data
 from app.serving.service import CompletionService, JsonReply
 from app.serving.status_board import StatusBoard
 from app.serving.telemetry import RouterMetrics

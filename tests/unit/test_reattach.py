@@ -12,9 +12,10 @@ import pytest
 
 from app.engines.journal import OutputJournal
 from app.engines.messages import EngineRequest, SamplingSpec
-from app.serving.api import ApiError, sse_data
+from app.serving.api import ApiError
 from app.serving.instances import EngineClient
 from app.serving.replies import ReplyLog, client_request_id, last_event_id
+from app.serving.reply_writing import sse_data
 from app.serving.service import CompletionService, JsonReply
 from tests.unit.test_live_router import PROMPT, ScriptedEngine, sim_service
 

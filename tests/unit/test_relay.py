@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from app.serving.api import sse
 from app.serving.relay import (
     RELAY_ID_PREFIX,
     Forwarded,
@@ -13,6 +12,7 @@ from app.serving.relay import (
     retry_backoff_s,
 )
 from app.serving.replies import EVENT_STREAM, FRESH_ID_HEADER
+from app.serving.reply_writing import sse
 
 pytestmark = pytest.mark.unit
 

@@ -26,12 +26,12 @@ from app.serving.api import (
     ApiError,
     CompletionRequest,
     parse_body,
-    sse_data,
 )
 from app.serving.flight import FlightState, GenerationRequest
 from app.serving.kv_transfer import SimulatedLink
 from app.serving.live_router import EngineLost
 from app.serving.logprobs import LogprobsFormatter
+from app.serving.reply_writing import sse_data
 from app.serving.tokenizer import OutputText, Tokenizer
 from tests.unit.test_live_router import (
     PROMPT,

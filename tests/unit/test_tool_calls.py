@@ -23,9 +23,9 @@ from app.serving.api import (
     ChatCompletionRequest,
     CompletionRequest,
     parse_body,
-    sse_data,
 )
 from app.serving.config import RoutingConfig, ServeConfig
+from app.serving.reply_writing import sse_data
 from app.serving.service import CompletionService
 from app.serving.tokenizer import HfTokenizer, Tokenizer
 from app.serving.tools import (
