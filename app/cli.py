@@ -172,15 +172,15 @@ def serve(
     if signals.pending:
         typer.echo("stopped before start-up")
         return
-    serving = False
+    deploying = False
     try:
         init_local_ray(serve_config.cluster, inventory=inventory,
                        metrics_export_port=metrics_export_port,
                        metrics_report_interval_ms=metrics_report_interval_ms)
         signals.release()
         ray_serve.start(http_options={"host": "0.0.0.0", "port": http_port})
+        deploying = True  # it may take requests before `run` returns
         ray_serve.run(build_app(serve_config), name="goodserve", route_prefix="/")
-        serving = True
         typer.echo(f"serving {serve_config.served_model_names[0]!r} on "
                    f"http://127.0.0.1:{http_port}/v1 (Ctrl-C stops)")
         if metrics_export_port is not None:
@@ -189,15 +189,13 @@ def serve(
             time.sleep(3600)
     except KeyboardInterrupt:
         signals.ignore()  # a second signal must not cut the stop short
-        if serving:
-            grace_s = serve_config.shutdown_grace_s
-            typer.echo(f"stopping: new requests get a 503; those in flight get up to "
-                       f"{grace_s:g} s")
+        grace_s = serve_config.shutdown_grace_s
+        typer.echo(f"stopping: new requests get a 503; those in flight get up to {grace_s:g} s"
+                   if deploying else "stopping during start-up")
+        if deploying:
             left = drain_application(serve_config.cluster.name, grace_s)
             if left:
                 typer.echo(f"{left} requests still in flight after {grace_s:g} s are cut")
-        else:
-            typer.echo("stopping during start-up")
     finally:
         if ray.is_initialized():
             ray_serve.shutdown()
