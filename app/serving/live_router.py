@@ -335,7 +335,9 @@ class LiveRouter:
 
     def _take(self, flight: Flight, batch: list[TokenEvent]) -> list[TokenEvent]:
         """Record a batch; tokens cut by our own abort keep their ids but lose the reason;
-        a stop the router finds in the text ends the output at its token.
+        a stop the router finds in the text ends the output at its token; an output that
+        holds `max_tokens` ends with "length" whatever its last event says (an abort can
+        land on an engine's last token, and there is nothing left to run elsewhere).
 
         Times are the router's clock when the batch arrived (what the client sees, and
         free of clock skew between the router's and the engines' nodes).
@@ -370,9 +372,12 @@ class LiveRouter:
             return []
         output.token_ids.extend(ev.token_id for ev in kept)
         output.logprobs.extend(ev.logprobs for ev in kept)
-        last = kept[-1]
-        if last.finish_reason is not None:
-            flight.finish(last.finish_reason, now)
+        reason = kept[-1].finish_reason
+        if reason is None and len(output.token_ids) >= flight.request.sampling.max_tokens:
+            reason = "length"
+            kept[-1] = replace(kept[-1], finish_reason=reason)
+        if reason is not None:
+            flight.finish(reason, now)
             self.ctx.flights.recount(flight)
         return kept
 

@@ -148,6 +148,27 @@ async def test_a_request_id_in_flight_is_refused_before_anything_is_decided():
     router.close()
 
 
+class AbortedAtTheEnd(ScriptedEngine):
+    """Its last token arrives marked aborted: an abort (a move asked, a client gone, a
+    replica lost) that landed on the engine's last token."""
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[list[TokenEvent]]:
+        async for (event,) in super().generate(request):
+            yield [replace(event, finish_reason="abort") if event.finished else event]
+
+
+async def test_an_output_that_holds_max_tokens_ends_with_length_whatever_its_last_event():
+    """Nothing is left to run elsewhere: no resubmission of zero tokens (which an engine
+    refuses), no fail-over."""
+    router = await started(AbortedAtTheEnd("a", "A40"), policy="round-robin")
+    flight = await router.submit(request(max_tokens=8))
+    events = await drain(router, flight)
+    assert [e.index for e in events] == list(range(8)) and events[-1].finish_reason == "length"
+    assert flight.state is FlightState.FINISHED and flight.output.finish_reason == "length"
+    assert router.counters().num_failovers == 0 and router.counters().num_finished == 1
+    router.close()
+
+
 async def test_migration_continues_the_stream_by_token_ids():
     a, b = ScriptedEngine("a", "A40"), ScriptedEngine("b", "H800")
     router = await started(a, b, policy="round-robin")
