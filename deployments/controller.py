@@ -299,10 +299,7 @@ class ControllerActor:
         names), kept to launch again should it die."""
         engine_id = engine_name(self.config.cluster.name, config, index)
         self._static_configs[engine_id] = config
-        task = asyncio.ensure_future(self._launch(engine_id, numbered_config(config, index)))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+        return self._spawn(self._launch(engine_id, numbered_config(config, index)))
 
     async def _launch(self, engine_id: str, config) -> None:
         """Create an engine (STARTING), and make it ACTIVE once it serves."""
@@ -370,9 +367,7 @@ class ControllerActor:
         for engine_id, load in zip(serving, await asyncio.gather(*map(one, serving)),
                                    strict=True):
             if load is None:
-                self.fleet.remove(engine_id)
-                self.handles.pop(engine_id, None)
-                self._release(engine_id)
+                self._engine_died(engine_id)
             else:
                 loads[engine_id] = load
         self._publish()
@@ -456,10 +451,11 @@ class ControllerActor:
             self._changed.set()
             self._changed = asyncio.Event()
 
-    def _spawn(self, coroutine) -> None:
+    def _spawn(self, coroutine) -> asyncio.Task:
         task = asyncio.ensure_future(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
 
 def controller_for(config: ServeConfig, app_name: str | None = None):
