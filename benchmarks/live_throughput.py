@@ -117,16 +117,15 @@ def router_sender(client: httpx.AsyncClient, model: str,
 def engine_sender(actors: Sequence[Any]) -> Callable[[int], Awaitable[bool]]:
     """Straight to the engine actors, in turn, as the router's engine client calls them."""
     from app.engines.messages import EngineRequest, SamplingSpec
+    from deployments.engine import generate_on
 
     sampling = SamplingSpec(max_tokens=OUTPUT_TOKENS, ignore_eos=True)
 
     async def send(i: int) -> bool:
         request = EngineRequest(f"direct-{i}", prompt(i), sampling)
-        stream = actors[i % len(actors)].generate.options(num_returns="streaming").remote(
-            request)
         try:
-            async for ref in stream:
-                await ref
+            async for _ in generate_on(actors[i % len(actors)], request):
+                pass
         except Exception:  # noqa: BLE001 - counted as a failure
             return False
         return True

@@ -18,7 +18,7 @@ from app.control.config import InventoryItem
 from app.control.fleet import engine_name
 from app.engines.config import ClusterConfig, EngineConfig, gpu_resource_name
 from app.engines.messages import EngineRequest, TokenEvent
-from deployments.engine import EngineActor
+from deployments.engine import EngineActor, generate_on
 
 ENGINE_NAMESPACE = "goodserve"  # engines are looked up by name from Serve replicas
 
@@ -40,6 +40,14 @@ def use_local_serve_env() -> None:
 
 
 ROUTER_RESOURCE = "router"  # what only CPU nodes declare (cluster.yaml's head)
+
+# How fast Ray's GCS finds a lost node dead: a health check a second, three missed.
+# Ray's default (every 3 s, five missed) leaves 15-30 s in which a Serve replica that
+# was streaming to the lost node holds its event loop (a streaming call waits, at its
+# end, for the dead caller to acknowledge every item), so a router replica answers
+# nothing while a proxy or ingress on that node is not yet found dead. cluster.yaml's
+# head sets the same.
+NODE_HEALTH_CHECK = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
 
 
 class LocalNodes:
@@ -64,7 +72,7 @@ class LocalNodes:
         routers = {ROUTER_RESOURCE: 1000}
         self.nodes = Cluster(initialize_head=True, head_node_args={
             "num_cpus": self.head_cpus, "resources": {} if self.router_nodes else routers,
-            "include_dashboard": False})
+            "include_dashboard": False, "_system_config": NODE_HEALTH_CHECK})
         for _ in range(self.router_nodes):
             self.nodes.add_node(num_cpus=0, resources=routers)
         engines = self.cluster.engines()
@@ -210,8 +218,4 @@ def shutdown_engines(handles: list[EngineHandle], timeout_s: float | None = None
 
 async def collect_tokens(handle: EngineHandle, request: EngineRequest) -> list[TokenEvent]:
     """Run one request to completion through the streaming actor call."""
-    stream = handle.actor.generate.options(num_returns="streaming").remote(request)
-    events: list[TokenEvent] = []
-    async for ref in stream:
-        events.extend(await ref)
-    return events
+    return [event async for batch in generate_on(handle.actor, request) for event in batch]

@@ -491,8 +491,17 @@ def stop_controller(cluster_name: str, timeout_s: float = 120.0) -> int:
         actor = ray.get_actor(controller_name(cluster_name), namespace=ENGINE_NAMESPACE)
     except ValueError:
         return 0
+    deadline_s = time.monotonic() + timeout_s
     try:
-        stopped = ray.get(actor.shutdown.remote(), timeout=timeout_s)
+        while True:
+            try:
+                stopped = ray.get(actor.shutdown.remote(),
+                                  timeout=max(deadline_s - time.monotonic(), 1.0))
+                break
+            except ray.exceptions.ActorUnavailableError:  # restarting: stop it once back
+                if time.monotonic() >= deadline_s:
+                    raise
+                time.sleep(0.5)
     finally:
         ray.kill(actor, no_restart=True)
     deadline_s = time.monotonic() + timeout_s

@@ -1,23 +1,24 @@
 """Engine actor: the Ray shell around one engine backend (app/engines/).
 
 The backends (simulated or vLLM) hold all engine logic and are Ray-free; the actor
-only exposes them to the router, runs each submission through the output journal
-(app/engines/journal.py: it outlives the caller, and another router replica can read
-it) and coalesces the token stream.
+only exposes them to the router and runs each submission through the output journal
+(app/engines/journal.py: it outlives the caller, another router replica can read it,
+and callers poll it rather than being streamed to). `output_stream` reads one.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import ray
 
 from app.engines.config import EngineConfig
 from app.engines.factory import make_backend
-from app.engines.journal import OutputJournal
+from app.engines.journal import OutputJournal, follow
 from app.engines.messages import EngineRecord, EngineRequest, EngineStatus, TokenEvent
-from app.serving.streams import coalesce
 
 
 @dataclass(frozen=True)
@@ -44,16 +45,17 @@ class EngineActor:
         await self.backend.start()
         return self.backend.engine_id
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[list[TokenEvent]]:
-        interval_s = self.backend.config.stream_interval_s
-        async for batch in coalesce(self.journal.generate(request), interval_s):
-            yield batch
+    def submit(self, request: EngineRequest) -> None:
+        """Start a submission; its tokens are read by `poll` (ValueError: an id seen)."""
+        self.journal.start(request)
 
-    async def read(self, request_id: str, from_index: int) -> AsyncIterator[list[TokenEvent]]:
-        """A submission already started (by any caller), from output index `from_index`."""
-        interval_s = self.backend.config.stream_interval_s
-        async for batch in coalesce(self.journal.read(request_id, from_index), interval_s):
-            yield batch
+    async def poll(self, request_id: str, from_index: int, linger: bool
+                   ) -> tuple[list[TokenEvent], bool]:
+        """A submission's tokens from output index `from_index` on (any caller's), and
+        whether they are all; with `linger` it waits the engine's `stream_interval_s`
+        after the first for more (`OutputJournal.poll`)."""
+        linger_s = self.backend.config.stream_interval_s if linger else 0.0
+        return await self.journal.poll(request_id, from_index, linger_s)
 
     def find(self, request_id: str) -> list[EngineRecord]:
         """The submissions of client request `request_id` this engine holds."""
@@ -78,3 +80,23 @@ class EngineActor:
 
     async def shutdown(self) -> None:
         await self.backend.shutdown()
+
+
+async def _poll_remote(actor: Any, request_id: str, from_index: int, linger: bool
+                       ) -> tuple[list[TokenEvent], bool]:
+    return await actor.poll.remote(request_id, from_index, linger)
+
+
+def output_stream(actor: Any, request_id: str, from_index: int
+                  ) -> AsyncIterator[list[TokenEvent]]:
+    """An engine actor's submission `request_id` from output index `from_index` on, as
+    it comes: the first batch at once, each later one a stream interval's tokens."""
+    return follow(functools.partial(_poll_remote, actor, request_id), from_index)
+
+
+async def generate_on(actor: Any, request: EngineRequest) -> AsyncIterator[list[TokenEvent]]:
+    """Start `request` on an engine actor and read its new tokens."""
+    await actor.submit.remote(request)
+    async for batch in output_stream(actor, request.request_id,
+                                     len(request.resume_token_ids)):
+        yield batch

@@ -22,7 +22,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from app.serving.api import error_body
 from app.serving.relay import Forwarded, RelayHead, StreamCursor, retry_backoff_s
 from app.serving.replies import EVENT_STREAM
-from app.serving.reply_writing import sse
+from app.serving.reply_writing import stream_error
 from deployments.http_api import NodeMetrics, Route, api_app
 
 logger = logging.getLogger(__name__)
@@ -107,14 +107,14 @@ class IngressDeployment:
                 reply, head, tries = await self._open(route, forwarded, body, tries,
                                                       after=cursor.resume_from())
             except RoutersLost as exc:
-                yield sse(error_body(str(exc), "service_unavailable"))
-                yield sse("[DONE]")
-                return
-            if not head.streamed:  # refused where it would resume: its error ends the stream
-                content = await reply.__anext__()
-                yield sse(json.loads(content))
-                yield sse("[DONE]")
-                return
+                error = error_body(str(exc), "service_unavailable")
+            else:
+                if head.streamed:
+                    continue
+                error = json.loads(await reply.__anext__())  # refused where it would resume
+            for _, event in stream_error(error):
+                yield event
+            return
 
     @ingress_app.post(Route.COMPLETIONS.value)
     async def completions(self, request: Request) -> Response:

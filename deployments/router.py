@@ -35,6 +35,7 @@ from app.serving.service import CompletionService, JsonReply, StreamReply
 from app.serving.status_board import StatusChanges
 from deployments.cluster import ENGINE_NAMESPACE, EngineHandle, engine_ids
 from deployments.controller import controller_for, stop_controller
+from deployments.engine import generate_on, output_stream
 from deployments.http_api import ROUTE_ACCESS, NodeMetrics, Route, http_app
 from deployments.ingress import INGRESS_ACTOR_OPTIONS, IngressDeployment
 from deployments.metrics import RayMetricFactory
@@ -75,15 +76,11 @@ class ActorEngineClient(EngineClient):
         super().__init__(handle.engine_id, handle.config)
         self.actor = handle.actor
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[list[TokenEvent]]:
-        stream = self.actor.generate.options(num_returns="streaming").remote(request)
-        async for ref in stream:
-            yield await ref
+    def generate(self, request: EngineRequest) -> AsyncIterator[list[TokenEvent]]:
+        return generate_on(self.actor, request)
 
-    async def read(self, request_id: str, from_index: int) -> AsyncIterator[list[TokenEvent]]:
-        stream = self.actor.read.options(num_returns="streaming").remote(request_id, from_index)
-        async for ref in stream:
-            yield await ref
+    def read(self, request_id: str, from_index: int) -> AsyncIterator[list[TokenEvent]]:
+        return output_stream(self.actor, request_id, from_index)
 
     async def find(self, request_id: str) -> list[EngineRecord]:
         return await self.actor.find.remote(request_id)

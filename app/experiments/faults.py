@@ -82,6 +82,7 @@ class ScenarioResult:
     replaced: bool | None = None  # router / node fault: a new one runs in its place
     engines_on_their_kind: bool | None = None  # node fault: each engine on a node of its GPU
     dropped_after_s: float | None = None  # node fault: until no router lists its engines
+    messages: dict[str, str] = field(default_factory=dict)  # each reason's first error text
 
     def as_dict(self) -> dict:
         return asdict(self) | {"rejected": dict(self.rejected), "failed": dict(self.failed)}
@@ -290,10 +291,10 @@ def kill_node(url: str, nodes: LocalNodes, engines: set[str]) -> tuple[str, set[
 
 
 def kill_cpu_node(fault: Fault, config: ServeConfig, nodes: LocalNodes,
-                  app_name: str) -> str:
+                  app_name: str) -> tuple[str, str]:
     """Kill the CPU node that runs the controller (`CONTROLLER_NODE`), or one that runs a
-    router replica and not the controller (`ROUTER_NODE`, else any with a replica);
-    what was killed, with the parts it took."""
+    router replica and not the controller (`ROUTER_NODE`, else any with a replica):
+    (what was killed, with the parts it took; the node's id)."""
     from deployments.controller import controller_name
 
     controller = nodes.node_of(controller_name(config.cluster.name))
@@ -310,11 +311,13 @@ def kill_cpu_node(fault: Fault, config: ServeConfig, nodes: LocalNodes,
              f"{sum(n == victim for n in replicas.values())} of {len(replicas)} router "
              "replicas", *(["the ingress"] if victim in ingress else [])]
     nodes.remove(victim)
-    return "a CPU node: " + ", ".join(parts)
+    return "a CPU node: " + ", ".join(parts), victim
 
 
-def parts_back(config: ServeConfig, app_name: str, wait_s: float = 120.0) -> bool:
-    """Whether the controller answers and Serve runs every router replica again (up to
+def parts_back(config: ServeConfig, app_name: str, nodes: LocalNodes, lost_node: str,
+               wait_s: float = 120.0) -> bool:
+    """Whether the controller and every router replica run again off `lost_node` (Ray
+    may list them there until it finds the node dead), the controller answering (up to
     `wait_s`)."""
     import ray
 
@@ -324,13 +327,14 @@ def parts_back(config: ServeConfig, app_name: str, wait_s: float = 120.0) -> boo
     give_up_s = time.monotonic() + wait_s
     while time.monotonic() < give_up_s:
         try:
-            controller = ray.get_actor(controller_name(config.cluster.name),
-                                       namespace=ENGINE_NAMESPACE)
-            ray.get(controller.status.remote(), timeout=10)
+            name = controller_name(config.cluster.name)
             replicas = actor_names(replica_prefix(app_name))
-            if len(replicas) >= config.num_router_replicas:
+            if (len(replicas) >= config.num_router_replicas
+                    and lost_node not in {nodes.node_of(n) for n in [name, *replicas]}):
+                controller = ray.get_actor(name, namespace=ENGINE_NAMESPACE)
+                ray.get(controller.status.remote(), timeout=10)
                 return True
-        except (ValueError, ray.exceptions.RayError):
+        except (KeyError, ValueError, ray.exceptions.RayError):
             pass
         time.sleep(1.0)
     return False
@@ -415,6 +419,9 @@ def run_scenario(config: ServeConfig, fault: Fault, num_requests: int, rate: flo
                     result.lost += 1
                 else:
                     getattr(result, outcome)[reason] += 1
+                    error = (data or {}).get("error") if isinstance(data, dict) else None
+                    if isinstance(error, dict) and error.get("message"):
+                        result.messages.setdefault(reason, str(error["message"]))
 
         engines = engines_listed(url)
         if nodes is not None:
@@ -434,8 +441,8 @@ def run_scenario(config: ServeConfig, fault: Fault, num_requests: int, rate: flo
                     url, on_node, len(engines), killed_s)
             elif fault in CPU_NODE_FAULTS:
                 assert nodes is not None
-                result.killed = kill_cpu_node(fault, config, nodes, app_name)
-                result.replaced = parts_back(config, app_name)
+                result.killed, lost_node = kill_cpu_node(fault, config, nodes, app_name)
+                result.replaced = parts_back(config, app_name, nodes, lost_node)
             else:
                 result.killed = kill(fault, url, app_name)
             done, _ = concurrent.futures.wait(

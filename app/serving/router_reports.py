@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from app.control.observe import LoadReport
 from app.engines.prefix import PREFIX_BLOCK_SIZE
@@ -22,18 +22,19 @@ from app.serving.instances import InstanceTracker
 from app.serving.telemetry import MigrationReason, Outcome, RouterMetrics
 
 
-@dataclass(frozen=True)
+@dataclass
 class RouterCounters:
-    """Totals since start (for metrics and tests)."""
+    """Totals since start (for metrics and tests); `RouterReports.counters` hands out
+    a copy."""
 
-    num_routed: int
-    num_rejected: int
-    num_finished: int
-    num_dropped: int
-    num_migrations: int  # SLO-risk and operator moves
-    num_drain_migrations: int  # moves off engines leaving their pool
-    num_failovers: int
-    num_in_flight: int
+    num_routed: int = 0
+    num_rejected: int = 0
+    num_finished: int = 0
+    num_dropped: int = 0
+    num_migrations: int = 0  # SLO-risk and operator moves
+    num_drain_migrations: int = 0  # moves off engines leaving their pool
+    num_failovers: int = 0
+    num_in_flight: int = 0  # set in the copy
     num_reattached: int = 0  # taken over from another router replica
 
 
@@ -51,9 +52,7 @@ class RouterReports:
         self.metrics = metrics
         self.clock = clock
         self.tell_finishes = tell_finishes
-        self.num_routed = self.num_rejected = self.num_finished = self.num_dropped = 0
-        self.num_migrations = self.num_drain_migrations = self.num_failovers = 0
-        self.num_reattached = 0  # requests taken over from another replica
+        self.totals = RouterCounters()
         self.load_report = LoadReport()  # arrivals, completions, steps since the last take
         # finishes not yet told to the other replicas (with a status feed: a board);
         # bounded, so a feed that stopped asking costs no more than this
@@ -63,7 +62,7 @@ class RouterReports:
     def rejected(self, route: RouteRequest, code: RejectCode) -> None:
         """A request the policy declined (or nothing could serve) still arrived."""
         self.load_report.arrival(route.num_prompt_tokens)
-        self.num_rejected += 1
+        self.totals.num_rejected += 1
         self.metrics.rejected(code)
 
     def arrived(self, route: RouteRequest, computed_on: InstanceId) -> None:
@@ -80,26 +79,26 @@ class RouterReports:
         self.load_report.step_issued(route.session_id, route.arrival_s)
 
     def routed(self) -> None:
-        self.num_routed += 1
+        self.totals.num_routed += 1
 
     def reattached(self) -> None:
-        self.num_reattached += 1
+        self.totals.num_reattached += 1
 
     def moved(self, reason: MigrationReason) -> None:
         """An asked migration was carried out (drains are counted apart)."""
         if reason is MigrationReason.DRAIN:
-            self.num_drain_migrations += 1
+            self.totals.num_drain_migrations += 1
         else:
-            self.num_migrations += 1
+            self.totals.num_migrations += 1
 
     def failed_over(self) -> None:
-        self.num_failovers += 1
+        self.totals.num_failovers += 1
 
     def finished(self, flight: Flight, now: float) -> None:
         """A flight's last token came: its completion, its metrics, the routing stack's
         feedback and, with a status feed, the finish for the other replicas."""
         output = flight.output
-        self.num_finished += 1
+        self.totals.num_finished += 1
         end_s = now if output.finish_s is None else output.finish_s
         self.load_report.completion(len(output.token_ids), end_s <= flight.route.deadline_s)
         report = FinishReport(flight.route, flight.instance_id, len(output.token_ids),
@@ -119,7 +118,7 @@ class RouterReports:
     def dropped(self, flight: Flight, now: float) -> None:
         """A flight ended unfinished (cancelled or lost): the routing stack forgets it
         and learns nothing from its truncated length."""
-        self.num_dropped += 1
+        self.totals.num_dropped += 1
         self.metrics.ended(Outcome.ERROR if flight.state is FlightState.LOST
                            else Outcome.CANCELLED)
         for listener in self.listeners.every:
@@ -149,17 +148,7 @@ class RouterReports:
 
     # ---- taken by others -----------------------------------------------------------
     def counters(self, num_in_flight: int) -> RouterCounters:
-        return RouterCounters(
-            num_routed=self.num_routed,
-            num_rejected=self.num_rejected,
-            num_finished=self.num_finished,
-            num_dropped=self.num_dropped,
-            num_migrations=self.num_migrations,
-            num_drain_migrations=self.num_drain_migrations,
-            num_failovers=self.num_failovers,
-            num_in_flight=num_in_flight,
-            num_reattached=self.num_reattached,
-        )
+        return replace(self.totals, num_in_flight=num_in_flight)
 
     def take_finished(self) -> list[FinishReport]:
         """The requests this router saw finish since the last call, for the other

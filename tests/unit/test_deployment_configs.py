@@ -15,6 +15,7 @@ import ray
 import yaml
 
 from app.serving.config import load_serve_config
+from deployments.cluster import NODE_HEALTH_CHECK
 
 pytestmark = pytest.mark.unit
 
@@ -29,10 +30,16 @@ def test_cluster_yaml_passes_rays_cluster_launcher_validation():
     head = " ".join(config["head_start_ray_commands"])
     assert "--metrics-export-port=8080" in head
     assert "--metrics-export-port=8080" in " ".join(config["worker_start_ray_commands"])
+    assert system_config(head) == NODE_HEALTH_CHECK  # what the node-loss tests run with
     broken = yaml.safe_load((ROOT / "cluster.yaml").read_text())
     broken["available_node_types"]["head"]["resources"] = "GPU: 1"
     with pytest.raises(Exception, match="is not of type 'object'"):
         validate_config(prepare_config(broken))
+
+
+def system_config(command: str) -> dict:
+    """`ray start --system-config='{...}'`'s JSON."""
+    return json.loads(command.split("--system-config=", 1)[1].split("'")[1])
 
 
 def gpu_units(params: dict) -> dict[str, float]:
@@ -54,6 +61,7 @@ def test_kuberay_rayservice_deploys_the_app_on_its_gpu_kinds():
     head = cluster["headGroupSpec"]
     assert head["rayStartParams"]["metrics-export-port"] == "8080"
     assert head["rayStartParams"]["num-gpus"] == "0"  # the router runs on the head
+    assert json.loads(head["rayStartParams"]["system-config"]) == NODE_HEALTH_CHECK
     ports = {p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]}
     assert {6379, 8000, 8080} <= ports
     capacity: dict[str, float] = {}

@@ -663,29 +663,6 @@ async def test_router_remembers_the_prefixes_it_sent_each_instance():
     assert second.instance_id == first.instance_id
 
 
-async def _batches(items, delay_s: float = 0.0, fail: bool = False):
-    for item in items:
-        await asyncio.sleep(delay_s)
-        yield item
-    if fail:
-        raise RuntimeError("source failed")
-
-
-async def test_coalesce_sends_the_first_batch_alone_then_merges_per_window():
-    from app.serving.streams import coalesce
-
-    out = [b async for b in coalesce(_batches([[i] for i in range(10)], 0.01), 0.035)]
-    assert out[0] == [0] and sum(out, []) == list(range(10))
-    assert 2 < len(out) < 10  # merged, but not all into one
-    passthrough = [b async for b in coalesce(_batches([[1], [2]]), 0.0)]
-    assert passthrough == [[1], [2]]
-    got = []
-    with pytest.raises(RuntimeError, match="source failed"):
-        async for b in coalesce(_batches([[1], [2], [3]], 0.001, fail=True), 0.05):
-            got.extend(b)
-    assert got == [1, 2, 3]  # nothing received before the failure is lost
-
-
 async def test_service_with_a_trained_predictor_predicts_at_arrival(tmp_path):
     """`routing.predictor_dir`: the batched predictor's output reaches the policy (and the
     reply), and the watchdog's estimator wraps the same predictor."""

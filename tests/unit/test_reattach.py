@@ -129,6 +129,43 @@ async def test_the_journal_aborts_a_submission_nobody_reads_after_the_grace():
     assert record.ended and record.aborted and record.attempt == 1
 
 
+async def test_a_poll_sends_the_first_tokens_at_once_then_a_windows_worth():
+    journal = OutputJournal(ScriptedEngine("e", "A40", step_s=0.01))  # type: ignore[arg-type]
+    batches = [b async for b in journal.generate(
+        EngineRequest("r", PROMPT, SamplingSpec(max_tokens=10)), linger_s=0.035)]
+    assert len(batches[0]) == 1 and [ev.index for b in batches for ev in b] == list(range(10))
+    assert 2 < len(batches) < 10  # merged, but not all into one
+    unmerged = [b async for b in OutputJournal(ScriptedEngine("e", "A40")).generate(  # type: ignore[arg-type]
+        EngineRequest("r", PROMPT, SamplingSpec(max_tokens=4)))]
+    assert [len(b) for b in unmerged] == [1, 1, 1, 1]
+
+
+async def test_a_poll_gives_every_token_before_the_engines_error_then_the_error():
+    journal = OutputJournal(ScriptedEngine("e", "A40", step_s=0.001, fail_at=3))  # type: ignore[arg-type]
+    journal.start(EngineRequest("r", PROMPT, SamplingSpec(max_tokens=10)))
+    await asyncio.sleep(0.05)
+    tokens, complete = await journal.poll("r", 1)
+    assert [ev.index for ev in tokens] == [1, 2] and not complete
+    with pytest.raises(RuntimeError, match="engine process died"):
+        await journal.poll("r", 3)
+    with pytest.raises(KeyError):
+        await journal.poll("other", 0)
+
+
+async def test_a_submission_polled_within_the_grace_runs_on():
+    engine = ScriptedEngine("e", "A40", step_s=0.005)
+    journal = OutputJournal(engine, detached_grace_s=0.05)  # type: ignore[arg-type]
+    journal.start(EngineRequest("r", PROMPT, SamplingSpec(max_tokens=60)))
+    index = 0
+    while True:  # a slow reader, each poll well within the grace of the last
+        await asyncio.sleep(0.03)
+        tokens, complete = await journal.poll("r", index)
+        index = tokens[-1].index + 1 if tokens else index
+        if complete:
+            break
+    assert index == 60 and engine.aborted == []
+
+
 async def test_the_journal_forgets_ended_submissions_after_retain_s():
     journal = OutputJournal(ScriptedEngine("e", "A40", step_s=0.0), retain_s=0.0)  # type: ignore[arg-type]
     assert len([b async for b in journal.generate(
