@@ -260,7 +260,7 @@ class ElasticPools:
 
     def context_moved(self, move: ContextMoveDoneEvent, now: float) -> list[Event]:
         """A moved context landed: the target caches it, the source may stop."""
-        move.target.core.prefix_cache.insert(move.block_hashes, move.hash_block_size)
+        move.target.core.cache_context(move.block_hashes, move.hash_block_size)
         self._cluster().pools[move.target.role].mark_dirty(move.target)
         self._outbound[move.source.instance_id] -= 1
         context = self._contexts.get(move.session_id)

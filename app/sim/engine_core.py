@@ -28,6 +28,10 @@ The two scheduling policies are vLLM 0.32's (`vllm/v1/core/sched/scheduler.py`,
   that could not grow was itself the victim), it is vLLM's empty iteration, taken at
   no cost: the next one is scheduled at once. fcfs mode admits after a preemption
   too, as this model always has, so its runs stay comparable.
+The KV blocks and the prefix cache are vLLM's too (`app/sim/block_cache.py`): cached
+prefixes live in the pool the running requests draw from, a request admitted on a
+cached prefix shares its blocks, and a free cached block is evicted, least recently
+used first, only when new blocks need it.
 Not modelled: vLLM skips blocked requests (LoRA, structured-output compilation, async
 KV loads) and keeps a separate queue for requests holding KV.
 """
@@ -51,8 +55,8 @@ from app.engines.messages import (
     RequestStatus,
     TokenEvent,
 )
-from app.engines.prefix import PrefixCache
 from app.hardware.specs import BatchShape, InstanceSpec, chunk_attention_pairs
+from app.sim.block_cache import BlockCache
 
 _MASK64 = (1 << 64) - 1
 _NO_DIGEST: frozenset[int] = frozenset()
@@ -280,12 +284,13 @@ class SimEngineCore:
         self.vocabulary = None if vocabulary is None else tuple(vocabulary)
         default_blocks = instance.kv_capacity_tokens // config.block_size
         self.num_kv_blocks = config.num_kv_blocks or default_blocks
-        cache_tokens = self.num_kv_blocks * config.block_size if config.enable_prefix_caching else 0
-        self.prefix_cache = PrefixCache(cache_tokens)
+        self.prefix_cache = BlockCache(config.block_size, config.enable_prefix_caching)
         self.waiting = waiting_queue(config.scheduling_policy)
         self.running: list[SimSequence] = []
         self.requests: dict[str, SimSequence] = {}
         self.req_to_blocks: dict[str, int] = {}  # request_id -> KV blocks held
+        # request_id -> the cached prefix entries it holds (shared; part of its blocks)
+        self.req_to_cached: dict[str, list[int]] = {}
         self.num_free_blocks = self.num_kv_blocks
         self.recent_iteration_s: deque[float] = deque(maxlen=status_window)
         self.recent_queue_wait_s: deque[float] = deque(maxlen=status_window)
@@ -350,7 +355,7 @@ class SimEngineCore:
             if seq.is_prefilling:
                 continue
             if was_prefilling:  # prompt KV now exists: later requests can reuse it
-                self.prefix_cache.insert(seq.block_hashes, seq.hash_block_size)
+                self._cache_prompt(seq)
             index = seq.num_output_tokens
             seq.num_output_tokens += 1
             finish = None
@@ -421,6 +426,7 @@ class SimEngineCore:
         self.num_iterations += num
         self.recent_iteration_s.extend(run.durations_s[first:stop])
         self.num_free_blocks = run.num_free_blocks - run.new_blocks[stop - 1]
+        self.prefix_cache.evict(self.num_free_blocks)
         return num * len(run.seqs)
 
     def begin_repeat(self, run: DecodeRun, index: int) -> None:
@@ -441,6 +447,7 @@ class SimEngineCore:
             needed = -(-(computed + index + _DECODE_GROWTH) // block_size)
             req_to_blocks[seq.request_id] = needed if needed > held else held
         self.num_free_blocks = run.num_free_blocks - run.new_blocks[index]
+        self.prefix_cache.evict(self.num_free_blocks)
 
     # ---- scheduling helpers ------------------------------------------------
     def _schedule(self, now_s: float) -> dict[str, int]:
@@ -497,8 +504,7 @@ class SimEngineCore:
     ) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.peek()
-            if seq.first_scheduled_s is None:
-                self._apply_prefix_hit(seq)
+            self._apply_prefix_hit(seq)  # what is cached now (a preempted one's too)
             num_tokens = min(seq.prefill_target - seq.num_computed_tokens, budget)
             if num_tokens > 0 and not self._grow(seq, num_tokens):
                 break
@@ -516,13 +522,15 @@ class SimEngineCore:
                 budget -= num_tokens
 
     def _apply_prefix_hit(self, seq: SimSequence) -> None:
+        """The prompt's leading entries found cached now (held once admitted, by
+        `_grow`); as in vLLM, whole entries only and never the last prompt token, which
+        is computed to sample the first output token."""
         if seq.skip_prefill:  # delivered KV; the last token samples the next
             seq.num_computed_tokens = seq.num_cached_tokens = seq.prefill_target - 1
             return
-        hit_blocks = self.prefix_cache.match(seq.block_hashes)
-        cached = min(hit_blocks * seq.hash_block_size, seq.prefill_target - 1)
-        seq.num_cached_tokens = cached
-        seq.num_computed_tokens = cached
+        hits = min(self.prefix_cache.peek(seq.block_hashes),
+                   (seq.prefill_target - 1) // seq.hash_block_size)
+        seq.num_cached_tokens = seq.num_computed_tokens = hits * seq.hash_block_size
 
     def _batch_shape(self, req_to_num_tokens: dict[str, int]) -> BatchShape:
         num_prefill = num_prefill_seqs = pairs = kv_read = num_decode = decode_ctx = 0
@@ -544,19 +552,52 @@ class SimEngineCore:
         return -(-num_tokens // self.config.block_size)
 
     def _grow(self, seq: SimSequence, num_new_tokens: int) -> bool:
-        """Reserve blocks so `seq` can hold `num_new_tokens` more; False if no room."""
-        held = self.req_to_blocks.get(seq.request_id, 0)
-        needed = self._blocks_for(seq.num_computed_tokens + num_new_tokens) - held
-        if needed <= 0:
+        """Reserve blocks so `seq` can hold `num_new_tokens` more; False if no room. Its
+        first reservation holds the cached entries its prefix hit found (those no
+        running request holds come out of the free pool too); free cached blocks are
+        evicted as the new blocks need them."""
+        cache = self.prefix_cache
+        request_id = seq.request_id
+        held = self.req_to_blocks.get(request_id)
+        hits: Sequence[int] = ()
+        if held is None and seq.num_cached_tokens and not seq.skip_prefill:
+            hits = seq.block_hashes[:seq.num_cached_tokens // seq.hash_block_size]
+        hit_blocks = len(hits) * cache.entry_blocks(seq.hash_block_size)
+        needed = self._blocks_for(seq.num_computed_tokens + num_new_tokens) - (held or hit_blocks)
+        if needed <= 0 and not hits:
             return True
-        if needed > self.num_free_blocks:
+        needed = max(needed, 0)
+        if needed + (cache.free_blocks_of(hits) if hits else 0) > self.num_free_blocks:
             return False
+        if hits:
+            self.num_free_blocks -= cache.acquire(hits)
+            self.req_to_cached[request_id] = list(hits)
         self.num_free_blocks -= needed
-        self.req_to_blocks[seq.request_id] = held + needed
+        self.req_to_blocks[request_id] = (held or hit_blocks) + needed
+        cache.evict(self.num_free_blocks)
         return True
 
+    def _cache_prompt(self, seq: SimSequence) -> None:
+        """The prompt's KV is computed: its entries not cached yet become cached, held
+        by `seq` until it ends."""
+        cached = self.req_to_cached.setdefault(seq.request_id, [])
+        cached += self.prefix_cache.add_held(seq.block_hashes[len(cached):],
+                                             seq.hash_block_size)
+
+    def cache_context(self, block_hashes: Sequence[int], hash_block_size: int) -> None:
+        """A context's KV arrived with no request (moved here): cached in the free
+        pool, as far as it fits."""
+        self.prefix_cache.add_free(block_hashes, hash_block_size)
+        self.prefix_cache.evict(self.num_free_blocks)
+
     def _free(self, seq: SimSequence) -> None:
+        """`seq` ends or is preempted: its own blocks return to the free pool, and its
+        cached entries with it if no other running request holds them."""
         self.num_free_blocks += self.req_to_blocks.pop(seq.request_id, 0)
+        cached = self.req_to_cached.pop(seq.request_id, None)
+        if cached:
+            shared = len(cached) * self.prefix_cache.entry_blocks(seq.hash_block_size)
+            self.num_free_blocks += self.prefix_cache.release(cached) - shared
         assert self.num_free_blocks <= self.num_kv_blocks
 
     def _preempt(self, seq: SimSequence) -> None:
@@ -575,7 +616,6 @@ class SimEngineCore:
         self.running.remove(seq)
         self._free(seq)
         del self.requests[seq.request_id]
-        self.prefix_cache.insert(seq.block_hashes, seq.hash_block_size)
 
     # ---- black-box status --------------------------------------------------
     def status(

@@ -177,8 +177,78 @@ def test_prefix_is_reusable_as_soon_as_prefill_completes():
 
 def test_prefix_cache_capacity_counts_tokens_not_entries():
     core = make_core(num_kv_blocks=64, block_size=16)  # 1024 tokens
-    core.prefix_cache.insert(range(4), 512)  # 2048 tokens of 512-token blocks
+    core.cache_context(range(4), 512)  # 2048 tokens of 512-token blocks
     assert core.prefix_cache.num_cached_tokens <= 1024 and len(core.prefix_cache) == 2
+
+
+# ---- the prefix cache shares the KV pool, as vLLM's does -----------------------------
+def blocks_of(prefix: str, num: int) -> tuple[int, ...]:
+    """`num` distinct 16-token block hashes of a prompt named `prefix`."""
+    return tuple(hash((prefix, i)) for i in range(num))
+
+
+def cached_tokens_of(events: list[TokenEvent], request_id: str) -> int:
+    return next(e.num_cached_tokens for e in events if e.request_id == request_id)
+
+
+def test_running_requests_crowd_cached_prefixes_out_of_the_pool():
+    core = make_core(num_kv_blocks=40, block_size=16)
+    core.add_request(make_seq("a", prompt=320, out=2, block_hashes=blocks_of("a", 20)))
+    run_to_completion(core)
+    assert core.prefix_cache.peek(blocks_of("a", 20)) == 20 and core.num_free_blocks == 40
+    core.add_request(make_seq("big", prompt=480, out=100))  # 30 blocks, then growing
+    step = core.begin_step(0.0)
+    core.complete_step(step, step.end_s)
+    assert core.prefix_cache.peek(blocks_of("a", 20)) == 10  # the 10 that still fit
+    step = core.begin_step(step.end_s)  # its first decode takes a 31st block
+    core.complete_step(step, step.end_s)
+    assert core.prefix_cache.peek(blocks_of("a", 20)) == 9
+    assert core.prefix_cache.num_free_cached_blocks == core.num_free_blocks == 9
+
+
+def test_cached_blocks_go_least_recently_used_first_and_only_when_free_ones_run_out():
+    core = make_core(num_kv_blocks=64, block_size=16)
+    for name in ("old", "new"):  # 10 blocks each, "old" released first
+        core.add_request(make_seq(name, prompt=160, out=2, block_hashes=blocks_of(name, 10)))
+        run_to_completion(core)
+    core.add_request(make_seq("small", prompt=600, out=2))  # 38 blocks of 44 uncached ones
+    run_to_completion(core)
+    assert core.prefix_cache.peek(blocks_of("old", 10)) == 10  # nothing needed evicting
+    core.add_request(make_seq("larger", prompt=800, out=2))  # 51 blocks: 7 must go
+    run_to_completion(core)
+    assert core.prefix_cache.peek(blocks_of("new", 10)) == 10
+    # "old" loses its deepest blocks first (a request's tail is freed first), so a
+    # shorter lead of it is still found
+    assert 0 < core.prefix_cache.peek(blocks_of("old", 10)) < 10
+
+
+def test_a_prefix_two_running_requests_share_is_held_once_and_not_evicted():
+    core = make_core(num_kv_blocks=64, block_size=16)
+    shared = blocks_of("shared", 10)
+    core.add_request(make_seq("a", prompt=170, out=200, block_hashes=shared))
+    step = core.begin_step(0.0)
+    events = core.complete_step(step, step.end_s)
+    core.add_request(make_seq("b", prompt=175, out=200, block_hashes=shared))
+    step = core.begin_step(step.end_s)
+    events += core.complete_step(step, step.end_s)
+    assert cached_tokens_of(events, "b") == 160
+    held = core.num_kv_blocks - core.num_free_blocks
+    assert held == 10 + 1 + 1  # the shared 10 once, and each one's own last block
+    core.add_request(make_seq("c", prompt=900, out=2))  # more than the free blocks
+    step = core.begin_step(step.end_s)
+    assert "c" not in step.req_to_num_tokens and core.prefix_cache.peek(shared) == 10
+
+
+def test_a_preempted_request_finds_its_prefix_again():
+    core = make_core(num_kv_blocks=30, block_size=16, max_num_batched_tokens=4096)
+    core.add_request(make_seq("a", prompt=160, out=2, block_hashes=blocks_of("p", 10)))
+    run_to_completion(core)
+    core.add_request(make_seq("r", prompt=170, out=300, block_hashes=blocks_of("p", 10)))
+    core.add_request(make_seq("s", prompt=100, out=300))
+    events, _ = run_to_completion(core)
+    assert core.num_preemptions >= 1
+    assert [e.num_cached_tokens for e in events if e.num_cached_tokens][:1] == [160]
+    assert core.num_free_blocks == core.num_kv_blocks
 
 
 # ---- priority mode (vLLM's scheduling_policy="priority") ------------------------------
