@@ -143,8 +143,10 @@ MAX_BRACKET_STEPS = 8  # doublings or halvings of a rate search before it gives 
 CALIBRATION_RESOLUTION = 0.011  # L*'s bracket: 6 bisections of a factor 2
 CALIBRATION_MAX_RUNS = 1 + MAX_BRACKET_STEPS + 6
 MIN_SEARCH_REQUESTS = 50  # a met share over fewer requests is too coarse to bisect on
-# capacity: the highest rate at which a policy meets CAPACITY_SHARE of the steps, per scale
-CAPACITY_SHARE = 0.9
+# capacity: the highest rate at which a policy meets a share of the steps, per scale; at
+# 90% (CAPACITY_SHARE), and at 80% too, which says something where baselines never reach 90%
+CAPACITY_SHARES = (0.9, 0.8)
+CAPACITY_SHARE = CAPACITY_SHARES[0]
 CAPACITY_SCALES = (1.5, 2.0, 3.0)
 CAPACITY_RESOLUTION = 0.03  # the search stops when the bracket is within 3% of the rate
 CAPACITY_MAX_RUNS = 12  # per policy and scale: a factor-2 bracket and 5 bisections take 7
@@ -169,7 +171,7 @@ CELL_FIELDS = ["workload", "cluster", "load_factor", "rate", "seed", "policy", "
                "requests", "met", "goodput_rps"]
 CALIBRATION_FIELDS = ["workload", "cluster", "duration_s", "seed", "rate", "policies", "note"]
 CAPACITY_FIELDS = ["workload", "cluster", "duration_s", "seed", "policy", "slo_scale",
-                   "capacity", "lowest_failing_rate", "runs"]
+                   "capacity", "lowest_failing_rate", "runs", "share"]
 
 
 @dataclass(frozen=True)
@@ -725,7 +727,7 @@ def rate_unit(workload: str) -> str:
 @dataclass(frozen=True)
 class Capacity:
     """A policy's capacity at one SLO scale on one seed: the highest arrival rate tried at
-    which it met CAPACITY_SHARE of the steps."""
+    which it met `share` of the steps."""
 
     workload: str
     cluster: str
@@ -736,6 +738,7 @@ class Capacity:
     capacity: float  # 0 when no rate tried, down to the lightest measurable, met the share
     lowest_failing_rate: float | None  # None when every rate tried met: a lower bound
     runs: int  # simulator runs the search took
+    share: float = CAPACITY_SHARE  # of the steps on time
 
     @property
     def coarse(self) -> bool:
@@ -744,9 +747,9 @@ class Capacity:
                 and self.lowest_failing_rate > self.capacity * (1 + CAPACITY_RESOLUTION))
 
     @property
-    def key(self) -> tuple[str, str, int, str]:
-        """The search that found it: one per (workload, cluster, seed, policy)."""
-        return (self.workload, self.cluster, self.seed, self.policy)
+    def key(self) -> tuple[str, str, int, str, float]:
+        """The search that found it: one per (workload, cluster, seed, policy, share)."""
+        return (self.workload, self.cluster, self.seed, self.policy, self.share)
 
     def as_row(self) -> dict:
         return {"workload": self.workload, "cluster": self.cluster,
@@ -754,26 +757,28 @@ class Capacity:
                 "slo_scale": self.slo_scale, "capacity": self.capacity,
                 "lowest_failing_rate": ("" if self.lowest_failing_rate is None
                                         else self.lowest_failing_rate),
-                "runs": self.runs}
+                "runs": self.runs, "share": self.share}
 
     @classmethod
     def from_row(cls, row: dict) -> Capacity:
+        """A capacity.csv row (rows written before the share was recorded are 90%'s)."""
         failing = row["lowest_failing_rate"]
         return cls(row["workload"], row["cluster"], float(row["duration_s"]), int(row["seed"]),
                    row["policy"], float(row["slo_scale"]), float(row["capacity"]),
-                   float(failing) if failing else None, int(row["runs"]))
+                   float(failing) if failing else None, int(row["runs"]),
+                   float(row.get("share") or CAPACITY_SHARE))
 
 
 def capacity_searches(share_at: Callable[[float, float], float], start: float, *,
-                      min_rate: float = 0.0, max_runs: int = CAPACITY_MAX_RUNS
-                      ) -> list[tuple[float, Crossing]]:
-    """(scale, where `share_at(rate, scale)` crosses CAPACITY_SHARE) per CAPACITY_SCALES,
+                      target: float = CAPACITY_SHARE, min_rate: float = 0.0,
+                      max_runs: int = CAPACITY_MAX_RUNS) -> list[tuple[float, Crossing]]:
+    """(scale, where `share_at(rate, scale)` crosses `target`) per CAPACITY_SCALES,
     tightest first; each search starts at the capacity found at the scale before it (a
     looser deadline seldom lowers it), so its bracket takes one or two runs."""
     found = []
     for scale in CAPACITY_SCALES:
         crossing = find_crossing(lambda rate, scale=scale: share_at(rate, scale),
-                                 CAPACITY_SHARE, start, resolution=CAPACITY_RESOLUTION,
+                                 target, start, resolution=CAPACITY_RESOLUTION,
                                  max_runs=max_runs, min_rate=min_rate)
         found.append((scale, crossing))
         start = crossing.low or start
@@ -781,9 +786,9 @@ def capacity_searches(share_at: Callable[[float, float], float], start: float, *
 
 
 def policy_capacities(workload: str, cluster: str, seed: int, policy: str,
-                      setup: MatrixSetup) -> list[Capacity]:
-    """`policy`'s capacity at every CAPACITY_SCALES on one seed, searched from the
-    workload's per-engine first guess."""
+                      setup: MatrixSetup, share: float = CAPACITY_SHARE) -> list[Capacity]:
+    """`policy`'s capacity at `share` of the steps at every CAPACITY_SCALES on one seed,
+    searched from the workload's per-engine first guess."""
     start, min_rate = search_range(workload, cluster, seed, setup)
 
     def share_at(rate: float, scale: float) -> float:
@@ -791,8 +796,9 @@ def policy_capacities(workload: str, cluster: str, seed: int, policy: str,
         return met_share(row)
 
     return [Capacity(workload, cluster, setup.duration_s(workload), seed, policy, scale,
-                     crossing.low or 0.0, crossing.high, crossing.runs)
-            for scale, crossing in capacity_searches(share_at, start, min_rate=min_rate)]
+                     crossing.low or 0.0, crossing.high, crossing.runs, share)
+            for scale, crossing in capacity_searches(share_at, start, target=share,
+                                                     min_rate=min_rate)]
 
 
 def read_capacities(path: Path) -> list[Capacity]:
@@ -801,35 +807,44 @@ def read_capacities(path: Path) -> list[Capacity]:
 
 def run_capacities(out: Path, pairs: Sequence[tuple[str, str]], seeds: Sequence[int],
                    setup: MatrixSetup, jobs: int, resume: bool) -> None:
-    """Search every (pair, seed, policy) that capacity.csv lacks at the setup's windows
-    (all of them unless `resume`), appending each as it finishes."""
+    """Search every (pair, seed, policy, share) that capacity.csv lacks at the setup's
+    windows (all of them unless `resume`), appending each as it finishes."""
     path = out / "capacity.csv"
     kept = ([c for c in read_capacities(path) if c.duration_s == setup.duration_s(c.workload)]
             if resume else [])
     path.unlink(missing_ok=True)
     append_rows(path, [c.as_row() for c in kept], CAPACITY_FIELDS)
     done = {c.key for c in kept}
-    tasks = [(workload, cluster, seed, policy, setup) for workload, cluster in pairs
-             for seed in seeds for policy in setup.policies
-             if (workload, cluster, seed, policy) not in done]
+    tasks = [(workload, cluster, seed, policy, setup, share) for share in CAPACITY_SHARES
+             for workload, cluster in pairs for seed in seeds for policy in setup.policies
+             if (workload, cluster, seed, policy, share) not in done]
     for found in in_pool(policy_capacities, tasks, jobs, "capacity", "search"):
         append_rows(path, [c.as_row() for c in found], CAPACITY_FIELDS)
 
 
 @dataclass(frozen=True)
 class CapacityRatio:
-    """GoodServe's capacity over the best baseline's at one (workload, cluster, scale)."""
+    """GoodServe's capacity over the best baseline's at one (workload, cluster, scale,
+    share)."""
 
     workload: str
     cluster: str
     slo_scale: float
+    share: float
     seeds: tuple[int, ...]
-    vs_best: tuple[float, ...]  # per seed
+    # per seed; None where no baseline met the share even at the lightest rate tried
+    # (nothing to divide by)
+    vs_best: tuple[float | None, ...]
     best: tuple[str, ...]  # the baseline of highest capacity, per seed
 
     @property
-    def mean(self) -> float:
-        return sum(self.vs_best) / len(self.vs_best)
+    def measured(self) -> tuple[float, ...]:
+        """The seeds' ratios where a baseline met the share."""
+        return tuple(v for v in self.vs_best if v is not None)
+
+    @property
+    def mean(self) -> float | None:
+        return sum(self.measured) / len(self.measured) if self.measured else None
 
     @property
     def best_named(self) -> str:
@@ -838,32 +853,34 @@ class CapacityRatio:
 
 
 def capacity_ratios(capacities: Sequence[Capacity]) -> list[CapacityRatio]:
-    """One row per (workload, cluster, scale), over the seeds where GoodServe and at
-    least one baseline were searched."""
-    table: dict[tuple[str, str, float], dict[int, dict[str, float]]] = defaultdict(
+    """One row per (workload, cluster, scale, share), over the seeds where GoodServe and
+    at least one baseline were searched."""
+    table: dict[tuple[str, str, float, float], dict[int, dict[str, float]]] = defaultdict(
         lambda: defaultdict(dict))
     for c in capacities:
-        table[(c.workload, c.cluster, c.slo_scale)][c.seed][c.policy] = c.capacity
+        table[(c.workload, c.cluster, c.slo_scale, c.share)][c.seed][c.policy] = c.capacity
     rows = []
-    for key in sorted(table, key=lambda k: (*_pair_order(k[:2]), k[2])):
+    for key in sorted(table, key=lambda k: (*_pair_order(k[:2]), -k[3], k[2])):
         by_seed = {s: caps for s, caps in sorted(table[key].items())
                    if GOODSERVE in caps and best_baseline(caps)}
         if by_seed:
             best = {s: best_baseline(caps) or "" for s, caps in by_seed.items()}
             rows.append(CapacityRatio(
                 *key, tuple(by_seed),
-                vs_best=tuple(ratio(caps[GOODSERVE], caps[best[s]])
-                              for s, caps in by_seed.items()),
+                vs_best=tuple(ratio(caps[GOODSERVE], caps[best[s]]) if caps[best[s]] > 0
+                              else None for s, caps in by_seed.items()),
                 best=tuple(best.values())))
     return rows
 
 
 def pair_standing(ratios: Sequence[CapacityRatio]) -> list[tuple[tuple[str, str], float]]:
-    """Per (workload, cluster): GoodServe / best baseline as the mean over its scales of
-    each scale's mean over seeds; lowest first."""
+    """Per (workload, cluster): GoodServe / best baseline at CAPACITY_SHARE as the mean
+    over its scales of each scale's mean over seeds (the seeds where a baseline met the
+    share); lowest first."""
     means: dict[tuple[str, str], list[float]] = defaultdict(list)
     for r in ratios:
-        means[(r.workload, r.cluster)].append(r.mean)
+        if r.share == CAPACITY_SHARE and r.mean is not None:
+            means[(r.workload, r.cluster)].append(r.mean)
     return sorted(((pair, sum(m) / len(m)) for pair, m in means.items()),
                   key=lambda item: item[1])
 
@@ -879,12 +896,15 @@ def _capacity_text(found: Sequence[Capacity]) -> str:
 
 def _capacity_summary_lines(ratios: Sequence[CapacityRatio]) -> list[str]:
     lines = ["GoodServe's capacity / the best baseline's (each seed's best baseline; the one "
-             "best on most seeds is named), mean [min, max] over seeds:", "",
-             "| workload, cluster | scale | GoodServe / best | per seed | best baseline |",
-             "|---|---|---|---|---|"]
+             "best on most seeds is named), mean [min, max] over the seeds where a baseline "
+             "met the share; -: no baseline met it even at the lightest rate tried, so there "
+             "is nothing to divide by (GoodServe's own capacity is in the tables below):", "",
+             "| workload, cluster | share | scale | GoodServe / best | per seed | "
+             "best baseline |", "|---|---|---|---|---|---|"]
     for r in ratios:
-        lines.append(f"| {r.workload}, {r.cluster} | {r.slo_scale:g} | {_text(r.vs_best)} | "
-                     f"{', '.join(f'{v:.2f}' for v in r.vs_best)} | {r.best_named} |")
+        per_seed = ", ".join("-" if v is None else f"{v:.2f}" for v in r.vs_best)
+        lines.append(f"| {r.workload}, {r.cluster} | {r.share:.0%} | {r.slo_scale:g} | "
+                     f"{_text(r.measured)} | {per_seed} | {r.best_named} |")
     if standing := pair_standing(ratios):
         (weak, weak_ratio), (strong, strong_ratio) = standing[0], standing[-1]
         lines += ["", f"Weakest pair: {weak[0]} on {weak[1]}, {weak_ratio:.2f}; best pair: "
@@ -900,8 +920,9 @@ def _capacity_pair_lines(found: Sequence[Capacity]) -> list[str]:
     order = (GOODSERVE, EXACT, *CANDIDATE_BASELINES)
     policies = sorted({c.policy for c in found}, key=lambda p: (_rank(p, order), p))
     seeds = " ".join(map(str, sorted({c.seed for c in found})))
-    lines = ["", f"## {first.workload}, {first.cluster} cluster ({rate_unit(first.workload)}; "
-             f"seeds {seeds}; {first.duration_s:g} s windows)", "",
+    lines = ["", f"## {first.workload}, {first.cluster} cluster, {first.share:.0%} of steps "
+             f"({rate_unit(first.workload)}; seeds {seeds}; {first.duration_s:g} s windows)",
+             "",
              "| policy | " + " | ".join(f"scale {s:g}" for s in scales) + " | runs |",
              "|---|" + "---|" * len(scales) + "---|"]
     for policy in policies:
@@ -914,8 +935,9 @@ def _capacity_pair_lines(found: Sequence[Capacity]) -> list[str]:
 
 def write_capacity_markdown(path: Path, capacities: Sequence[Capacity]) -> None:
     lines = ["# Capacity (simulator)", "",
-             f"A policy's capacity is the highest arrival rate at which at least "
-             f"{CAPACITY_SHARE:.0%} of the steps meet their deadline; rejected steps and steps "
+             "A policy's capacity is the highest arrival rate at which at least "
+             f"{' (or '.join(f'{s:.0%}' for s in CAPACITY_SHARES)}) of the steps meet their "
+             "deadline; rejected steps and steps "
              "never sent (their session ended, or the run stopped) count as misses. Per "
              "policy, seed and SLO scale: a bracket by doubling or halving the rate, then "
              f"geometric bisection to {CAPACITY_RESOLUTION:.0%} of the rate, at most "
@@ -930,7 +952,10 @@ def write_capacity_markdown(path: Path, capacities: Sequence[Capacity]) -> None:
     lines += _capacity_summary_lines(capacity_ratios(capacities))
     pairs = sorted({(c.workload, c.cluster) for c in capacities}, key=_pair_order)
     for pair in pairs:
-        lines += _capacity_pair_lines([c for c in capacities if (c.workload, c.cluster) == pair])
+        for share in sorted({c.share for c in capacities}, reverse=True):
+            if found := [c for c in capacities
+                         if (c.workload, c.cluster) == pair and c.share == share]:
+                lines += _capacity_pair_lines(found)
     path.write_text("\n".join(lines) + "\n")
 
 

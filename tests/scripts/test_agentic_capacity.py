@@ -3,7 +3,7 @@ as a miss on tiny simulated runs, and the report on hand-made capacities."""
 
 from __future__ import annotations
 
-import math
+from dataclasses import replace
 
 import pytest
 
@@ -17,6 +17,7 @@ from benchmarks.agentic import (
     CAPACITY_RESOLUTION,
     CAPACITY_SCALES,
     CAPACITY_SHARE,
+    CAPACITY_SHARES,
     MAX_BRACKET_STEPS,
     Capacity,
     MatrixSetup,
@@ -137,6 +138,10 @@ def test_capacities_are_searched_per_policy_with_one_run_per_rate_and_scale(monk
     for c in found:
         assert c.capacity == pytest.approx(threshold(c.slo_scale), rel=CAPACITY_RESOLUTION)
         assert c.capacity < c.lowest_failing_rate and c.duration_s == 300.0
+    at_80 = agentic.policy_capacities("chat-agent", "small", 0, "slo-pack", setup, 0.8)
+    for c in at_80:  # 1 / (1 + x^4) = 0.8 at x = 0.25^(1/4)
+        assert c.share == 0.8
+        assert c.capacity == pytest.approx(c.slo_scale * 0.25 ** 0.25, rel=CAPACITY_RESOLUTION)
 
 
 # ---- what counts as a miss --------------------------------------------------------------
@@ -209,12 +214,48 @@ def test_ratios_take_each_seeds_best_baseline_slo_pack_included():
     assert [value for _, value in standing] == pytest.approx([0.9, 1.15])
 
 
-def test_a_baseline_that_never_meets_the_share_leaves_goodserve_infinitely_ahead():
+def test_a_seed_where_no_baseline_meets_the_share_is_not_divided_by(tmp_path):
     (row,) = capacity_ratios([capacity("goodserve", 0.4), capacity("llumnix", 0.0, failing=0.1)])
-    assert row.vs_best == (math.inf,)
+    assert row.vs_best == (None,) and row.mean is None
     (row,) = capacity_ratios([capacity("goodserve", 0.0, failing=0.1),
                               capacity("llumnix", 0.0, failing=0.1)])
-    assert row.vs_best == (1.0,)  # neither meets it: alike
+    assert row.vs_best == (None,)  # neither meets it: no ratio either
+    rows = [capacity("goodserve", 0.4, seed=0), capacity("llumnix", 0.0, seed=0, failing=0.1),
+            capacity("goodserve", 0.5, seed=1), capacity("llumnix", 0.25, seed=1)]
+    (row,) = capacity_ratios(rows)
+    assert row.vs_best == (None, 2.0) and row.mean == 2.0  # the seed that has one
+    write_capacity_markdown(tmp_path / "capacity.md", rows)
+    assert "| chat-agent, small | 90% | 2 | 2.00 | -, 2.00 | llumnix |" in (
+        tmp_path / "capacity.md").read_text()
+
+
+def test_the_80_percent_capacity_is_reported_beside_the_90_percent_one(tmp_path):
+    rows = [capacity("goodserve", 0.4), capacity("preble", 0.0, failing=0.1),
+            replace(capacity("goodserve", 0.6), share=0.8),
+            replace(capacity("preble", 0.3), share=0.8)]
+    at_90, at_80 = capacity_ratios(rows)
+    assert (at_90.share, at_90.vs_best) == (0.9, (None,))
+    assert (at_80.share, at_80.vs_best) == (0.8, (2.0,))
+    assert pair_standing([at_90, at_80]) == []  # 90% has no ratio to stand on
+    write_capacity_markdown(tmp_path / "capacity.md", rows)
+    text = (tmp_path / "capacity.md").read_text()
+    assert "| chat-agent, small | 80% | 2 | 2.00 | 2.00 | preble |" in text
+    assert "## chat-agent, small cluster, 80% of steps (sessions/s;" in text
+    assert read_capacities_roundtrip(tmp_path, rows) == rows
+
+
+def read_capacities_roundtrip(tmp_path, rows: list[Capacity]) -> list[Capacity]:
+    path = tmp_path / "roundtrip.csv"
+    append_rows(path, [c.as_row() for c in rows], CAPACITY_FIELDS)
+    return read_capacities(path)
+
+
+def test_rows_written_before_shares_were_recorded_read_as_90_percent(tmp_path):
+    old_fields = [f for f in CAPACITY_FIELDS if f != "share"]
+    row = {k: v for k, v in capacity("goodserve", 0.4).as_row().items() if k in old_fields}
+    append_rows(tmp_path / "capacity.csv", [row], old_fields)
+    (found,) = read_capacities(tmp_path / "capacity.csv")
+    assert found.share == CAPACITY_SHARE == 0.9
 
 
 def test_a_seed_without_goodserve_or_a_baseline_is_left_out():
@@ -227,12 +268,13 @@ def test_markdown_gives_the_ratio_per_pair_and_scale_and_the_weakest_and_best_pa
     path = tmp_path / "capacity.md"
     write_capacity_markdown(path, two_pairs())
     text = path.read_text()
-    assert "| chat-agent, small | 2 | 1.15 [1.10, 1.20] | 1.20, 1.10 | slo-pack |" in text
-    assert "| mooncake, large | 2 | 0.90 [0.90, 0.90] | 0.90, 0.90 | round-robin |" in text
+    assert "| chat-agent, small | 90% | 2 | 1.15 [1.10, 1.20] | 1.20, 1.10 | slo-pack |" in text
+    assert "| mooncake, large | 90% | 2 | 0.90 [0.90, 0.90] | 0.90, 0.90 | round-robin |" in text
     assert ("Weakest pair: mooncake on large, 0.90; best pair: chat-agent on small, 1.15"
             in text)
-    assert "## chat-agent, small cluster (sessions/s; seeds 0 1; 500 s windows)" in text
-    assert "## mooncake, large cluster (req/s;" in text
+    assert ("## chat-agent, small cluster, 90% of steps (sessions/s; seeds 0 1; 500 s windows)"
+            in text)
+    assert "## mooncake, large cluster, 90% of steps (req/s;" in text
     assert ("| goodserve | 1.15 [1.1, 1.2] | 14 |\n"
             "| preble | >= 0.9 [0.8, 1] | 14 |\n"  # seed 1 met at every rate tried
             "| slo-pack | 0.75 [0.5, 1] | 14 |") in text
@@ -250,39 +292,43 @@ def test_markdown_counts_the_searches_the_run_cap_left_coarse(tmp_path):
 # ---- command line -----------------------------------------------------------------------
 
 
-def fake_capacities(workload, cluster, seed, policy, setup):
-    value = {"goodserve": 1.2, "round-robin": 1.0}[policy]
+def fake_capacities(workload, cluster, seed, policy, setup, share=CAPACITY_SHARE):
+    value = {"goodserve": 1.2, "round-robin": 1.0}[policy] * (2 - share)
     return [Capacity(workload, cluster, setup.duration_s(workload), seed, policy, scale,
-                     value * scale, value * scale * 1.02, 7) for scale in CAPACITY_SCALES]
+                     value * scale, value * scale * 1.02, 7, share)
+            for scale in CAPACITY_SCALES]
 
 
 def test_capacity_searches_every_pair_seed_and_policy_and_resumes(tmp_path, monkeypatch):
     searched = []
 
-    def fake(workload, cluster, seed, policy, setup):
-        searched.append((workload, cluster, seed, policy))
-        return fake_capacities(workload, cluster, seed, policy, setup)
+    def fake(workload, cluster, seed, policy, setup, share):
+        searched.append((workload, cluster, seed, policy, share))
+        return fake_capacities(workload, cluster, seed, policy, setup, share)
 
     monkeypatch.setattr(agentic, "policy_capacities", fake)
     argv = ["--capacity", "--out", str(tmp_path), "--jobs", "1", "--only-workloads",
             "coding-agent,chat-agent", "--only-clusters", "large", "--capacity-seeds", "0,1",
             "--policies", "goodserve,round-robin"]
     assert main(argv) == 0
-    assert len(searched) == 2 * 2 * 2 and ("coding-agent", "large", 1, "round-robin") in searched
-    assert len(read_capacities(tmp_path / "capacity.csv")) == 8 * len(CAPACITY_SCALES)
-    assert "| coding-agent, large | 1.5 | 1.20 [1.20, 1.20] |" in (
-        tmp_path / "capacity.md").read_text()
+    searches = 2 * 2 * 2 * len(CAPACITY_SHARES)  # pairs, seeds, policies, shares
+    assert len(searched) == searches
+    assert ("coding-agent", "large", 1, "round-robin", 0.8) in searched
+    assert len(read_capacities(tmp_path / "capacity.csv")) == searches * len(CAPACITY_SCALES)
+    text = (tmp_path / "capacity.md").read_text()
+    assert "| coding-agent, large | 90% | 1.5 | 1.20 [1.20, 1.20] |" in text
+    assert "| coding-agent, large | 80% | 1.5 | 1.20 [1.20, 1.20] |" in text
     assert not (tmp_path / "cells.csv").exists()  # the matrix did not run
-    assert main([*argv, "--resume"]) == 0 and len(searched) == 8
+    assert main([*argv, "--resume"]) == 0 and len(searched) == searches
     assert main([*argv, "--resume", "--duration", "chat-agent=60"]) == 0
-    assert len(searched) == 8 + 4  # chat-agent's rows were at another window
-    assert main(argv) == 0 and len(searched) == 12 + 8  # without --resume: start over
+    assert len(searched) == searches * 3 // 2  # chat-agent's rows were at another window
+    assert main(argv) == 0 and len(searched) == searches * 5 // 2  # no --resume: anew
 
 
 def test_capacity_defaults_to_goodserve_and_the_baselines(tmp_path, monkeypatch):
     policies = set()
 
-    def fake(workload, cluster, seed, policy, setup):
+    def fake(workload, cluster, seed, policy, setup, share):
         policies.add(policy)
         return []
 
@@ -303,7 +349,7 @@ def test_capacity_report_only_rewrites_the_markdown_from_the_csv(tmp_path, monke
             for c in fake_capacities("chat-agent", "small", 0, p, setup)]
     append_rows(tmp_path / "capacity.csv", rows, CAPACITY_FIELDS)
     assert main(["--capacity", "--report-only", "--out", str(tmp_path)]) == 0
-    assert "| chat-agent, small | 3 | 1.20 |" in (tmp_path / "capacity.md").read_text()
+    assert "| chat-agent, small | 90% | 3 | 1.20 |" in (tmp_path / "capacity.md").read_text()
 
 
 def test_capacity_refuses_forced_move_paths(tmp_path):
