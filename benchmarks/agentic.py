@@ -527,6 +527,10 @@ class MatrixRow:
     collapse: tuple[float, ...]  # at 1.5x: GoodServe met here / at 1.0x, seeds with both
     # per forced move path that ran: GoodServe (each move's path chosen) met / forced met
     vs_move_paths: tuple[tuple[str, tuple[float, ...]], ...] = ()
+    # steps met per second, per seed: GoodServe's and the best baseline's (what a share
+    # cannot say where every policy misses most steps)
+    goodserve_goodput: tuple[float, ...] = ()
+    best_goodput: tuple[float, ...] = ()
 
     @property
     def best_named(self) -> str:
@@ -551,7 +555,13 @@ def aggregate(cells: Sequence[dict]) -> list[MatrixRow]:
     for (workload, cluster, factor, scale, seed), met in table.items():
         if GOODSERVE in met and best_baseline(met_counts(met)):
             seeds[(workload, cluster, factor, scale)].append(seed)
-    return [_matrix_row(table, key, sorted(seeds[key])) for key in sorted(seeds, key=_order)]
+    goodputs: dict[MetKey, dict[str, float]] = defaultdict(dict)
+    for c in cells:
+        key = (c["workload"], c["cluster"], float(c["load_factor"]), float(c["slo_scale"]),
+               int(c["seed"]))
+        goodputs[key][c["policy"]] = float(c["goodput_rps"])
+    return [_matrix_row(table, goodputs, key, sorted(seeds[key]))
+            for key in sorted(seeds, key=_order)]
 
 
 def _order(key: tuple[str, str, float, float]) -> tuple:
@@ -570,10 +580,12 @@ def _rank(name: str, known: Sequence[str]) -> int:
 
 
 def _matrix_row(table: dict[MetKey, dict[str, tuple[int, int]]],
+                goodputs: dict[MetKey, dict[str, float]],
                 key: tuple[str, str, float, float], seeds: Sequence[int]) -> MatrixRow:
     workload, cluster, factor, scale = key
     per_seed = [table[(*key, s)] for s in seeds]
     best = [best_baseline(met_counts(m)) or "" for m in per_seed]
+    goodput = [goodputs[(*key, s)] for s in seeds]
     ours = [m[GOODSERVE][0] for m in per_seed]
     collapse: list[float] = []
     if factor == COLLAPSE_FACTORS[0]:
@@ -593,7 +605,9 @@ def _matrix_row(table: dict[MetKey, dict[str, tuple[int, int]]],
             (rule.value, ratios) for rule in MoveRule
             if (ratios := tuple(ratio(o, m[move_path_label(rule)][0])
                                 for o, m in zip(ours, per_seed, strict=True)
-                                if move_path_label(rule) in m))))
+                                if move_path_label(rule) in m))),
+        goodserve_goodput=tuple(g[GOODSERVE] for g in goodput),
+        best_goodput=tuple(g[b] for g, b in zip(goodput, best, strict=True)))
 
 
 # ---- report ----------------------------------------------------------------------------
@@ -644,19 +658,24 @@ def write_markdown(path: Path, rows: Sequence[MatrixRow],
              "Per cell: mean [min, max] over seeds. GoodServe met / best baseline met (each "
              "seed's best baseline; the one best on most seeds is named), the noise (the best "
              "baseline's seed-to-seed spread, (max - min) / mean of its met requests: a "
-             "ratio within it of 1 is a tie), and exact lengths / GoodServe.", "",
+             "ratio within it of 1 is a tie), exact lengths / GoodServe, and the goodput "
+             "(steps met per second, the mean over seeds) of GoodServe and of each seed's "
+             "best baseline.", "",
              *_calibration_lines(calibrations)]
     for workload, cluster in dict.fromkeys((r.workload, r.cluster) for r in rows):
         mine = [r for r in rows if (r.workload, r.cluster) == (workload, cluster)]
         lines += ["", f"## {workload}, {cluster} cluster", "",
                   "| load | scale | GoodServe met | GoodServe / best | best baseline | noise | "
-                  "exact / GoodServe |", "|---|---|---|---|---|---|---|"]
+                  "exact / GoodServe | goodput, GoodServe / best |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in mine:
             noise = "-" if r.noise is None else f"{r.noise:.2f}"
+            goodput = " / ".join(f"{sum(g) / len(g):.3g}"
+                                 for g in (r.goodserve_goodput, r.best_goodput))
             lines.append(f"| {r.load_factor:g}x | {r.slo_scale:g} | "
                          f"{sum(r.goodserve_share) / len(r.goodserve_share):.0%} | "
                          f"{_text(r.vs_best)} | {r.best_named} | {noise} | "
-                         f"{_text(r.exact_vs_goodserve)} |")
+                         f"{_text(r.exact_vs_goodserve)} | {goodput} |")
         forced = list(dict.fromkeys(rule for r in mine for rule, _ in r.vs_move_paths))
         if forced:
             lines += ["", "GoodServe (each move's path chosen) / GoodServe with every move "

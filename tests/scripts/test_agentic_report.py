@@ -134,6 +134,8 @@ def test_ratios_take_each_seeds_best_baseline():
     assert row.noise == pytest.approx((100 - 40) / (190 / 3))
     assert row.exact_vs_goodserve == pytest.approx((1.5, 1.0, 1.0))
     assert row.goodserve_share == pytest.approx((0.6, 0.8, 0.7))
+    assert row.goodserve_goodput == pytest.approx((60 / 300, 80 / 300, 70 / 300))
+    assert row.best_goodput == pytest.approx((50 / 300, 100 / 300, 40 / 300))
 
 
 def test_goodserve_and_its_exact_variant_are_never_the_best_baseline():
@@ -178,8 +180,10 @@ def test_markdown_names_the_best_baseline_the_noise_and_the_calibration(tmp_path
                     Calibration("mooncake", "small", 300.0, 100, None, BASELINES, "too slow")]
     write_markdown(path, aggregate(cells), calibrations)
     text = path.read_text()
-    assert "| 1x | 2 | 63% | 1.15 [1.10, 1.20] | round-robin | 0.18 | - |" in text
-    assert "| 1.5x | 2 | 30% | 1.00 | round-robin | - | - |" in text
+    # goodput: (60 + 66) / 2 / 300 and (50 + 60) / 2 / 300 steps met per second
+    assert ("| 1x | 2 | 63% | 1.15 [1.10, 1.20] | round-robin | 0.18 | - | 0.21 / 0.183 |"
+            in text)
+    assert "| 1.5x | 2 | 30% | 1.00 | round-robin | - | - | 0.1 / 0.1 |" in text
     assert "GoodServe met at 1.5x load / at 1x: scale 2: 0.50" in text
     assert "coding-agent on small: 0.1 sessions/s" in text
     assert "mooncake on small: skipped: too slow" in text
