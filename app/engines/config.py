@@ -216,6 +216,12 @@ class ClusterConfig(Frozen):
         "with the example connector load the prompt's KV it stored; other live engines "
         "move by token ids)"
     )
+    keep_session_kv: bool = Field(
+        False, description="simulated engines, unified mode: after an agent step, pin its "
+        "session's context on its engine for the tool wait expected (a quantile of the "
+        "waits seen for its app) where holding the blocks that long costs less than "
+        "recomputing them, as Continuum does; off: the prefix cache alone decides"
+    )
     request_priority: PriorityRule = Field(
         PriorityRule.NONE, description="the priority the router gives each request, which "
         "engines with scheduling_policy priority run by: none (0 for all: arrival order) or "

@@ -222,6 +222,13 @@ class ServeConfig(Frozen):
         return self
 
     @model_validator(mode="after")
+    def _kept_kv_is_simulated(self) -> ServeConfig:
+        if self.cluster.keep_session_kv:
+            raise ValueError("cluster.keep_session_kv runs in the simulator only: live "
+                             "engines do not pin KV")
+        return self
+
+    @model_validator(mode="after")
     def _tools_need_text(self) -> ServeConfig:
         if self.tool_call_parser is not None and not self.engine_capabilities.text:
             raise ValueError(f"tool_call_parser: {self.engine_capabilities.kind} engines "

@@ -43,6 +43,7 @@ from app.engines.config import EngineRole
 from app.engines.messages import RequestStatus, TokenEvent
 from app.hardware.kv_link import KvLink
 from app.routing.base import ActiveRequest, Listeners, Reject, RoutingPolicy, Watchdog
+from app.routing.context_keeping import ContextKeeper
 from app.routing.disaggregated import DisaggregatedPlacer, LeastTtftPolicy
 from app.routing.instance_view import InstanceId
 from app.routing.move_path import MovePath, MoveRule, plan_move
@@ -104,6 +105,7 @@ class SimCluster:
         move_rule: MoveRule = MoveRule.CHEAPER,
         request_priority: PriorityRule = PriorityRule.NONE,
         bulk_steps: bool = True,
+        context_keeper: ContextKeeper | None = None,
     ) -> None:
         self.pools = build_pools(setups)
         self.elastic = elastic
@@ -138,6 +140,11 @@ class SimCluster:
         self._checks: list[tuple[float, int, SimInstance, DecodeRun, int]] = []
         self._run_seq = itertools.count()
         self.quiet_end_s = 0.0  # end of the latest iteration applied by `settle`
+        # sessions' contexts kept through tool waits (unified engines): who decides,
+        # where each is pinned, and when each session's last step ended
+        self.context_keeper = None if self.disaggregated else context_keeper
+        self._pinned: dict[str, SimInstance] = {}
+        self._step_ended_s: dict[str, float] = {}
 
     # ---- arrivals and routing ----------------------------------------------
     def arrive(self, index: int, now: float) -> list[Event]:
@@ -146,6 +153,8 @@ class SimCluster:
         if following is not None:
             events.append(ArrivalEvent(following.time_s, following.index))
         flight = self._new_flight(index, now)
+        if self.context_keeper is not None:
+            events.extend(self._session_back(flight.work, now))
         if self.elastic is not None:
             self.elastic.arrived(flight, now)
         if self.router_queue:
@@ -239,10 +248,49 @@ class SimCluster:
             record.reject_reason = f"session ended: {cause} was not served"
             self.num_done += 1
 
-    def _released(self, flight: SimFlight, now: float) -> list[Event]:
-        """Session steps that the end of `flight` makes ready (closed loop)."""
+    def _released(self, flight: SimFlight, inst: SimInstance, now: float) -> list[Event]:
+        """Session steps that the end of `flight` on `inst` makes ready (closed loop);
+        with a context keeper, the session's context may stay pinned there meanwhile."""
         ready, _ = self.releases.after_end(flight.index, now, True)
-        return [ArrivalEvent(r.time_s, r.index) for r in ready]
+        events: list[Event] = [ArrivalEvent(r.time_s, r.index) for r in ready]
+        if ready and self.context_keeper is not None:
+            events.extend(self._keep_context(flight.work, inst, now))
+        return events
+
+    def _keep_context(self, work: WorkloadRequest, inst: SimInstance, now: float
+                      ) -> list[Event]:
+        """A session enters a tool wait: pin its context where it ran, for as long as
+        the keeper says it is worth it."""
+        assert self.context_keeper is not None and work.session_id is not None
+        self._step_ended_s[work.session_id] = now
+        until_s = self.context_keeper.keep_until(work.task or "", work.num_prompt_tokens,
+                                                 inst.spec, now)
+        if until_s is None:
+            return []
+        events = self._unpin(work.session_id) + self._interrupt(inst)
+        if inst.core.pin(work.session_id, work.block_hashes, until_s):
+            self._pinned[work.session_id] = inst
+            self.pools[inst.role].mark_dirty(inst)
+        return events
+
+    def _session_back(self, work: WorkloadRequest, now: float) -> list[Event]:
+        """A session's next step arrived: the keeper learns its tool wait, and its
+        context, still cached, is no longer pinned (the step holds what it uses)."""
+        assert self.context_keeper is not None
+        ended_s = self._step_ended_s.pop(work.session_id or "", None)
+        if ended_s is None:
+            return []
+        self.context_keeper.observe_wait(work.task or "", now - ended_s)
+        return self._unpin(work.session_id or "")
+
+    def _unpin(self, session_id: str) -> list[Event]:
+        inst = self._pinned.pop(session_id, None)
+        if inst is None:
+            return []
+        events = self._interrupt(inst)  # a decode run's blocks are counted from its start
+        inst.core.unpin(session_id)
+        self.pools[inst.role].mark_dirty(inst)
+        return events
 
     def _admit(
         self, flight: SimFlight, inst: SimInstance, now: float, *, num_resumed: int = 0,
@@ -473,6 +521,7 @@ class SimCluster:
         record = flight.record
         if token.index == 0:
             record.first_token_s = now
+            record.num_cached_tokens = token.num_cached_tokens or 0
             for listener in self.listeners.first_token:
                 listener.on_first_token(flight.route, inst.instance_id, now, now)
         if not token.finished:
@@ -489,7 +538,7 @@ class SimCluster:
             if self.elastic is not None:
                 events.extend(self.elastic.finished(flight, inst, now))
             if self.releases.closed_loop:
-                events.extend(self._released(flight, now))
+                events.extend(self._released(flight, inst, now))
 
     def _finish(self, flight: SimFlight, inst: SimInstance, now: float) -> None:
         flight.record.finish_s = now

@@ -41,7 +41,7 @@ from __future__ import annotations
 import functools
 import heapq
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -291,6 +291,9 @@ class SimEngineCore:
         self.req_to_blocks: dict[str, int] = {}  # request_id -> KV blocks held
         # request_id -> the cached prefix entries it holds (shared; part of its blocks)
         self.req_to_cached: dict[str, list[int]] = {}
+        # a session's context held through a tool wait: key -> (entries, held until)
+        self.pins: dict[str, tuple[list[int], float]] = {}
+        self._pin_ends: list[tuple[float, str]] = []  # (held until, key), a heap
         self.num_free_blocks = self.num_kv_blocks
         self.recent_iteration_s: deque[float] = deque(maxlen=status_window)
         self.recent_queue_wait_s: deque[float] = deque(maxlen=status_window)
@@ -333,6 +336,7 @@ class SimEngineCore:
     # ---- one iteration -----------------------------------------------------
     def begin_step(self, now_s: float) -> ScheduledStep | None:
         """Choose this iteration's batch; None when there is nothing to run."""
+        self._release_pins(now_s)
         req_to_num_tokens = self._schedule(now_s)
         if not req_to_num_tokens:
             return None
@@ -568,7 +572,9 @@ class SimEngineCore:
             return True
         needed = max(needed, 0)
         if needed + (cache.free_blocks_of(hits) if hits else 0) > self.num_free_blocks:
-            return False
+            if not self._yield_pins(lambda: needed + (cache.free_blocks_of(hits) if hits
+                                                      else 0)):
+                return False
         if hits:
             self.num_free_blocks -= cache.acquire(hits)
             self.req_to_cached[request_id] = list(hits)
@@ -589,6 +595,41 @@ class SimEngineCore:
         pool, as far as it fits."""
         self.prefix_cache.add_free(block_hashes, hash_block_size)
         self.prefix_cache.evict(self.num_free_blocks)
+
+    def pin(self, key: str, block_hashes: Sequence[int], until_s: float) -> int:
+        """Hold the leading cached entries of `block_hashes` until `until_s` (or `unpin`):
+        a session's context kept through its tool wait, which no eviction takes. Those
+        no running request held come out of the free pool. Returns the entries held."""
+        self.unpin(key)
+        held = list(block_hashes[:self.prefix_cache.peek(block_hashes)])
+        if held:
+            self.num_free_blocks -= self.prefix_cache.acquire(held)
+            self.pins[key] = (held, until_s)
+            heapq.heappush(self._pin_ends, (until_s, key))
+        return len(held)
+
+    def unpin(self, key: str) -> None:
+        """Stop holding `key`'s entries: still cached, in the free pool."""
+        pinned = self.pins.pop(key, None)
+        if pinned is not None:
+            self.num_free_blocks += self.prefix_cache.release(pinned[0])
+
+    def _yield_pins(self, blocks_needed: Callable[[], int]) -> bool:
+        """Unpin contexts, the soonest to end first, until `blocks_needed()` blocks are
+        free: a kept context never makes a request wait or a running one be preempted.
+        Whether they are."""
+        while self.pins and blocks_needed() > self.num_free_blocks:
+            self.unpin(min(self.pins, key=lambda key: self.pins[key][1]))
+        return blocks_needed() <= self.num_free_blocks
+
+    def _release_pins(self, now_s: float) -> None:
+        """Unpin what was held until `now_s` or before (a later pin of a key renews it)."""
+        ends = self._pin_ends
+        while ends and ends[0][0] <= now_s:
+            until_s, key = heapq.heappop(ends)
+            pinned = self.pins.get(key)
+            if pinned is not None and pinned[1] == until_s:
+                self.unpin(key)
 
     def _free(self, seq: SimSequence) -> None:
         """`seq` ends or is preempted: its own blocks return to the free pool, and its

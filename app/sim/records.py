@@ -30,6 +30,7 @@ class RequestRecord:
     predicted_output_tokens: int | None = None
     num_generated_tokens: int = 0  # produced by the end of the run
     first_token_s: float | None = None
+    num_cached_tokens: int = 0  # of the prompt, found in its first engine's prefix cache
     finish_s: float | None = None
     instance_ids: list[str] = field(default_factory=list)  # decode/unified, in visit order
     prefill_instance_id: str | None = None  # disaggregated mode only

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from app.engines.config import ClusterConfig
 from app.routing.base import RoutingPolicy, Watchdog
+from app.routing.context_keeping import ContextKeeper
 from app.routing.disaggregated import LeastTtftPolicy
 from app.routing.move_path import MoveRule
 from app.routing.priority import PriorityRule
@@ -75,6 +76,7 @@ class Simulator:
         move_rule: MoveRule = MoveRule.CHEAPER,
         request_priority: PriorityRule = PriorityRule.NONE,
         bulk_steps: bool = True,
+        context_keeper: ContextKeeper | None = None,
     ) -> None:
         """
         prefill_policy: disaggregated mode only; picks the prefill instance (default:
@@ -92,6 +94,8 @@ class Simulator:
         bulk_steps: apply the iterations that repeat an engine's decode batch between
             events, without an event pair each (same records, fewer events); False
             steps every iteration through the event queue (what tests compare against).
+        context_keeper: pins an agent session's context on its engine through a tool
+            wait where it judges that worth it (unified engines; single use).
         """
         if max_ongoing_requests is not None and max_ongoing_requests < 1:
             raise ValueError(f"max_ongoing_requests must be >= 1, got {max_ongoing_requests}")
@@ -109,6 +113,7 @@ class Simulator:
         self.move_rule = move_rule
         self.request_priority = request_priority
         self.bulk_steps = bulk_steps
+        self.context_keeper = context_keeper
 
     @classmethod
     def from_config(
@@ -116,6 +121,7 @@ class Simulator:
     ) -> Simulator:
         kwargs.setdefault("move_rule", cluster.move_path)
         kwargs.setdefault("request_priority", cluster.request_priority)
+        kwargs.setdefault("context_keeper", ContextKeeper() if cluster.keep_session_kv else None)
         return cls(setups_from_config(cluster), policy, kv_link_gbps=cluster.kv_link_gbps,
                    **kwargs)
 
@@ -164,6 +170,7 @@ class Simulator:
             move_rule=self.move_rule,
             request_priority=self.request_priority,
             bulk_steps=self.bulk_steps,
+            context_keeper=self.context_keeper,
         )
 
     def _loop(

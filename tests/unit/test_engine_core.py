@@ -251,6 +251,39 @@ def test_a_preempted_request_finds_its_prefix_again():
     assert core.num_free_blocks == core.num_kv_blocks
 
 
+def test_a_pinned_context_survives_the_churn_that_evicts_an_unpinned_one():
+    core = make_core(num_kv_blocks=64, block_size=16)
+    for name in ("kept", "lost"):
+        core.add_request(make_seq(name, prompt=160, out=2, block_hashes=blocks_of(name, 10)))
+        run_to_completion(core)
+    assert core.pin("session", blocks_of("kept", 10), until_s=100.0) == 10
+    assert core.num_free_blocks == 54  # its blocks left the free pool
+    core.add_request(make_seq("churn", prompt=840, out=2))  # 53 of the 54 unpinned blocks
+    run_to_completion(core)
+    assert core.prefix_cache.peek(blocks_of("kept", 10)) == 10
+    assert core.prefix_cache.peek(blocks_of("lost", 10)) == 1  # its head alone is left
+    core.unpin("session")
+    assert core.num_free_blocks == core.num_kv_blocks
+    assert core.prefix_cache.peek(blocks_of("kept", 10)) == 10  # still cached, unheld
+
+
+def test_a_pin_ends_when_its_time_is_up_and_never_makes_a_request_wait():
+    core = make_core(num_kv_blocks=64, block_size=16)
+    core.add_request(make_seq("a", prompt=480, out=2, block_hashes=blocks_of("a", 30)))
+    run_to_completion(core)
+    core.pin("s", blocks_of("a", 30), until_s=5.0)
+    core.add_request(make_seq("b", prompt=16, out=2, arrival_s=6.0))
+    core.begin_step(6.0)
+    assert core.pins == {}  # ended at 5 s
+    core = make_core(num_kv_blocks=64, block_size=16)
+    core.add_request(make_seq("a", prompt=480, out=2, block_hashes=blocks_of("a", 30)))
+    run_to_completion(core)
+    core.pin("s", blocks_of("a", 30), until_s=1e9)
+    core.add_request(make_seq("big", prompt=900, out=2))  # needs more than is unpinned
+    events, _ = run_to_completion(core)
+    assert core.pins == {} and any(e.request_id == "big" and e.finished for e in events)
+
+
 # ---- priority mode (vLLM's scheduling_policy="priority") ------------------------------
 
 
