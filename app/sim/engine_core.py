@@ -556,31 +556,46 @@ class SimEngineCore:
         return -(-num_tokens // self.config.block_size)
 
     def _grow(self, seq: SimSequence, num_new_tokens: int) -> bool:
-        """Reserve blocks so `seq` can hold `num_new_tokens` more; False if no room. Its
-        first reservation holds the cached entries its prefix hit found (those no
-        running request holds come out of the free pool too); free cached blocks are
-        evicted as the new blocks need them."""
+        """Reserve blocks so `seq` can hold `num_new_tokens` more; False if no room. Free
+        cached blocks are evicted as the new blocks need them."""
+        held = self.req_to_blocks.get(seq.request_id)
+        if held is None:
+            return self._first_blocks(seq, num_new_tokens)
+        needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.config.block_size) - held
+        if needed <= 0:
+            return True
+        if needed > self.num_free_blocks and not self._yield_pins(lambda: needed):
+            return False
+        self.num_free_blocks -= needed
+        self.req_to_blocks[seq.request_id] = held + needed
         cache = self.prefix_cache
-        request_id = seq.request_id
-        held = self.req_to_blocks.get(request_id)
+        if cache.num_free_cached_blocks > self.num_free_blocks:
+            cache.evict(self.num_free_blocks)
+        return True
+
+    def _first_blocks(self, seq: SimSequence, num_new_tokens: int) -> bool:
+        """`seq`'s first reservation: it holds the cached entries its prefix hit found
+        (those no running request holds come out of the free pool too) and new blocks
+        for the rest."""
+        cache = self.prefix_cache
         hits: Sequence[int] = ()
-        if held is None and seq.num_cached_tokens and not seq.skip_prefill:
+        if seq.num_cached_tokens and not seq.skip_prefill:
             hits = seq.block_hashes[:seq.num_cached_tokens // seq.hash_block_size]
         hit_blocks = len(hits) * cache.entry_blocks(seq.hash_block_size)
-        needed = self._blocks_for(seq.num_computed_tokens + num_new_tokens) - (held or hit_blocks)
-        if needed <= 0 and not hits:
-            return True
-        needed = max(needed, 0)
-        if needed + (cache.free_blocks_of(hits) if hits else 0) > self.num_free_blocks:
-            if not self._yield_pins(lambda: needed + (cache.free_blocks_of(hits) if hits
-                                                      else 0)):
-                return False
+        needed = max(self._blocks_for(seq.num_computed_tokens + num_new_tokens) - hit_blocks, 0)
+
+        def blocks_needed() -> int:
+            return needed + cache.free_blocks_of(hits)
+
+        if blocks_needed() > self.num_free_blocks and not self._yield_pins(blocks_needed):
+            return False
         if hits:
             self.num_free_blocks -= cache.acquire(hits)
-            self.req_to_cached[request_id] = list(hits)
+            self.req_to_cached[seq.request_id] = list(hits)
         self.num_free_blocks -= needed
-        self.req_to_blocks[request_id] = (held or hit_blocks) + needed
-        cache.evict(self.num_free_blocks)
+        self.req_to_blocks[seq.request_id] = hit_blocks + needed
+        if cache.num_free_cached_blocks > self.num_free_blocks:
+            cache.evict(self.num_free_blocks)
         return True
 
     def _cache_prompt(self, seq: SimSequence) -> None:
