@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import hashlib
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 
 import numpy as np
 from numba import njit
@@ -31,6 +31,17 @@ def prefix_block_hashes(
         hashes.append(int.from_bytes(digest, "little"))
         parent = digest
     return tuple(hashes)
+
+
+def leading_cached(block_hashes: Iterable[int], cached: Container[int]) -> int:
+    """How many of a prompt's leading block hashes `cached` holds (a prefix hit stops at
+    the first block missing)."""
+    hits = 0
+    for h in block_hashes:
+        if h not in cached:
+            break
+        hits += 1
+    return hits
 
 
 class PrefixCache:
@@ -65,12 +76,7 @@ class PrefixCache:
 
     def peek(self, block_hashes: Sequence[int]) -> int:
         """Number of leading blocks cached, without touching the LRU order."""
-        hits = 0
-        for h in block_hashes:
-            if h not in self._lru:
-                break
-            hits += 1
-        return hits
+        return leading_cached(block_hashes, self._lru)
 
     def insert(self, block_hashes: Iterable[int], block_size: int) -> None:
         for h in block_hashes:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from app.engines.prefix import PrefixDirectory
+from app.engines.prefix import PrefixDirectory, leading_cached
 
 
 class BlockCache:
@@ -59,12 +59,7 @@ class BlockCache:
 
     def peek(self, block_hashes: Sequence[int]) -> int:
         """Number of leading entries cached (held or free), touching nothing."""
-        hits = 0
-        for h in block_hashes:
-            if h not in self._refs:
-                break
-            hits += 1
-        return hits
+        return leading_cached(block_hashes, self._refs)
 
     def digest(self) -> frozenset[int]:
         return frozenset(self._refs)
