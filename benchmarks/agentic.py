@@ -6,10 +6,11 @@ prefix blocks (ContentMode.TRACE; --trace, default ../shared/data/traces/ from t
 repository root, skipped with a message when absent), stretched to the rate (req/s),
 each seed a window (--duration) at its own seeded offset in the stretched trace (so seeds
 see different conversations, and the trace's opening burst is no likelier than any
-other part); `coding-agent` and `chat-agent`, closed-loop session presets with Poisson
-session arrivals (rate in sessions/s). Clusters: `small` (configs/paper-4gpu.yaml) and
-`large` (configs/mixed-16gpu.yaml, sixteen engines of four kinds). SLO = scale x solo
-time on an A800 (an agent step's context counted as cached).
+other part); `coding-agent`, `chat-agent` and `research-agent` (an orchestrator whose
+parallel sub-agents branch from its context and are joined), closed-loop session
+presets with Poisson session arrivals (rate in sessions/s). Clusters: `small`
+(configs/paper-4gpu.yaml) and `large` (configs/mixed-16gpu.yaml, sixteen engines of four
+kinds). SLO = scale x solo time on an A800 (an agent step's context counted as cached).
 
 Load. Per (workload, cluster), the reference rate L* is where the best calibration
 baseline (--calibration-policies; by default round-robin, least-request and
@@ -26,7 +27,8 @@ GoodServe with exact lengths, every registered baseline) at scales 1, 1.5, 2 and
 Seeds: 0, 1, 2 on small, 0 on large.
 
 Windows (--duration): 500 s of arrivals for Mooncake and chat-agent, 20,000 s for
-coding-agent. Coding sessions run for minutes with contexts of half the model's limit:
+coding-agent, 3,000 s for research-agent (its sessions run ~19 steps over minutes).
+Coding sessions run for minutes with contexts of half the model's limit:
 in 500 s the queues they build have not reached a steady state, so L* came out 6x too
 high (0.046 sessions/s on paper-4gpu against 0.0075 with a 5,000 s window), and a unit
 held 25-60 steps, with the best baseline's seed-to-seed spread of met steps 0.4-0.8.
@@ -52,9 +54,10 @@ matrix.md (per workload, cluster, load and scale: GoodServe met / best baseline 
 the best baseline named, exact lengths / GoodServe, mean and range over seeds; the best
 baseline's seed-to-seed spread as the noise; GoodServe's met at 1.5x over its met at 1.0x
 load) and matrix.png (GoodServe / best baseline heat maps per workload and cluster).
---move-paths token-ids,kv runs GoodServe again with every move forced to each path
-(cells "goodserve@token-ids", "goodserve@kv"); matrix.md then adds GoodServe, which
-chooses each move's path, over each forced run.
+GoodServe arms run GoodServe again with one cluster setting changed: --move-paths
+token-ids,kv with every move forced to each path (cells "goodserve@token-ids",
+"goodserve@kv"), --keep-session-kv with each session's KV kept through its tool waits
+(cells "goodserve@kept-kv"); matrix.md then adds GoodServe, as configured, over each arm.
 
 Capacity (--capacity, instead of the matrix). A policy's capacity is the highest arrival
 rate at which at least 90% of the steps meet their deadline, at SLO scales 1.5, 2 and 3;
@@ -124,7 +127,7 @@ if TYPE_CHECKING:
 
 REPO = Path(__file__).resolve().parents[1]
 TRACE = REPO.parent / "shared" / "data" / "traces" / "mooncake_conversation_trace.jsonl"
-WORKLOADS = ("mooncake", "coding-agent", "chat-agent")
+WORKLOADS = ("mooncake", "coding-agent", "chat-agent", "research-agent")
 CLUSTERS = {"small": REPO / "configs" / "paper-4gpu.yaml",
             "large": REPO / "configs" / "mixed-16gpu.yaml"}
 LOAD_FACTORS = (0.5, 0.8, 1.0, 1.5)
@@ -132,7 +135,8 @@ COLLAPSE_FACTORS = (1.5, 1.0)  # GoodServe's met at the first load over its met 
 SCALES = (1.0, 1.5, 2.0, 3.0)
 # arrivals per run, per workload: coding-agent sessions run for minutes, hold long
 # contexts and arrive ~50x less often than chat sessions (see the module docstring)
-DURATION_S = {"mooncake": 500.0, "coding-agent": 20000.0, "chat-agent": 500.0}
+DURATION_S = {"mooncake": 500.0, "coding-agent": 20000.0, "chat-agent": 500.0,
+              "research-agent": 3000.0}
 DURATION_HELP = ("arrival window per run, s: one number for every workload, or "
                  "workload=seconds pairs (default: "
                  + ", ".join(f"{w} {d:g}" for w, d in DURATION_S.items()) + ")")
@@ -152,6 +156,7 @@ CAPACITY_RESOLUTION = 0.03  # the search stops when the bracket is within 3% of 
 CAPACITY_MAX_RUNS = 12  # per policy and scale: a factor-2 bracket and 5 bisections take 7
 CAPACITY_SEEDS = (0, 1, 2)
 GOODSERVE, EXACT = PolicyKind.GOODSERVE.value, PolicyKind.GOODSERVE_EXACT.value
+ARM_PREFIX = f"{GOODSERVE}@"  # GoodServe with one cluster setting changed
 # the baselines users deploy; llm-d, session-affinity and dynamo-kv run where the
 # policy registry has them (membership in PolicyKind), and count as baselines in any case
 CANDIDATE_BASELINES = ("round-robin", "least-request", "prefix-cache", "preble", "llumnix",
@@ -164,14 +169,38 @@ CAPACITY_POLICIES = (GOODSERVE, *BASELINES)
 # steps over GPUs that must recompute its context) and the strongest two set the load
 CHEAP_CALIBRATION = ("round-robin", "least-request", "prefix-cache")
 CALIBRATION_POLICIES = {"mooncake": CHEAP_CALIBRATION, "coding-agent": ("preble", "llumnix"),
-                        "chat-agent": CHEAP_CALIBRATION}
+                        "chat-agent": CHEAP_CALIBRATION, "research-agent": CHEAP_CALIBRATION}
 # a first guess of L* per engine, where the bracket search starts (req/s or sessions/s)
-START_RATE_PER_ENGINE = {"mooncake": 0.3, "coding-agent": 0.002, "chat-agent": 0.2}
+START_RATE_PER_ENGINE = {"mooncake": 0.3, "coding-agent": 0.002, "chat-agent": 0.2,
+                         "research-agent": 0.005}
 CELL_FIELDS = ["workload", "cluster", "load_factor", "rate", "seed", "policy", "slo_scale",
                "requests", "met", "goodput_rps"]
 CALIBRATION_FIELDS = ["workload", "cluster", "duration_s", "seed", "rate", "policies", "note"]
 CAPACITY_FIELDS = ["workload", "cluster", "duration_s", "seed", "policy", "slo_scale",
                    "capacity", "lowest_failing_rate", "runs", "share"]
+
+
+@dataclass(frozen=True)
+class GoodServeArm:
+    """GoodServe with one cluster setting changed, run beside the matrix's GoodServe."""
+
+    name: str  # its cells are "goodserve@<name>"
+    setting: str  # a ClusterConfig field
+    value: object
+
+    @classmethod
+    def forced_moves(cls, rule: MoveRule) -> GoodServeArm:
+        """Every move forced to `rule`'s path, against the default of choosing per move."""
+        return cls(rule.value, "move_path", rule)
+
+    @classmethod
+    def kept_session_kv(cls) -> GoodServeArm:
+        """Each session's KV kept on its engine through the tool waits it expects."""
+        return cls("kept-kv", "keep_session_kv", True)
+
+    @property
+    def label(self) -> str:
+        return f"{ARM_PREFIX}{self.name}"
 
 
 @dataclass(frozen=True)
@@ -181,8 +210,8 @@ class MatrixSetup:
     durations_s: dict[str, float]  # arrival window of each workload's units and calibration
     trace: Path  # the Mooncake conversation trace
     policies: tuple[str, ...]  # run on every unit
-    # GoodServe again with its moves forced to each of these paths (cells "goodserve@kv")
-    move_paths: tuple[MoveRule, ...] = ()
+    # GoodServe again with one cluster setting changed per arm (cells "goodserve@<arm>")
+    arms: tuple[GoodServeArm, ...] = ()
 
     def duration_s(self, workload: str) -> float:
         return self.durations_s[workload]
@@ -231,18 +260,13 @@ def run_cells(workload: str, cluster: str, rate: float, seed: int, setup: Matrix
     work = make_workload(workload, config, rate, seed, setup)
     spec = ReplaySpec(config, tuple(PolicyKind.from_str(p) for p in policies), tuple(scales),
                       seed=seed, routing=RoutingOptions(seed))
-    cells = run_replay(spec, work)
-    for rule in setup.move_paths:
-        forced = replace(spec, cluster=config.model_copy(update={"move_path": rule}),
-                         policies=(PolicyKind.GOODSERVE,))
-        cells += [c.renamed(move_path_label(rule)) for c in run_replay(forced, work)]
+    cells = run_replay(spec, work) if policies else []
+    for arm in setup.arms:
+        changed = replace(spec, cluster=config.model_copy(update={arm.setting: arm.value}),
+                          policies=(PolicyKind.GOODSERVE,))
+        cells += [c.renamed(arm.label) for c in run_replay(changed, work)]
     return [{"policy": c.policy, "slo_scale": c.slo_scale, "requests": c.summary["requests"],
              "met": c.summary["met"], "goodput_rps": c.summary["goodput_rps"]} for c in cells]
-
-
-def move_path_label(rule: MoveRule) -> str:
-    """The cells of GoodServe with every move forced to `rule`'s path."""
-    return f"{GOODSERVE}@{rule.value}"
 
 
 def run_unit(unit: Unit, setup: MatrixSetup) -> list[dict]:
@@ -525,8 +549,8 @@ class MatrixRow:
     best_met: tuple[int, ...]  # the best baseline's met requests, per seed
     exact_vs_goodserve: tuple[float, ...]  # exact lengths met / GoodServe met, seeds with both
     collapse: tuple[float, ...]  # at 1.5x: GoodServe met here / at 1.0x, seeds with both
-    # per forced move path that ran: GoodServe (each move's path chosen) met / forced met
-    vs_move_paths: tuple[tuple[str, tuple[float, ...]], ...] = ()
+    # per GoodServe arm that ran ("goodserve@<arm>"): GoodServe met / the arm's met
+    vs_arms: tuple[tuple[str, tuple[float, ...]], ...] = ()
     # steps met per second, per seed: GoodServe's and the best baseline's (what a share
     # cannot say where every policy misses most steps)
     goodserve_goodput: tuple[float, ...] = ()
@@ -601,11 +625,12 @@ def _matrix_row(table: dict[MetKey, dict[str, tuple[int, int]]],
         exact_vs_goodserve=tuple(ratio(m[EXACT][0], o)
                                  for o, m in zip(ours, per_seed, strict=True) if EXACT in m),
         collapse=tuple(collapse),
-        vs_move_paths=tuple(
-            (rule.value, ratios) for rule in MoveRule
-            if (ratios := tuple(ratio(o, m[move_path_label(rule)][0])
-                                for o, m in zip(ours, per_seed, strict=True)
-                                if move_path_label(rule) in m))),
+        vs_arms=tuple(
+            (label.removeprefix(ARM_PREFIX),
+             tuple(ratio(o, m[label][0]) for o, m in zip(ours, per_seed, strict=True)
+                   if label in m))
+            for label in dict.fromkeys(p for m in per_seed for p in m
+                                       if p.startswith(ARM_PREFIX))),
         goodserve_goodput=tuple(g[GOODSERVE] for g in goodput),
         best_goodput=tuple(g[b] for g, b in zip(goodput, best, strict=True)))
 
@@ -676,16 +701,17 @@ def write_markdown(path: Path, rows: Sequence[MatrixRow],
                          f"{sum(r.goodserve_share) / len(r.goodserve_share):.0%} | "
                          f"{_text(r.vs_best)} | {r.best_named} | {noise} | "
                          f"{_text(r.exact_vs_goodserve)} | {goodput} |")
-        forced = list(dict.fromkeys(rule for r in mine for rule, _ in r.vs_move_paths))
-        if forced:
-            lines += ["", "GoodServe (each move's path chosen) / GoodServe with every move "
-                      "forced to one path:", "",
-                      "| load | scale | " + " | ".join(f"/ {p}" for p in forced) + " |",
-                      "|---|---|" + "---|" * len(forced)]
+        arms = list(dict.fromkeys(arm for r in mine for arm, _ in r.vs_arms))
+        if arms:
+            lines += ["", "GoodServe / GoodServe with one setting changed (token-ids, kv: "
+                      "every move forced to that path, against choosing per move; kept-kv: "
+                      "each session's KV kept through its tool waits):", "",
+                      "| load | scale | " + " | ".join(f"/ {a}" for a in arms) + " |",
+                      "|---|---|" + "---|" * len(arms)]
             for r in mine:
-                by_rule = dict(r.vs_move_paths)
+                by_arm = dict(r.vs_arms)
                 lines.append(f"| {r.load_factor:g}x | {r.slo_scale:g} | " + " | ".join(
-                    _text(by_rule.get(p, ())) for p in forced) + " |")
+                    _text(by_arm.get(a, ())) for a in arms) + " |")
         collapse = [f"scale {r.slo_scale:g}: {_text(r.collapse)}" for r in mine if r.collapse]
         if collapse:
             lines += ["", f"GoodServe met at {COLLAPSE_FACTORS[0]:g}x load / at "
@@ -809,9 +835,12 @@ def policy_capacities(workload: str, cluster: str, seed: int, policy: str,
     """`policy`'s capacity at `share` of the steps at every CAPACITY_SCALES on one seed,
     searched from the workload's per-engine first guess."""
     start, min_rate = search_range(workload, cluster, seed, setup)
+    arm = next((a for a in setup.arms if a.label == policy), None)
+    alone = replace(setup, arms=(arm,) if arm else ())
+    policies = () if arm else (policy,)
 
     def share_at(rate: float, scale: float) -> float:
-        (row,) = run_cells(workload, cluster, rate, seed, setup, (policy,), (scale,))
+        (row,) = run_cells(workload, cluster, rate, seed, alone, policies, (scale,))
         return met_share(row)
 
     return [Capacity(workload, cluster, setup.duration_s(workload), seed, policy, scale,
@@ -835,7 +864,8 @@ def run_capacities(out: Path, pairs: Sequence[tuple[str, str]], seeds: Sequence[
     append_rows(path, [c.as_row() for c in kept], CAPACITY_FIELDS)
     done = {c.key for c in kept}
     tasks = [(workload, cluster, seed, policy, setup, share) for share in CAPACITY_SHARES
-             for workload, cluster in pairs for seed in seeds for policy in setup.policies
+             for workload, cluster in pairs for seed in seeds
+             for policy in (*setup.policies, *(a.label for a in setup.arms))
              if (workload, cluster, seed, policy, share) not in done]
     for found in in_pool(policy_capacities, tasks, jobs, "capacity", "search"):
         append_rows(path, [c.as_row() for c in found], CAPACITY_FIELDS)
@@ -1043,6 +1073,9 @@ def agentic(
     move_paths: Annotated[str, typer.Option(
         help="also run GoodServe with every move forced to these paths (token-ids, kv), "
         "against its default of choosing per move")] = "",
+    keep_session_kv: Annotated[bool, typer.Option(
+        "--keep-session-kv", help="also run GoodServe with each session's KV kept on its "
+        "engine through the tool waits it expects (cluster.keep_session_kv)")] = False,
     capacity: Annotated[bool, typer.Option(
         "--capacity",
         help=f"instead of the matrix, find each policy's capacity (the highest rate at which "
@@ -1065,9 +1098,10 @@ def agentic(
         reported = {"small": _seeds(seeds), "large": _seeds(large_seeds)}
         searched = _seeds(capacity_seeds)
         durations = _durations(duration)
-        forced = [MoveRule(p) for p in _names(move_paths, [r.value for r in MoveRule
-                                                           if r is not MoveRule.CHEAPER],
-                                              "move path")]
+        arms = [GoodServeArm.forced_moves(MoveRule(p))
+                for p in _names(move_paths, [r.value for r in MoveRule
+                                             if r is not MoveRule.CHEAPER], "move path")]
+        arms += [GoodServeArm.kept_session_kv()] if keep_session_kv else []
     except ValueError as e:
         print(f"error: {e}")
         return 2
@@ -1076,11 +1110,9 @@ def agentic(
         return 2
     out.mkdir(parents=True, exist_ok=True)
     if capacity:
-        if forced:
-            print("error: --move-paths applies to the matrix, not to --capacity")
-            return 2
         return capacity_command(out, [(w, c) for w in workloads for c in clusters],
-                                MatrixSetup(durations, trace, tuple(chosen)), searched,
+                                MatrixSetup(durations, trace, tuple(chosen), tuple(arms)),
+                                searched,
                                 jobs=jobs, resume=resume, report_only=report_only)
     if report_only:
         latest = {(c.workload, c.cluster): c
@@ -1091,7 +1123,7 @@ def agentic(
     if not resume:
         for name in ("calibration.csv", "cells.csv"):
             (out / name).unlink(missing_ok=True)
-    setup = MatrixSetup(durations, trace, tuple(chosen), tuple(forced))
+    setup = MatrixSetup(durations, trace, tuple(chosen), tuple(arms))
     pairs = with_trace([(w, c) for w in workloads for c in clusters], trace)
     calibrations = reference_rates(out, pairs, setup, calibration_seed, calibrators, jobs)
     for c in calibrations:

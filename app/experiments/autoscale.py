@@ -3,8 +3,9 @@
 A trace's arrivals are time-warped into a time-varying load (`phases`: low, peak,
 low; `ramp`: low rising to peak; `diurnal`: one smooth day; `bursty`: flat at the
 phases' mean with Gamma-clustered arrivals), request content from a prompt file or the
-trace; or agent sessions (`coding-agent`, `chat-agent` presets, or a session log) whose
-*starts* are warped so, at rates in sessions/s, their steps closed-loop after the start.
+trace; or agent sessions (`coding-agent`, `chat-agent`, `research-agent` presets, or a
+session log) whose *starts* are warped so, at rates in sessions/s, their steps
+closed-loop after the start.
 SLO = the controller's `slo_scale` x solo time on its reference GPU. Every strategy
 serves the same workload on elastic pools of simulated engines (start-up delay,
 draining by token ids) routed by GoodServe:
@@ -97,7 +98,7 @@ class AutoscaleConfig(Frozen):
     load: LoadConfig
     content_load: dict[ContentMode, LoadConfig] = Field(
         default_factory=dict, description="the load for one content kind, in place of "
-        "`load` (coding-agent, chat-agent, sessions: rates in sessions/s)")
+        "`load` (coding-agent, chat-agent, research-agent, sessions: rates in sessions/s)")
     controller: ControllerConfig
     max_drain_s: float | None = Field(
         None, ge=0, description="stop this long after the last arrival, simulated and live "

@@ -39,9 +39,9 @@ def autoscale(
                                         "trace's own lengths)"),
     content: ContentMode | None = typer.Option(
         None, help="trace | prompts (on the trace's arrivals) | coding-agent | chat-agent "
-        "(agent session presets) | sessions (a JSONL session log, --sessions): sessions "
-        "start at the shaped arrivals, rates in sessions/s, steps closed-loop; default: "
-        "prompts with --prompts, else trace"),
+        "| research-agent (agent session presets) | sessions (a JSONL session log, "
+        "--sessions): sessions start at the shaped arrivals, rates in sessions/s, steps "
+        "closed-loop; default: prompts with --prompts, else trace"),
     sessions: Path | None = typer.Option(None, help="JSONL agent session log "
                                          "(--content sessions)"),
     config: Path = typer.Option(DEFAULT_CONFIG, help="autoscaling experiment YAML"),

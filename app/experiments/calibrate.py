@@ -341,7 +341,8 @@ def main(
     config: Path = typer.Option(DEFAULT_CONFIG, help="autoscaling experiment YAML"),
     prompts: Path | None = typer.Option(None, help="prompt_lengths.jsonl: the traffic's "
                                         "content (prompts content)"),
-    content: str = typer.Option("prompts", help="prompts | coding-agent | chat-agent"),
+    content: str = typer.Option(
+        "prompts", help="prompts | coding-agent | chat-agent | research-agent"),
     seed: int = typer.Option(1000, help="content and routing seed (keep it apart from the "
                              "experiment's seeds)"),
     duration_s: float = typer.Option(60.0, help="seconds of arrivals per measurement"),
@@ -397,8 +398,8 @@ def traffic_for(content: str, prompts: Path | None, model: str) -> Traffic:
     try:
         preset = SessionPreset(content)
     except ValueError:
-        raise ValueError(f"unknown content {content!r}: prompts, coding-agent or "
-                         "chat-agent") from None
+        choices = ", ".join(p.value for p in SessionPreset)
+        raise ValueError(f"unknown content {content!r}: prompts, {choices}") from None
     return Traffic.sessions(preset, model)
 
 if __name__ == "__main__":

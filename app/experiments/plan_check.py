@@ -196,7 +196,8 @@ def plan_cluster_command(
         help="arrival rate, req/s (sessions/s for agent presets)")],
     slo_scale: Annotated[float, typer.Option(help="deadline = scale x solo time")] = 2.0,
     content: Annotated[ContentMode, typer.Option(
-        help="trace | prompts | coding-agent | chat-agent | sessions")] = ContentMode.CHAT_AGENT,
+        help="trace | prompts | coding-agent | chat-agent | research-agent | sessions",
+    )] = ContentMode.CHAT_AGENT,
     trace: Annotated[Path | None, typer.Option(help="Mooncake .jsonl or Azure .csv")] = None,
     prompts: Annotated[Path | None, typer.Option(help="prompt_lengths.jsonl")] = None,
     sessions: Annotated[Path | None, typer.Option(help="JSONL agent session log")] = None,

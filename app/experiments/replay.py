@@ -454,9 +454,9 @@ def replay(
     content: Annotated[
         ContentMode | None,
         typer.Option(help="trace (the trace's own lengths and prefix blocks) | prompts | "
-                     "coding-agent | chat-agent (closed-loop agent sessions; --rate in "
-                     "sessions/s) | sessions (a JSONL session log, --sessions); default: "
-                     "prompts with --prompts, else trace")] = None,
+                     "coding-agent | chat-agent | research-agent (closed-loop agent "
+                     "sessions; --rate in sessions/s) | sessions (a JSONL session log, "
+                     "--sessions); default: prompts with --prompts, else trace")] = None,
     sessions: Annotated[
         Path | None, typer.Option(help="JSONL agent session log (--content sessions)")] = None,
     policies: Annotated[str, typer.Option(help="comma-separated names, or 'all'")] = "all",

@@ -267,6 +267,7 @@ class StepReleases:
 class SessionPreset(StrEnum):
     CODING_AGENT = "coding-agent"
     CHAT_AGENT = "chat-agent"
+    RESEARCH_AGENT = "research-agent"
 
 
 @dataclass(frozen=True)
@@ -325,6 +326,9 @@ class SessionShape:
     # share of the output length's log-variance that is the session's own (its steps are
     # alike: one agent, task and tool set); the rest varies step to step
     session_output_share: float = 0.5
+    # steps of each parallel branch (a sub-agent working on its own history before the
+    # join); None: every branch is one call
+    branch_steps: LogNormal | None = None
 
 
 PRESETS: dict[SessionPreset, SessionShape] = {
@@ -349,6 +353,20 @@ PRESETS: dict[SessionPreset, SessionShape] = {
         tool_wait=ToolWait(LogNormal(8.0, 0.9), 0.02, 60.0, 300.0),
         tool_calls_per_step=1.0, fan_out_share=0.0, max_fan_out=1,
         compact_share=0.9, summary_share=0.05, num_apps=4,
+    ),
+    # An orchestrator that hands parts of its task to parallel sub-agents (Anthropic's
+    # multi-agent research system: 3-5 sub-agents at once, each calling tools over
+    # several steps; a join step reads what each returned). Every sub-agent starts from
+    # the orchestrator's context, so the branches share a long prefix, then each grows
+    # its own history with search results until the orchestrator joins them.
+    SessionPreset.RESEARCH_AGENT: SessionShape(
+        app_prefix_share=0.04, first_context_share=LogNormal(0.03, 0.8),
+        appended_tokens=LogNormal(1500, 1.0), output_tokens=LogNormal(300, 0.9),
+        max_output_tokens=4096, num_steps=LogNormal(12.0, 0.6), max_steps=80,
+        tool_wait=ToolWait(LogNormal(2.0, 0.8), 0.03, 30.0, 300.0),
+        tool_calls_per_step=1.5, fan_out_share=0.5, max_fan_out=5,
+        compact_share=0.8, summary_share=0.1, num_apps=3,
+        branch_steps=LogNormal(3.0, 0.5),
     ),
 }
 
@@ -401,26 +419,59 @@ class SessionBuilder:
         steps: list[AgentStep] = []
         waits: tuple[str, ...] = ()
         tool_wait, appended = 0.0, first
-        while len(steps) < num_steps:
-            fan = self._fan_out(num_steps - len(steps))
-            branch_ids = []
+        while len(steps) < num_steps or self._joins_sub_agents(waits):
+            fan = 1 if self._joins_sub_agents(waits) else self._fan_out(num_steps - len(steps))
+            branch_ends = []
             for branch in range(fan):
-                step_id = f"{len(steps)}"
-                origin = f"{session_id}/{step_id}"
                 extra = appended if branch == 0 else self._tokens(shape.appended_tokens)
                 prompt = (context if branch == 0 else
-                          replace(context, origin=origin).extend(extra, self.block_size))
-                output = min(max(round(outputs.draw(rng)), 1), shape.max_output_tokens)
-                output = min(output, self.context_limit - prompt.num_tokens - 1)
-                steps.append(AgentStep(step_id, waits, tool_wait, prompt.num_tokens, extra,
-                                       max(output, 1), tuple(prompt.block_hashes),
-                                       self.block_size))
-                branch_ids.append((step_id, prompt, max(output, 1)))
-            context, appended = self._next_context(base, branch_ids, session_id)
-            waits = tuple(b[0] for b in branch_ids)
-            tool_wait = shape.tool_wait.draw(rng, 1 + int(rng.poisson(
-                max(shape.tool_calls_per_step - 1.0, 0.0))))
+                          replace(context, origin=f"{session_id}/{len(steps)}")
+                          .extend(extra, self.block_size))
+                branch_ends.append(self._branch(
+                    steps, prompt, extra, outputs, waits, tool_wait,
+                    self._branch_length(fan), session_id))
+            context, appended = self._next_context(base, branch_ends, session_id)
+            waits = tuple(b[0] for b in branch_ends)
+            tool_wait = self._tool_wait()
         return AgentSession(session_id, arrival_s, tuple(steps), f"app{app}", prefix_tokens)
+
+    def _branch(self, steps: list[AgentStep], prompt: _Context, extra: int,
+                outputs: LogNormal, waits: tuple[str, ...], tool_wait: float,
+                length: int, session_id: str) -> tuple[str, _Context, int]:
+        """Appends a branch of `length` chained calls to `steps`, the first on `prompt`
+        after `waits`, each later one on its predecessor's context, output and a tool
+        output; returns the last call's id, prompt and output."""
+        while True:
+            step_id = f"{len(steps)}"
+            output = min(max(round(outputs.draw(self.rng)), 1), self.shape.max_output_tokens)
+            output = max(min(output, self.context_limit - prompt.num_tokens - 1), 1)
+            steps.append(AgentStep(step_id, waits, tool_wait, prompt.num_tokens, extra,
+                                   output, tuple(prompt.block_hashes), self.block_size))
+            length -= 1
+            if length <= 0:
+                return step_id, prompt, output
+            extra = self._tokens(self.shape.appended_tokens)
+            grown = replace(prompt, origin=f"{session_id}/{step_id}+").extend(
+                output + extra, self.block_size)
+            if grown.num_tokens + self.shape.max_output_tokens > self.context_limit:
+                return step_id, prompt, output
+            prompt, waits, tool_wait = grown, (step_id,), self._tool_wait()
+
+    def _joins_sub_agents(self, waits: tuple[str, ...]) -> bool:
+        """Whether sub-agents just ran in parallel: their orchestrator always reads
+        what they returned, in one more step, however many steps the session had."""
+        return self.shape.branch_steps is not None and len(waits) > 1
+
+    def _branch_length(self, fan: int) -> int:
+        """Calls in one parallel branch: one, unless the shape runs sub-agents."""
+        if fan < 2 or self.shape.branch_steps is None:
+            return 1
+        return max(math.ceil(self.shape.branch_steps.draw(self.rng)), 1)
+
+    def _tool_wait(self) -> float:
+        shape = self.shape
+        return shape.tool_wait.draw(self.rng, 1 + int(self.rng.poisson(
+            max(shape.tool_calls_per_step - 1.0, 0.0))))
 
     def _next_context(self, base: _Context, branches: list[tuple[str, _Context, int]],
                       session_id: str) -> tuple[_Context, int]:

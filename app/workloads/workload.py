@@ -445,11 +445,13 @@ class ContentMode(StrEnum):
     PROMPTS = "prompts"  # real prompts with real output lengths (prompt_lengths.jsonl)
     CODING_AGENT = "coding-agent"  # closed-loop agent sessions, TraceLab-like
     CHAT_AGENT = "chat-agent"  # closed-loop agent sessions, Mooncake-like
+    RESEARCH_AGENT = "research-agent"  # closed-loop sessions of parallel sub-agents
     SESSIONS = "sessions"  # closed-loop agent sessions from a JSONL session log
 
     @property
     def is_preset(self) -> bool:
-        return self in (ContentMode.CODING_AGENT, ContentMode.CHAT_AGENT)
+        return self in (ContentMode.CODING_AGENT, ContentMode.CHAT_AGENT,
+                        ContentMode.RESEARCH_AGENT)
 
 
 class Arrivals(StrEnum):

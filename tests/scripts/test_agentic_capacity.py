@@ -352,5 +352,44 @@ def test_capacity_report_only_rewrites_the_markdown_from_the_csv(tmp_path, monke
     assert "| chat-agent, small | 90% | 3 | 1.20 |" in (tmp_path / "capacity.md").read_text()
 
 
-def test_capacity_refuses_forced_move_paths(tmp_path):
-    assert main(["--capacity", "--move-paths", "kv", "--out", str(tmp_path)]) == 2
+def test_a_goodserve_arm_is_searched_as_its_own_policy_and_never_as_a_baseline(
+        tmp_path, monkeypatch):
+    """--keep-session-kv searches GoodServe with the setting changed beside GoodServe;
+    the arm runs alone (no policy besides it, no other arm) and is never the best
+    baseline."""
+    ran = []
+
+    def fake_cells(workload, cluster, rate, seed, setup, policies, scales):
+        ran.append((policies, tuple(a.label for a in setup.arms)))
+        return [{"met": round(1000 * falling_share(rate, scales[0])), "requests": 1000}]
+
+    class FakeWorkload:
+        requests = [None] * 1000
+
+    monkeypatch.setattr(agentic, "run_cells", fake_cells)
+    monkeypatch.setattr(agentic, "make_workload", lambda *args: FakeWorkload())
+    kept = agentic.GoodServeArm.kept_session_kv()
+    setup = MatrixSetup(dict.fromkeys(agentic.WORKLOADS, 300.0), agentic.TRACE,
+                        ("goodserve",), (kept,))
+    agentic.policy_capacities("coding-agent", "small", 0, kept.label, setup)
+    assert set(ran) == {((), ("goodserve@kept-kv",))}
+    ran.clear()
+    agentic.policy_capacities("coding-agent", "small", 0, "goodserve", setup)
+    assert set(ran) == {(("goodserve",), ())}
+
+    searched = []
+
+    def fake(workload, cluster, seed, policy, setup, share):
+        searched.append(policy)
+        values = {"goodserve": 1.0, "round-robin": 0.5, kept.label: 2.0}
+        return [Capacity(workload, cluster, 300.0, seed, policy, scale, values[policy],
+                         values[policy] * 1.02, 7, share) for scale in CAPACITY_SCALES]
+
+    monkeypatch.setattr(agentic, "policy_capacities", fake)
+    assert main(["--capacity", "--keep-session-kv", "--out", str(tmp_path), "--jobs", "1",
+                 "--only-workloads", "coding-agent", "--only-clusters", "small",
+                 "--capacity-seeds", "0", "--policies", "goodserve,round-robin"]) == 0
+    assert set(searched) == {"goodserve", "round-robin", kept.label}
+    text = (tmp_path / "capacity.md").read_text()
+    assert "| coding-agent, small | 90% | 2 | 2.00 | 2.00 | round-robin |" in text
+    assert "| goodserve@kept-kv | 2 | 2 | 2 | 21 |" in text

@@ -15,6 +15,7 @@ from benchmarks.agentic import (
     LOAD_FACTORS,
     TARGET_MET_SHARE,
     Calibration,
+    GoodServeArm,
     MatrixSetup,
     NoCrossing,
     Unit,
@@ -189,37 +190,42 @@ def test_markdown_names_the_best_baseline_the_noise_and_the_calibration(tmp_path
     assert "mooncake on small: skipped: too slow" in text
 
 
-def test_forced_move_paths_are_compared_with_goodserve_and_never_a_baseline(tmp_path):
+def test_goodserve_arms_are_compared_with_goodserve_and_never_a_baseline(tmp_path):
     cells = [cell("goodserve", 60), cell("round-robin", 50), cell("goodserve@token-ids", 50),
              cell("goodserve@kv", 75), cell("goodserve", 66, seed=1),
-             cell("round-robin", 60, seed=1), cell("goodserve@token-ids", 60, seed=1)]
+             cell("round-robin", 60, seed=1), cell("goodserve@token-ids", 60, seed=1),
+             cell("goodserve@kept-kv", 200, seed=1)]
     (row,) = aggregate(cells)
     assert row.best == ("round-robin", "round-robin")
-    by_path = dict(row.vs_move_paths)
-    assert by_path["token-ids"] == pytest.approx((1.2, 1.1))
-    assert by_path["kv"] == pytest.approx((0.8,)) and set(by_path) == {"token-ids", "kv"}
+    by_arm = dict(row.vs_arms)
+    assert by_arm["token-ids"] == pytest.approx((1.2, 1.1))
+    assert by_arm["kv"] == pytest.approx((0.8,)) and by_arm["kept-kv"] == pytest.approx((0.33,))
+    assert set(by_arm) == {"token-ids", "kv", "kept-kv"}
     path = tmp_path / "matrix.md"
     write_markdown(path, [row], [])
     text = path.read_text()
-    assert "| load | scale | / token-ids | / kv |" in text
-    assert "| 1x | 2 | 1.15 [1.10, 1.20] | 0.80 |" in text
+    assert "| load | scale | / token-ids | / kv | / kept-kv |" in text
+    assert "| 1x | 2 | 1.15 [1.10, 1.20] | 0.80 | 0.33 |" in text
 
 
-def test_move_paths_run_goodserve_again_with_every_move_forced(monkeypatch):
+def test_arms_run_goodserve_again_with_one_setting_changed(monkeypatch):
     ran = []
 
     def fake_replay(spec, workload):
-        ran.append((spec.cluster.move_path, spec.policies))
+        ran.append((spec.cluster.move_path, spec.cluster.keep_session_kv, spec.policies))
         return []
 
     monkeypatch.setattr(agentic, "run_replay", fake_replay)
     monkeypatch.setattr(agentic, "make_workload", lambda *args: None)
+    arms = (GoodServeArm.forced_moves(MoveRule.TOKEN_IDS), GoodServeArm.forced_moves(MoveRule.KV),
+            GoodServeArm.kept_session_kv())
     setup = MatrixSetup(dict(agentic.DURATION_S), agentic.TRACE, ("goodserve", "round-robin"),
-                        (MoveRule.TOKEN_IDS, MoveRule.KV))
+                        arms)
     agentic.run_cells("chat-agent", "small", 0.1, 0, setup, setup.policies, (2.0,))
     goodserve = (PolicyKind.GOODSERVE,)
-    assert ran == [(MoveRule.CHEAPER, (PolicyKind.GOODSERVE, PolicyKind.ROUND_ROBIN)),
-                   (MoveRule.TOKEN_IDS, goodserve), (MoveRule.KV, goodserve)]
+    assert ran == [(MoveRule.CHEAPER, False, (PolicyKind.GOODSERVE, PolicyKind.ROUND_ROBIN)),
+                   (MoveRule.TOKEN_IDS, False, goodserve), (MoveRule.KV, False, goodserve),
+                   (MoveRule.CHEAPER, True, goodserve)]
 
 
 # ---- units and resumption ----------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -86,6 +87,35 @@ def test_coding_agent_matches_the_published_shape(seed):
         total += r.num_prompt_tokens
         seen.update(r.block_hashes)
     assert reused / total > 0.85
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_research_agent_sub_agents_branch_from_one_context_work_in_steps_and_are_joined(seed):
+    """research-agent: an orchestrator's sub-agents start together from its context (a
+    shared prefix), each runs a chain of its own steps, and one step joins them all, so
+    every session ends in one step (no sub-agent's result goes unread)."""
+    w = _preset(SessionPreset.RESEARCH_AGENT, seed, rate=0.05, duration=600)
+    children = w.graph.children()
+    ends = Counter(w.requests[i].session_id for i, c in enumerate(children) if not c)
+    assert set(ends.values()) == {1}
+    joins = [i for i, p in enumerate(w.graph.parents) if len(p) > 1]
+    assert len(joins) > 10
+    chain_lengths = []
+    for join in joins:
+        firsts = []
+        for end in w.graph.parents[join]:
+            step, length = end, 1
+            while (len(w.graph.parents[step]) == 1
+                   and len(children[w.graph.parents[step][0]]) == 1):
+                step, length = w.graph.parents[step][0], length + 1
+            firsts.append(w.requests[step])
+            chain_lengths.append(length)
+        # the first sub-agent runs on the orchestrator's context; the others extend it
+        context = firsts[0].block_hashes
+        assert all(_leading_shared(context, f.block_hashes) == len(context) for f in firsts)
+    assert np.mean(np.array(chain_lengths) > 1) > 0.5  # sub-agents work over several steps
+    steps = len(w.requests) / len({r.session_id for r in w.requests})
+    assert 10 < steps < 40
 
 
 def test_a_step_extends_its_parents_context_and_apps_share_a_prefix():
