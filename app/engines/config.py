@@ -58,7 +58,10 @@ class SchedulerConfig(Frozen):
     max_num_batched_tokens: int = Field(
         8192, gt=0, description="token budget per iteration (chunked prefill)"
     )
-    block_size: int = Field(16, gt=0, description="KV block size in tokens")
+    block_size: int = Field(
+        16, gt=0, description="KV block size in tokens of simulated engines; a vLLM engine "
+        "uses the block size vLLM chooses for its platform (16 on GPUs, 128 on CPUs; "
+        "`vllm_kwargs: {block_size: N}` sets it) and reports it to the router")
     num_kv_blocks: int | None = Field(
         None, gt=0, description="KV capacity; default derives from GPU memory"
     )

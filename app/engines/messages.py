@@ -280,6 +280,9 @@ class EngineStatus:
     num_queue_wait_samples: int = 0
     num_finished: int = 0
     prefill: PrefillTotals = PrefillTotals()
+    # tokens per KV block: the engine's own (vLLM chooses per platform: 16 on GPUs, 128
+    # on CPUs), so the router counts KV room in the blocks the engine allocates
+    kv_block_size: int = 16
 
     @property
     def kv_usage(self) -> float:

@@ -235,6 +235,7 @@ class VllmBackend(EngineBackendBase):
         self._stats = VllmStatsRecorder()
         self._prefix = PrefixCache(capacity_tokens=0)
         self._num_kv_blocks = 0
+        self._block_size = self.config.scheduler.block_size  # vLLM's own once started
         self._active_req_ids: set[str] = set()
 
     def engine_args(self) -> Any:
@@ -274,10 +275,10 @@ class VllmBackend(EngineBackendBase):
         self.engine = AsyncLLM.from_engine_args(
             self.engine_args(), stat_loggers=[self._stats.factory(), *ray_stat_loggers()]
         )
-        self._num_kv_blocks = self.engine.vllm_config.cache_config.num_gpu_blocks or 0
-        self._prefix = PrefixCache(
-            capacity_tokens=self._num_kv_blocks * self.config.scheduler.block_size
-        )
+        cache = self.engine.vllm_config.cache_config
+        self._num_kv_blocks = cache.num_gpu_blocks or 0
+        self._block_size = cache.block_size
+        self._prefix = PrefixCache(capacity_tokens=self._num_kv_blocks * self._block_size)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[list[TokenEvent]]:
         from vllm.inputs import TokensPrompt
@@ -389,6 +390,7 @@ class VllmBackend(EngineBackendBase):
             num_queue_wait_samples=self._stats.num_queue_wait_samples,
             num_finished=self._stats.num_finished,
             prefill=self._stats.prefill,
+            kv_block_size=self._block_size,
         )
 
     async def shutdown(self) -> None:

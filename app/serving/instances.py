@@ -88,7 +88,7 @@ class LiveInstance:
         self.others_running = others - self.others_waiting
         if self.prefixes is None:
             blocks = status.num_kv_blocks_used + status.num_kv_blocks_free
-            self.prefixes = PrefixCache(blocks * self.client.config.scheduler.block_size)
+            self.prefixes = PrefixCache(blocks * status.kv_block_size)
 
     @property
     def instance_id(self) -> InstanceId:
@@ -97,9 +97,8 @@ class LiveInstance:
     def reported_view(self) -> InstanceView:
         """The instance as its latest report shows it (the router adds its own load)."""
         assert self.status is not None
-        sched = self.client.config.scheduler
-        return InstanceView.from_status(self.status, self.spec, sched.block_size,
-                                        sched.max_num_seqs)
+        return InstanceView.from_status(self.status, self.spec, self.status.kv_block_size,
+                                        self.client.config.scheduler.max_num_seqs)
 
     @property
     def tags(self) -> dict[str, str]:

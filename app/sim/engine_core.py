@@ -694,4 +694,5 @@ class SimEngineCore:
             num_queue_wait_samples=self.num_queue_wait_samples,
             num_finished=self.num_finished,
             prefill=self.prefill,
+            kv_block_size=self.config.block_size,
         )

@@ -49,6 +49,7 @@ def test_status_reports_black_box_figures(vllm_engine):
     assert status.num_kv_blocks_free > 0
     assert len(status.recent_iteration_s) > 0 and all(t > 0 for t in status.recent_iteration_s)
     assert status.num_cached_prefix_blocks >= len(PROMPT) // 16
+    assert status.kv_block_size == 128  # vLLM's own on CPUs, not the config's 16
 
 
 def test_abort_ends_a_long_request(vllm_engine):

@@ -131,6 +131,23 @@ async def started(*engines: EngineClient, policy: str = "goodserve",
     return live
 
 
+class LargeBlockEngine(ScriptedEngine):
+    """Reports KV in 128-token blocks, as vLLM does on CPUs."""
+
+    async def status(self) -> EngineStatus:
+        return replace(await super().status(), num_kv_blocks_free=500, kv_block_size=128)
+
+
+async def test_the_router_counts_kv_room_in_the_blocks_each_engine_reports():
+    """An engine's KV room is its free blocks times *its* block size, not the config's
+    (16): a vLLM CPU engine's 128-token blocks would otherwise count 8x too little."""
+    router = await started(LargeBlockEngine("a", "A40"), ScriptedEngine("b", "H800"))
+    views = {v.instance_id: v for v in router.view(time.time()).instances}
+    assert views["a"].kv_free_tokens == 500 * 128 and views["a"].kv_block_size == 128
+    assert views["b"].kv_free_tokens == 100_000 * 16
+    router.close()
+
+
 async def test_a_request_id_in_flight_is_refused_before_anything_is_decided():
     """A second request of an id that arrived while the first one's length was predicted:
     refused before the policy decides (no budget, no load report, nothing counted)."""
