@@ -21,8 +21,8 @@ is never reported. A rate whose window holds fewer than 50 requests is too coars
 bisect on; if the cheap baselines are still under 80% there, every baseline is tried,
 and a pair that no baseline brings to 80% is skipped with the reason (Mooncake on the
 small cluster: its long prompts miss scale 2 on the A40 and V100 even when idle, the
-best baseline meeting 60-74% from 0.11 to 1.2 req/s). The matrix runs 0.5, 0.8, 1.0
-and 1.5 x L*; each (workload, cluster, load, seed) unit runs every policy (GoodServe,
+best baseline meeting 60-74% from 0.11 to 1.2 req/s). The matrix runs 0.5, 0.8, 1, 1.5,
+2, 3 and 4 x L*; each (workload, cluster, load, seed) unit runs every policy (GoodServe,
 GoodServe with exact lengths, every registered baseline) at scales 1, 1.5, 2 and 3.
 Seeds: 0, 1, 2 on small, 0 on large.
 
@@ -53,7 +53,8 @@ and scale; --resume skips the units it holds at the current L*), matrix.csv and
 matrix.md (per workload, cluster, load and scale: GoodServe met / best baseline met with
 the best baseline named, exact lengths / GoodServe, mean and range over seeds; the best
 baseline's seed-to-seed spread as the noise; GoodServe's met at 1.5x over its met at 1.0x
-load) and matrix.png (GoodServe / best baseline heat maps per workload and cluster).
+load), matrix.png (GoodServe / best baseline heat maps per workload and cluster) and
+attainment.png (every policy's met share against load, per pair and scale).
 GoodServe arms run GoodServe again with one cluster setting changed: --move-paths
 token-ids,kv with every move forced to each path (cells "goodserve@token-ids",
 "goodserve@kv"), --keep-session-kv with each session's KV kept through its tool waits
@@ -119,6 +120,7 @@ from benchmarks.matrix_io import (
     mean_range_text,
     ratio,
     read_rows,
+    save_compact_png,
 )
 from predictor.progress import Progress
 
@@ -130,7 +132,7 @@ TRACE = REPO.parent / "shared" / "data" / "traces" / "mooncake_conversation_trac
 WORKLOADS = ("mooncake", "coding-agent", "chat-agent", "research-agent")
 CLUSTERS = {"small": REPO / "configs" / "paper-4gpu.yaml",
             "large": REPO / "configs" / "mixed-16gpu.yaml"}
-LOAD_FACTORS = (0.5, 0.8, 1.0, 1.5)
+LOAD_FACTORS = (0.5, 0.8, 1.0, 1.5, 2.0, 3.0, 4.0)
 COLLAPSE_FACTORS = (1.5, 1.0)  # GoodServe's met at the first load over its met at the second
 SCALES = (1.0, 1.5, 2.0, 3.0)
 # arrivals per run, per workload: coding-agent sessions run for minutes, hold long
@@ -754,11 +756,57 @@ def write_heatmaps(path: Path, rows: Sequence[MatrixRow]) -> None:
     plt.close(fig)
 
 
+def write_attainment_plot(path: Path, cells: Sequence[dict]) -> None:
+    """Met share against load: a row of panels per (workload, cluster), one panel per
+    SLO scale; GoodServe thick, exact lengths dashed, each baseline thin; the mean over
+    seeds (GoodServe's [min, max] shaded)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    share: dict[tuple[str, str, float, str, float], list[float]] = defaultdict(list)
+    for c in cells:
+        share[(c["workload"], c["cluster"], float(c["slo_scale"]), c["policy"],
+               float(c["load_factor"]))].append(ratio(int(c["met"]), int(c["requests"])))
+    pairs = sorted({k[:2] for k in share}, key=_pair_order)
+    if not pairs:
+        return
+    fig, axes = plt.subplots(len(pairs), len(SCALES), squeeze=False, sharey=True,
+                             layout="constrained",
+                             figsize=(2.8 * len(SCALES), 2.0 * len(pairs) + 0.5))
+    for (i, pair), (j, scale) in ((p, s) for p in enumerate(pairs) for s in enumerate(SCALES)):
+        ax = axes[i][j]
+        for policy in dict.fromkeys(k[3] for k in share if k[:3] == (*pair, scale)):
+            loads = sorted(k[4] for k in share if k[:4] == (*pair, scale, policy))
+            runs = [share[(*pair, scale, policy, f)] for f in loads]
+            means = [sum(r) / len(r) for r in runs]
+            if policy == GOODSERVE:
+                ax.plot(loads, means, color="black", linewidth=2.2, label="GoodServe", zorder=3)
+                ax.fill_between(loads, [min(r) for r in runs], [max(r) for r in runs],
+                                color="black", alpha=0.15, linewidth=0)
+            elif policy in CANDIDATE_BASELINES or policy == EXACT:
+                ax.plot(loads, means, linewidth=1.0, linestyle="--" if policy == EXACT else "-",
+                        label="exact lengths" if policy == EXACT else policy)
+        ax.axhline(CAPACITY_SHARE, color="grey", linewidth=0.6, linestyle=":")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(LOAD_FACTORS, [f"{f:g}" for f in LOAD_FACTORS])
+        ax.set_title(f"{pair[0]}, {pair[1]}, scale {scale:g}", fontsize=8)
+        ax.set_xlabel("load / L*", fontsize=8)
+        if j == 0:
+            ax.set_ylabel("steps met")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=6, fontsize=7)
+    save_compact_png(fig, path)
+    plt.close(fig)
+
+
 def write_report(out: Path, calibrations: Sequence[Calibration]) -> list[MatrixRow]:
     rows = aggregate(read_cells(out / "cells.csv"))
     write_matrix_csv(out / "matrix.csv", rows)
     write_markdown(out / "matrix.md", rows, calibrations)
     write_heatmaps(out / "matrix.png", rows)
+    write_attainment_plot(out / "attainment.png", read_cells(out / "cells.csv"))
     return rows
 
 
@@ -1118,7 +1166,7 @@ def agentic(
         latest = {(c.workload, c.cluster): c
                   for c in read_calibrations(out / "calibration.csv")}
         write_report(out, list(latest.values()))
-        print(f"wrote {out}/matrix.md, matrix.csv, matrix.png")
+        print(f"wrote {out}/matrix.md, matrix.csv, matrix.png, attainment.png")
         return 0
     if not resume:
         for name in ("calibration.csv", "cells.csv"):
@@ -1131,7 +1179,7 @@ def agentic(
             print(f"skipping {c.workload} on {c.cluster}: {c.note}")
     run_matrix(out, plan_units(calibrations, reported), setup, jobs)
     write_report(out, calibrations)
-    print(f"wrote {out}/cells.csv, matrix.md, matrix.csv, matrix.png")
+    print(f"wrote {out}/cells.csv, matrix.md, matrix.csv, matrix.png, attainment.png")
     return 0
 
 

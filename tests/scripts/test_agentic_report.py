@@ -236,7 +236,7 @@ def test_units_cover_every_load_and_seed_of_the_calibrated_pairs():
                     Calibration("chat-agent", "large", 300.0, 100, 8.0, ()),
                     Calibration("mooncake", "small", 300.0, 100, None, (), "no")]
     units = plan_units(calibrations, {"small": [0, 1], "large": [0]})
-    assert len(units) == 4 * 2 + 4 * 1
+    assert len(units) == len(LOAD_FACTORS) * 3
     assert {u.rate for u in units if u.cluster == "large"} == {8.0 * f for f in LOAD_FACTORS}
     assert all(u.workload == "chat-agent" for u in units)
 
@@ -246,7 +246,7 @@ def test_resume_skips_units_done_at_their_rate_and_reruns_those_of_an_earlier_ra
     cells = [cell("goodserve", 1, factor=0.5, rate=0.1),  # done
              cell("goodserve", 1, factor=0.8, rate=0.5),  # an earlier L*
              cell("goodserve", 1, factor=1.0, rate=0.2, seed=1)]  # another seed
-    assert [u.load_factor for u in pending_units(units, cells)] == [0.8, 1.0, 1.5]
+    assert [u.load_factor for u in pending_units(units, cells)] == list(LOAD_FACTORS[1:])
     assert stale_cells(units, cells) == [cells[1]]
 
 
@@ -274,9 +274,10 @@ def test_main_resumes_only_the_missing_units(tmp_path, monkeypatch):
             "--only-workloads", "coding-agent", "--only-clusters", "small", "--seeds", "0",
             "--policies", "goodserve,round-robin"]
     assert main(args) == 0
-    assert sorted(ran) == [0.8, 1.0, 1.5]
-    assert len(read_cells(tmp_path / "cells.csv")) == 2 + 3 * 2 * 4
-    assert main(args) == 0 and len(ran) == 3  # nothing left to run
+    left = len(LOAD_FACTORS) - 1
+    assert sorted(ran) == list(LOAD_FACTORS[1:])
+    assert len(read_cells(tmp_path / "cells.csv")) == 2 + left * 2 * 4
+    assert main(args) == 0 and len(ran) == left  # nothing left to run
     assert "| 1.5x | 3 |" in (tmp_path / "matrix.md").read_text()
     assert (tmp_path / "matrix.png").stat().st_size > 1000
 
@@ -368,3 +369,32 @@ def test_coding_agent_is_calibrated_on_its_own_baselines_and_others_reuse_theirs
                                     setup, 100, dict(agentic.CALIBRATION_POLICIES), 1)
     assert asked == [("coding-agent", ("preble", "llumnix"))]
     assert [c.rate for c in found] == [0.4, 0.01]
+
+
+def test_the_attainment_plot_draws_every_policy_against_load(tmp_path, monkeypatch):
+    """One line per policy in each (pair, scale) panel, over the loads it ran at, with
+    the mean over seeds: GoodServe's 60% and 66% at 1x make a mean of 63%."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = [cell("goodserve", 60), cell("goodserve", 66, seed=1),
+             cell("goodserve", 40, factor=2.0), cell("round-robin", 50),
+             cell("round-robin", 20, factor=2.0), cell("goodserve-exact-lengths", 70)]
+    drawn = []
+    savefig = plt.Figure.savefig
+
+    def record(fig, path, **kwargs):
+        drawn.append({line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
+                      for ax in fig.axes for line in ax.get_lines()
+                      if not line.get_label().startswith("_")})
+        return savefig(fig, path, **kwargs)
+
+    monkeypatch.setattr(plt.Figure, "savefig", record)
+    agentic.write_attainment_plot(tmp_path / "attainment.png", cells)
+    (lines,) = drawn
+    assert lines["GoodServe"] == ([1.0, 2.0], [pytest.approx(0.63), pytest.approx(0.4)])
+    assert lines["round-robin"] == ([1.0, 2.0], [pytest.approx(0.5), pytest.approx(0.2)])
+    assert lines["exact lengths"] == ([1.0], [pytest.approx(0.7)])
+    assert (tmp_path / "attainment.png").stat().st_size > 1000
