@@ -149,6 +149,9 @@ MAX_BRACKET_STEPS = 8  # doublings or halvings of a rate search before it gives 
 CALIBRATION_RESOLUTION = 0.011  # L*'s bracket: 6 bisections of a factor 2
 CALIBRATION_MAX_RUNS = 1 + MAX_BRACKET_STEPS + 6
 MIN_SEARCH_REQUESTS = 50  # a met share over fewer requests is too coarse to bisect on
+# and over fewer sessions, whose steps are not independent (a window expected to hold
+# two or three long sessions may draw none)
+MIN_SEARCH_SESSIONS = 5
 # capacity: the highest rate at which a policy meets a share of the steps, per scale; at
 # 90% (CAPACITY_SHARE), and at 80% too, which says something where baselines never reach 90%
 CAPACITY_SHARES = (0.9, 0.8)
@@ -385,11 +388,16 @@ class Calibration:
 def search_range(workload: str, cluster: str, seed: int,
                  setup: MatrixSetup) -> tuple[float, float]:
     """(start, min_rate) of a rate search: the per-engine first guess, and the lightest
-    rate whose window holds about MIN_SEARCH_REQUESTS requests."""
+    rate whose window holds about MIN_SEARCH_REQUESTS requests and, for agent sessions,
+    MIN_SEARCH_SESSIONS sessions."""
     config = load_cluster_config(CLUSTERS[cluster])
     start = START_RATE_PER_ENGINE[workload] * len(config.engines())
-    num_requests = len(make_workload(workload, config, start, seed, setup).requests)
-    return start, start * MIN_SEARCH_REQUESTS / max(num_requests, 1)
+    work = make_workload(workload, config, start, seed, setup)
+    floor = MIN_SEARCH_REQUESTS / max(len(work.requests), 1)
+    if work.graph is not None:
+        sessions = {r.session_id for r in work.requests}
+        floor = max(floor, MIN_SEARCH_SESSIONS / max(len(sessions), 1))
+    return start, start * floor
 
 
 def calibrate_pair(workload: str, cluster: str, setup: MatrixSetup, seed: int,
@@ -1040,7 +1048,8 @@ def write_capacity_markdown(path: Path, capacities: Sequence[Capacity]) -> None:
              f"geometric bisection to {CAPACITY_RESOLUTION:.0%} of the rate, at most "
              f"{CAPACITY_MAX_RUNS} simulator runs; the highest rate that met is reported. "
              ">=: on some seed every rate tried met (a lower bound); 0: no rate tried met, "
-             f"down to the lightest whose window holds about {MIN_SEARCH_REQUESTS} requests.",
+             f"down to the lightest whose window holds about {MIN_SEARCH_REQUESTS} requests "
+             f"and, of agent sessions, {MIN_SEARCH_SESSIONS} sessions.",
              ""]
     if coarse := sum(c.coarse for c in capacities):
         lines += [f"{coarse} of {len(capacities)} searches stopped at the run cap with the "

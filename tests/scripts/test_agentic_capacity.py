@@ -128,6 +128,7 @@ def test_capacities_are_searched_per_policy_with_one_run_per_rate_and_scale(monk
 
     class FakeWorkload:
         requests = [None] * 1000
+        graph = None  # open-loop: the request floor alone
 
     monkeypatch.setattr(agentic, "run_cells", fake_cells)
     monkeypatch.setattr(agentic, "make_workload", lambda *args: FakeWorkload())
@@ -365,6 +366,7 @@ def test_a_goodserve_arm_is_searched_as_its_own_policy_and_never_as_a_baseline(
 
     class FakeWorkload:
         requests = [None] * 1000
+        graph = None  # open-loop: the request floor alone
 
     monkeypatch.setattr(agentic, "run_cells", fake_cells)
     monkeypatch.setattr(agentic, "make_workload", lambda *args: FakeWorkload())
@@ -393,3 +395,19 @@ def test_a_goodserve_arm_is_searched_as_its_own_policy_and_never_as_a_baseline(
     text = (tmp_path / "capacity.md").read_text()
     assert "| coding-agent, small | 90% | 2 | 2.00 | 2.00 | round-robin |" in text
     assert "| goodserve@kept-kv | 2 | 2 | 2 | 21 |" in text
+
+
+def test_the_search_floor_holds_enough_sessions_as_well_as_enough_requests():
+    """research-agent sessions hold ~20 steps: 50 requests would be 2-3 sessions, a window
+    that may draw none, so the floor is the rate of MIN_SEARCH_SESSIONS sessions;
+    chat-agent's 3-step sessions keep the request floor."""
+    setup = MatrixSetup(dict(agentic.DURATION_S), agentic.TRACE, ())
+    config = load_cluster_config(agentic.CLUSTERS["small"])
+    for workload, sessions_bind in (("research-agent", True), ("chat-agent", False)):
+        start, floor = agentic.search_range(workload, "small", 0, setup)
+        work = agentic.make_workload(workload, config, start, 0, setup)
+        sessions = {r.session_id for r in work.requests}
+        by_sessions = start * agentic.MIN_SEARCH_SESSIONS / len(sessions)
+        by_requests = start * agentic.MIN_SEARCH_REQUESTS / len(work.requests)
+        assert floor == pytest.approx(max(by_sessions, by_requests))
+        assert (by_sessions > by_requests) == sessions_bind

@@ -105,6 +105,7 @@ def test_calibration_falls_back_to_every_baseline_only_when_the_cheap_ones_never
 
     class FakeWorkload:
         requests = [None] * 1000
+        graph = None  # open-loop: the request floor alone
 
     monkeypatch.setattr(agentic, "run_cells", fake_cells)
     monkeypatch.setattr(agentic, "make_workload", lambda *args: FakeWorkload())
