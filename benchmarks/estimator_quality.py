@@ -158,7 +158,7 @@ def _poll(backend, estimator: StatusEstimator, config: EngineConfig) -> Instance
     """What the live router does at each poll: feed the report, build the view."""
     status = backend.status()
     estimator.on_status(status, time.time())
-    return InstanceView.from_status(status, config.instance, config.scheduler.block_size,
+    return InstanceView.from_status(status, config.instance,
                                     max_num_seqs=config.scheduler.max_num_seqs)
 
 

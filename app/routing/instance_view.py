@@ -42,10 +42,10 @@ class InstanceView:
         cls,
         status: EngineStatus,
         spec: InstanceSpec,
-        kv_block_size: int,
         max_num_seqs: int | None = None,
     ) -> InstanceView:
-        """Build from the report a live engine sends (the router's path)."""
+        """Build from the report a live engine sends (the router's path), its KV counted
+        in the engine's own blocks."""
         return cls(
             instance_id=status.engine_id,
             spec=spec,
@@ -54,7 +54,7 @@ class InstanceView:
             num_running=status.num_running,
             num_kv_blocks_free=status.num_kv_blocks_free,
             num_kv_blocks=status.num_kv_blocks_used + status.num_kv_blocks_free,
-            kv_block_size=kv_block_size,
+            kv_block_size=status.kv_block_size,
             num_iterations=status.num_iterations,
             recent_iteration_s=status.recent_iteration_s,
             recent_queue_wait_s=status.recent_queue_wait_s,

@@ -97,7 +97,7 @@ class LiveInstance:
     def reported_view(self) -> InstanceView:
         """The instance as its latest report shows it (the router adds its own load)."""
         assert self.status is not None
-        return InstanceView.from_status(self.status, self.spec, self.status.kv_block_size,
+        return InstanceView.from_status(self.status, self.spec,
                                         self.client.config.scheduler.max_num_seqs)
 
     @property

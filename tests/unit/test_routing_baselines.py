@@ -109,7 +109,7 @@ def test_instance_view_from_an_engine_status_report() -> None:
         recent_iteration_s=(0.02,), recent_queue_wait_s=(0.1,), num_kv_blocks_used=10,
         num_kv_blocks_free=90, num_cached_prefix_blocks=0, time_s=4.0, num_iterations=7,
     )
-    view = InstanceView.from_status(status, SPEC, kv_block_size=16)
+    view = InstanceView.from_status(status, SPEC)
     assert (view.num_outstanding, view.kv_capacity_tokens, view.kv_free_tokens) == (5, 1600, 1440)
     assert view.num_iterations == 7 and view.gpu_type == "A40" and view.updated_s == 4.0
 
