@@ -810,11 +810,12 @@ def write_attainment_plot(path: Path, cells: Sequence[dict]) -> None:
 
 
 def write_report(out: Path, calibrations: Sequence[Calibration]) -> list[MatrixRow]:
-    rows = aggregate(read_cells(out / "cells.csv"))
+    cells = read_cells(out / "cells.csv")
+    rows = aggregate(cells)
     write_matrix_csv(out / "matrix.csv", rows)
     write_markdown(out / "matrix.md", rows, calibrations)
     write_heatmaps(out / "matrix.png", rows)
-    write_attainment_plot(out / "attainment.png", read_cells(out / "cells.csv"))
+    write_attainment_plot(out / "attainment.png", cells)
     return rows
 
 

@@ -450,8 +450,9 @@ class ContentMode(StrEnum):
 
     @property
     def is_preset(self) -> bool:
-        return self in (ContentMode.CODING_AGENT, ContentMode.CHAT_AGENT,
-                        ContentMode.RESEARCH_AGENT)
+        """A session preset (`SessionPreset` has the same values): every mode but a
+        trace, prompts or a session log."""
+        return self not in (ContentMode.TRACE, ContentMode.PROMPTS, ContentMode.SESSIONS)
 
 
 class Arrivals(StrEnum):

@@ -434,3 +434,9 @@ def test_plan_cluster_rate_rescales_a_session_log_s_arrivals(tmp_path):
 
     assert steps_per_s(0.5) == pytest.approx(5 / 20)
     assert steps_per_s(0.05) == pytest.approx(1 / 20)
+
+
+def test_every_session_preset_is_a_content_mode_preset():
+    from app.workloads.workload import ContentMode
+
+    assert {m.value for m in ContentMode if m.is_preset} == {p.value for p in SessionPreset}
